@@ -1,0 +1,1 @@
+"""Bucket sets, CUDA-graph capture and replay, and the eager fallback."""

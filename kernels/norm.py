@@ -1,0 +1,148 @@
+"""RMSNorm with a fused residual add, and Mamba2's gated, grouped RMSNorm.
+
+Both are row-wise: one program normalises one row (or one group of a row), so rows never mix
+and padded rows can hold anything without reaching a live row.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+__all__ = ["rms_norm", "rms_norm_triton", "rms_norm_ref", "gated_rms_norm", "gated_rms_norm_triton",
+           "gated_rms_norm_ref"]
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr,
+    D, eps,
+    stride_x, stride_res, stride_out,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < D
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        # residual <- residual + x, kept in the residual's dtype (fp32 when residual_in_fp32)
+        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32) + x
+        tl.store(res_ptr + row * stride_res + cols, r.to(res_ptr.dtype.element_ty), mask=mask)
+        x = r.to(res_ptr.dtype.element_ty).to(tl.float32)
+    var = tl.sum(x * x, axis=0) / D
+    y = x * tl.rsqrt(var + eps)
+    # HF rounds the normalised row to the input dtype before scaling by the weight
+    y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gated_rms_norm_kernel(
+    x_ptr, z_ptr, w_ptr, out_ptr,
+    group_size, eps,
+    stride_x, stride_z, stride_out,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1)
+    cols = group * group_size + tl.arange(0, BLOCK)
+    mask = tl.arange(0, BLOCK) < group_size
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + row * stride_z + cols, mask=mask, other=0.0).to(tl.float32)
+    # norm(x * silu(z)), the gate applied before the norm (Mamba2's norm_before_gate=False)
+    x = x * z * tl.sigmoid(z)
+    var = tl.sum(x * x, axis=0) / group_size
+    y = (x * tl.rsqrt(var + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_rows(name: str, t: torch.Tensor, rows: int, cols: int) -> None:
+    if t.dim() != 2 or t.shape[0] != rows or t.shape[1] != cols:
+        raise ValueError(f"{name}: expected shape [{rows}, {cols}], got {list(t.shape)}")
+    if t.stride(1) != 1:
+        raise ValueError(f"{name}: the last dimension must be contiguous")
+
+
+def _num_warps(block: int) -> int:
+    return max(1, min(16, block // 256))
+
+
+def rms_norm_triton(x, weight, eps, *, residual=None, out=None):
+    T, D = x.shape
+    out = torch.empty_like(x) if out is None else out
+    _check_rows("x", x, T, D)
+    _check_rows("out", out, T, D)
+    if residual is not None:
+        _check_rows("residual", residual, T, D)
+    block = triton.next_power_of_2(D)
+    res = residual if residual is not None else x
+    _rms_norm_kernel[(T,)](
+        x, res, weight, out, D, eps,
+        x.stride(0), res.stride(0), out.stride(0),
+        HAS_RESIDUAL=residual is not None, BLOCK_D=block, num_warps=_num_warps(block),
+    )
+    return out
+
+
+def rms_norm_ref(x, weight, eps, *, residual=None, out=None):
+    if residual is not None:
+        residual.copy_((residual.float() + x.float()).to(residual.dtype))
+        x = residual
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    dtype = out.dtype if out is not None else x.dtype
+    y = weight.float() * y.to(dtype).float()
+    if out is None:
+        return y.to(dtype)
+    return out.copy_(y)
+
+
+def rms_norm(x, weight, eps, *, residual=None, out=None):
+    """RMSNorm of each row, optionally after adding ``x`` into ``residual`` in place.
+
+    x: [T, D] any float dtype; weight: [D]; residual: [T, D] or None (fp32 or x's dtype), updated
+    to ``residual + x``, and then it is ``residual`` that is normalised; out: [T, D].
+    Returns out = weight * rmsnorm(row), computed in fp32.
+    """
+    fn = rms_norm_triton if x.is_cuda else rms_norm_ref
+    return fn(x, weight, eps, residual=residual, out=out)
+
+
+def gated_rms_norm_triton(x, z, weight, group_size, eps, *, out=None):
+    T, D = x.shape
+    out = torch.empty_like(x) if out is None else out
+    for name, t in (("x", x), ("z", z), ("out", out)):
+        _check_rows(name, t, T, D)
+    if D % group_size:
+        raise ValueError(f"group_size {group_size} does not divide {D}")
+    block = triton.next_power_of_2(group_size)
+    _gated_rms_norm_kernel[(T, D // group_size)](
+        x, z, weight, out, group_size, eps,
+        x.stride(0), z.stride(0), out.stride(0),
+        BLOCK=block, num_warps=_num_warps(block),
+    )
+    return out
+
+
+def gated_rms_norm_ref(x, z, weight, group_size, eps, *, out=None):
+    T, D = x.shape
+    h = (x.float() * F.silu(z.float())).view(T, D // group_size, group_size)
+    h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).view(T, D)
+    y = weight.float() * h.to(x.dtype).float()
+    if out is None:
+        return y.to(x.dtype)
+    return out.copy_(y)
+
+
+def gated_rms_norm(x, z, weight, group_size, eps, *, out=None):
+    """Mamba2's gated norm: RMSNorm over groups of ``group_size`` of ``x * silu(z)``.
+
+    x, z: [T, D] (row-strided views allowed); weight: [D]; out: [T, D] in x's dtype.
+    """
+    fn = gated_rms_norm_triton if x.is_cuda else gated_rms_norm_ref
+    return fn(x, z, weight, group_size, eps, out=out)

@@ -1,0 +1,164 @@
+"""Metadata for packed variable-length prefill tokens, shared by the conv and SSD kernels.
+
+Prefill tokens of several sequences are packed into one static buffer of ``max_tokens`` rows;
+the metadata arrays here have static sizes too (``max_tokens``, ``max_seqs``, ``max_chunks``) so
+kernel launch shapes never depend on the step's lengths. Unused entries are inert:
+
+- sequences past the live ones have length 0 (``cu_seqlens`` repeats the total) and
+  ``slot_idx == PAD_SLOT_ID``;
+- tokens past the last sequence have ``seq_idx == -1``;
+- chunks past the live ones have ``chunk_seq == -1``.
+
+Kernels skip anything marked so: they neither read nor write a state slot for it (the skip
+sentinel, never a reserved pad slot), and write zeros to its output rows.
+
+SSD chunks are *logical* chunks aligned to each sequence's start: a sequence of length L owns
+``ceil(L / chunk_size)`` consecutive chunks, the last one possibly short, so no chunk ever holds
+tokens of two sequences. A sequence need not start on a multiple of ``chunk_size`` in the packed
+buffer. The number of chunks is bounded by ``max_tokens / chunk_size + max_seqs``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+
+__all__ = ["PAD_SLOT_ID", "PrefillMetadata", "max_chunks_for", "fill_prefill_metadata"]
+
+# Slot index of a padded row or an unused sequence: kernels skip it.
+PAD_SLOT_ID = -1
+
+
+def max_chunks_for(max_tokens: int, max_seqs: int, chunk_size: int) -> int:
+    """Upper bound on logical chunks for ``max_seqs`` sequences totalling ``max_tokens``."""
+    return -(-max_tokens // chunk_size) + max_seqs
+
+
+@dataclass
+class PrefillMetadata:
+    """Per-step prefill metadata: numpy arrays on the host, tensors (int32) on the device.
+
+    cu_seqlens:        [max_seqs + 1] packed token offset of each sequence; unused ones repeat the total
+    seq_idx:           [max_tokens]   sequence of each packed token, -1 past the last sequence
+    slot_idx:          [max_seqs]     state slot of each sequence, PAD_SLOT_ID when unused
+    has_initial_state: [max_seqs]     1 when the sequence continues from the state in its slot
+    chunk_seq:         [max_chunks]   sequence of each logical chunk, -1 when unused
+    chunk_start:       [max_chunks]   first packed token of each chunk
+    chunk_end:         [max_chunks]   one past the last packed token of each chunk
+    seq_chunk_start:   [max_seqs + 1] first chunk of each sequence (cumulative over chunks)
+    chunk_size:        SSD chunk size the chunks were cut with (static)
+    """
+
+    cu_seqlens: torch.Tensor | np.ndarray
+    seq_idx: torch.Tensor | np.ndarray
+    slot_idx: torch.Tensor | np.ndarray
+    has_initial_state: torch.Tensor | np.ndarray
+    chunk_seq: torch.Tensor | np.ndarray
+    chunk_start: torch.Tensor | np.ndarray
+    chunk_end: torch.Tensor | np.ndarray
+    seq_chunk_start: torch.Tensor | np.ndarray
+    chunk_size: int
+
+    @property
+    def max_tokens(self) -> int:
+        return self.seq_idx.shape[0]
+
+    @property
+    def max_seqs(self) -> int:
+        return self.slot_idx.shape[0]
+
+    @property
+    def max_chunks(self) -> int:
+        return self.chunk_seq.shape[0]
+
+    def arrays(self) -> dict[str, torch.Tensor | np.ndarray]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "chunk_size"}
+
+    @classmethod
+    def empty_host(cls, max_tokens: int, max_seqs: int, chunk_size: int) -> "PrefillMetadata":
+        """Zeroed int32 numpy arrays of the static sizes."""
+        n_chunks = max_chunks_for(max_tokens, max_seqs, chunk_size)
+        z = lambda n: np.zeros(n, dtype=np.int32)  # noqa: E731
+        return cls(
+            cu_seqlens=z(max_seqs + 1), seq_idx=z(max_tokens), slot_idx=z(max_seqs),
+            has_initial_state=z(max_seqs), chunk_seq=z(n_chunks), chunk_start=z(n_chunks),
+            chunk_end=z(n_chunks), seq_chunk_start=z(max_seqs + 1), chunk_size=chunk_size,
+        )
+
+    def to(self, device: torch.device | str) -> "PrefillMetadata":
+        """Device copy of host metadata (tests and eager use; the runtime copies one arena)."""
+        moved = {k: torch.as_tensor(v).to(device) for k, v in self.arrays().items()}
+        return PrefillMetadata(**moved, chunk_size=self.chunk_size)
+
+    @classmethod
+    def build(
+        cls,
+        seq_lens,
+        slots,
+        has_initial_state=None,
+        *,
+        chunk_size: int,
+        max_tokens: int | None = None,
+        max_seqs: int | None = None,
+        device: torch.device | str = "cpu",
+    ) -> "PrefillMetadata":
+        """Metadata for sequences of ``seq_lens`` packed from token 0, on ``device``."""
+        seq_lens = np.asarray(seq_lens, dtype=np.int64)
+        max_tokens = int(seq_lens.sum()) if max_tokens is None else max_tokens
+        max_seqs = len(seq_lens) if max_seqs is None else max_seqs
+        meta = cls.empty_host(max(max_tokens, 1), max(max_seqs, 1), chunk_size)
+        if has_initial_state is None:
+            has_initial_state = np.zeros(len(seq_lens), dtype=np.int32)
+        fill_prefill_metadata(meta, seq_lens, slots, has_initial_state)
+        return meta.to(device)
+
+
+def fill_prefill_metadata(meta: PrefillMetadata, seq_lens, slots, has_initial_state) -> None:
+    """Write the metadata of the given sequences into host arrays ``meta`` in place.
+
+    seq_lens, slots, has_initial_state: [n] with n <= max_seqs and sum(seq_lens) <= max_tokens.
+    Every entry is rewritten, so nothing from an earlier step survives.
+    """
+    seq_lens = np.asarray(seq_lens, dtype=np.int64)
+    n = len(seq_lens)
+    c = meta.chunk_size
+    if n > meta.max_seqs:
+        raise ValueError(f"{n} prefill sequences exceed max_seqs={meta.max_seqs}")
+    if (seq_lens <= 0).any():
+        raise ValueError("prefill sequences must have at least one token")
+    total = int(seq_lens.sum())
+    if total > meta.max_tokens:
+        raise ValueError(f"{total} prefill tokens exceed max_tokens={meta.max_tokens}")
+
+    cu = meta.cu_seqlens
+    cu[0] = 0
+    np.cumsum(seq_lens, out=cu[1 : n + 1])
+    cu[n + 1 :] = total
+
+    meta.seq_idx[:total] = np.repeat(np.arange(n, dtype=np.int32), seq_lens)
+    meta.seq_idx[total:] = -1
+
+    meta.slot_idx[:n] = slots
+    meta.slot_idx[n:] = PAD_SLOT_ID
+    meta.has_initial_state[:n] = has_initial_state
+    meta.has_initial_state[n:] = 0
+
+    chunks_per_seq = -(-seq_lens // c)
+    n_chunks = int(chunks_per_seq.sum())
+    scs = meta.seq_chunk_start
+    scs[0] = 0
+    np.cumsum(chunks_per_seq, out=scs[1 : n + 1])
+    scs[n + 1 :] = n_chunks
+
+    chunk_seq = np.repeat(np.arange(n), chunks_per_seq)
+    # index of each chunk within its sequence
+    within = np.arange(n_chunks) - scs[chunk_seq]
+    start = cu[chunk_seq] + within * c
+    meta.chunk_seq[:n_chunks] = chunk_seq
+    meta.chunk_seq[n_chunks:] = -1
+    meta.chunk_start[:n_chunks] = start
+    meta.chunk_start[n_chunks:] = total
+    meta.chunk_end[:n_chunks] = np.minimum(start + c, cu[chunk_seq + 1])
+    meta.chunk_end[n_chunks:] = total

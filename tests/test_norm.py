@@ -1,0 +1,76 @@
+import pytest
+import torch
+from transformers.models.mamba2.modeling_mamba2 import Mamba2RMSNorm, MambaRMSNormGated
+
+from mambastep.kernels.norm import gated_rms_norm_ref, gated_rms_norm_triton, rms_norm_ref, rms_norm_triton
+from support import assert_close, poisoned
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", [1, 24, 100])
+@pytest.mark.parametrize("res_dtype", [None, torch.float32, "same"])
+def test_rms_norm_matches_reference(device, dtype, D, res_dtype):
+    torch.manual_seed(0)
+    T = 5
+    wide = torch.randn(T, D + 7, device=device).to(dtype)
+    x = wide[:, 3 : 3 + D]  # a row-strided view
+    w = torch.randn(D, device=device).to(dtype)
+    res = None
+    if res_dtype is not None:
+        res = torch.randn(T, D, device=device).to(dtype if res_dtype == "same" else res_dtype)
+    res_ref = None if res is None else res.cpu().clone()
+    out = poisoned((T, D), dtype, device)
+    rms_norm_triton(x, w, 1e-5, residual=res, out=out)
+    ref = rms_norm_ref(x.cpu(), w.cpu(), 1e-5, residual=res_ref)
+    assert_close(out.cpu(), ref, dtype)
+    if res is not None:
+        # the residual now holds residual + x, rounded to its dtype
+        assert_close(res.cpu(), res_ref, res.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D,groups", [(16, 1), (48, 4), (40, 2)])
+def test_gated_rms_norm_matches_reference(device, dtype, D, groups):
+    torch.manual_seed(1)
+    T = 6
+    zx = torch.randn(T, 2 * D + 3, device=device).to(dtype)
+    z, x = zx[:, :D], zx[:, D + 3 :]
+    w = torch.randn(D, device=device).to(dtype)
+    out = poisoned((T, D), dtype, device)
+    gated_rms_norm_triton(x, z, w, D // groups, 1e-6, out=out)
+    ref = gated_rms_norm_ref(x.cpu(), z.cpu(), w.cpu(), D // groups, 1e-6)
+    assert_close(out.cpu(), ref, dtype)
+
+
+@pytest.mark.parametrize("groups", [1, 4])
+def test_references_match_hf(groups):
+    torch.manual_seed(2)
+    D = 32
+    hf = MambaRMSNormGated(D, group_size=D // groups, eps=1e-6)
+    hf.weight.data = torch.randn(D)
+    x, z = torch.randn(3, D), torch.randn(3, D)
+    assert_close(gated_rms_norm_ref(x, z, hf.weight, D // groups, 1e-6), hf(x, z))
+
+    hf_norm = Mamba2RMSNorm(D, eps=1e-5)
+    hf_norm.weight.data = torch.randn(D)
+    assert_close(rms_norm_ref(x, hf_norm.weight, 1e-5), hf_norm(x))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norms_full_shape_gpu(dtype):
+    torch.manual_seed(3)
+    T, D, inner = 256, 4096, 8192
+    x = torch.randn(T, D, device="cuda", dtype=dtype)
+    res = torch.randn(T, D, device="cuda", dtype=torch.float32)
+    res_ref = res.clone()
+    w = torch.randn(D, device="cuda", dtype=dtype)
+    out = rms_norm_triton(x, w, 1e-5, residual=res)
+    assert_close(out, rms_norm_ref(x, w, 1e-5, residual=res_ref), dtype)
+    assert torch.equal(res, res_ref)
+    xz = torch.randn(T, 2 * inner, device="cuda", dtype=dtype)
+    wg = torch.randn(inner, device="cuda", dtype=dtype)
+    out = gated_rms_norm_triton(xz[:, inner:], xz[:, :inner], wg, inner // 8, 1e-5)
+    assert_close(out, gated_rms_norm_ref(xz[:, inner:], xz[:, :inner], wg, inner // 8, 1e-5), dtype)

@@ -1,0 +1,1 @@
+"""Command-line tools: run (the main job), tune (graph buckets), bench."""

@@ -123,10 +123,11 @@ def _block_config(headdim: int, dstate: int, state_dtype: torch.dtype) -> tuple[
     elem = torch.empty((), dtype=state_dtype).element_size()
     block_n = triton.next_power_of_2(dstate)
     target_p = max(1, _TILE_BYTES // (block_n * elem))
-    max_p = triton.next_power_of_2(headdim)
-    # Among target, target/2, target/4 pick the one that wastes the fewest masked rows
-    # (headdim 80: 16 x 5 rather than 32 x 3), the largest on a tie.
-    candidates = [min(max(target_p >> k, 1), max_p) for k in range(3)]
+    start = min(target_p, triton.next_power_of_2(headdim))
+    # Of start, start/2, start/4, start/8 (tiles of at least 1 KiB) pick the one that wastes the
+    # fewest masked rows (headdim 80: 16 x 5 rather than 32 x 3), the largest on a tie.
+    min_p = min(start, max(1, _TILE_BYTES // 8 // (block_n * elem)))
+    candidates = [start >> k for k in range(4) if start >> k >= min_p]
     block_p = min(candidates, key=lambda bp: (triton.cdiv(headdim, bp) * bp, -bp))
     # 16-byte vectors: 8 bf16 or 4 fp32 lanes. Give each thread at least two vectors of the tile,
     # up to 4 warps; more warps per program would only cut the programs resident per SM.

@@ -44,6 +44,7 @@ class PrefillMetadata:
     seq_idx:           [max_tokens]   sequence of each packed token, -1 past the last sequence
     slot_idx:          [max_seqs]     state slot of each sequence, PAD_SLOT_ID when unused
     has_initial_state: [max_seqs]     1 when the sequence continues from the state in its slot
+    context_lens:      [max_seqs]     tokens already in the slot before this step's (KV offset)
     chunk_seq:         [max_chunks]   sequence of each logical chunk, -1 when unused
     chunk_start:       [max_chunks]   first packed token of each chunk
     chunk_end:         [max_chunks]   one past the last packed token of each chunk
@@ -55,6 +56,7 @@ class PrefillMetadata:
     seq_idx: torch.Tensor | np.ndarray
     slot_idx: torch.Tensor | np.ndarray
     has_initial_state: torch.Tensor | np.ndarray
+    context_lens: torch.Tensor | np.ndarray
     chunk_seq: torch.Tensor | np.ndarray
     chunk_start: torch.Tensor | np.ndarray
     chunk_end: torch.Tensor | np.ndarray
@@ -83,7 +85,7 @@ class PrefillMetadata:
         z = lambda n: np.zeros(n, dtype=np.int32)  # noqa: E731
         return cls(
             cu_seqlens=z(max_seqs + 1), seq_idx=z(max_tokens), slot_idx=z(max_seqs),
-            has_initial_state=z(max_seqs), chunk_seq=z(n_chunks), chunk_start=z(n_chunks),
+            has_initial_state=z(max_seqs), context_lens=z(max_seqs), chunk_seq=z(n_chunks), chunk_start=z(n_chunks),
             chunk_end=z(n_chunks), seq_chunk_start=z(max_seqs + 1), chunk_size=chunk_size,
         )
 
@@ -98,6 +100,7 @@ class PrefillMetadata:
         seq_lens,
         slots,
         has_initial_state=None,
+        context_lens=None,
         *,
         chunk_size: int,
         max_tokens: int | None = None,
@@ -111,15 +114,16 @@ class PrefillMetadata:
         meta = cls.empty_host(max(max_tokens, 1), max(max_seqs, 1), chunk_size)
         if has_initial_state is None:
             has_initial_state = np.zeros(len(seq_lens), dtype=np.int32)
-        fill_prefill_metadata(meta, seq_lens, slots, has_initial_state)
+        fill_prefill_metadata(meta, seq_lens, slots, has_initial_state, context_lens)
         return meta.to(device)
 
 
-def fill_prefill_metadata(meta: PrefillMetadata, seq_lens, slots, has_initial_state) -> None:
+def fill_prefill_metadata(meta: PrefillMetadata, seq_lens, slots, has_initial_state, context_lens=None) -> None:
     """Write the metadata of the given sequences into host arrays ``meta`` in place.
 
-    seq_lens, slots, has_initial_state: [n] with n <= max_seqs and sum(seq_lens) <= max_tokens.
-    Every entry is rewritten, so nothing from an earlier step survives.
+    seq_lens, slots, has_initial_state, context_lens: [n] with n <= max_seqs and
+    sum(seq_lens) <= max_tokens; context_lens defaults to zeros. Every entry is rewritten, so
+    nothing from an earlier step survives.
     """
     seq_lens = np.asarray(seq_lens, dtype=np.int64)
     n = len(seq_lens)
@@ -144,6 +148,8 @@ def fill_prefill_metadata(meta: PrefillMetadata, seq_lens, slots, has_initial_st
     meta.slot_idx[n:] = PAD_SLOT_ID
     meta.has_initial_state[:n] = has_initial_state
     meta.has_initial_state[n:] = 0
+    meta.context_lens[:n] = 0 if context_lens is None else context_lens
+    meta.context_lens[n:] = 0
 
     chunks_per_seq = -(-seq_lens // c)
     n_chunks = int(chunks_per_seq.sum())

@@ -33,6 +33,7 @@ def test_chunks_cover_each_sequence_exactly(lens, chunk, extra_tokens, extra_seq
     assert (meta.seq_idx[total:] == -1).all()
     assert (meta.slot_idx[len(lens):] == PAD_SLOT_ID).all()
     assert (meta.has_initial_state[len(lens):] == 0).all()
+    assert (meta.context_lens == 0).all()
     assert (meta.cu_seqlens[len(lens):] == total).all()
 
 

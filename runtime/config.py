@@ -1,0 +1,273 @@
+"""One flat, validated model config, read from an HF ``config.json`` or built from a preset.
+
+Two HF architectures map onto it: ``Mamba2ForCausalLM`` (every layer a Mamba2 mixer) and
+``NemotronHForCausalLM`` (a hybrid pattern of Mamba2, attention, MLP and MoE layers).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+__all__ = ["ModelConfig", "LAYER_KINDS", "ConfigError"]
+
+LAYER_KINDS = ("mamba", "attention", "mlp", "moe")
+
+# NemotronH's pattern characters and HF's layer type names, to our layer kinds.
+_PATTERN = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+_HF_LAYER_TYPES = {
+    "mamba": "mamba", "linear_attention": "mamba", "attention": "attention",
+    "full_attention": "attention", "mlp": "mlp", "moe": "moe",
+}
+
+
+class ConfigError(ValueError):
+    """A config field is missing, unsupported or inconsistent; the message names the field."""
+
+
+@dataclass(slots=True, frozen=True)
+class ModelConfig:
+    architecture: str  # "mamba2" or "nemotron_h"
+    vocab_size: int
+    hidden_size: int
+    layer_types: tuple[str, ...]
+    norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    residual_in_fp32: bool = False
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    max_position_embeddings: int = 4096
+    # Mamba2 mixer
+    mamba_num_heads: int = 0
+    mamba_head_dim: int = 64
+    ssm_state_size: int = 128
+    n_groups: int = 1
+    conv_kernel: int = 4
+    chunk_size: int = 256
+    use_conv_bias: bool = True
+    mamba_proj_bias: bool = False
+    # dt is clamped to this range in prefill only (as HF does)
+    dt_limit: tuple[float, float] = (0.0, math.inf)
+    # attention (GQA, no rotary embedding: NemotronH)
+    num_attention_heads: int = 0
+    num_key_value_heads: int = 0
+    attention_head_dim: int = 0
+    attention_bias: bool = False
+    # dense MLP (relu2)
+    intermediate_size: int = 0
+    mlp_bias: bool = False
+    # mixture of experts (relu2 experts, sigmoid router with group-limited top-k)
+    n_routed_experts: int = 0
+    n_shared_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    moe_shared_expert_intermediate_size: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+
+    def __post_init__(self):
+        if self.architecture not in ("mamba2", "nemotron_h"):
+            raise ConfigError(f"architecture: unsupported {self.architecture!r}")
+        bad = [t for t in self.layer_types if t not in LAYER_KINDS]
+        if bad or not self.layer_types:
+            raise ConfigError(f"layer_types: expected a non-empty list of {LAYER_KINDS}, got {bad or 'none'}")
+        for name in ("vocab_size", "hidden_size"):
+            _positive(self, name)
+        if "mamba" in self.layer_types:
+            for name in ("mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "chunk_size"):
+                _positive(self, name)
+            if self.mamba_num_heads % self.n_groups:
+                raise ConfigError(f"n_groups: {self.n_groups} does not divide mamba_num_heads={self.mamba_num_heads}")
+            if self.conv_kernel < 2:
+                raise ConfigError(f"conv_kernel: must be at least 2, got {self.conv_kernel}")
+            if not 0 <= self.dt_limit[0] <= self.dt_limit[1]:
+                raise ConfigError(f"dt_limit: expected 0 <= low <= high, got {self.dt_limit}")
+        if "attention" in self.layer_types:
+            for name in ("num_attention_heads", "num_key_value_heads", "attention_head_dim"):
+                _positive(self, name)
+            if self.num_attention_heads % self.num_key_value_heads:
+                raise ConfigError(
+                    f"num_key_value_heads: {self.num_key_value_heads} does not divide "
+                    f"num_attention_heads={self.num_attention_heads}"
+                )
+        if "mlp" in self.layer_types:
+            _positive(self, "intermediate_size")
+        if "moe" in self.layer_types:
+            for name in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"):
+                _positive(self, name)
+            if self.num_experts_per_tok > self.n_routed_experts:
+                raise ConfigError("num_experts_per_tok: exceeds n_routed_experts")
+            if self.n_routed_experts % self.n_group or self.topk_group > self.n_group:
+                raise ConfigError(f"n_group/topk_group: {self.n_group}/{self.topk_group} do not fit "
+                                  f"{self.n_routed_experts} experts")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def mamba_inner(self) -> int:
+        return self.mamba_num_heads * self.mamba_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.mamba_inner + 2 * self.n_groups * self.ssm_state_size
+
+    @property
+    def in_proj_dim(self) -> int:
+        return self.mamba_inner + self.conv_dim + self.mamba_num_heads
+
+    def layers_of(self, kind: str) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == kind]
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> "ModelConfig":
+        """Read ``config.json`` from a checkpoint directory (or the file itself)."""
+        path = Path(path)
+        path = path / "config.json" if path.is_dir() else path
+        if not path.exists():
+            raise ConfigError(f"config.json: not found at {path}")
+        with open(path) as f:
+            return cls.from_hf_dict(json.load(f))
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict) -> "ModelConfig":
+        model_type = hf.get("model_type")
+        archs = hf.get("architectures") or []
+        if model_type == "mamba2" or "Mamba2ForCausalLM" in archs:
+            return cls._from_mamba2(hf)
+        if model_type == "nemotron_h" or "NemotronHForCausalLM" in archs:
+            return cls._from_nemotron_h(hf)
+        raise ConfigError(
+            f"model_type: unsupported {model_type!r} (architectures {archs}); "
+            "mambastep reads Mamba2ForCausalLM and NemotronHForCausalLM checkpoints"
+        )
+
+    @classmethod
+    def _from_mamba2(cls, hf: dict) -> "ModelConfig":
+        _require(hf, "hidden_size", "num_heads", "head_dim", "vocab_size", "num_hidden_layers")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"hidden_act: only silu is supported, got {hf['hidden_act']!r}")
+        if hf.get("rms_norm", True) is not True:
+            raise ConfigError("rms_norm: only the gated RMSNorm variant is supported")
+        if hf["hidden_size"] * hf.get("expand", 2) != hf["num_heads"] * hf["head_dim"]:
+            raise ConfigError("expand: hidden_size * expand must equal num_heads * head_dim")
+        return cls(
+            architecture="mamba2",
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            layer_types=("mamba",) * hf["num_hidden_layers"],
+            norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            residual_in_fp32=hf.get("residual_in_fp32", True),
+            eos_token_id=_first(hf.get("eos_token_id")),
+            pad_token_id=hf.get("pad_token_id"),
+            max_position_embeddings=hf.get("max_position_embeddings", 1 << 20),
+            mamba_num_heads=hf["num_heads"],
+            mamba_head_dim=hf["head_dim"],
+            ssm_state_size=hf.get("state_size", 128),
+            n_groups=hf.get("n_groups", 1),
+            conv_kernel=hf.get("conv_kernel", 4),
+            chunk_size=hf.get("chunk_size", 256),
+            use_conv_bias=hf.get("use_conv_bias", True),
+            mamba_proj_bias=hf.get("use_bias", False),
+            dt_limit=tuple(_float(v) for v in hf.get("time_step_limit", (0.0, math.inf))),
+        )
+
+    @classmethod
+    def _from_nemotron_h(cls, hf: dict) -> "ModelConfig":
+        _require(hf, "hidden_size", "vocab_size")
+        layer_types = _nemotron_layer_types(hf)
+        for key, want in (("mamba_hidden_act", "silu"), ("mlp_hidden_act", "relu2")):
+            if hf.get(key, want) != want:
+                raise ConfigError(f"{key}: only {want} is supported, got {hf[key]!r}")
+        if hf.get("moe_latent_size"):
+            raise ConfigError("moe_latent_size: latent MoE projections are not supported")
+        if hf.get("sliding_window"):
+            raise ConfigError("sliding_window: sliding-window attention is not supported")
+        mamba_heads = hf.get("mamba_num_heads", 128)
+        head_dim = hf.get("mamba_head_dim", 64)
+        attn_heads = hf.get("num_attention_heads", 32)
+        return cls(
+            architecture="nemotron_h",
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            layer_types=layer_types,
+            norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            residual_in_fp32=hf.get("residual_in_fp32", False),
+            eos_token_id=_first(hf.get("eos_token_id")),
+            pad_token_id=hf.get("pad_token_id"),
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            mamba_num_heads=mamba_heads,
+            mamba_head_dim=head_dim,
+            ssm_state_size=hf.get("ssm_state_size", 128),
+            n_groups=hf.get("n_groups", hf.get("mamba_n_groups", 8)),
+            conv_kernel=hf.get("conv_kernel", hf.get("mamba_d_conv", 4)),
+            chunk_size=hf.get("chunk_size", 128),
+            use_conv_bias=hf.get("use_conv_bias", True),
+            mamba_proj_bias=hf.get("mamba_proj_bias", False),
+            # HF's NemotronH mixer clamps prefill dt to (time_step_min, inf), whatever time_step_limit says
+            dt_limit=(hf.get("time_step_min", hf.get("mamba_dt_min", 1e-3)), math.inf),
+            num_attention_heads=attn_heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or attn_heads,
+            attention_head_dim=hf.get("head_dim") or hf["hidden_size"] // attn_heads,
+            attention_bias=hf.get("attention_bias", False),
+            intermediate_size=hf.get("intermediate_size", 21504),
+            mlp_bias=hf.get("mlp_bias", False),
+            n_routed_experts=hf.get("n_routed_experts", 8),
+            n_shared_experts=hf.get("n_shared_experts", 1),
+            num_experts_per_tok=hf.get("num_experts_per_tok", 2),
+            moe_intermediate_size=hf.get("moe_intermediate_size", 7688),
+            moe_shared_expert_intermediate_size=hf.get("moe_shared_expert_intermediate_size", 7688),
+            n_group=hf.get("n_group", 1),
+            topk_group=hf.get("topk_group", 1),
+            norm_topk_prob=hf.get("norm_topk_prob", True),
+            routed_scaling_factor=hf.get("routed_scaling_factor", 1.0),
+        )
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _nemotron_layer_types(hf: dict) -> tuple[str, ...]:
+    if hf.get("layers_block_type"):
+        types = hf["layers_block_type"]
+        unknown = [t for t in types if t not in _HF_LAYER_TYPES]
+        if unknown:
+            raise ConfigError(f"layers_block_type: unknown layer types {unknown}")
+        return tuple(_HF_LAYER_TYPES[t] for t in types)
+    pattern = hf.get("hybrid_override_pattern")
+    if not pattern:
+        raise ConfigError("layers_block_type: missing (nor hybrid_override_pattern)")
+    unknown = sorted(set(pattern) - set(_PATTERN))
+    if unknown:
+        raise ConfigError(f"hybrid_override_pattern: unknown layer characters {unknown}")
+    return tuple(_PATTERN[c] for c in pattern)
+
+
+def _require(hf: dict, *keys: str) -> None:
+    for key in keys:
+        if hf.get(key) is None:
+            raise ConfigError(f"{key}: missing from config.json")
+
+
+def _positive(cfg: ModelConfig, name: str) -> None:
+    value = getattr(cfg, name)
+    if not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{name}: must be a positive integer, got {value!r}")
+
+
+def _float(value) -> float:
+    """A float from config.json, where HF writes infinity as {"__float__": "Infinity"}."""
+    if isinstance(value, dict) and "__float__" in value:
+        value = value["__float__"]
+    return float(value)
+
+
+def _first(token_id):
+    return token_id[0] if isinstance(token_id, list) and token_id else token_id

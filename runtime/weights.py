@@ -1,0 +1,172 @@
+"""Load HF safetensors checkpoints (single file or sharded with an index) into a flat dict.
+
+Names are HF's without the ``model.``/``backbone.`` prefix (``layers.3.mixer.in_proj.weight``);
+``weight_shapes`` lists every tensor a config needs and its shape, so a missing or mis-shaped
+tensor is reported by name before anything is moved to the device.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .config import ModelConfig
+
+__all__ = ["WeightError", "weight_shapes", "load_weights", "random_weights"]
+
+_PREFIXES = ("model.", "backbone.", "")
+
+
+class WeightError(ValueError):
+    """A checkpoint tensor is missing, mis-shaped or unreadable; the message names it."""
+
+
+def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the model needs, by name, with its shape."""
+    D = cfg.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {"embeddings.weight": (cfg.vocab_size, D), "norm_f.weight": (D,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, D)
+    for i, kind in enumerate(cfg.layer_types):
+        p = f"layers.{i}."
+        shapes[p + "norm.weight"] = (D,)
+        m = p + "mixer."
+        if kind == "mamba":
+            H = cfg.mamba_num_heads
+            shapes.update({
+                m + "in_proj.weight": (cfg.in_proj_dim, D),
+                m + "conv1d.weight": (cfg.conv_dim, 1, cfg.conv_kernel),
+                m + "dt_bias": (H,), m + "A_log": (H,), m + "D": (H,),
+                m + "norm.weight": (cfg.mamba_inner,),
+                m + "out_proj.weight": (D, cfg.mamba_inner),
+            })
+            if cfg.use_conv_bias:
+                shapes[m + "conv1d.bias"] = (cfg.conv_dim,)
+            if cfg.mamba_proj_bias:
+                shapes[m + "in_proj.bias"] = (cfg.in_proj_dim,)
+                shapes[m + "out_proj.bias"] = (D,)
+        elif kind == "attention":
+            q = cfg.num_attention_heads * cfg.attention_head_dim
+            kv = cfg.num_key_value_heads * cfg.attention_head_dim
+            for name, rows, cols in (("q_proj", q, D), ("k_proj", kv, D), ("v_proj", kv, D), ("o_proj", D, q)):
+                shapes[m + name + ".weight"] = (rows, cols)
+                if cfg.attention_bias:
+                    shapes[m + name + ".bias"] = (rows,)
+        elif kind == "mlp":
+            shapes[m + "up_proj.weight"] = (cfg.intermediate_size, D)
+            shapes[m + "down_proj.weight"] = (D, cfg.intermediate_size)
+            if cfg.mlp_bias:
+                shapes[m + "up_proj.bias"] = (cfg.intermediate_size,)
+                shapes[m + "down_proj.bias"] = (D,)
+        elif kind == "moe":
+            E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
+            shapes.update({
+                m + "gate.weight": (E, D),
+                m + "gate.e_score_correction_bias": (E,),
+                m + "experts.up_proj": (E, I, D),
+                m + "experts.down_proj": (E, D, I),
+            })
+            if cfg.n_shared_experts:
+                S = cfg.moe_shared_expert_intermediate_size * cfg.n_shared_experts
+                shapes[m + "shared_experts.up_proj.weight"] = (S, D)
+                shapes[m + "shared_experts.down_proj.weight"] = (D, S)
+    return shapes
+
+
+class _Checkpoint:
+    """Name -> file lookup over a single safetensors file or an indexed set of shards."""
+
+    def __init__(self, path: Path):
+        index = path / "model.safetensors.index.json"
+        single = path / "model.safetensors"
+        if index.exists():
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            self.files = {name: path / shard for name, shard in weight_map.items()}
+        elif single.exists():
+            with safe_open(single, framework="pt") as f:
+                self.files = {name: single for name in f.keys()}
+        else:
+            shards = sorted(path.glob("*.safetensors"))
+            if not shards:
+                raise WeightError(f"no safetensors checkpoint in {path}")
+            self.files = {}
+            for shard in shards:
+                with safe_open(shard, framework="pt") as f:
+                    self.files.update({name: shard for name in f.keys()})
+        self._open: dict[Path, object] = {}
+
+    def find(self, name: str) -> str | None:
+        for prefix in _PREFIXES:
+            if prefix + name in self.files:
+                return prefix + name
+        return None
+
+    def get(self, full_name: str) -> torch.Tensor:
+        path = self.files[full_name]
+        if path not in self._open:
+            if not path.exists():
+                raise WeightError(f"{full_name}: shard {path.name} listed in the index is missing")
+            self._open[path] = safe_open(path, framework="pt")
+        return self._open[path].get_tensor(full_name)
+
+
+def _stacked_experts(ckpt: _Checkpoint, name: str, n_experts: int) -> torch.Tensor | None:
+    """Older NemotronH checkpoints store experts one by one (``experts.{j}.up_proj.weight``)."""
+    base, proj = name.rsplit(".", 1)  # "...mixer.experts", "up_proj"
+    parts = [ckpt.find(f"{base}.{j}.{proj}.weight") for j in range(n_experts)]
+    if any(p is None for p in parts):
+        return None
+    return torch.stack([ckpt.get(p) for p in parts])
+
+
+def load_weights(path: str | Path, cfg: ModelConfig, *, dtype: torch.dtype, device="cpu") -> dict[str, torch.Tensor]:
+    """Read every tensor ``weight_shapes(cfg)`` names from the checkpoint at ``path``.
+
+    Floating tensors are converted to ``dtype`` except A_log, D and dt_bias, kept in fp32 as the
+    SSM math needs them. Raises WeightError naming the first missing or mis-shaped tensor.
+    """
+    ckpt = _Checkpoint(Path(path))
+    out: dict[str, torch.Tensor] = {}
+    for name, shape in weight_shapes(cfg).items():
+        found = ckpt.find(name)
+        if found is not None:
+            t = ckpt.get(found)
+        elif name.endswith(("experts.up_proj", "experts.down_proj")):
+            t = _stacked_experts(ckpt, name, cfg.n_routed_experts)
+        else:
+            t = None
+        if t is None:
+            raise WeightError(f"{name}: missing from the checkpoint at {path}")
+        if tuple(t.shape) != shape:
+            raise WeightError(f"{name}: expected shape {list(shape)}, checkpoint has {list(t.shape)}")
+        keep_fp32 = name.endswith(("A_log", ".D", "dt_bias", "e_score_correction_bias"))
+        out[name] = t.to(device=device, dtype=torch.float32 if keep_fp32 else dtype)
+    return out
+
+
+def random_weights(cfg: ModelConfig, *, dtype: torch.dtype, device="cpu", seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights of the right shapes, made directly on ``device`` in ``dtype`` (an 8B model
+    in fp32 does not fit a CPU machine), scaled so activations stay O(1) through many layers."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = {}
+    for name, shape in weight_shapes(cfg).items():
+        if name.endswith("A_log"):
+            t = torch.log(torch.rand(shape, generator=gen, device=device) * 15 + 1)
+        elif name.endswith("dt_bias"):
+            # softplus^-1 of dt drawn log-uniformly in [1e-3, 1e-1], as HF initialises it
+            dt = torch.exp(torch.rand(shape, generator=gen, device=device) * 4.6 - 6.9)
+            t = dt + torch.log(-torch.expm1(-dt))
+        elif name.endswith((".D", "norm.weight", "norm_f.weight")):
+            t = torch.ones(shape, device=device)
+        elif name.endswith("e_score_correction_bias") or name.endswith("bias"):
+            t = torch.zeros(shape, device=device)
+        else:
+            fan_in = shape[-1]
+            t = torch.randn(shape, generator=gen, device=device, dtype=dtype) * fan_in**-0.5
+        keep_fp32 = name.endswith(("A_log", ".D", "dt_bias", "e_score_correction_bias"))
+        out[name] = t.to(torch.float32 if keep_fp32 else dtype)
+    return out

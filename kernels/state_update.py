@@ -19,6 +19,8 @@ live rows must be distinct (each row owns its slot for the step).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -82,9 +84,10 @@ def _state_update_kernel(
     state = tl.load(state_ptrs, mask=state_mask, other=0.0).to(tl.float32)
 
     # Inputs of pad rows are read (they are step buffers, not state) and then discarded.
-    x = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + offs_p, mask=mask_p, other=0.0).to(tl.float32)
-    B = tl.load(B_ptr + b * stride_B_b + g * stride_B_g + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    C = tl.load(C_ptr + b * stride_C_b + g * stride_C_g + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + offs_p, mask=mask_p, other=0.0)
+    B = tl.load(B_ptr + b * stride_B_b + g * stride_B_g + offs_n, mask=mask_n, other=0.0)
+    C = tl.load(C_ptr + b * stride_C_b + g * stride_C_g + offs_n, mask=mask_n, other=0.0)
+    x, B, C = x.to(tl.float32), B.to(tl.float32), C.to(tl.float32)
 
     dt = tl.load(dt_ptr + b * stride_dt_b + h * stride_dt_h).to(tl.float32)
     if HAS_DT_BIAS:
@@ -102,10 +105,11 @@ def _state_update_kernel(
     if HAS_D:
         y += tl.load(D_ptr + h).to(tl.float32) * x
     if HAS_Z:
-        z = tl.load(z_ptr + b * stride_z_b + h * stride_z_h + offs_p, mask=mask_p, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + b * stride_z_b + h * stride_z_h + offs_p, mask=mask_p, other=0.0)
+        z = z.to(tl.float32)
         y *= z * tl.sigmoid(z)
-    y = tl.where(live, y, 0.0)
-    tl.store(out_ptr + b * stride_out_b + h * stride_out_h + offs_p, y.to(out_ptr.dtype.element_ty), mask=mask_p)
+    y = tl.where(live, y, 0.0).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + b * stride_out_b + h * stride_out_h + offs_p, y, mask=mask_p)
 
 
 # Bytes of state one program streams in (and out). 8 KiB is a [32, 128] bf16 or [16, 128] fp32
@@ -114,13 +118,14 @@ def _state_update_kernel(
 _TILE_BYTES = 8192
 
 
+@functools.lru_cache(maxsize=None)
 def _block_config(headdim: int, dstate: int, state_dtype: torch.dtype) -> tuple[int, int, int]:
     """(BLOCK_P, BLOCK_N, num_warps) for a head of [headdim, dstate] state in ``state_dtype``.
 
     Static per model, so each model compiles one variant; never autotuned, since the kernel
     mutates the state.
     """
-    elem = torch.empty((), dtype=state_dtype).element_size()
+    elem = state_dtype.itemsize
     block_n = triton.next_power_of_2(dstate)
     target_p = max(1, _TILE_BYTES // (block_n * elem))
     start = min(target_p, triton.next_power_of_2(headdim))
@@ -129,8 +134,8 @@ def _block_config(headdim: int, dstate: int, state_dtype: torch.dtype) -> tuple[
     min_p = min(start, max(1, _TILE_BYTES // 8 // (block_n * elem)))
     candidates = [start >> k for k in range(4) if start >> k >= min_p]
     block_p = min(candidates, key=lambda bp: (triton.cdiv(headdim, bp) * bp, -bp))
-    # 16-byte vectors: 8 bf16 or 4 fp32 lanes. Give each thread at least two vectors of the tile,
-    # up to 4 warps; more warps per program would only cut the programs resident per SM.
+    # 16-byte vectors: 8 bf16 or 4 fp32 lanes. Give each thread at least two vectors of the tile
+    # so its loads overlap; 4 warps cover an 8 KiB tile in four vectors per thread.
     vec = 16 // elem
     num_warps = max(1, min(4, block_p * block_n // (32 * vec * 2)))
     return block_p, block_n, num_warps
@@ -138,7 +143,7 @@ def _block_config(headdim: int, dstate: int, state_dtype: torch.dtype) -> tuple[
 
 def _check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
     if t.stride(-1) != 1:
-        raise ValueError(f"{name} must be contiguous in its last dim, got strides {tuple(t.stride())}")
+        raise ValueError(f"{name} must be contiguous in its last dim, strides {tuple(t.stride())}")
 
 
 def _check_shapes(state, x, dt, A, B, C, D, slot_idx, z, dt_bias, out) -> None:
@@ -320,4 +325,6 @@ def selective_state_update(
     Returns ``out``.
     """
     fn = selective_state_update_triton if state.is_cuda else selective_state_update_ref
-    return fn(state, x, dt, A, B, C, D, slot_idx, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus, out=out)
+    return fn(
+        state, x, dt, A, B, C, D, slot_idx, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus, out=out
+    )

@@ -9,6 +9,30 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _fix_interpreter_bf16_dot():
+    """Triton 3.9's interpreter multiplies bf16 ``tl.dot`` operands as their raw uint16 bits;
+    widen them to fp32 first. Only the interpreter is patched: compiled kernels are untouched."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter.InterpreterBuilder.create_dot
+
+    def widen(t):
+        if t.dtype.scalar == tl.bfloat16:
+            return interpreter.TensorHandle((t.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+        return t
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return original(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _fix_interpreter_bf16_dot()
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

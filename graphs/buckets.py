@@ -1,0 +1,75 @@
+"""Which static step shapes get a CUDA graph, and which one a step uses."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..runtime.plan import StepPlan
+from ..runtime.step_buffers import Bucket
+
+__all__ = ["BucketSet"]
+
+
+def _sizes(name: str, values, allow_zero=False) -> tuple[int, ...]:
+    values = tuple(sorted(set(int(v) for v in values)))
+    low = 0 if allow_zero else 1
+    if not values or values[0] < low:
+        raise ValueError(f"{name}: expected sizes >= {low}, got {values}")
+    return values
+
+
+@dataclass(frozen=True)
+class BucketSet:
+    """decode:         batch sizes of decode-only graphs
+    mixed_decode:   decode rows of mixed graphs (0: prefill only)
+    prefill:        prefill-token sizes of mixed graphs
+    max_prefill_seqs: prefill sequences a mixed step may hold (sizes its metadata)
+    """
+
+    decode: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+    mixed_decode: tuple[int, ...] = (0, 8, 16, 32, 64, 128, 256)
+    prefill: tuple[int, ...] = (128, 256, 512, 1024, 2048)
+    max_prefill_seqs: int = 8
+
+    def __post_init__(self):
+        object.__setattr__(self, "decode", _sizes("decode", self.decode))
+        object.__setattr__(self, "mixed_decode", _sizes("mixed_decode", self.mixed_decode, allow_zero=True))
+        object.__setattr__(self, "prefill", _sizes("prefill", self.prefill))
+        if self.max_prefill_seqs < 1:
+            raise ValueError(f"max_prefill_seqs: must be at least 1, got {self.max_prefill_seqs}")
+
+    @property
+    def max_decode(self) -> int:
+        return max(self.decode[-1], self.mixed_decode[-1])
+
+    @property
+    def max_prefill_tokens(self) -> int:
+        return self.prefill[-1]
+
+    def all(self) -> list[Bucket]:
+        """Every graph bucket, largest first (the capture order: the first sizes the shared pool)."""
+        buckets = [Bucket(b) for b in self.decode]
+        buckets += [Bucket(b, t) for b in self.mixed_decode for t in self.prefill]
+        return sorted(buckets, key=lambda k: (k.decode + k.prefill, k.prefill), reverse=True)
+
+    def choose(self, plan: StepPlan) -> Bucket | None:
+        """The smallest bucket that holds ``plan``, or None when it is larger than every bucket."""
+        if plan.num_prefill == 0:
+            fit = [b for b in self.decode if b >= plan.num_decode]
+            return Bucket(fit[0]) if fit else None
+        if plan.num_prefill > self.max_prefill_seqs:
+            return None
+        decode = [b for b in self.mixed_decode if b >= plan.num_decode]
+        prefill = [t for t in self.prefill if t >= plan.num_prefill_tokens]
+        if not decode or not prefill:
+            return None
+        return Bucket(decode[0], prefill[0])
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "BucketSet":
+        return cls(**json.loads(Path(path).read_text()))

@@ -1,0 +1,63 @@
+"""A step plan: what one forward pass runs, as numpy arrays (no per-request objects).
+
+The scheduler writes one per step; the step buffers turn it into padded device inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = ["StepPlan"]
+
+
+def _i32(values=()) -> np.ndarray:
+    return np.asarray(values, dtype=np.int32)
+
+
+@dataclass
+class StepPlan:
+    """prefill_tokens: [sum(prefill_lens)] the prefill chunks' token ids, packed
+    prefill_lens:    [n_prefill] tokens of each prefill chunk
+    prefill_slots:   [n_prefill] state slot of each
+    prefill_context: [n_prefill] tokens already in the slot before the chunk (0 for a new prompt)
+    decode_tokens:   [n_decode] the token each decode row feeds in
+    decode_slots:    [n_decode] state slot of each decode row
+    decode_context:  [n_decode] tokens in the slot before the decode token
+    """
+
+    prefill_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    prefill_lens: np.ndarray = field(default_factory=_i32)
+    prefill_slots: np.ndarray = field(default_factory=_i32)
+    prefill_context: np.ndarray = field(default_factory=_i32)
+    decode_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    decode_slots: np.ndarray = field(default_factory=_i32)
+    decode_context: np.ndarray = field(default_factory=_i32)
+
+    @property
+    def num_prefill(self) -> int:
+        return len(self.prefill_lens)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return int(self.prefill_lens.sum()) if len(self.prefill_lens) else 0
+
+    @property
+    def num_decode(self) -> int:
+        return len(self.decode_slots)
+
+    @classmethod
+    def make(cls, prefill=(), decode=()) -> "StepPlan":
+        """From lists: prefill = [(token_ids, slot, context)], decode = [(token_id, slot, context)]."""
+        prefill, decode = list(prefill), list(decode)
+        tokens = [t for ids, _, _ in prefill for t in ids]
+        return cls(
+            prefill_tokens=np.asarray(tokens, dtype=np.int64),
+            prefill_lens=_i32([len(ids) for ids, _, _ in prefill]),
+            prefill_slots=_i32([s for _, s, _ in prefill]),
+            prefill_context=_i32([c for _, _, c in prefill]),
+            decode_tokens=np.asarray([t for t, _, _ in decode], dtype=np.int64),
+            decode_slots=_i32([s for _, s, _ in decode]),
+            decode_context=_i32([c for _, _, c in decode]),
+        )

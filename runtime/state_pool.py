@@ -1,0 +1,70 @@
+"""Every request's recurrent and attention state, in slots allocated once.
+
+Per Mamba2 layer: a conv state [S, conv_dim, K-1] (stored as [S, K-1, conv_dim] memory, so a
+decode row's channels are contiguous) and an SSM state [S, H, P, N]. Per attention layer: a KV
+cache [S, max_context, KVH, Dh] for K and for V. A request owns one slot index across all layers.
+Padded rows never touch a slot (kernels skip PAD_SLOT_ID), so no slot is reserved for padding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import ModelConfig
+
+__all__ = ["StatePool"]
+
+
+class StatePool:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        num_slots: int,
+        max_context: int,
+        *,
+        dtype: torch.dtype,
+        ssm_dtype: torch.dtype = torch.float32,
+        device="cpu",
+    ):
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be at least 1, got {num_slots}")
+        self.cfg, self.num_slots, self.max_context = cfg, num_slots, max_context
+        self.conv: dict[int, torch.Tensor] = {}
+        self.ssm: dict[int, torch.Tensor] = {}
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+        S = num_slots
+        for i in cfg.layers_of("mamba"):
+            conv = torch.zeros(S, cfg.conv_kernel - 1, cfg.conv_dim, dtype=dtype, device=device)
+            self.conv[i] = conv.transpose(1, 2)
+            self.ssm[i] = torch.zeros(
+                S, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size, dtype=ssm_dtype, device=device
+            )
+        for i in cfg.layers_of("attention"):
+            shape = (S, max_context, cfg.num_key_value_heads, cfg.attention_head_dim)
+            self.k[i] = torch.zeros(shape, dtype=dtype, device=device)
+            self.v[i] = torch.zeros(shape, dtype=dtype, device=device)
+
+    @staticmethod
+    def bytes_per_slot(cfg: ModelConfig, max_context: int, dtype: torch.dtype, ssm_dtype=torch.float32) -> int:
+        es, ss = torch.finfo(dtype).bits // 8, torch.finfo(ssm_dtype).bits // 8
+        per_mamba = (cfg.conv_kernel - 1) * cfg.conv_dim * es
+        per_mamba += cfg.mamba_num_heads * cfg.mamba_head_dim * cfg.ssm_state_size * ss
+        per_attn = 2 * max_context * cfg.num_key_value_heads * cfg.attention_head_dim * es
+        return len(cfg.layers_of("mamba")) * per_mamba + len(cfg.layers_of("attention")) * per_attn
+
+    @classmethod
+    def slots_for_budget(cls, cfg, max_context, budget_bytes, dtype, ssm_dtype=torch.float32) -> int:
+        """How many slots fit in ``budget_bytes``."""
+        per = max(1, cls.bytes_per_slot(cfg, max_context, dtype, ssm_dtype))
+        return int(budget_bytes // per)
+
+    def reset_slot(self, slot: int) -> None:
+        """Zero one slot in every layer (a new request starting from no state). Not for the hot
+        path: a prefill with has_initial_state=0 ignores the old contents anyway."""
+        for t in (*self.conv.values(), *self.ssm.values(), *self.k.values(), *self.v.values()):
+            t[slot].zero_()
+
+    def tensors(self):
+        """Every state tensor, for tests that poison or snapshot the pool."""
+        return [*self.conv.values(), *self.ssm.values(), *self.k.values(), *self.v.values()]

@@ -1,0 +1,149 @@
+"""Preallocated step inputs: one pinned host arena, one device twin, one copy per step.
+
+Every per-step input (token ids, prefill metadata, decode slots and KV lengths, logit rows) is a
+typed view at a fixed offset of one byte arena. A refill writes a ``StepPlan`` into the host
+views with numpy, padding to the chosen bucket, and ``upload`` issues the step's single
+host-to-device copy. The device views never move, so graphs captured over them stay valid.
+
+A bucket ``(B, Tp)`` is B decode rows and Tp prefill tokens (Tp = 0: decode only). Inputs for a
+bucket are the leading ``[:n]`` slices of the arena's views, so every bucket shares one arena.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..kernels.varlen import PAD_SLOT_ID, PrefillMetadata, fill_prefill_metadata, max_chunks_for
+from .plan import StepPlan
+from .step_inputs import StepInputs
+
+__all__ = ["Bucket", "StepBuffers"]
+
+_ALIGN = 64
+
+
+@dataclass(frozen=True, order=True)
+class Bucket:
+    """A static step shape: ``decode`` rows and ``prefill`` tokens (0 for a decode-only step)."""
+
+    decode: int
+    prefill: int = 0
+
+    def fits(self, plan: StepPlan, max_prefill_seqs: int) -> bool:
+        return (plan.num_decode <= self.decode and plan.num_prefill_tokens <= self.prefill
+                and plan.num_prefill <= (max_prefill_seqs if self.prefill else 0))
+
+
+class _Arena:
+    """Named typed arrays packed into one byte buffer on the host (pinned) and on the device."""
+
+    def __init__(self, spec: dict[str, tuple[np.dtype, int]], device: torch.device):
+        offsets, total = {}, 0
+        for name, (dtype, n) in spec.items():
+            offsets[name] = total
+            total += -(-np.dtype(dtype).itemsize * max(n, 1) // _ALIGN) * _ALIGN
+        pin = device.type == "cuda"
+        self.host = torch.zeros(total, dtype=torch.uint8, pin_memory=pin)
+        self.device = self.host if device.type == "cpu" else torch.zeros(total, dtype=torch.uint8, device=device)
+        host_np = self.host.numpy()
+        self.np: dict[str, np.ndarray] = {}
+        self.dev: dict[str, torch.Tensor] = {}
+        for name, (dtype, n) in spec.items():
+            o, nbytes = offsets[name], np.dtype(dtype).itemsize * n
+            self.np[name] = host_np[o : o + nbytes].view(dtype)
+            torch_dtype = torch.from_numpy(np.zeros(0, dtype)).dtype
+            self.dev[name] = self.device[o : o + nbytes].view(torch_dtype)
+        self.nbytes = total
+
+
+class StepBuffers:
+    def __init__(self, max_decode: int, max_prefill_tokens: int, max_prefill_seqs: int, chunk_size: int,
+                 device="cpu"):
+        self.device = torch.device(device)
+        self.max_decode, self.max_prefill_tokens = max_decode, max_prefill_tokens
+        self.max_prefill_seqs, self.chunk_size = max_prefill_seqs, chunk_size
+        T, S = max_prefill_tokens, max_prefill_seqs
+        C = max_chunks_for(T, S, chunk_size)
+        i32, i64 = np.int32, np.int64
+        spec = {
+            "input_ids": (i64, T + max_decode),
+            "logit_rows": (i64, S + max_decode),
+            "decode_slots": (i32, max_decode),
+            "decode_kv_lens": (i32, max_decode),
+            "cu_seqlens": (i32, S + 1), "seq_idx": (i32, T), "slot_idx": (i32, S),
+            "has_initial_state": (i32, S), "context_lens": (i32, S), "chunk_seq": (i32, C),
+            "chunk_start": (i32, C), "chunk_end": (i32, C), "seq_chunk_start": (i32, S + 1),
+        }
+        self.arena = _Arena(spec, self.device)
+        self._copy_done = torch.cuda.Event() if self.device.type == "cuda" else None
+        self._inputs: dict[Bucket, StepInputs] = {}
+
+    def _prefill_meta(self, views: dict, tokens: int) -> PrefillMetadata:
+        S, C = self.max_prefill_seqs, max_chunks_for(tokens, self.max_prefill_seqs, self.chunk_size)
+        sizes = dict(cu_seqlens=S + 1, seq_idx=tokens, slot_idx=S, has_initial_state=S, context_lens=S,
+                     chunk_seq=C, chunk_start=C, chunk_end=C, seq_chunk_start=S + 1)
+        return PrefillMetadata(**{k: views[k][:n] for k, n in sizes.items()}, chunk_size=self.chunk_size)
+
+    def inputs(self, bucket: Bucket) -> StepInputs:
+        """Device inputs shaped for ``bucket``: fixed views into the device arena."""
+        if bucket not in self._inputs:
+            self._check(bucket)
+            d, B, Tp = self.arena.dev, bucket.decode, bucket.prefill
+            rows = (self.max_prefill_seqs if Tp else 0) + B
+            self._inputs[bucket] = StepInputs(
+                input_ids=d["input_ids"][: Tp + B],
+                prefill=self._prefill_meta(d, Tp) if Tp else None,
+                decode_slots=d["decode_slots"][:B],
+                decode_kv_lens=d["decode_kv_lens"][:B],
+                logit_rows=d["logit_rows"][:rows],
+            )
+        return self._inputs[bucket]
+
+    def _check(self, bucket: Bucket) -> None:
+        if bucket.decode > self.max_decode or bucket.prefill > self.max_prefill_tokens:
+            raise ValueError(f"{bucket} exceeds the buffers' maxima ({self.max_decode} decode rows, "
+                             f"{self.max_prefill_tokens} prefill tokens)")
+
+    def fill(self, plan: StepPlan, bucket: Bucket) -> None:
+        """Write ``plan`` into the host arena, padded to ``bucket``.
+
+        Logit rows come in plan order, live ones first: the last token of each prefill sequence,
+        then each decode row; the rest point at row 0 and their logits are ignored. Every entry
+        the bucket's inputs read is rewritten, so nothing from an earlier, larger step can reach
+        this one.
+        """
+        if not bucket.fits(plan, self.max_prefill_seqs):
+            raise ValueError(f"plan ({plan.num_decode} decodes, {plan.num_prefill_tokens} prefill tokens in "
+                             f"{plan.num_prefill} sequences) does not fit {bucket}")
+        self._check(bucket)
+        if self._copy_done is not None:
+            # the previous step's copy must have left the host arena before we overwrite it
+            self._copy_done.synchronize()
+        h, B, Tp = self.arena.np, bucket.decode, bucket.prefill
+        n_pre, n_dec, tp = plan.num_prefill, plan.num_decode, plan.num_prefill_tokens
+        ids = h["input_ids"][: Tp + B]
+        ids[:tp] = plan.prefill_tokens
+        ids[tp:Tp] = 0
+        ids[Tp : Tp + n_dec] = plan.decode_tokens
+        ids[Tp + n_dec :] = 0
+        h["decode_slots"][:n_dec] = plan.decode_slots
+        h["decode_slots"][n_dec:B] = PAD_SLOT_ID
+        h["decode_kv_lens"][:n_dec] = plan.decode_context + 1
+        h["decode_kv_lens"][n_dec:B] = 0
+        if Tp:
+            fill_prefill_metadata(self._prefill_meta(h, Tp), plan.prefill_lens, plan.prefill_slots,
+                                  plan.prefill_context > 0, plan.prefill_context)
+        rows = h["logit_rows"][: (self.max_prefill_seqs if Tp else 0) + B]
+        rows[:n_pre] = np.cumsum(plan.prefill_lens) - 1
+        rows[n_pre : n_pre + n_dec] = Tp + np.arange(n_dec)
+        rows[n_pre + n_dec :] = 0
+
+    def upload(self) -> None:
+        """The step's one host-to-device copy (asynchronous on the current stream)."""
+        if self.arena.device is self.arena.host:
+            return
+        self.arena.device.copy_(self.arena.host, non_blocking=True)
+        self._copy_done.record()

@@ -1,0 +1,51 @@
+"""Tiny random HF checkpoints of both architectures, saved with save_pretrained."""
+
+import torch
+from transformers import Mamba2Config, Mamba2ForCausalLM, NemotronHConfig, NemotronHForCausalLM
+
+VOCAB = 96
+
+
+def mamba2_config(**kw):
+    base = dict(
+        hidden_size=32, expand=2, num_heads=8, head_dim=8, n_groups=2, state_size=16, conv_kernel=4,
+        chunk_size=8, num_hidden_layers=3, vocab_size=VOCAB, tie_word_embeddings=True,
+        residual_in_fp32=True, eos_token_id=0, pad_token_id=0, bos_token_id=0,
+    )
+    return Mamba2Config(**{**base, **kw})
+
+
+def nemotron_h_config(**kw):
+    base = dict(
+        hidden_size=32, mamba_num_heads=8, mamba_head_dim=8, n_groups=2, ssm_state_size=16,
+        conv_kernel=4, chunk_size=8, vocab_size=VOCAB,
+        layers_block_type=["mamba", "attention", "mlp", "mamba", "moe", "attention", "mamba"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        moe_shared_expert_intermediate_size=24, n_group=2, topk_group=1,
+        # NemotronH clamps dt at time_step_min in prefill only: keep it small (DESIGN.md)
+        time_step_min=1e-6, eos_token_id=0, pad_token_id=0, bos_token_id=0,
+    )
+    return NemotronHConfig(**{**base, **kw})
+
+
+def save_tiny(kind: str, path, seed: int = 0, **kw):
+    """Build a tiny random model of ``kind`` ("mamba2" or "nemotron_h"), perturb the parameters
+    HF initialises to constants (so the test sees them), save it to ``path`` and return it."""
+    torch.manual_seed(seed)
+    if kind == "mamba2":
+        model = Mamba2ForCausalLM(mamba2_config(**kw))
+    else:
+        model = NemotronHForCausalLM(nemotron_h_config(**kw))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith((".D", "norm.weight", "norm_f.weight", "conv1d.bias", "e_score_correction_bias")):
+                p.add_(0.1 * torch.randn_like(p))
+            elif name.endswith("gate.weight") or name.endswith(("experts.up_proj", "experts.down_proj")):
+                p.normal_(0, 0.3)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)
+    model.eval()
+    model.save_pretrained(path)
+    return model

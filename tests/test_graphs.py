@@ -1,0 +1,164 @@
+"""Step buffers, buckets and the runner: padding is inert, graphs equal eager, no allocation or
+sync in steady state, one host-to-device copy per step."""
+
+import numpy as np
+import pytest
+import torch
+
+from mambastep.graphs.buckets import BucketSet
+from mambastep.graphs.runner import Runner
+from mambastep.runtime.model import Model
+from mambastep.runtime.plan import StepPlan
+from mambastep.runtime.state_pool import StatePool
+from mambastep.runtime.step_buffers import Bucket
+
+BUCKETS = BucketSet(decode=(1, 4, 8), mixed_decode=(0, 4, 8), prefill=(32, 64), max_prefill_seqs=4)
+SLOTS = 8
+
+
+def make_runner(model, **kw):
+    pool = StatePool(model.cfg, SLOTS, max_context=128, dtype=model.dtype, device=model.device)
+    return Runner(model, pool, kw.pop("buckets", BUCKETS), max_prefill_tokens=128, **kw)
+
+
+def tokens(n, seed):
+    return np.random.default_rng(seed).integers(1, 500, n).tolist()
+
+
+def script():
+    """A few steps: prompts (one chunked), then mixed steps, then decodes."""
+    return [
+        StepPlan.make([(tokens(9, 1), 0, 0), (tokens(20, 2), 3, 0)]),
+        StepPlan.make([(tokens(13, 3), 5, 0)], [(7, 0, 9), (8, 3, 20)]),
+        StepPlan.make([(tokens(6, 4), 5, 13)], [(9, 0, 10), (10, 3, 21)]),
+        StepPlan.make(decode=[(11, 0, 11), (12, 3, 22), (13, 5, 19)]),
+        StepPlan.make(decode=[(14, 0, 12)]),
+    ]
+
+
+def run_script(runner, plans):
+    return [runner.run(p).clone() for p in plans]
+
+
+UNUSED_SLOTS = [1, 2, 4, 6, 7]
+
+
+def poison(runner):
+    """Leave the buffers as a larger earlier step would, then garbage in every host arena byte
+    and NaN in every slot the script does not use."""
+    runner.run(StepPlan.make([(tokens(60, 9), 6, 0)], [(1, s, 0) for s in (1, 2, 4, 7)]))
+    runner.buffers.arena.host.fill_(0xAB)
+    for t in runner.pool.tensors():
+        t[UNUSED_SLOTS] = float("nan")
+
+
+@pytest.fixture(scope="module")
+def cpu_model():
+    return Model.from_preset("tiny-hybrid", dtype=torch.float32)
+
+
+def test_poisoned_buffers_change_nothing_cpu(cpu_model):
+    clean = run_script(make_runner(cpu_model), script())
+    dirty_runner = make_runner(cpu_model)
+    poison(dirty_runner)
+    dirty = run_script(dirty_runner, script())
+    for a, b in zip(clean, dirty):
+        assert torch.equal(a, b)
+
+
+def test_plans_above_every_bucket_run_eagerly(cpu_model):
+    runner = make_runner(cpu_model)
+    big = StepPlan.make([(tokens(100, 5), 0, 0)])
+    assert BUCKETS.choose(big) is None
+    assert runner.bucket_for(big) == Bucket(0, 100)
+    assert runner.run(big).shape == (1, cpu_model.cfg.vocab_size)
+
+
+def test_bucket_choice():
+    plan = StepPlan.make([(tokens(33, 1), 0, 0)], [(1, 1, 3)] * 5)
+    assert BUCKETS.choose(plan) == Bucket(8, 64)
+    assert BUCKETS.choose(StepPlan.make(decode=[(1, 1, 3)] * 3)) == Bucket(4)
+    assert BUCKETS.choose(StepPlan.make(decode=[(1, 1, 3)] * 9)) is None
+    assert BUCKETS.choose(StepPlan.make([(tokens(2, 1), s, 0) for s in range(5)])) is None  # > 4 seqs
+    order = BUCKETS.all()
+    assert order[0] == Bucket(8, 64) and sorted(order, reverse=True, key=lambda b: b.decode + b.prefill) == order
+
+
+def test_bucket_set_round_trips(tmp_path):
+    BUCKETS.save(tmp_path / "b.json")
+    assert BucketSet.load(tmp_path / "b.json") == BUCKETS
+    with pytest.raises(ValueError, match="decode"):
+        BucketSet(decode=(0, 4))
+
+
+@pytest.fixture(scope="module")
+def gpu_model():
+    return Model.from_preset("tiny-hybrid", dtype=torch.bfloat16, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overlap", [False, True])
+def test_graph_replay_equals_eager(gpu_model, overlap):
+    eager = run_script(make_runner(gpu_model, overlap=overlap), script())
+    runner = make_runner(gpu_model, overlap=overlap)
+    report = runner.capture(progress=False)
+    assert report.graphs == len(BUCKETS.all())
+    graphed = run_script(runner, script())
+    for a, b in zip(eager, graphed):
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_fork_changes_no_result(gpu_model):
+    plain, forked = make_runner(gpu_model, overlap=False), make_runner(gpu_model, overlap=True)
+    for r in (plain, forked):
+        r.capture(progress=False)
+    for a, b in zip(run_script(plain, script()), run_script(forked, script())):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_poisoned_buffers_change_nothing_gpu(gpu_model):
+    clean_runner = make_runner(gpu_model)
+    clean_runner.capture(progress=False)
+    clean = run_script(clean_runner, script())
+    dirty_runner = make_runner(gpu_model)
+    dirty_runner.capture(progress=False)
+    poison(dirty_runner)
+    for a, b in zip(clean, run_script(dirty_runner, script())):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_steady_state_allocates_nothing_and_never_syncs(gpu_model):
+    runner = make_runner(gpu_model)
+    runner.capture(progress=False)
+    plans = script()
+    run_script(runner, plans)  # first use of every bucket outside the check
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(20):
+            for p in plans:
+                runner.run(p)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == before
+
+
+@pytest.mark.gpu
+def test_one_host_to_device_copy_per_step(gpu_model):
+    runner = make_runner(gpu_model)
+    runner.capture(progress=False)
+    plans = script()
+    run_script(runner, plans)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for p in plans:
+            runner.run(p)
+        torch.cuda.synchronize()
+    h2d = [e for e in prof.events() if "HtoD" in e.name]
+    assert len(h2d) == len(plans)

@@ -1,0 +1,164 @@
+"""mambastep's model, loaded through its own checkpoint loader, equals HF transformers (CPU, fp32)."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from hf_models import VOCAB, save_tiny
+from mambastep.graphs.buckets import BucketSet
+from mambastep.graphs.runner import Runner
+from mambastep.runtime.config import ConfigError, ModelConfig
+from mambastep.runtime.model import Model
+from mambastep.runtime.plan import StepPlan
+from mambastep.runtime.state_pool import StatePool
+from mambastep.runtime.step_buffers import Bucket
+from mambastep.runtime.weights import WeightError
+from support import assert_close
+
+KINDS = ["mamba2", "nemotron_h"]
+PROMPT_LENS = [1, 7, 8, 9, 21]
+
+
+def prompts(lens=PROMPT_LENS, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in lens]
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def pair(request, tmp_path_factory):
+    """(HF model, our model loaded from the HF checkpoint) for each architecture."""
+    path = tmp_path_factory.mktemp(request.param)
+    hf = save_tiny(request.param, path)
+    return hf, Model.from_pretrained(path, dtype=torch.float32)
+
+
+# Small buckets, so steps are padded (rows, tokens and sequences) as they are on a GPU.
+BUCKETS = BucketSet(decode=(1, 2, 4, 8), mixed_decode=(0, 2, 8), prefill=(16, 32, 64), max_prefill_seqs=6)
+
+
+def new_runner(model, slots=8):
+    pool = StatePool(model.cfg, slots, max_context=96, dtype=model.dtype, device=model.device)
+    return Runner(model, pool, BUCKETS, max_prefill_tokens=96)
+
+
+def step(runner, prefill=(), decode=()):
+    """Logits of one step: prefill = [(ids, slot, context)], decode = [(id, slot, context)]."""
+    return runner.run(StepPlan.make(prefill, decode)).clone()
+
+
+def greedy(model, prompt_list, n_new):
+    """Prefill every prompt in one step, then decode them together, greedily."""
+    runner = new_runner(model, len(prompt_list))
+    logits = step(runner, [(p, slot, 0) for slot, p in enumerate(prompt_list)])
+    out = [[t] for t in logits.argmax(-1).tolist()]
+    lens = [len(p) for p in prompt_list]
+    for _ in range(n_new - 1):
+        logits = step(runner, decode=[(o[-1], slot, n) for slot, (o, n) in enumerate(zip(out, lens))])
+        lens = [n + 1 for n in lens]
+        for o, t in zip(out, logits.argmax(-1).tolist()):
+            o.append(t)
+    return out
+
+
+@torch.no_grad()
+def test_prefill_logits_match_hf(pair):
+    hf, ours = pair
+    ps = prompts()
+    runner = new_runner(ours)
+    plan = StepPlan.make([(p, slot, 0) for slot, p in enumerate(ps)])
+    bucket = Bucket(0, 64)
+    runner.buffers.fill(plan, bucket)
+    runner.buffers.upload()
+    # logits at every position of every prompt, not just the last
+    inputs = dataclasses.replace(runner.buffers.inputs(bucket), logit_rows=torch.arange(plan.num_prefill_tokens))
+    logits = ours.forward(inputs, runner.pool)
+    ref = torch.cat([hf(torch.tensor([p])).logits[0] for p in ps])
+    assert_close(logits, ref)
+
+
+@torch.no_grad()
+def test_greedy_tokens_match_hf_generate(pair):
+    hf, ours = pair
+    ps = prompts(seed=1)
+    got = greedy(ours, ps, 32)
+    # no stop token: HF must generate all 32 tokens, as our loop does
+    hf.generation_config.eos_token_id = None
+    for p, tokens in zip(ps, got):
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False)
+        assert tokens == ref[0, len(p):].tolist()
+
+
+@torch.no_grad()
+def test_chunked_prefill_equals_one_prefill(pair):
+    _, ours = pair
+    p = prompts([29], seed=2)[0]
+    whole = step(new_runner(ours), [(p, 3, 0)])
+    runner = new_runner(ours)
+    for start, end in ((0, 5), (5, 17), (17, 29)):
+        last = step(runner, [(p[start:end], 3, start)])
+    assert_close(last, whole)
+
+
+@torch.no_grad()
+def test_mixed_step_equals_separate_steps(pair):
+    """One forward with prompts in prefill and others in decode equals running them apart."""
+    _, ours = pair
+    a, b, c = prompts([11, 6, 17], seed=3)
+    mixed, apart = new_runner(ours), new_runner(ours)
+    for runner in (mixed, apart):
+        step(runner, [(a, 0, 0), (b, 5, 0)])
+    decode = [(7, 0, 11), (9, 5, 6)]
+    both = step(mixed, [(c, 2, 0)], decode)
+    alone_prefill = step(apart, [(c, 2, 0)])
+    alone_decode = step(apart, decode=decode)
+    assert_close(both, torch.cat([alone_prefill, alone_decode]))
+    for x, y in zip(mixed.pool.tensors(), apart.pool.tensors()):
+        assert_close(x, y)
+
+
+def test_missing_tensor_is_named(tmp_path):
+    save_tiny("nemotron_h", tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    victim = next(k for k in tensors if "mixer.A_log" in k)
+    del tensors[victim]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(WeightError, match="A_log: missing"):
+        Model.from_pretrained(tmp_path, dtype=torch.float32)
+
+
+def test_misshaped_tensor_is_named(tmp_path):
+    save_tiny("mamba2", tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    key = next(k for k in tensors if k.endswith("layers.1.mixer.out_proj.weight"))
+    tensors[key] = tensors[key][:, :-1].contiguous()
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(WeightError, match=r"layers\.1\.mixer\.out_proj\.weight: expected shape"):
+        Model.from_pretrained(tmp_path, dtype=torch.float32)
+
+
+def test_unknown_architecture_is_refused(tmp_path):
+    save_tiny("mamba2", tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["model_type"], cfg["architectures"] = "llama", ["LlamaForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="model_type: unsupported 'llama'"):
+        Model.from_pretrained(tmp_path)
+
+
+def test_sharded_checkpoint_loads_the_same(tmp_path):
+    hf = save_tiny("nemotron_h", tmp_path / "one")
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    one = Model.from_pretrained(tmp_path / "one", dtype=torch.float32)
+    sharded = Model.from_pretrained(tmp_path / "sharded", dtype=torch.float32)
+    plan = [(p, slot, 0) for slot, p in enumerate(prompts([5, 9]))]
+    assert torch.equal(step(new_runner(one), plan), step(new_runner(sharded), plan))
+
+
+def test_inconsistent_config_names_the_field():
+    with pytest.raises(ConfigError, match="n_groups"):
+        ModelConfig(architecture="mamba2", vocab_size=10, hidden_size=8, layer_types=("mamba",),
+                    mamba_num_heads=6, n_groups=4)

@@ -1,0 +1,135 @@
+"""Kernel benchmarks: the device copy bandwidth (the memory ceiling), the selective state update
+as achieved bandwidth against it, and the chunked SSD scan as time and TFLOP/s beside the plain
+torch chunked implementation, at Nemotron-H-8B mamba shapes."""
+
+from __future__ import annotations
+
+import datetime
+import sys
+
+import torch
+from tqdm import tqdm
+
+# Nemotron-H-8B mamba mixer shapes (shared/DESIGN.md).
+H, P, N, G, CHUNK = 128, 64, 128, 8, 128
+
+
+def median_ms(fn, warmup_ms=25, rep_ms=100) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src))
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def bench_state_update(batch: int, state_dtype: torch.dtype, bandwidth: float) -> dict:
+    from mambastep.kernels.state_update import selective_state_update
+
+    dtype = torch.bfloat16
+    dev = "cuda"
+    # rotate over enough slots that the state pool is far larger than L2
+    slots_total = max(4 * batch, 64)
+    state = torch.randn(slots_total, H, P, N, device=dev).to(state_dtype)
+    x = torch.randn(batch, H, P, device=dev, dtype=dtype)
+    z = torch.randn(batch, H, P, device=dev, dtype=dtype)
+    dt = torch.randn(batch, H, device=dev, dtype=dtype)
+    A = -torch.rand(H, device=dev) - 0.5
+    B = torch.randn(batch, G, N, device=dev, dtype=dtype)
+    C = torch.randn(batch, G, N, device=dev, dtype=dtype)
+    D = torch.randn(H, device=dev)
+    dt_bias = torch.randn(H, device=dev)
+    out = torch.empty_like(x)
+    perms = [torch.randperm(slots_total, device=dev)[:batch].int() for _ in range(4)]
+    it = iter(range(1 << 62))
+
+    def step():
+        slot_idx = perms[next(it) % len(perms)]
+        selective_state_update(state, x, dt, A, B, C, D, slot_idx, z=z, dt_bias=dt_bias, out=out)
+
+    ms = median_ms(step)
+    es = state.element_size()
+    nbytes = 2 * batch * H * P * N * es + batch * (3 * H * P + H + 2 * G * N) * x.element_size()
+    return {
+        "op": "state_update", "batch": batch, "state_dtype": str(state_dtype).removeprefix("torch."),
+        "ms": ms, "GB/s": nbytes / (ms * 1e-3) / 1e9, "of_copy_bw": nbytes / (ms * 1e-3) / bandwidth,
+    }
+
+
+def _ssd_inputs(n_seqs: int, seq_len: int, dtype=torch.bfloat16):
+    from mambastep.kernels.varlen import PrefillMetadata
+
+    dev = "cuda"
+    T = n_seqs * seq_len
+    x = torch.randn(T, H, P, device=dev, dtype=dtype)
+    dt = torch.randn(T, H, device=dev, dtype=dtype)
+    A = -torch.rand(H, device=dev) - 0.5
+    B = torch.randn(T, G, N, device=dev, dtype=dtype) / N**0.5
+    C = torch.randn(T, G, N, device=dev, dtype=dtype) / N**0.5
+    D = torch.randn(H, device=dev)
+    z = torch.randn(T, H, P, device=dev, dtype=dtype)
+    dt_bias = torch.randn(H, device=dev) - 2
+    state = torch.randn(n_seqs, H, P, N, device=dev, dtype=dtype)
+    meta = PrefillMetadata.build(
+        [seq_len] * n_seqs, list(range(n_seqs)), [1] * n_seqs, chunk_size=CHUNK, device=dev
+    )
+    return dict(x=x, dt=dt, A=A, B=B, C=C, D=D, ssm_state=state, meta=meta, z=z, dt_bias=dt_bias)
+
+
+def ssd_flops(tokens: int, chunk: int = CHUNK) -> float:
+    """Matrix FLOPs of the chunked scan per token and head: C B^T and its product with x over a
+    chunk (2 L N + 2 L P), the chunk state and the state-to-output product (2 P N each)."""
+    return tokens * H * (2 * chunk * (N + P) + 4 * P * N)
+
+
+def bench_ssd(n_seqs: int, seq_len: int) -> dict:
+    from mambastep.kernels.ssd import SSDWorkspace, ssd_scan_chunked_torch, ssd_scan_triton
+
+    args = _ssd_inputs(n_seqs, seq_len)
+    meta = args["meta"]
+    ws = SSDWorkspace.for_shapes(
+        max_tokens=meta.max_tokens, max_chunks=meta.max_chunks, n_heads=H, head_dim=P,
+        d_state=N, n_groups=G, chunk_size=CHUNK, device="cuda",
+    )
+    out = torch.empty_like(args["x"])
+    tri_ms = median_ms(lambda: ssd_scan_triton(**args, out=out, workspace=ws))
+    torch_ms = median_ms(lambda: ssd_scan_chunked_torch(**args), warmup_ms=10, rep_ms=50)
+    flops = ssd_flops(n_seqs * seq_len)
+    return {
+        "op": "ssd_scan", "shape": f"{n_seqs}x{seq_len}", "ms": tri_ms, "TFLOP/s": flops / tri_ms / 1e9,
+        "torch_ms": torch_ms, "speedup": torch_ms / tri_ms,
+    }
+
+
+def run() -> dict:
+    torch.manual_seed(0)
+    bw = copy_bandwidth()
+    cases = [("state_update", b, dt) for dt in (torch.bfloat16, torch.float32) for b in (1, 8, 64, 256)]
+    cases += [("ssd", n, l) for n, l in ((1, 223), (8, 2048), (64, 512))]
+    rows = []
+    for kind, a, b in tqdm(cases, desc="kernel benchmarks", file=sys.stderr):
+        rows.append(bench_state_update(a, b, bw) if kind == "state_update" else bench_ssd(a, b))
+    return {
+        "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__, "copy_GB/s": bw / 1e9, "rows": rows,
+    }
+
+
+def print_table(result: dict) -> None:
+    print(f"\n{result['device']}, {result['date']}, torch {result['torch']}, "
+          f"copy bandwidth {result['copy_GB/s']:.0f} GB/s (read + write)")
+    print(f"shapes: H={H} P={P} N={N} G={G} chunk={CHUNK}, bf16 inputs")
+    print("| op | case | time (ms) | achieved | baseline (torch) | speed-up |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in result["rows"]:
+        if r["op"] == "state_update":
+            print(f"| state update | B={r['batch']} {r['state_dtype']} state | {r['ms']:.4f} | "
+                  f"{r['GB/s']:.0f} GB/s ({100 * r['of_copy_bw']:.0f}% of copy) | | |")
+        else:
+            print(f"| SSD scan | {r['shape']} tokens | {r['ms']:.3f} | {r['TFLOP/s']:.1f} TFLOP/s | "
+                  f"{r['torch_ms']:.2f} ms | {r['speedup']:.1f}x |")

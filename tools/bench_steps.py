@@ -1,0 +1,153 @@
+"""Step benchmarks: decode steps eager vs CUDA graph beside the HBM floor, and mixed
+prefill/decode steps with and without the forked stream beside separate steps.
+
+Every number is a median of per-step wall times, each step synchronised (the latency a caller
+that waits for its tokens sees), on presets with random weights.
+"""
+
+from __future__ import annotations
+
+import datetime
+import statistics
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+from ..graphs.buckets import BucketSet
+from ..graphs.runner import Runner
+from ..runtime.model import Model
+from ..runtime.plan import StepPlan
+from ..runtime.state_pool import StatePool
+from .bench_kernels import copy_bandwidth
+
+DECODE_BATCHES = (1, 8, 32, 128, 256)
+MIXED_DECODE = (16, 64)
+PREFILL_CHUNKS = (223, 512, 2048)
+CONTEXT = 256  # tokens already in each decode row's slot
+
+
+def step_ms(runner: Runner, plan: StepPlan, iters: int = 30) -> float:
+    for _ in range(3):
+        runner.run(plan)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        runner.run(plan)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def decode_plan(batch: int, first_slot: int = 0) -> StepPlan:
+    return StepPlan.make(decode=[(1 + i, first_slot + i, CONTEXT) for i in range(batch)])
+
+
+def prefill_plan(tokens: int, slot: int) -> StepPlan:
+    ids = torch.randint(1, 1000, (tokens,)).tolist()
+    return StepPlan.make([(ids, slot, 0)])
+
+
+def hbm_floor_bytes(model: Model, pool: StatePool, batch: int) -> int:
+    """Bytes a decode step must move: every weight once (the embedding table only for the LM
+    head, when tied; else only the gathered rows), each row's states read and written, and each
+    attention row's KV read (plus the new key and value written)."""
+    cfg = model.cfg
+    seen, weights = set(), 0
+    for t in _weights(model):
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            weights += t.numel() * t.element_size()
+    if not cfg.tie_word_embeddings:
+        weights -= model.embed.numel() * model.embed.element_size()
+    state = 0
+    for i in cfg.layers_of("mamba"):
+        conv, ssm = pool.conv[i], pool.ssm[i]
+        state += 2 * (conv[0].numel() * conv.element_size() + ssm[0].numel() * ssm.element_size())
+    for i in cfg.layers_of("attention"):
+        per_pos = pool.k[i][0, 0].numel() * pool.k[i].element_size() * 2
+        state += per_pos * (CONTEXT + 2)
+    return weights + batch * state
+
+
+def _weights(model: Model):
+    yield model.embed
+    yield model.lm_head
+    yield from model.norms
+    yield model.norm_f
+    for layer in model.layers:
+        yield from (v for v in vars(layer).values() if isinstance(v, torch.Tensor))
+        for v in vars(layer).values():
+            if isinstance(v, tuple):
+                yield from (t for t in v if isinstance(t, torch.Tensor))
+
+
+def bench_preset(name: str, bandwidth: float, progress: bool) -> dict:
+    torch.manual_seed(0)
+    model = Model.from_preset(name, dtype=torch.bfloat16, device="cuda")
+    slots = max(DECODE_BATCHES) + max(MIXED_DECODE) + 1
+    pool = StatePool(model.cfg, slots, max_context=CONTEXT + 2 * max(PREFILL_CHUNKS), dtype=torch.bfloat16,
+                     device="cuda")
+    for t in pool.tensors():
+        t.normal_(0, 0.1)
+    buckets = BucketSet(decode=DECODE_BATCHES, mixed_decode=(0, *MIXED_DECODE), prefill=(256, 512, 2048),
+                        max_prefill_seqs=1)
+    eager = Runner(model, pool, buckets, overlap=False)
+    forked = Runner(model, pool, buckets, overlap=True)
+    unforked = Runner(model, pool, buckets, overlap=False)
+    reports = [str(forked.capture(progress=progress)),
+               str(unforked.capture([b for b in buckets.all() if b.prefill], progress=progress))]
+    rows = []
+    for batch in tqdm(DECODE_BATCHES, desc=f"{name} decode", disable=not progress):
+        plan = decode_plan(batch)
+        e, g = step_ms(eager, plan), step_ms(forked, plan)
+        floor = hbm_floor_bytes(model, pool, batch) / bandwidth * 1e3
+        rows.append({"kind": "decode", "batch": batch, "eager_ms": e, "graph_ms": g, "floor_ms": floor})
+    prefill_slot = slots - 1
+    for d in tqdm(MIXED_DECODE, desc=f"{name} mixed", disable=not progress):
+        for c in PREFILL_CHUNKS:
+            pre = prefill_plan(c, prefill_slot)
+            mixed = StepPlan.make(
+                [(pre.prefill_tokens.tolist(), prefill_slot, 0)],
+                [(1 + i, i, CONTEXT) for i in range(d)],
+            )
+            rows.append({
+                "kind": "mixed", "decode": d, "prefill": c,
+                "forked_ms": step_ms(forked, mixed), "unforked_ms": step_ms(unforked, mixed),
+                "separate_ms": step_ms(forked, decode_plan(d)) + step_ms(forked, pre),
+            })
+    del eager, forked, unforked, pool, model
+    torch.cuda.empty_cache()
+    return {"preset": name, "capture": reports, "rows": rows}
+
+
+def run(presets=("mamba2-130m", "nemotron-h-8b"), progress: bool = True) -> dict:
+    bandwidth = copy_bandwidth()
+    return {
+        "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__, "copy_GB/s": bandwidth / 1e9,
+        "presets": [bench_preset(p, bandwidth, progress) for p in presets],
+    }
+
+
+def print_table(result: dict) -> None:
+    print(f"\n{result['device']}, {result['date']}, torch {result['torch']}, "
+          f"copy bandwidth {result['copy_GB/s']:.0f} GB/s; bf16 weights, fp32 SSM state, context {CONTEXT}")
+    for p in result["presets"]:
+        print(f"\n{p['preset']}: " + "; ".join(p["capture"]))
+        print("| decode batch | eager (ms) | graph (ms) | eager/graph | HBM floor (ms) | graph/floor |")
+        print("| --- | --- | --- | --- | --- | --- |")
+        for r in p["rows"]:
+            if r["kind"] == "decode":
+                print(f"| {r['batch']} | {r['eager_ms']:.3f} | {r['graph_ms']:.3f} | "
+                      f"{r['eager_ms'] / r['graph_ms']:.1f}x | {r['floor_ms']:.3f} | "
+                      f"{r['graph_ms'] / r['floor_ms']:.2f}x |")
+        print("| decode + prefill chunk | forked (ms) | unforked (ms) | fork gain | separate steps (ms) |")
+        print("| --- | --- | --- | --- | --- |")
+        for r in p["rows"]:
+            if r["kind"] == "mixed":
+                gain = 1 - r["forked_ms"] / r["unforked_ms"]
+                print(f"| {r['decode']} + {r['prefill']} | {r['forked_ms']:.3f} | {r['unforked_ms']:.3f} | "
+                      f"{100 * gain:.0f}% | {r['separate_ms']:.3f} |")

@@ -92,10 +92,7 @@ def bench_ssd(n_seqs: int, seq_len: int) -> dict:
 
     args = _ssd_inputs(n_seqs, seq_len)
     meta = args["meta"]
-    ws = SSDWorkspace.for_shapes(
-        max_tokens=meta.max_tokens, max_chunks=meta.max_chunks, n_heads=H, head_dim=P,
-        d_state=N, n_groups=G, chunk_size=CHUNK, device="cuda",
-    )
+    ws = SSDWorkspace.allocate(meta.max_chunks, H, P, N, CHUNK, "cuda")
     out = torch.empty_like(args["x"])
     tri_ms = median_ms(lambda: ssd_scan_triton(**args, out=out, workspace=ws))
     torch_ms = median_ms(lambda: ssd_scan_chunked_torch(**args), warmup_ms=10, rep_ms=50)

@@ -1,0 +1,461 @@
+"""Chunked SSD scan (Mamba2 prefill) over packed variable-length sequences.
+
+Four kernels run over the *logical* chunks of ``PrefillMetadata`` (aligned to each sequence's
+start, never spanning two sequences), plus one that zeroes the output rows nobody owns:
+
+1. ``_chunk_cumsum_kernel``   per chunk, head block: dt' and the within-chunk cumsum of dt' A
+2. ``_chunk_state_kernel``    per chunk, head, state tile: the chunk's own final state
+                              sum_l exp(cs_end - cs_l) dt'_l x_l B_l^T
+3. ``_state_passing_kernel``  per sequence, head, state tile: walks the sequence's chunks from its
+                              initial state, leaves each chunk's start state in the workspace and
+                              writes the final state to the sequence's slot
+4. ``_chunk_scan_kernel``     per chunk, row block, head, head-dim block:
+                              y = exp(cs) C h_start + (C B^T * decay * causal) (dt' x) + D x,
+                              gated by silu(z)
+5. ``_zero_skipped_rows_kernel`` zeroes rows of padding tokens and of skipped sequences
+
+Launch shapes come from static sizes only (max_tokens, max_chunks, max_seqs, H, P, N) and block
+sizes from a fixed function of (chunk_size, P, N, dtype): no host sync, no autotuning (the scan
+mutates the state pool, so a tuning rerun would apply it twice), nothing allocated when ``out``
+and ``workspace`` are given, so it can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .ssd_reference import ssd_scan_chunked_torch, ssd_scan_ref
+from .varlen import PrefillMetadata
+
+__all__ = ["SSDWorkspace", "ssd_scan", "ssd_scan_triton", "ssd_scan_ref", "ssd_scan_chunked_torch"]
+
+
+@dataclass
+class SSDWorkspace:
+    """Scratch buffers of one scan, sized from static dims; reusable by every layer of a stream.
+
+    dt:        [max_chunks, H, chunk_size]  fp32  dt' per chunk position, 0 past the chunk's end
+    dA_cumsum: [max_chunks, H, chunk_size]  fp32  within-chunk inclusive cumsum of dt' A
+    states:    [max_chunks, H, P, N]        fp32  each chunk's own final state, then (in place)
+                                                  the state the chunk starts from
+    """
+
+    dt: torch.Tensor
+    dA_cumsum: torch.Tensor
+    states: torch.Tensor
+
+    @classmethod
+    def allocate(cls, max_chunks: int, H: int, P: int, N: int, chunk_size: int, device) -> "SSDWorkspace":
+        """Workspace for up to ``max_chunks`` chunks (see ``varlen.max_chunks_for``)."""
+        f32 = dict(dtype=torch.float32, device=device)
+        return cls(
+            dt=torch.empty(max_chunks, H, chunk_size, **f32),
+            dA_cumsum=torch.empty(max_chunks, H, chunk_size, **f32),
+            states=torch.empty(max_chunks, H, P, N, **f32),
+        )
+
+
+@triton.jit
+def _softplus(x):
+    # log1p(exp(x)) without a log1p: log(u) * e / (u - 1) with u = 1 + e is accurate to rounding
+    # even where 1 + e loses e's low bits (typical dt' is 1e-3..1e-1, i.e. x near -7..-2)
+    e = tl.exp(x)
+    u = 1.0 + e
+    lp = tl.where(u == 1.0, e, tl.log(u) * (e / (u - 1.0)))
+    # torch's threshold: above 20 softplus(x) == x in fp32
+    return tl.where(x > 20.0, x, lp)
+
+
+@triton.jit
+def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    # Triton's interpreter multiplies the raw bits of bf16 operands; there (CPU tensors) the
+    # launcher asks for an fp32 dot of the already-rounded operands, which is exact.
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _live_chunk(c, chunk_seq_ptr, slot_idx_ptr):
+    """Sequence of chunk c, or -1 when the chunk is unused or its sequence is skipped."""
+    seq = tl.load(chunk_seq_ptr + c)
+    slot = tl.load(slot_idx_ptr + tl.maximum(seq, 0))
+    return tl.where((seq >= 0) & (slot >= 0), seq, -1)
+
+
+@triton.jit
+def _chunk_cumsum_kernel(
+    dt_ptr, A_ptr, dt_bias_ptr, dt_out_ptr, cs_out_ptr,
+    chunk_seq_ptr, chunk_start_ptr, chunk_end_ptr, slot_idx_ptr,
+    H, dt_min, dt_max,
+    s_dt_t, s_dt_h,
+    CHUNK_SIZE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
+):
+    c = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    if _live_chunk(c, chunk_seq_ptr, slot_idx_ptr) < 0:
+        return
+    t0 = tl.load(chunk_start_ptr + c).to(tl.int64)
+    length = tl.load(chunk_end_ptr + c) - tl.load(chunk_start_ptr + c)
+
+    offs_l = tl.arange(0, BLOCK_L)
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < H
+    live = (offs_l[:, None] < length) & mask_h[None, :]
+    # [BLOCK_L, BLOCK_H]
+    dt = tl.load(dt_ptr + (t0 + offs_l[:, None]) * s_dt_t + offs_h[None, :] * s_dt_h,
+                 mask=live, other=0.0).to(tl.float32)
+    if HAS_DT_BIAS:
+        dt += tl.load(dt_bias_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)[None, :]
+    if DT_SOFTPLUS:
+        dt = _softplus(dt)
+    dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+    # positions past the chunk's end neither decay nor contribute, so later kernels may read the
+    # whole row and cs[CHUNK_SIZE - 1] is the decay of the whole chunk
+    dt = tl.where(live, dt, 0.0)
+    A = tl.load(A_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+    cs = tl.cumsum(dt * A[None, :], axis=0)
+
+    # workspace rows: [max_chunks, H, CHUNK_SIZE]
+    ws = (c.to(tl.int64) * H + offs_h[None, :]) * CHUNK_SIZE + offs_l[:, None]
+    in_chunk = (offs_l[:, None] < CHUNK_SIZE) & mask_h[None, :]
+    tl.store(dt_out_ptr + ws, dt, mask=in_chunk)
+    tl.store(cs_out_ptr + ws, cs, mask=in_chunk)
+
+
+@triton.jit
+def _chunk_state_kernel(
+    x_ptr, B_ptr, dt_ptr, cs_ptr, states_ptr,
+    chunk_seq_ptr, chunk_start_ptr, chunk_end_ptr, slot_idx_ptr,
+    H, P, N, heads_per_group,
+    s_x_t, s_x_h, s_x_p, s_B_t, s_B_g, s_B_n,
+    CHUNK_SIZE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    pid_pn = tl.program_id(2)
+    if _live_chunk(c, chunk_seq_ptr, slot_idx_ptr) < 0:
+        return
+    t0 = tl.load(chunk_start_ptr + c).to(tl.int64)
+    length = tl.load(chunk_end_ptr + c) - tl.load(chunk_start_ptr + c)
+    g = h // heads_per_group
+
+    n_blocks_n = tl.cdiv(N, BLOCK_N)
+    offs_p = (pid_pn // n_blocks_n) * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = (pid_pn % n_blocks_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_p = offs_p < P
+    mask_n = offs_n < N
+    ws_row = (c.to(tl.int64) * H + h) * CHUNK_SIZE
+    cs_end = tl.load(cs_ptr + ws_row + CHUNK_SIZE - 1)
+
+    acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    for l0 in range(0, length, BLOCK_L):
+        offs_l = l0 + tl.arange(0, BLOCK_L)
+        mask_l = offs_l < length
+        tok = t0 + offs_l
+        # [BLOCK_P, BLOCK_L]: x transposed so the chunk's tokens are the contraction dim
+        xT = tl.load(x_ptr + tok[None, :] * s_x_t + h * s_x_h + offs_p[:, None] * s_x_p,
+                     mask=mask_l[None, :] & mask_p[:, None], other=0.0)
+        # [BLOCK_L, BLOCK_N]
+        b = tl.load(B_ptr + tok[:, None] * s_B_t + g * s_B_g + offs_n[None, :] * s_B_n,
+                    mask=mask_l[:, None] & mask_n[None, :], other=0.0)
+        cs = tl.load(cs_ptr + ws_row + offs_l, mask=mask_l, other=0.0)
+        dt = tl.load(dt_ptr + ws_row + offs_l, mask=mask_l, other=0.0)
+        # cs is non-increasing within the chunk, so the decay to its end is <= 1
+        w = tl.exp(cs_end - cs) * dt
+        b = (b.to(tl.float32) * w[:, None]).to(xT.dtype)
+        acc += _dot(xT, b, PRECISION, UPCAST)
+
+    # states: [max_chunks, H, P, N]
+    ptrs = states_ptr + ((c.to(tl.int64) * H + h) * P + offs_p[:, None]) * N + offs_n[None, :]
+    tl.store(ptrs, acc, mask=mask_p[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _state_passing_kernel(
+    states_ptr, cs_ptr, ssm_state_ptr,
+    slot_idx_ptr, has_initial_state_ptr, seq_chunk_start_ptr,
+    H, P, N,
+    s_st_s, s_st_h, s_st_p, s_st_n,
+    CHUNK_SIZE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    pid_pn = tl.program_id(2)
+    slot = tl.load(slot_idx_ptr + s).to(tl.int64)
+    # int64 so the loop variable below indexes the workspace without overflow
+    c0 = tl.load(seq_chunk_start_ptr + s).to(tl.int64)
+    c1 = tl.load(seq_chunk_start_ptr + s + 1).to(tl.int64)
+    if (slot < 0) | (c1 <= c0):
+        return
+
+    n_blocks_n = tl.cdiv(N, BLOCK_N)
+    offs_p = (pid_pn // n_blocks_n) * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = (pid_pn % n_blocks_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_p[:, None] < P) & (offs_n[None, :] < N)
+    pool = ssm_state_ptr + slot * s_st_s + h * s_st_h + offs_p[:, None] * s_st_p + offs_n[None, :] * s_st_n
+    # read the slot before this same program overwrites it at the end
+    state = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    if tl.load(has_initial_state_ptr + s) != 0:
+        state = tl.load(pool, mask=mask, other=0.0).to(tl.float32)
+
+    tile = offs_p[:, None] * N + offs_n[None, :]
+    for c in range(c0, c1):
+        ptrs = states_ptr + (c * H + h) * P * N + tile
+        local = tl.load(ptrs, mask=mask)
+        tl.store(ptrs, state, mask=mask)
+        decay = tl.exp(tl.load(cs_ptr + (c * H + h) * CHUNK_SIZE + CHUNK_SIZE - 1))
+        state = decay * state + local
+    tl.store(pool, state.to(ssm_state_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _chunk_scan_kernel(
+    x_ptr, z_ptr, B_ptr, C_ptr, D_ptr, out_ptr, dt_ptr, cs_ptr, states_ptr,
+    chunk_seq_ptr, chunk_start_ptr, chunk_end_ptr, slot_idx_ptr,
+    H, P, N, heads_per_group,
+    s_x_t, s_x_h, s_x_p, s_z_t, s_z_h, s_z_p, s_B_t, s_B_g, s_B_n, s_C_t, s_C_g, s_C_n,
+    s_o_t, s_o_h, s_o_p,
+    CHUNK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid_cm = tl.program_id(0)
+    h = tl.program_id(1)
+    pid_p = tl.program_id(2)
+    n_blocks_m: tl.constexpr = (CHUNK_SIZE + BLOCK_M - 1) // BLOCK_M
+    c = pid_cm // n_blocks_m
+    m0 = (pid_cm % n_blocks_m) * BLOCK_M
+    if _live_chunk(c, chunk_seq_ptr, slot_idx_ptr) < 0:
+        return
+    t0 = tl.load(chunk_start_ptr + c).to(tl.int64)
+    length = tl.load(chunk_end_ptr + c) - tl.load(chunk_start_ptr + c)
+    if m0 >= length:
+        return
+    g = h // heads_per_group
+    dtype = x_ptr.dtype.element_ty
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_m = offs_m < length
+    mask_p = offs_p < P
+    mask_n = offs_n < N
+    ws_row = (c.to(tl.int64) * H + h) * CHUNK_SIZE
+    cs_m = tl.load(cs_ptr + ws_row + offs_m, mask=mask_m, other=0.0)
+
+    # [BLOCK_M, BLOCK_N], kept for the whole program: C against the start state and every B block
+    cmat = tl.load(C_ptr + (t0 + offs_m)[:, None] * s_C_t + g * s_C_g + offs_n[None, :] * s_C_n,
+                   mask=mask_m[:, None] & mask_n[None, :], other=0.0).to(dtype)
+
+    # inter-chunk part: the start state decayed to each row, [BLOCK_N, BLOCK_P]
+    state = tl.load(states_ptr + ((c.to(tl.int64) * H + h) * P + offs_p[None, :]) * N + offs_n[:, None],
+                    mask=mask_n[:, None] & mask_p[None, :], other=0.0)
+    acc = _dot(cmat, state.to(dtype), PRECISION, UPCAST) * tl.exp(cs_m)[:, None]
+
+    # intra-chunk part: causal C B^T weighted by the decay between positions, against dt' x
+    k_end = tl.minimum(m0 + BLOCK_M, length)
+    for k0 in range(0, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < length
+        tok_k = t0 + offs_k
+        # [BLOCK_N, BLOCK_K]
+        bT = tl.load(B_ptr + tok_k[None, :] * s_B_t + g * s_B_g + offs_n[:, None] * s_B_n,
+                     mask=mask_k[None, :] & mask_n[:, None], other=0.0).to(dtype)
+        scores = _dot(cmat, bT, PRECISION, UPCAST)  # [BLOCK_M, BLOCK_K]
+        cs_k = tl.load(cs_ptr + ws_row + offs_k, mask=mask_k, other=0.0)
+        dt_k = tl.load(dt_ptr + ws_row + offs_k, mask=mask_k, other=0.0)
+        causal = (offs_m[:, None] >= offs_k[None, :]) & mask_k[None, :]
+        # select before exp: above the diagonal cs_m - cs_k > 0 could overflow
+        decay = tl.exp(tl.where(causal, cs_m[:, None] - cs_k[None, :], float("-inf")))
+        scores = scores * decay * dt_k[None, :]
+        # [BLOCK_K, BLOCK_P]
+        xk = tl.load(x_ptr + tok_k[:, None] * s_x_t + h * s_x_h + offs_p[None, :] * s_x_p,
+                     mask=mask_k[:, None] & mask_p[None, :], other=0.0)
+        acc += _dot(scores.to(dtype), xk, PRECISION, UPCAST)
+
+    tok_m = t0 + offs_m
+    mask_mp = mask_m[:, None] & mask_p[None, :]
+    if HAS_D:
+        xm = tl.load(x_ptr + tok_m[:, None] * s_x_t + h * s_x_h + offs_p[None, :] * s_x_p,
+                     mask=mask_mp, other=0.0).to(tl.float32)
+        acc += tl.load(D_ptr + h).to(tl.float32) * xm
+    if HAS_Z:
+        zm = tl.load(z_ptr + tok_m[:, None] * s_z_t + h * s_z_h + offs_p[None, :] * s_z_p,
+                     mask=mask_mp, other=0.0).to(tl.float32)
+        acc *= zm * tl.sigmoid(zm)
+    tl.store(out_ptr + tok_m[:, None] * s_o_t + h * s_o_h + offs_p[None, :] * s_o_p,
+             acc.to(out_ptr.dtype.element_ty), mask=mask_mp)
+
+
+@triton.jit
+def _zero_skipped_rows_kernel(
+    out_ptr, seq_idx_ptr, slot_idx_ptr,
+    T, P, s_o_t, s_o_h, s_o_p,
+    BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = offs_t < T
+    seq = tl.load(seq_idx_ptr + offs_t, mask=mask_t, other=0)
+    slot = tl.load(slot_idx_ptr + seq, mask=mask_t & (seq >= 0), other=-1)
+    dead = mask_t & (slot < 0)
+    rows = out_ptr + offs_t.to(tl.int64)[:, None] * s_o_t + h * s_o_h
+    zeros = tl.zeros((BLOCK_T, BLOCK_P), dtype=out_ptr.dtype.element_ty)
+    for p0 in range(0, P, BLOCK_P):
+        offs_p = p0 + tl.arange(0, BLOCK_P)
+        tl.store(rows + offs_p[None, :] * s_o_p, zeros, mask=dead[:, None] & (offs_p[None, :] < P))
+
+
+@dataclass(frozen=True)
+class _Blocks:
+    """Tile sizes per kernel: cumsum heads; state rows x P x N; passing P x N; scan rows x P x N."""
+
+    cumsum_h: int
+    state_l: int
+    state_p: int
+    state_n: int
+    pass_p: int
+    pass_n: int
+    scan_m: int
+    scan_p: int
+    scan_n: int
+    scan_stages: int
+    warps: int
+
+
+def _blocks(chunk_size: int, P: int, N: int, dtype: torch.dtype) -> _Blocks:
+    """Block sizes from static dims; tl.dot wants every dim >= 16 on the GPU.
+
+    bf16/fp16: 64-row tiles over 4 warps, so the scan's dots map onto Hopper's wgmma.
+    fp32 runs exact (ieee) FMA dots, which hold whole operand tiles in registers: 16-row tiles,
+    narrower state tiles and 8 warps keep ptxas from spilling (checked for sm_90, N <= 256).
+    """
+    p2 = triton.next_power_of_2
+    fp32 = dtype == torch.float32
+    rows = max(16, min(16 if fp32 else 64, p2(chunk_size)))
+    pass_n = p2(N)
+    return _Blocks(
+        cumsum_h=16,
+        state_l=rows,
+        state_p=max(16, min(64, p2(P))),
+        state_n=max(16, min(64 if fp32 else 128, p2(N))),
+        pass_p=max(1, min(p2(P), 2048 // pass_n)),
+        pass_n=pass_n,
+        scan_m=rows,
+        scan_p=max(16, min(64, p2(P))),
+        # the scan keeps C's whole state dim in one block: one dot per (C, B) pair
+        scan_n=max(16, p2(N)),
+        scan_stages=2 if fp32 or N > 128 else 3,
+        warps=8 if fp32 else 4,
+    )
+
+
+def _check(x, dt, A, B, C, D, z, dt_bias, ssm_state, meta, out, workspace):
+    T, H, P = x.shape
+    _, G, N = B.shape
+    if H % G:
+        raise ValueError(f"{H} heads do not split into {G} groups")
+    if meta.max_tokens != T:
+        raise ValueError(f"x has {T} rows but the metadata max_tokens is {meta.max_tokens}")
+    shapes = {"dt": (dt, (T, H)), "A": (A, (H,)), "B": (B, (T, G, N)), "C": (C, (T, G, N)),
+              "D": (D, (H,)), "z": (z, (T, H, P)), "dt_bias": (dt_bias, (H,)), "out": (out, (T, H, P))}
+    for name, (t, shape) in shapes.items():
+        if t is not None and tuple(t.shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {shape}")
+    if ssm_state.dim() != 4 or tuple(ssm_state.shape[1:]) != (H, P, N):
+        raise ValueError(f"ssm_state has shape {tuple(ssm_state.shape)}, expected [S, {H}, {P}, {N}]")
+    if workspace is not None:
+        want = (meta.max_chunks, H, meta.chunk_size)
+        if tuple(workspace.dt.shape) != want or tuple(workspace.states.shape) != (*want[:2], P, N):
+            raise ValueError("workspace was sized for other static dims")
+
+
+def ssd_scan_triton(x, dt, A, B, C, D, ssm_state, meta: PrefillMetadata, *, z=None, dt_bias=None,
+                    dt_softplus=True, dt_limit=(0.0, float("inf")), out=None,
+                    workspace: SSDWorkspace | None = None):
+    """Triton launcher of ``ssd_scan`` (CUDA tensors; CPU tensors need TRITON_INTERPRET=1)."""
+    _check(x, dt, A, B, C, D, z, dt_bias, ssm_state, meta, out, workspace)
+    T, H, P = x.shape
+    _, G, N = B.shape
+    cs_size, max_chunks, max_seqs = meta.chunk_size, meta.max_chunks, meta.max_seqs
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if workspace is None:
+        workspace = SSDWorkspace.allocate(max_chunks, H, P, N, cs_size, x.device)
+    ws = workspace
+    bl = _blocks(cs_size, P, N, x.dtype)
+    dot = dict(PRECISION="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=not x.is_cuda)
+    chunk_meta = (meta.chunk_seq, meta.chunk_start, meta.chunk_end, meta.slot_idx)
+
+    _chunk_cumsum_kernel[(max_chunks, triton.cdiv(H, bl.cumsum_h))](
+        dt, A, dt_bias if dt_bias is not None else A, ws.dt, ws.dA_cumsum, *chunk_meta,
+        H, float(dt_limit[0]), float(dt_limit[1]), dt.stride(0), dt.stride(1),
+        CHUNK_SIZE=cs_size, BLOCK_L=triton.next_power_of_2(cs_size), BLOCK_H=bl.cumsum_h,
+        HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus),
+    )
+    grid = (max_chunks, H, triton.cdiv(P, bl.state_p) * triton.cdiv(N, bl.state_n))
+    _chunk_state_kernel[grid](
+        x, B, ws.dt, ws.dA_cumsum, ws.states, *chunk_meta,
+        H, P, N, H // G, *x.stride(), *B.stride(),
+        CHUNK_SIZE=cs_size, BLOCK_L=bl.state_l, BLOCK_P=bl.state_p, BLOCK_N=bl.state_n, **dot,
+        num_warps=bl.warps,
+    )
+    grid = (max_seqs, H, triton.cdiv(P, bl.pass_p) * triton.cdiv(N, bl.pass_n))
+    _state_passing_kernel[grid](
+        ws.states, ws.dA_cumsum, ssm_state, meta.slot_idx, meta.has_initial_state,
+        meta.seq_chunk_start, H, P, N, *ssm_state.stride(),
+        CHUNK_SIZE=cs_size, BLOCK_P=bl.pass_p, BLOCK_N=bl.pass_n,
+    )
+    zs = z.stride() if z is not None else (0, 0, 0)
+    grid = (max_chunks * triton.cdiv(cs_size, bl.scan_m), H, triton.cdiv(P, bl.scan_p))
+    _chunk_scan_kernel[grid](
+        x, z if z is not None else x, B, C, D if D is not None else A, out,
+        ws.dt, ws.dA_cumsum, ws.states, *chunk_meta,
+        H, P, N, H // G, *x.stride(), *zs, *B.stride(), *C.stride(), *out.stride(),
+        CHUNK_SIZE=cs_size, BLOCK_M=bl.scan_m, BLOCK_K=bl.scan_m, BLOCK_P=bl.scan_p,
+        BLOCK_N=bl.scan_n, HAS_D=D is not None, HAS_Z=z is not None, **dot,
+        num_stages=bl.scan_stages, num_warps=bl.warps,
+    )
+    block_t = 32
+    _zero_skipped_rows_kernel[(triton.cdiv(T, block_t), H)](
+        out, meta.seq_idx, meta.slot_idx, T, P, *out.stride(),
+        BLOCK_T=block_t, BLOCK_P=min(triton.next_power_of_2(P), 128),
+    )
+    return out
+
+
+def ssd_scan(x, dt, A, B, C, D, ssm_state, meta: PrefillMetadata, *, z=None, dt_bias=None,
+             dt_softplus=True, dt_limit=(0.0, float("inf")), out=None,
+             workspace: SSDWorkspace | None = None):
+    """Chunked SSD scan of packed prefill sequences; updates their slots of ``ssm_state``.
+
+    x:         [T, H, P]  packed tokens (T = meta.max_tokens), bf16/fp16/fp32; any row stride
+    dt:        [T, H]     raw time steps
+    A:         [H] fp32   -exp(A_log)
+    B, C:      [T, G, N]  input/output projections; head h reads group h // (H // G)
+    D:         [H] or None skip connection
+    ssm_state: [S, H, P, N] bf16 or fp32 state pool, indexed by ``meta.slot_idx``
+    meta:      PrefillMetadata on x's device (chunk_size inside)
+    z:         [T, H, P] or None gate: y *= silu(z)
+    dt_bias:   [H] or None, added to dt before softplus
+    dt_softplus, dt_limit: dt' = clamp(softplus(dt + dt_bias), *dt_limit)
+    out:       [T, H, P] in x's dtype, written entirely (skipped rows are zero)
+    workspace: SSDWorkspace sized for meta's static dims; with ``out`` given nothing is allocated
+
+    Per sequence: h_t = exp(dt'_t A) h_{t-1} + dt'_t x_t B_t^T, y_t = h_t C_t + D x_t, starting
+    from its slot when has_initial_state (else zero) and storing the last state in the slot.
+    Sequences whose slot is PAD_SLOT_ID, unused chunks and padding tokens are skipped.
+    CUDA tensors run the Triton kernels; CPU tensors the torch block decomposition.
+    """
+    scan = ssd_scan_triton if x.is_cuda else ssd_scan_chunked_torch
+    return scan(x, dt, A, B, C, D, ssm_state, meta, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                dt_limit=dt_limit, out=out, workspace=workspace)

@@ -22,9 +22,17 @@ class StepPlan:
     prefill_lens:    [n_prefill] tokens of each prefill chunk
     prefill_slots:   [n_prefill] state slot of each
     prefill_context: [n_prefill] tokens already in the slot before the chunk (0 for a new prompt)
-    decode_tokens:   [n_decode] the token each decode row feeds in
+    decode_tokens:   [n_decode] the token each decode row feeds in; -1 takes the token the
+                     previous step sampled for its slot, already on the device
     decode_slots:    [n_decode] state slot of each decode row
     decode_context:  [n_decode] tokens in the slot before the decode token
+
+    Sampling, one entry per logit row (each prefill sequence, then each decode row); empty
+    arrays mean greedy rows whose tokens are not kept:
+    temperature, top_k, top_p: the row's sampling parameters
+    seed, position:  the request's seed and the index of the token drawn within the request
+    sample_slots:    the slot whose next decode input the drawn token becomes, or -1 (a prompt
+                     chunk that does not end its prompt)
     """
 
     prefill_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
@@ -34,6 +42,12 @@ class StepPlan:
     decode_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     decode_slots: np.ndarray = field(default_factory=_i32)
     decode_context: np.ndarray = field(default_factory=_i32)
+    temperature: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    top_k: np.ndarray = field(default_factory=_i32)
+    top_p: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    seed: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    position: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    sample_slots: np.ndarray = field(default_factory=_i32)
 
     @property
     def num_prefill(self) -> int:
@@ -46,6 +60,15 @@ class StepPlan:
     @property
     def num_decode(self) -> int:
         return len(self.decode_slots)
+
+    @property
+    def num_rows(self) -> int:
+        """Logit rows: one per prefill sequence, one per decode row."""
+        return self.num_prefill + self.num_decode
+
+    @property
+    def sampled(self) -> bool:
+        return len(self.temperature) == self.num_rows > 0
 
     @classmethod
     def make(cls, prefill=(), decode=()) -> "StepPlan":

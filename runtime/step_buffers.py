@@ -71,6 +71,10 @@ class StepBuffers:
         spec = {
             "input_ids": (i64, T + max_decode),
             "logit_rows": (i64, S + max_decode),
+            # sampling, per logit row (8-byte fields first keeps every view aligned)
+            "seed": (i64, S + max_decode), "position": (i64, S + max_decode),
+            "temperature": (np.float32, S + max_decode), "top_p": (np.float32, S + max_decode),
+            "top_k": (i32, S + max_decode), "sample_slots": (i32, S + max_decode),
             "decode_slots": (i32, max_decode),
             "decode_kv_lens": (i32, max_decode),
             "cu_seqlens": (i32, S + 1), "seq_idx": (i32, T), "slot_idx": (i32, S),
@@ -92,7 +96,7 @@ class StepBuffers:
         if bucket not in self._inputs:
             self._check(bucket)
             d, B, Tp = self.arena.dev, bucket.decode, bucket.prefill
-            rows = (self.max_prefill_seqs if Tp else 0) + B
+            rows = self.rows(bucket)
             self._inputs[bucket] = StepInputs(
                 input_ids=d["input_ids"][: Tp + B],
                 prefill=self._prefill_meta(d, Tp) if Tp else None,
@@ -101,6 +105,16 @@ class StepBuffers:
                 logit_rows=d["logit_rows"][:rows],
             )
         return self._inputs[bucket]
+
+    def rows(self, bucket: Bucket) -> int:
+        """Logit rows of ``bucket``: room for every prefill sequence, then one per decode row."""
+        return (self.max_prefill_seqs if bucket.prefill else 0) + bucket.decode
+
+    def sampling(self, bucket: Bucket) -> tuple[torch.Tensor, ...]:
+        """Device views (temperature, top_k, top_p, seed, position, sample_slots), each [rows]."""
+        n = self.rows(bucket)
+        return tuple(self.arena.dev[k][:n] for k in
+                     ("temperature", "top_k", "top_p", "seed", "position", "sample_slots"))
 
     def _check(self, bucket: Bucket) -> None:
         if bucket.decode > self.max_decode or bucket.prefill > self.max_prefill_tokens:
@@ -136,10 +150,24 @@ class StepBuffers:
         if Tp:
             fill_prefill_metadata(self._prefill_meta(h, Tp), plan.prefill_lens, plan.prefill_slots,
                                   plan.prefill_context > 0, plan.prefill_context)
-        rows = h["logit_rows"][: (self.max_prefill_seqs if Tp else 0) + B]
+        R, n = self.rows(bucket), plan.num_rows
+        rows = h["logit_rows"][:R]
         rows[:n_pre] = np.cumsum(plan.prefill_lens) - 1
-        rows[n_pre : n_pre + n_dec] = Tp + np.arange(n_dec)
-        rows[n_pre + n_dec :] = 0
+        rows[n_pre:n] = Tp + np.arange(n_dec)
+        rows[n:] = 0
+        self._fill_sampling(plan, R)
+
+    def _fill_sampling(self, plan: StepPlan, R: int) -> None:
+        h, n = self.arena.np, plan.num_rows if plan.sampled else 0
+        for name in ("temperature", "top_k", "top_p", "seed", "position", "sample_slots"):
+            h[name][:n] = getattr(plan, name)
+        # padding rows: greedy, and their tokens go nowhere
+        h["temperature"][n:R] = 0
+        h["top_k"][n:R] = 0
+        h["top_p"][n:R] = 1
+        h["seed"][n:R] = 0
+        h["position"][n:R] = 0
+        h["sample_slots"][n:R] = PAD_SLOT_ID
 
     def upload(self) -> None:
         """The step's one host-to-device copy (asynchronous on the current stream)."""

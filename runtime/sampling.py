@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["MODES", "SamplingParams", "SamplingTensors", "sample", "sample_ref", "sampling_mode"]
+__all__ = ["MODES", "SamplingParams", "sample", "sample_ref", "sampling_mode"]
 
 MODES = ("greedy", "sample", "filtered")
 
@@ -111,79 +111,6 @@ def sampling_mode(temperature, top_k, top_p, vocab_size: int | None = None) -> s
         return "greedy"
     k_on = (k > 0) if vocab_size is None else (k > 0) & (k < vocab_size)
     return "filtered" if (drawn & (k_on | (p < 1))).any() else "sample"
-
-
-class SamplingTensors:
-    """Per-row sampling parameters for up to ``max_rows`` rows: a (pinned) host staging buffer,
-    written with numpy, and its device twin, filled by one copy per step.
-
-    Device views, each ``[max_rows]`` (slice ``[:n]``, or use ``rows(n)``):
-        temperature f32, top_k i32, top_p f32, seed i64,
-        position i64: the index of the token being drawn within its request, so each draw of a
-        request gets its own random numbers.
-    ``host`` maps the same names to numpy views of the staging buffer. On CPU the staging buffer
-    is the device buffer and ``upload`` does nothing.
-    """
-
-    # 8-byte fields first, so every field's offset is a multiple of its item size
-    _FIELDS = (("seed", np.int64), ("position", np.int64), ("temperature", np.float32),
-               ("top_p", np.float32), ("top_k", np.int32))
-
-    def __init__(self, max_rows: int, device="cpu"):
-        if max_rows < 1:
-            raise ValueError(f"max_rows: expected >= 1, got {max_rows}")
-        self.max_rows, self.device = max_rows, torch.device(device)
-        nbytes = sum(np.dtype(dt).itemsize for _, dt in self._FIELDS) * max_rows
-        on_cuda = self.device.type == "cuda"
-        self._host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=on_cuda)
-        self._dev = torch.zeros(nbytes, dtype=torch.uint8, device=self.device) if on_cuda else self._host
-        self._copy_done = torch.cuda.Event() if on_cuda else None
-        host_np, offset = self._host.numpy(), 0
-        self.host: dict[str, np.ndarray] = {}
-        for name, dt in self._FIELDS:
-            size = np.dtype(dt).itemsize * max_rows
-            self.host[name] = host_np[offset : offset + size].view(dt)
-            torch_dtype = torch.from_numpy(np.zeros(0, dt)).dtype
-            setattr(self, name, self._dev[offset : offset + size].view(torch_dtype))
-            offset += size
-        self.pad(0, max_rows)
-
-    def write(self, rows, *, temperature, top_k, top_p, seed, position) -> None:
-        """Write rows of the host staging buffer; ``rows`` is an int, slice or index array and
-        each value a scalar or an array matching it."""
-        if self._copy_done is not None:
-            # the previous upload must have left the staging buffer before we overwrite it
-            self._copy_done.synchronize()
-        h = self.host
-        h["temperature"][rows], h["top_k"][rows], h["top_p"][rows] = temperature, top_k, top_p
-        h["seed"][rows], h["position"][rows] = seed, position
-
-    def set_row(self, row: int, params: SamplingParams, seed: int, position: int) -> None:
-        """One request's row. ``seed`` is its resolved seed: ``params.seed``, or the one the
-        engine assigned when ``params.seed`` is None."""
-        self.write(row, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                   seed=seed, position=position)
-
-    def pad(self, start: int, stop: int) -> None:
-        """Make rows ``[start, stop)`` greedy padding: the cheapest rows, whose ids are ignored."""
-        self.write(slice(start, stop), temperature=0.0, top_k=0, top_p=1.0, seed=0, position=0)
-
-    def mode(self, n: int, vocab_size: int | None = None) -> str:
-        """``sampling_mode`` of the first ``n`` rows, from the host copy."""
-        h = self.host
-        return sampling_mode(h["temperature"][:n], h["top_k"][:n], h["top_p"][:n], vocab_size)
-
-    def upload(self) -> None:
-        """Copy the staging buffer to the device (asynchronous on the current stream)."""
-        if self._dev is self._host:
-            return
-        self._dev.copy_(self._host, non_blocking=True)
-        self._copy_done.record()
-
-    def rows(self, n: int) -> tuple[torch.Tensor, ...]:
-        """Device views ``(temperature, top_k, top_p, seed, position)`` of the first ``n`` rows,
-        in ``sample``'s argument order."""
-        return (self.temperature[:n], self.top_k[:n], self.top_p[:n], self.seed[:n], self.position[:n])
 
 
 def _mix32(x):

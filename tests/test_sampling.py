@@ -8,7 +8,6 @@ from support import poisoned
 from mambastep.runtime.sampling import (
     MODES,
     SamplingParams,
-    SamplingTensors,
     _random_bits,
     _row_keys,
     sample,
@@ -321,30 +320,6 @@ def test_bad_arguments():
 
 
 # ---------------------------------------------------------------------------------------------
-# SamplingTensors
-
-
-def test_sampling_tensors_rows_and_mode():
-    st = SamplingTensors(8)
-    assert st.mode(8) == "greedy" and (st.temperature == 0).all()
-    st.set_row(0, SamplingParams(temperature=0.8), seed=11, position=3)
-    assert st.mode(2) == "sample"
-    st.set_row(1, SamplingParams(temperature=0.5, top_p=0.9, seed=5), seed=5, position=0)
-    assert st.mode(2) == "filtered" and st.mode(1) == "sample"
-    st.write(slice(2, 4), temperature=[1.0, 2.0], top_k=[4, 0], top_p=1.0, seed=[7, 8], position=[9, 10])
-    st.upload()
-    t, k, p, s, pos = st.rows(4)
-    assert t.dtype == torch.float32 and k.dtype == torch.int32 and s.dtype == torch.int64
-    assert t.tolist() == pytest.approx([0.8, 0.5, 1.0, 2.0])
-    assert k.tolist() == [0, 0, 4, 0] and s.tolist() == [11, 5, 7, 8] and pos.tolist() == [3, 0, 9, 10]
-    assert p.tolist() == pytest.approx([1.0, 0.9, 1.0, 1.0])
-    st.pad(1, 8)
-    assert st.mode(8) == "sample" and st.top_k[1:].eq(0).all() and st.temperature[1:].eq(0).all()
-    logits = random_logits(4, 50)
-    assert run(logits, st.rows(4), "filtered")[1:].tolist() == logits[1:].argmax(-1).tolist()
-
-
-# ---------------------------------------------------------------------------------------------
 # CUDA graph
 
 
@@ -362,7 +337,9 @@ def sync_errors():
 @pytest.mark.parametrize("mode", MODES)
 def test_cuda_graph_replay_matches_eager(mode, V):
     dev, R = torch.device("cuda"), 16
-    st = SamplingTensors(R, dev)
+    # static parameter buffers, refilled in place as the runtime's arena is
+    params = [torch.zeros(R, dtype=d, device=dev) for d in (torch.float32, torch.int32, torch.float32,
+                                                            torch.int64, torch.int64)]
     logits = torch.empty(R, V, device=dev)
     out = torch.empty(R, dtype=torch.int64, device=dev)
 
@@ -372,11 +349,10 @@ def test_cuda_graph_replay_matches_eager(mode, V):
             p = (torch.zeros(R),) + p[1:]
         elif mode == "sample":
             p = (p[0], torch.zeros(R, dtype=torch.int32), torch.ones(R)) + p[3:]
-        st.write(slice(0, R), **dict(zip(("temperature", "top_k", "top_p", "seed", "position"),
-                                         (x.numpy() for x in p))))
         # the host's choice never needs a more general graph than the one captured
-        assert MODES.index(st.mode(R, V)) <= MODES.index(mode)
-        st.upload()
+        assert MODES.index(sampling_mode(p[0].numpy(), p[1].numpy(), p[2].numpy(), V)) <= MODES.index(mode)
+        for buf, x in zip(params, p):
+            buf.copy_(x)
         logits.copy_(random_logits(R, V, seed=100 + trial).to(dev))
         return p
 
@@ -384,19 +360,19 @@ def test_cuda_graph_replay_matches_eager(mode, V):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side), sync_errors():
-        sample(logits, *st.rows(R), mode=mode, out=out)  # warm up outside capture
+        sample(logits, *params, mode=mode, out=out)  # warm up outside capture
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         with sync_errors():
-            sample(logits, *st.rows(R), mode=mode, out=out)
+            sample(logits, *params, mode=mode, out=out)
     for trial in range(1, 4):
         p = refill(trial)
         eager = torch.full_like(out, -1)
         with sync_errors():
             out.fill_(-1)
             graph.replay()
-            sample(logits, *st.rows(R), mode=mode, out=eager)
+            sample(logits, *params, mode=mode, out=eager)
         torch.cuda.synchronize()
         assert torch.equal(out, eager)
         # and the same tokens as the CPU path (identical hash bits; float32 log may differ by an

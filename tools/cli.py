@@ -2,23 +2,26 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
+
+COMMANDS = {
+    "run": ("mambastep.tools.run", "serve a synthetic chat workload and report latencies (the main job)"),
+    "bench": ("mambastep.tools.bench", "kernel and step benchmarks on a CUDA device"),
+}
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(
-        prog="mambastep",
-        description="Decode runtime for Mamba2 and hybrid Mamba2/attention models.",
-    )
-    parser.add_argument("command", choices=["bench"], help="bench: kernel benchmarks on a CUDA device")
-    args, rest = parser.parse_known_args(argv[:1])
-    if args.command == "bench":
-        from .bench import main as bench_main
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print("usage: mambastep {" + ",".join(COMMANDS) + "} [options]\n")
+        print("Decode runtime for Mamba2 and hybrid Mamba2/attention models.\n")
+        for name, (_, text) in COMMANDS.items():
+            print(f"  {name:8s} {text}")
+        print("\n`mambastep COMMAND --help` explains each command's options.")
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    import importlib
 
-        return bench_main(argv[1:])
-    return 2
+    return importlib.import_module(COMMANDS[argv[0]][0]).main(argv[1:])
 
 
 if __name__ == "__main__":

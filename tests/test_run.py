@@ -1,0 +1,38 @@
+"""The main job, `mambastep run`, on its CPU default."""
+
+import json
+import time
+
+import pytest
+
+from hf_models import save_tiny
+from mambastep.tools import cli, run
+
+
+def test_run_default_prints_the_table(capsys, tmp_path):
+    start = time.perf_counter()
+    assert cli.main(["run", "--quiet", "--json", str(tmp_path / "r.json")]) == 0
+    assert time.perf_counter() - start < 60
+    out = capsys.readouterr().out
+    for row in ("time to first token (ms)", "inter-token latency (ms)", "request latency (ms)", "output tokens/s"):
+        assert row in out
+    stats = json.loads((tmp_path / "r.json").read_text())
+    assert stats["requests"] == 16 and stats["output_tokens_per_s"] > 0
+    assert stats["ttft_ms"]["p50"] <= stats["ttft_ms"]["p99"]
+
+
+def test_run_on_a_checkpoint(capsys, tmp_path):
+    save_tiny("nemotron_h", tmp_path)
+    assert run.main(["--model", str(tmp_path), "--requests", "3", "--concurrency", "2", "--quiet"]) == 0
+    assert "request latency" in capsys.readouterr().out
+
+
+def test_run_reports_a_bad_checkpoint(capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        run.main(["--model", str(tmp_path / "missing"), "--quiet"])
+    assert "config.json: not found" in capsys.readouterr().err
+
+
+def test_cli_help_lists_commands(capsys):
+    assert cli.main(["--help"]) == 0
+    assert "run" in capsys.readouterr().out

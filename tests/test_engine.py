@@ -165,3 +165,16 @@ def test_stop_tokens_and_max_tokens(checkpoint):
     stopped = engine_for(path).generate([p], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=(stop_at,)))[0]
     assert stopped == free[: free.index(stop_at) + 1]
     assert len(engine_for(path).generate([p], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]) == 3
+
+
+@pytest.mark.gpu
+def test_graphs_and_eager_engines_agree_on_gpu(checkpoint):
+    _, path = checkpoint
+    ps = prompts([5, 23, 1, 40, 9], seed=10)
+    kw = dict(dtype=torch.bfloat16, device="cuda", buckets=BUCKETS, max_context=128, progress=False)
+    eager = Engine.from_pretrained(path, use_graphs=False, **kw).generate(ps, GREEDY)
+    graphed = Engine.from_pretrained(path, use_graphs=True, **kw)
+    assert graphed.capture_report is not None
+    assert graphed.generate(ps, GREEDY) == eager
+    pipelined = Engine.from_pretrained(path, use_graphs=True, pipelined=True, **kw)
+    assert pipelined.generate(ps, GREEDY) == eager

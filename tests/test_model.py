@@ -162,3 +162,25 @@ def test_inconsistent_config_names_the_field():
     with pytest.raises(ConfigError, match="n_groups"):
         ModelConfig(architecture="mamba2", vocab_size=10, hidden_size=8, layer_types=("mamba",),
                     mamba_num_heads=6, n_groups=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+@torch.no_grad()
+def test_bf16_on_gpu_matches_hf(kind, tmp_path):
+    """bf16 Triton path vs HF in fp32: prefill logits, then decode logits teacher-forced with
+    HF's greedy tokens (so a near-tie flipping one token cannot derail the comparison)."""
+    hf = save_tiny(kind, tmp_path)
+    hf.generation_config.eos_token_id = None
+    ours = Model.from_pretrained(tmp_path, dtype=torch.bfloat16, device="cuda")
+    runner = new_runner(ours)
+    ps = prompts(seed=4)
+    got = step(runner, [(p, slot, 0) for slot, p in enumerate(ps)])
+    ref_tokens = [hf.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False)[0, len(p):].tolist()
+                  for p in ps]
+    full = [hf(torch.tensor([p + t])).logits[0] for p, t in zip(ps, ref_tokens)]
+    assert_close(got.cpu(), torch.stack([f[len(p) - 1] for f, p in zip(full, ps)]), torch.bfloat16, factor=2)
+    for i in range(15):
+        got = step(runner, decode=[(t[i], slot, len(p) + i) for slot, (p, t) in enumerate(zip(ps, ref_tokens))])
+        ref = torch.stack([f[len(p) + i] for f, p in zip(full, ps)])
+        assert_close(got.cpu(), ref, torch.bfloat16, factor=2)

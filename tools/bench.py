@@ -3,6 +3,7 @@
     mambastep bench kernels [--json PATH]   state update bandwidth, SSD scan vs torch
     mambastep bench steps [--json PATH]     decode steps eager vs graph vs HBM floor; mixed steps
                                             with and without the forked stream
+    mambastep bench profile --preset P --batch B   per-kernel time of one eager decode step
 """
 
 from __future__ import annotations
@@ -21,12 +22,16 @@ SUITES = {"kernels": bench_kernels, "steps": bench_steps}
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="mambastep bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=sorted(SUITES), help="which benchmark to run")
+    parser.add_argument("what", choices=sorted(SUITES) + ["profile"], help="which benchmark to run")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument("--preset", action="append", help="steps: preset(s) to run (default: both)")
+    parser.add_argument("--batch", type=int, default=1, help="profile: decode batch")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("benchmarks need a CUDA device")
+    if args.what == "profile":
+        print(bench_steps.profile((args.preset or ["mamba2-130m"])[0], args.batch))
+        return 0
     suite = SUITES[args.what]
     result = suite.run(tuple(args.preset)) if (args.what == "steps" and args.preset) else suite.run()
     suite.print_table(result)

@@ -151,3 +151,18 @@ def print_table(result: dict) -> None:
                 gain = 1 - r["forked_ms"] / r["unforked_ms"]
                 print(f"| {r['decode']} + {r['prefill']} | {r['forked_ms']:.3f} | {r['unforked_ms']:.3f} | "
                       f"{100 * gain:.0f}% | {r['separate_ms']:.3f} |")
+
+
+def profile(preset: str, batch: int, top: int = 25) -> str:
+    """Per-kernel device time of a decode step at ``batch`` (run eagerly: same kernels as the graph)."""
+    model = Model.from_preset(preset, dtype=torch.bfloat16, device="cuda")
+    pool = StatePool(model.cfg, batch, max_context=CONTEXT + 2, dtype=torch.bfloat16, device="cuda")
+    runner = Runner(model, pool, BucketSet(decode=(batch,), mixed_decode=(0,), prefill=(16,)), overlap=False)
+    plan = decode_plan(batch)
+    runner.run(plan)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            runner.run(plan)
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=top)

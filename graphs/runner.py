@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from ..kernels.decode_ids import fill_decode_ids
 from ..runtime.plan import StepPlan
 from ..runtime.sampling import MODES, sample, sampling_mode
 from ..runtime.step_buffers import Bucket, StepBuffers
@@ -90,9 +91,7 @@ class Runner:
         """The step's forward over the buffers' views for ``bucket`` (what a graph captures):
         logits [rows, vocab] fp32."""
         inputs = self.buffers.inputs(bucket)
-        decode_ids = inputs.input_ids[bucket.prefill:]
-        from_device = self.slot_tokens[inputs.decode_slots.clamp(min=0).long()]
-        decode_ids.copy_(torch.where(decode_ids >= 0, decode_ids, from_device))
+        fill_decode_ids(inputs.input_ids[bucket.prefill:], inputs.decode_slots, self.slot_tokens)
         return self.model.forward(inputs, self.pool, self.aux_stream)
 
     def draw(self, bucket: Bucket, logits: torch.Tensor, mode: str) -> torch.Tensor:

@@ -1,14 +1,20 @@
 """Tiny random HF checkpoints of both architectures, saved with save_pretrained."""
 
 import torch
+import transformers
+from packaging.version import Version
 from transformers import Mamba2Config, Mamba2ForCausalLM, NemotronHConfig, NemotronHForCausalLM
 
 VOCAB = 96
+# HF's Mamba2 gated norm ignores n_groups before transformers 5.23 (the GPU image has 5.17), so
+# grouped Mamba2 checkpoints are only compared where HF computes them right; NemotronH covers
+# groups everywhere.
+MAMBA2_GROUPS = 2 if Version(transformers.__version__) >= Version("5.23") else 1
 
 
 def mamba2_config(**kw):
     base = dict(
-        hidden_size=32, expand=2, num_heads=8, head_dim=8, n_groups=2, state_size=16, conv_kernel=4,
+        hidden_size=32, expand=2, num_heads=8, head_dim=8, n_groups=MAMBA2_GROUPS, state_size=16, conv_kernel=4,
         chunk_size=8, num_hidden_layers=3, vocab_size=VOCAB, tie_word_embeddings=True,
         residual_in_fp32=True, eos_token_id=0, pad_token_id=0, bos_token_id=0,
     )

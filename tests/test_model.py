@@ -169,8 +169,10 @@ def test_inconsistent_config_names_the_field():
 @torch.no_grad()
 def test_bf16_on_gpu_matches_hf(kind, tmp_path):
     """bf16 Triton path vs HF in fp32: prefill logits, then decode logits teacher-forced with
-    HF's greedy tokens (so a near-tie flipping one token cannot derail the comparison)."""
-    hf = save_tiny(kind, tmp_path)
+    HF's greedy tokens (so a near-tie flipping one token cannot derail the comparison). No MoE
+    layer here: bf16 rounding flips near-tied expert choices, a discontinuity no tolerance bounds."""
+    no_moe = {} if kind == "mamba2" else {"layers_block_type": ["mamba", "attention", "mlp", "mamba", "attention"]}
+    hf = save_tiny(kind, tmp_path, **no_moe)
     hf.generation_config.eos_token_id = None
     ours = Model.from_pretrained(tmp_path, dtype=torch.bfloat16, device="cuda")
     runner = new_runner(ours)

@@ -5,13 +5,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ...kernels.activation import relu2
 from ..config import ModelConfig
 
 __all__ = ["MLPLayer", "MoELayer"]
 
 
 def _relu2_mlp(x, up, down, up_bias=None, down_bias=None):
-    return F.linear(torch.relu(F.linear(x, up, up_bias)).square(), down, down_bias)
+    h = F.linear(x, up, up_bias)
+    return F.linear(relu2(h, out=h), down, down_bias)
 
 
 class MLPLayer:

@@ -1,0 +1,26 @@
+import pytest
+import torch
+
+from mambastep.kernels.activation import relu2_ref, relu2_triton
+from mambastep.kernels.decode_ids import fill_decode_ids_ref, fill_decode_ids_triton
+from support import assert_close, poisoned
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 2047, 5000])
+def test_relu2_matches_reference(device, dtype, n):
+    x = torch.randn(n, device=device).to(dtype)
+    out = poisoned((n,), dtype, device)
+    relu2_triton(x, out)
+    assert_close(out.cpu(), relu2_ref(x.cpu()), dtype)
+    relu2_triton(x, x)  # in place
+    assert torch.equal(x, out)
+
+
+def test_fill_decode_ids(device):
+    slot_tokens = torch.tensor([10, 11, 12, 13, 99], device=device)
+    slots = torch.tensor([2, -1, 0, 3, -1], dtype=torch.int32, device=device)
+    ids = torch.tensor([-1, 0, 7, -1, -1], device=device)
+    expect = fill_decode_ids_ref(ids.clone().cpu(), slots.cpu(), slot_tokens.cpu())
+    assert expect.tolist() == [12, 0, 7, 13, 0]
+    assert fill_decode_ids_triton(ids, slots, slot_tokens).cpu().tolist() == expect.tolist()

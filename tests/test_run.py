@@ -11,7 +11,7 @@ from mambastep.tools import cli, run
 
 def test_run_default_prints_the_table(capsys, tmp_path):
     start = time.perf_counter()
-    assert cli.main(["run", "--quiet", "--json", str(tmp_path / "r.json")]) == 0
+    assert cli.main(["run", "--device", "cpu", "--quiet", "--json", str(tmp_path / "r.json")]) == 0
     assert time.perf_counter() - start < 60
     out = capsys.readouterr().out
     for row in ("time to first token (ms)", "inter-token latency (ms)", "request latency (ms)", "output tokens/s"):
@@ -23,7 +23,8 @@ def test_run_default_prints_the_table(capsys, tmp_path):
 
 def test_run_on_a_checkpoint(capsys, tmp_path):
     save_tiny("nemotron_h", tmp_path)
-    assert run.main(["--model", str(tmp_path), "--requests", "3", "--concurrency", "2", "--quiet"]) == 0
+    assert run.main(["--model", str(tmp_path), "--device", "cpu", "--requests", "3", "--concurrency", "2",
+                     "--quiet"]) == 0
     assert "request latency" in capsys.readouterr().out
 
 

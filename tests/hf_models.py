@@ -9,7 +9,8 @@ VOCAB = 96
 # HF's Mamba2 gated norm ignores n_groups before transformers 5.23 (the GPU image has 5.17), so
 # grouped Mamba2 checkpoints are only compared where HF computes them right; NemotronH covers
 # groups everywhere.
-MAMBA2_GROUPS = 2 if Version(transformers.__version__) >= Version("5.23") else 1
+HF_GROUPED_NORM = Version(transformers.__version__) >= Version("5.23")
+MAMBA2_GROUPS = 2 if HF_GROUPED_NORM else 1
 
 
 def mamba2_config(**kw):

@@ -56,11 +56,10 @@ class PendingTokens:
 
 class Runner:
     def __init__(self, model, pool, buckets: BucketSet | None = None, *, max_decode: int | None = None,
-                 max_prefill_tokens: int | None = None, overlap: bool = True, aux_priority: int = 0):
+                 max_prefill_tokens: int | None = None, overlap: bool = True):
         """model: runtime.Model; pool: runtime.StatePool; buckets: graph buckets (defaults);
         max_decode / max_prefill_tokens: the largest step, eager above the buckets (defaults to
-        the largest bucket); overlap: fork the prefill branch onto an auxiliary stream, of
-        ``aux_priority`` (lower is higher, as CUDA counts)."""
+        the largest bucket); overlap: fork the prefill branch onto an auxiliary stream."""
         self.model, self.pool = model, pool
         self.buckets = buckets or BucketSet()
         self.cuda = model.device.type == "cuda"
@@ -71,7 +70,7 @@ class Runner:
             chunk_size=model.cfg.chunk_size if "mamba" in model.cfg.layer_types else 64,
             device=model.device,
         )
-        self.aux_stream = torch.cuda.Stream(model.device, priority=aux_priority) if (overlap and self.cuda) else None
+        self.aux_stream = torch.cuda.Stream(model.device) if (overlap and self.cuda) else None
         # the token drawn for each slot, the next decode input; the extra last entry takes the
         # tokens of rows that keep none
         self.slot_tokens = torch.zeros(pool.num_slots + 1, dtype=torch.int64, device=model.device)

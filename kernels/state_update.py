@@ -34,7 +34,7 @@ __all__ = ["selective_state_update", "selective_state_update_triton", "selective
 @triton.jit
 def _state_update_kernel(
     state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, slot_ptr, out_ptr,
-    heads_per_group, total_tiles,
+    heads_per_group,
     stride_state_s, stride_state_h, stride_state_p,
     stride_x_b, stride_x_h,
     stride_dt_b, stride_dt_h,
@@ -55,66 +55,61 @@ def _state_update_kernel(
     # One program: row b, head h, rows [pid_p * BLOCK_P, +BLOCK_P) of the head's [P, N] state.
     # Heads of one row are neighbours in program order, so B/C of a group and the slot's
     # contiguous [H, P, N] block are read by programs running close together.
-    # A persistent loop over (row x head, P-block) tiles: with a grid of one program per tile it
-    # runs once; a capped grid (mixed steps) streams the tiles through fewer programs, leaving
-    # SMs free for the prefill branch running beside it on another stream.
-    n_p_blocks = tl.cdiv(HEADDIM, BLOCK_P)
-    for tile in range(tl.program_id(0), total_tiles, tl.num_programs(0)):
-        pid_bh = tile // n_p_blocks
-        pid_p = tile % n_p_blocks
-        b = pid_bh // NHEADS
-        h = pid_bh % NHEADS
-        g = h // heads_per_group
+    pid_bh = tl.program_id(0)
+    pid_p = tl.program_id(1)
+    b = pid_bh // NHEADS
+    h = pid_bh % NHEADS
+    g = h // heads_per_group
 
-        slot = tl.load(slot_ptr + b)
-        live = slot >= 0
-        # Pad rows keep their pointers in range, but every state access below is masked off for them.
-        # int64: a large pool (S * H * P * N) passes 2**31 elements.
-        slot = tl.where(live, slot, 0).to(tl.int64)
+    slot = tl.load(slot_ptr + b)
+    live = slot >= 0
+    # Pad rows keep their pointers in range, but every state access below is masked off for them.
+    # int64: a large pool (S * H * P * N) passes 2**31 elements.
+    slot = tl.where(live, slot, 0).to(tl.int64)
 
-        offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
-        offs_n = tl.arange(0, BLOCK_N)
-        mask_p = offs_p < HEADDIM
-        mask_n = offs_n < DSTATE
-        # A pad row has no state rows at all. Folding that into the row bound, rather than and-ing a
-        # scalar into the mask, keeps the mask boolean in Triton's interpreter too.
-        live_p = offs_p < tl.where(live, HEADDIM, 0)
-        state_mask = live_p[:, None] & mask_n[None, :]
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_p = offs_p < HEADDIM
+    mask_n = offs_n < DSTATE
+    # A pad row has no state rows at all. Folding that into the row bound, rather than and-ing a
+    # scalar into the mask, keeps the mask boolean in Triton's interpreter too.
+    live_p = offs_p < tl.where(live, HEADDIM, 0)
+    state_mask = live_p[:, None] & mask_n[None, :]
 
-        # [BLOCK_P, BLOCK_N]; the last dim is contiguous, so these are full-width vector accesses.
-        state_ptrs = (
-            state_ptr + slot * stride_state_s + h * stride_state_h
-            + offs_p[:, None] * stride_state_p + offs_n[None, :]
-        )
-        state = tl.load(state_ptrs, mask=state_mask, other=0.0).to(tl.float32)
+    # [BLOCK_P, BLOCK_N]; the last dim is contiguous, so these are full-width vector accesses.
+    state_ptrs = (
+        state_ptr + slot * stride_state_s + h * stride_state_h
+        + offs_p[:, None] * stride_state_p + offs_n[None, :]
+    )
+    state = tl.load(state_ptrs, mask=state_mask, other=0.0).to(tl.float32)
 
-        # Inputs of pad rows are read (they are step buffers, not state) and then discarded.
-        x = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + offs_p, mask=mask_p, other=0.0)
-        B = tl.load(B_ptr + b * stride_B_b + g * stride_B_g + offs_n, mask=mask_n, other=0.0)
-        C = tl.load(C_ptr + b * stride_C_b + g * stride_C_g + offs_n, mask=mask_n, other=0.0)
-        x, B, C = x.to(tl.float32), B.to(tl.float32), C.to(tl.float32)
+    # Inputs of pad rows are read (they are step buffers, not state) and then discarded.
+    x = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + offs_p, mask=mask_p, other=0.0)
+    B = tl.load(B_ptr + b * stride_B_b + g * stride_B_g + offs_n, mask=mask_n, other=0.0)
+    C = tl.load(C_ptr + b * stride_C_b + g * stride_C_g + offs_n, mask=mask_n, other=0.0)
+    x, B, C = x.to(tl.float32), B.to(tl.float32), C.to(tl.float32)
 
-        dt = tl.load(dt_ptr + b * stride_dt_b + h * stride_dt_h).to(tl.float32)
-        if HAS_DT_BIAS:
-            dt += tl.load(dt_bias_ptr + h).to(tl.float32)
-        if DT_SOFTPLUS:
-            # torch's softplus threshold: linear above 20, where exp would only lose precision.
-            dt = tl.where(dt <= 20.0, tl.log(1.0 + tl.exp(dt)), dt)
-        dA = tl.exp(dt * tl.load(A_ptr + h).to(tl.float32))
+    dt = tl.load(dt_ptr + b * stride_dt_b + h * stride_dt_h).to(tl.float32)
+    if HAS_DT_BIAS:
+        dt += tl.load(dt_bias_ptr + h).to(tl.float32)
+    if DT_SOFTPLUS:
+        # torch's softplus threshold: linear above 20, where exp would only lose precision.
+        dt = tl.where(dt <= 20.0, tl.log(1.0 + tl.exp(dt)), dt)
+    dA = tl.exp(dt * tl.load(A_ptr + h).to(tl.float32))
 
-        state = state * dA + (dt * x)[:, None] * B[None, :]
-        tl.store(state_ptrs, state.to(state_ptr.dtype.element_ty), mask=state_mask)
+    state = state * dA + (dt * x)[:, None] * B[None, :]
+    tl.store(state_ptrs, state.to(state_ptr.dtype.element_ty), mask=state_mask)
 
-        # y from the fp32 state, before it was rounded to the pool's dtype (see module docstring).
-        y = tl.sum(state * C[None, :], axis=1)  # [BLOCK_P]
-        if HAS_D:
-            y += tl.load(D_ptr + h).to(tl.float32) * x
-        if HAS_Z:
-            z = tl.load(z_ptr + b * stride_z_b + h * stride_z_h + offs_p, mask=mask_p, other=0.0)
-            z = z.to(tl.float32)
-            y *= z * tl.sigmoid(z)
-        y = tl.where(live, y, 0.0).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + b * stride_out_b + h * stride_out_h + offs_p, y, mask=mask_p)
+    # y from the fp32 state, before it was rounded to the pool's dtype (see module docstring).
+    y = tl.sum(state * C[None, :], axis=1)  # [BLOCK_P]
+    if HAS_D:
+        y += tl.load(D_ptr + h).to(tl.float32) * x
+    if HAS_Z:
+        z = tl.load(z_ptr + b * stride_z_b + h * stride_z_h + offs_p, mask=mask_p, other=0.0)
+        z = z.to(tl.float32)
+        y *= z * tl.sigmoid(z)
+    y = tl.where(live, y, 0.0).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + b * stride_out_b + h * stride_out_h + offs_p, y, mask=mask_p)
 
 
 # Bytes of state one program streams in (and out). 8 KiB is a [32, 128] bf16 or [16, 128] fp32
@@ -193,12 +188,10 @@ def selective_state_update_triton(
     dt_bias: torch.Tensor | None = None,
     dt_softplus: bool = True,
     out: torch.Tensor | None = None,
-    max_programs: int | None = None,
 ) -> torch.Tensor:
     """Launch the Triton kernel; same contract as :func:`selective_state_update`.
 
-    One program per (row x head, P-block) tile, from static shapes only; ``max_programs`` caps
-    the grid (each program then loops over several tiles). No host sync.
+    Grid ``(batch * H, cdiv(P, BLOCK_P))`` from static shapes only; no host sync.
     """
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -216,8 +209,7 @@ def selective_state_update_triton(
     if batch == 0:
         return out
     block_p, block_n, num_warps = _block_config(P, N, state.dtype)
-    tiles = batch * H * triton.cdiv(P, block_p)
-    grid = (min(tiles, max_programs or tiles),)
+    grid = (batch * H, triton.cdiv(P, block_p))
     # Absent optional tensors: any valid pointer will do, the constexpr flags keep it unread.
     _state_update_kernel[grid](
         state, x, dt, A, B, C,
@@ -225,7 +217,7 @@ def selective_state_update_triton(
         z if z is not None else x,
         dt_bias if dt_bias is not None else x,
         slot_idx, out,
-        H // G, tiles,
+        H // G,
         state.stride(0), state.stride(1), state.stride(2),
         x.stride(0), x.stride(1),
         dt.stride(0), dt.stride(1),
@@ -314,7 +306,6 @@ def selective_state_update(
     dt_bias: torch.Tensor | None = None,
     dt_softplus: bool = True,
     out: torch.Tensor | None = None,
-    max_programs: int | None = None,
 ) -> torch.Tensor:
     """Advance the SSM state of each row's slot by one token and return the token's output.
 
@@ -329,14 +320,11 @@ def selective_state_update(
     dt_bias:  [H] added to dt before the softplus, or None
     dt_softplus: apply softplus to dt (after dt_bias)
     out:      [batch, H, P] in x's dtype, written in full (zeros for pad rows); allocated if None
-    max_programs: cap on the Triton grid (programs loop over tiles), to share the GPU with a
-              concurrent stream; results are identical
 
     CUDA tensors run the Triton kernel (no host sync, capturable); CPU tensors run the reference.
     Returns ``out``.
     """
-    if not state.is_cuda:
-        return selective_state_update_ref(state, x, dt, A, B, C, D, slot_idx, z=z, dt_bias=dt_bias,
-                                          dt_softplus=dt_softplus, out=out)
-    return selective_state_update_triton(state, x, dt, A, B, C, D, slot_idx, z=z, dt_bias=dt_bias,
-                                         dt_softplus=dt_softplus, out=out, max_programs=max_programs)
+    fn = selective_state_update_triton if state.is_cuda else selective_state_update_ref
+    return fn(
+        state, x, dt, A, B, C, D, slot_idx, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus, out=out
+    )

@@ -256,19 +256,3 @@ def test_graph_replay_matches_eager_without_sync(state_dtype):
     torch.cuda.synchronize()
     assert torch.equal(state, eager_state)
     assert torch.equal(out, eager_out)
-
-
-@pytest.mark.parametrize("max_programs", [1, 3, 7])
-def test_capped_grid_gives_identical_results(device, max_programs):
-    """A capped grid (programs looping over tiles) computes exactly what one program per tile does."""
-    H, P, N, G, batch, S = 4, 10, 8, 2, 5, 9
-    inp = make_inputs(batch, H, P, N, G, torch.float32, device)
-    slots = make_slots(batch, S, pad_rows=[2], device=device)
-    full_pool, capped_pool = make_pool(S, H, P, N, torch.float32, device), make_pool(S, H, P, N, torch.float32, device)
-    full = call(selective_state_update_triton, full_pool, inp, slots)
-    capped = selective_state_update_triton(
-        capped_pool, inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"], slots,
-        z=inp["z"], dt_bias=inp["dt_bias"], max_programs=max_programs,
-    )
-    assert torch.equal(full, capped)
-    assert torch.equal(full_pool, capped_pool)

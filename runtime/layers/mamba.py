@@ -40,13 +40,6 @@ class MambaLayer:
         self.norm_w = w[p + "norm.weight"]
         self.out_proj = w[p + "out_proj.weight"]
         self.out_proj_bias = w.get(p + "out_proj.bias")
-        # In mixed steps the decode state update runs beside the prefill branch on another
-        # stream; capping its grid (its programs loop over tiles) leaves SMs for the prefill.
-        # None: one program per tile.
-        self.mixed_decode_programs = None
-        if self.in_proj.is_cuda:
-            sms = torch.cuda.get_device_properties(self.in_proj.device).multi_processor_count
-            self.mixed_decode_programs = 2 * sms
 
     def project(self, x: torch.Tensor):
         """in_proj over all tokens, and the empty buffers both branches write into."""
@@ -84,9 +77,8 @@ class MambaLayer:
         xbc_in, dt, xbc_out = self._views(proj, xbc, rows)
         conv1d_update(xbc_in, conv_state, self.conv_w, self.conv_b, inputs.decode_slots, out=xbc_out)
         x, B, C = self._ssm_operands(xbc_out)
-        cap = self.mixed_decode_programs if tp else None
         selective_state_update(ssm_state, x, dt, self.A, B, C, self.D, inputs.decode_slots,
-                               dt_bias=self.dt_bias, dt_softplus=True, out=y[rows], max_programs=cap)
+                               dt_bias=self.dt_bias, dt_softplus=True, out=y[rows])
 
     def finish(self, proj, y) -> torch.Tensor:
         """Gated norm with z, then out_proj, over all tokens."""

@@ -108,11 +108,11 @@ class Runner:
         return tokens
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan) -> torch.Tensor:
+    def run(self, plan: StepPlan, bucket: Bucket | None = None) -> torch.Tensor:
         """Logits [n_rows, vocab] for the plan's rows: the last token of each prefill sequence,
-        then each decode row. The tensor is the graph's output buffer, which the next step
-        overwrites: copy what you keep."""
-        bucket = self._refill(plan)
+        then each decode row; ``bucket`` overrides the choice (tests, tuning). The tensor is the
+        graph's output buffer, which the next step overwrites: copy what you keep."""
+        bucket = self._refill(plan, bucket)
         return self._forward(bucket)[: plan.num_rows]
 
     @torch.inference_mode()
@@ -136,8 +136,8 @@ class Runner:
             event.record()
         return PendingTokens(host.numpy(), event)
 
-    def _refill(self, plan: StepPlan) -> Bucket:
-        bucket = self.bucket_for(plan)
+    def _refill(self, plan: StepPlan, bucket: Bucket | None = None) -> Bucket:
+        bucket = bucket or self.bucket_for(plan)
         self.buffers.fill(plan, bucket)
         self.buffers.upload()
         return bucket

@@ -2,7 +2,7 @@ import pytest
 import torch
 from transformers.models.mamba2.modeling_mamba2 import Mamba2RMSNorm, MambaRMSNormGated
 
-from hf_models import HF_GROUPED_NORM
+from hf_models import HF_5_23
 
 from mambastep.kernels.norm import gated_rms_norm_ref, gated_rms_norm_triton, rms_norm_ref, rms_norm_triton
 from support import assert_close, poisoned
@@ -50,7 +50,7 @@ def test_gated_rms_norm_matches_reference(device, dtype, D, groups):
 def test_references_match_hf(groups):
     torch.manual_seed(2)
     D = 32
-    if not HF_GROUPED_NORM:
+    if not HF_5_23:
         pytest.skip("HF's gated norm takes a group size from transformers 5.23")
     hf = MambaRMSNormGated(D, group_size=D // groups, eps=1e-6)
     hf.weight.data = torch.randn(D)

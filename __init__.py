@@ -1,3 +1,9 @@
-"""mambastep: a CUDA-graph-centric decode runtime for Mamba2 and hybrid Mamba2/attention models."""
+"""mambastep: a CUDA-graph-centric decode runtime for Mamba2 and hybrid Mamba2/attention models.
 
+    from mambastep import Engine, SamplingParams
+"""
+
+from .runtime import Engine, Model, ModelConfig, RequestOutput, SamplingParams
+
+__all__ = ["Engine", "Model", "ModelConfig", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"

@@ -6,6 +6,7 @@ import sys
 
 COMMANDS = {
     "run": ("mambastep.tools.run", "serve a synthetic chat workload and report latencies (the main job)"),
+    "tune": ("mambastep.tools.tune", "choose graph buckets from a workload's step shapes"),
     "bench": ("mambastep.tools.bench", "kernel and step benchmarks on a CUDA device"),
 }
 

@@ -102,6 +102,7 @@ def main(argv=None) -> int:
     parser.add_argument("--concurrency", type=int, default=None, help="requests in flight (default: 64 on GPU, 8 on CPU)")
     parser.add_argument("--eager", action="store_true", help="run without CUDA graphs (for comparison)")
     parser.add_argument("--pipelined", action="store_true", help="launch step N+1 before reading step N's tokens")
+    parser.add_argument("--buckets", metavar="PATH", help="graph buckets from `mambastep tune` (default: built in)")
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     parser.add_argument("--max-context", type=int, default=4096, help="prompt + output tokens per request")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
@@ -121,6 +122,8 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if gpu else torch.float32
     common = dict(dtype=dtype, device=device, max_context=args.max_context, use_graphs=gpu and not args.eager,
                   pipelined=args.pipelined, progress=not args.quiet)
+    if args.buckets:
+        common["buckets"] = args.buckets
     if args.model:
         try:
             engine = Engine.from_pretrained(args.model, **common)

@@ -1,0 +1,31 @@
+import itertools
+import json
+
+from hypothesis import given, settings, strategies as st
+
+from mambastep.graphs.buckets import BucketSet
+from mambastep.tools import cli
+from mambastep.tools.tune import optimal_sizes, padding
+
+
+@settings(max_examples=60, deadline=None)
+@given(counts=st.dictionaries(st.integers(1, 40), st.integers(1, 20), min_size=1, max_size=7), k=st.integers(1, 4))
+def test_optimal_sizes_is_optimal(counts, k):
+    chosen = optimal_sizes(counts, k)
+    top = max(counts)
+    assert len(chosen) <= k and top in chosen
+    below = sorted(s for s in counts if s < top)
+    brute = min(padding(counts, tuple(sorted(set(c) | {top})))[0]
+                for r in range(k) for c in itertools.combinations(below, r))
+    assert padding(counts, chosen) == (brute, 0)
+
+
+def test_tune_writes_a_bucket_file_run_accepts(tmp_path, capsys):
+    out = tmp_path / "b.json"
+    assert cli.main(["tune", "--requests", "12", "--concurrency", "4", "--decode-graphs", "3", "--out", str(out)]) == 0
+    tuned = BucketSet.load(out)
+    assert len(tuned.decode) <= 3 and tuned.decode[-1] >= 4
+    assert "tuned" in capsys.readouterr().out
+    assert cli.main(["run", "--device", "cpu", "--quiet", "--requests", "4", "--concurrency", "4",
+                     "--buckets", str(out)]) == 0
+    assert json.loads(out.read_text())["max_prefill_seqs"] >= 1

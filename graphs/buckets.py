@@ -9,7 +9,12 @@ from pathlib import Path
 from ..runtime.plan import StepPlan
 from ..runtime.step_buffers import Bucket
 
-__all__ = ["BucketSet"]
+__all__ = ["BucketSet", "largest_first"]
+
+
+def largest_first(buckets) -> list[Bucket]:
+    """Capture order: the largest step first, so it sizes the shared graph pool."""
+    return sorted(buckets, key=lambda b: (b.decode + b.prefill, b.prefill), reverse=True)
 
 
 def _sizes(name: str, values, allow_zero=False) -> tuple[int, ...]:
@@ -52,7 +57,7 @@ class BucketSet:
         """Every graph bucket, largest first (the capture order: the first sizes the shared pool)."""
         buckets = [Bucket(b) for b in self.decode]
         buckets += [Bucket(b, t) for b in self.mixed_decode for t in self.prefill]
-        return sorted(buckets, key=lambda k: (k.decode + k.prefill, k.prefill), reverse=True)
+        return largest_first(buckets)
 
     def choose(self, plan: StepPlan) -> Bucket | None:
         """The smallest bucket that holds ``plan``, or None when it is larger than every bucket."""

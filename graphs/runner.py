@@ -26,7 +26,7 @@ from ..kernels.decode_ids import fill_decode_ids
 from ..runtime.plan import StepPlan
 from ..runtime.sampling import MODES, sample, sampling_mode
 from ..runtime.step_buffers import Bucket, StepBuffers
-from .buckets import BucketSet
+from .buckets import BucketSet, largest_first
 
 __all__ = ["Runner", "CaptureReport", "PendingTokens"]
 
@@ -155,7 +155,7 @@ class Runner:
         graph each and a sampling graph per mode."""
         if not self.cuda:
             raise RuntimeError("CUDA graphs need a CUDA device; the runner runs eagerly without one")
-        buckets = sorted(buckets or self.buckets.all(), key=lambda k: (k.decode + k.prefill, k.prefill), reverse=True)
+        buckets = largest_first(buckets or self.buckets.all())
         start, before = time.perf_counter(), torch.cuda.memory_reserved(self.model.device)
         self.graph_pool = self.graph_pool or torch.cuda.graph_pool_handle()
         empty = StepPlan()

@@ -71,8 +71,6 @@ class Scheduler:
             dec_ctx.append(r.computed)
             r.computed += 1
             rows.append(r)
-        live = [r for r in rows if r is not None]
-        keep = np.array([r is not None for r in rows], dtype=bool)
         i32 = lambda v: np.asarray(v, dtype=np.int32)  # noqa: E731
         params = [r.params if r is not None else None for r in rows]
         plan = StepPlan(
@@ -89,7 +87,6 @@ class Scheduler:
             top_p=np.array([p.top_p if p else 1.0 for p in params], dtype=np.float32),
             seed=np.array([r.seed if r else 0 for r in rows], dtype=np.int64),
             position=np.array([len(r.output) if r else 0 for r in rows], dtype=np.int64),
-            sample_slots=i32([r.slot if k else -1 for r, k in zip(rows, keep)]),
+            sample_slots=i32([r.slot if r is not None else -1 for r in rows]),
         )
-        del live
         return plan, rows

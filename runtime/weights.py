@@ -20,6 +20,11 @@ __all__ = ["WeightError", "weight_shapes", "load_weights", "random_weights"]
 _PREFIXES = ("model.", "backbone.", "")
 
 
+def _keeps_fp32(name: str) -> bool:
+    """A_log, D, dt_bias and the router's score bias stay fp32: the SSM and routing math use them so."""
+    return name.endswith(("A_log", ".D", "dt_bias", "e_score_correction_bias"))
+
+
 class WeightError(ValueError):
     """A checkpoint tensor is missing, mis-shaped or unreadable; the message names it."""
 
@@ -126,8 +131,8 @@ def _stacked_experts(ckpt: _Checkpoint, name: str, n_experts: int) -> torch.Tens
 def load_weights(path: str | Path, cfg: ModelConfig, *, dtype: torch.dtype, device="cpu") -> dict[str, torch.Tensor]:
     """Read every tensor ``weight_shapes(cfg)`` names from the checkpoint at ``path``.
 
-    Floating tensors are converted to ``dtype`` except A_log, D and dt_bias, kept in fp32 as the
-    SSM math needs them. Raises WeightError naming the first missing or mis-shaped tensor.
+    Tensors are converted to ``dtype``, except the few ``_keeps_fp32`` keeps in fp32. Raises
+    WeightError naming the first missing or mis-shaped tensor.
     """
     ckpt = _Checkpoint(Path(path))
     out: dict[str, torch.Tensor] = {}
@@ -143,8 +148,7 @@ def load_weights(path: str | Path, cfg: ModelConfig, *, dtype: torch.dtype, devi
             raise WeightError(f"{name}: missing from the checkpoint at {path}")
         if tuple(t.shape) != shape:
             raise WeightError(f"{name}: expected shape {list(shape)}, checkpoint has {list(t.shape)}")
-        keep_fp32 = name.endswith(("A_log", ".D", "dt_bias", "e_score_correction_bias"))
-        out[name] = t.to(device=device, dtype=torch.float32 if keep_fp32 else dtype)
+        out[name] = t.to(device=device, dtype=torch.float32 if _keeps_fp32(name) else dtype)
     return out
 
 
@@ -167,6 +171,5 @@ def random_weights(cfg: ModelConfig, *, dtype: torch.dtype, device="cpu", seed: 
         else:
             fan_in = shape[-1]
             t = torch.randn(shape, generator=gen, device=device, dtype=dtype) * fan_in**-0.5
-        keep_fp32 = name.endswith(("A_log", ".D", "dt_bias", "e_score_correction_bias"))
-        out[name] = t.to(torch.float32 if keep_fp32 else dtype)
+        out[name] = t.to(torch.float32 if _keeps_fp32(name) else dtype)
     return out

@@ -1,7 +1,10 @@
 """`pip install .` ships every subpackage: each folder with an __init__.py is listed in pyproject."""
 
-import tomllib
 from pathlib import Path
+
+import pytest
+
+tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -186,3 +186,40 @@ def test_bf16_on_gpu_matches_hf(kind, tmp_path):
         got = step(runner, decode=[(t[i], slot, len(p) + i) for slot, (p, t) in enumerate(zip(ps, ref_tokens))])
         ref = torch.stack([f[len(p) + i] for f, p in zip(full, ps)])
         assert_close(got.cpu(), ref, torch.bfloat16, factor=2)
+
+
+@torch.no_grad()
+def test_fused_decode_path_equals_the_layered_one(tmp_path):
+    """Pure Mamba2 decode steps take the fused path (norms inside the projections); it computes
+    what the layer-by-layer path does, logits and states."""
+    save_tiny("mamba2", tmp_path)
+    model = Model.from_pretrained(tmp_path, dtype=torch.float32)
+    assert model.fused_decode
+    ps = prompts([6, 13, 2], seed=5)
+    results = []
+    for fused in (True, False):
+        model.fused_decode = fused
+        runner = new_runner(model)
+        step(runner, [(p, slot, 0) for slot, p in enumerate(ps)])
+        logits = [step(runner, decode=[(7 + i, slot, len(p) + i) for slot, p in enumerate(ps)]) for i in range(4)]
+        results.append((torch.stack(logits), [t.clone() for t in runner.pool.tensors()]))
+    (a, pool_a), (b, pool_b) = results
+    assert_close(a, b)
+    for x, y in zip(pool_a, pool_b):
+        assert_close(x, y)
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_fused_decode_path_on_gpu_graphs():
+    model = Model.from_preset("mamba2-130m", dtype=torch.bfloat16, device="cuda")
+    plan_prompts = [list(range(1, 40)), list(range(50, 61))]
+    results = []
+    for fused in (True, False):
+        model.fused_decode = fused
+        runner = new_runner(model)
+        runner.capture(progress=False, modes=("greedy",))
+        step(runner, [(p, slot, 0) for slot, p in enumerate(plan_prompts)])
+        results.append(torch.stack([step(runner, decode=[(9 + i, s, len(p) + i) for s, p in enumerate(plan_prompts)])
+                                    for i in range(6)]))
+    assert_close(results[0].cpu(), results[1].cpu(), torch.bfloat16)

@@ -14,7 +14,6 @@ import torch.nn.functional as F
 
 from ..kernels.norm import rms_norm
 from .config import ModelConfig
-from ..kernels.norm_linear import MAX_ROWS as FUSED_MAX_ROWS
 from .layers import AttentionLayer, MambaLayer, MLPLayer, MoELayer
 from .presets import preset_config
 from .step_inputs import StepInputs
@@ -36,9 +35,6 @@ class Model:
         self.norm_f = weights["norm_f.weight"]
         self.layers = [_LAYER_CLASSES[kind](cfg, i, weights) for i, kind in enumerate(cfg.layer_types)]
         self.residual_dtype = torch.float32 if cfg.residual_in_fp32 else self.dtype
-        # Small decode-only steps of pure Mamba2 models take the fused path (norms folded into
-        # the projections' prologues: 4 launches a layer instead of 6). Set False to compare.
-        self.fused_decode = all(isinstance(l, MambaLayer) and l.fusable for l in self.layers)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype=torch.bfloat16, device="cpu") -> "Model":
@@ -60,11 +56,6 @@ class Model:
         """
         x = F.embedding(inputs.input_ids, self.embed)
         residual = x.to(self.residual_dtype)
-        if self.fused_decode and inputs.prefill is None and inputs.num_decode <= FUSED_MAX_ROWS:
-            out, residual = self._fused_decode_layers(residual, inputs, state)
-            h = torch.empty_like(out)
-            rms_norm(out, self.norm_f, self.cfg.norm_eps, residual=residual, out=h)
-            return self._logits(h, inputs)
         h = rms_norm(x, self.norms[0], self.cfg.norm_eps)
         for i, layer in enumerate(self.layers):
             out = layer.forward(h, inputs, state, aux_stream)
@@ -72,19 +63,5 @@ class Model:
             # residual <- residual + out; h <- norm(residual)
             h = torch.empty_like(out)
             rms_norm(out, norm_w, self.cfg.norm_eps, residual=residual, out=h)
-        return self._logits(h, inputs)
-
-    def _fused_decode_layers(self, residual, inputs: StepInputs, state):
-        """Every layer's residual add and norm fused into its in_proj (two residual buffers take
-        turns: the fused kernel reads one while it writes the other). Returns the last layer's
-        output and the residual it adds to."""
-        spare = torch.empty_like(residual)
-        out = None
-        for i, layer in enumerate(self.layers):
-            out = layer.fused_decode(out, residual, spare, self.norms[i], inputs, state)
-            residual, spare = spare, residual
-        return out, residual
-
-    def _logits(self, h, inputs: StepInputs) -> torch.Tensor:
         rows = h.index_select(0, inputs.logit_rows)
         return F.linear(rows, self.lm_head).float()

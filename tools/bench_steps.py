@@ -16,7 +16,6 @@ import torch
 from tqdm import tqdm
 
 from ..graphs.buckets import BucketSet
-from ..kernels.norm_linear import MAX_ROWS as FUSED_MAX_ROWS
 from ..graphs.runner import Runner
 from ..runtime.model import Model
 from ..runtime.plan import StepPlan
@@ -100,22 +99,12 @@ def bench_preset(name: str, bandwidth: float, progress: bool) -> dict:
     unforked = Runner(model, pool, buckets, overlap=False)
     reports = [str(forked.capture(progress=progress)),
                str(unforked.capture([b for b in buckets.all() if b.prefill], progress=progress))]
-    # the layer-by-layer decode path, where the fused one applies, for comparison
-    layered = None
-    if model.fused_decode:
-        model.fused_decode = False
-        layered = Runner(model, pool, buckets, overlap=False)
-        layered.capture([b for b in buckets.all() if not b.prefill and b.decode <= FUSED_MAX_ROWS],
-                        modes=("greedy",), progress=False)
-        model.fused_decode = True
     rows = []
     for batch in tqdm(DECODE_BATCHES, desc=f"{name} decode", disable=not progress):
         plan = decode_plan(batch)
         e, g = step_ms(eager, plan), step_ms(forked, plan)
         floor = hbm_floor_bytes(model, pool, batch) / bandwidth * 1e3
-        unfused = step_ms(layered, plan) if layered and batch <= FUSED_MAX_ROWS else None
-        rows.append({"kind": "decode", "batch": batch, "eager_ms": e, "graph_ms": g, "floor_ms": floor,
-                     "graph_unfused_ms": unfused})
+        rows.append({"kind": "decode", "batch": batch, "eager_ms": e, "graph_ms": g, "floor_ms": floor})
     prefill_slot = slots - 1
     for d in tqdm(MIXED_DECODE, desc=f"{name} mixed", disable=not progress):
         for c in PREFILL_CHUNKS:
@@ -129,7 +118,7 @@ def bench_preset(name: str, bandwidth: float, progress: bool) -> dict:
                 "forked_ms": step_ms(forked, mixed), "unforked_ms": step_ms(unforked, mixed),
                 "separate_ms": step_ms(forked, decode_plan(d)) + step_ms(forked, pre),
             })
-    del eager, forked, unforked, layered, pool, model
+    del eager, forked, unforked, pool, model
     torch.cuda.empty_cache()
     return {"preset": name, "capture": reports, "rows": rows}
 
@@ -148,14 +137,13 @@ def print_table(result: dict) -> None:
           f"copy bandwidth {result['copy_GB/s']:.0f} GB/s; bf16 weights, fp32 SSM state, context {CONTEXT}")
     for p in result["presets"]:
         print(f"\n{p['preset']}: " + "; ".join(p["capture"]))
-        print("| decode batch | eager (ms) | graph (ms) | eager/graph | HBM floor (ms) | graph/floor | graph, layer by layer (ms) |")
-        print("| --- | --- | --- | --- | --- | --- | --- |")
+        print("| decode batch | eager (ms) | graph (ms) | eager/graph | HBM floor (ms) | graph/floor |")
+        print("| --- | --- | --- | --- | --- | --- |")
         for r in p["rows"]:
             if r["kind"] == "decode":
-                unfused = f"{r['graph_unfused_ms']:.3f}" if r.get("graph_unfused_ms") else ""
                 print(f"| {r['batch']} | {r['eager_ms']:.3f} | {r['graph_ms']:.3f} | "
                       f"{r['eager_ms'] / r['graph_ms']:.1f}x | {r['floor_ms']:.3f} | "
-                      f"{r['graph_ms'] / r['floor_ms']:.2f}x | {unfused} |")
+                      f"{r['graph_ms'] / r['floor_ms']:.2f}x |")
         print("| decode + prefill chunk | forked (ms) | unforked (ms) | fork gain | separate steps (ms) |")
         print("| --- | --- | --- | --- | --- |")
         for r in p["rows"]:

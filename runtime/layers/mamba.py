@@ -14,7 +14,6 @@ import torch.nn.functional as F
 
 from ...kernels.conv1d import conv1d_update, conv1d_varlen
 from ...kernels.norm import gated_rms_norm
-from ...kernels.norm_linear import add_norm_linear, gated_norm_linear
 from ...kernels.ssd import ssd_scan
 from ...kernels.state_update import selective_state_update
 from ..config import ModelConfig
@@ -87,23 +86,6 @@ class MambaLayer:
         z = proj[:, : self.inner]
         normed = gated_rms_norm(y.view(T, self.inner), z, self.norm_w, self.inner // self.G, self.eps)
         return F.linear(normed, self.out_proj, self.out_proj_bias)
-
-    @property
-    def fusable(self) -> bool:
-        """The fused decode path has no projection biases."""
-        return self.in_proj_bias is None and self.out_proj_bias is None
-
-    def fused_decode(self, prev_out, residual, residual_out, norm_w, inputs: StepInputs, state) -> torch.Tensor:
-        """A decode-only step of this layer, its pre-norm included: residual_out <- residual +
-        prev_out (prev_out None: the embeddings alone), in_proj of the normalised row in one
-        kernel; conv and state update; gated norm and out_proj in one kernel."""
-        proj = add_norm_linear(prev_out, residual, norm_w, self.eps, self.in_proj, residual_out=residual_out)
-        B = proj.shape[0]
-        xbc = torch.empty(B, self.conv_dim, dtype=proj.dtype, device=proj.device)
-        y = torch.empty(B, self.H, self.P, dtype=proj.dtype, device=proj.device)
-        self.decode_branch(proj, xbc, y, inputs, state.conv[self.idx], state.ssm[self.idx])
-        z = proj[:, : self.inner]
-        return gated_norm_linear(y.view(B, self.inner), z, self.norm_w, self.inner // self.G, self.eps, self.out_proj)
 
     def forward(self, x: torch.Tensor, inputs: StepInputs, state, aux_stream=None) -> torch.Tensor:
         proj, xbc, y = self.project(x)

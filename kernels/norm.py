@@ -21,6 +21,7 @@ def _rms_norm_kernel(
     D, eps,
     stride_x, stride_res, stride_out,
     HAS_RESIDUAL: tl.constexpr,
+    ROUND_FIRST: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -34,8 +35,9 @@ def _rms_norm_kernel(
         x = r.to(res_ptr.dtype.element_ty).to(tl.float32)
     var = tl.sum(x * x, axis=0) / D
     y = x * tl.rsqrt(var + eps)
-    # HF rounds the normalised row to the input dtype before scaling by the weight
-    y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
+    if ROUND_FIRST:
+        # HF's Mamba2 rounds the normalised row to the input dtype before scaling by the weight
+        y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -72,7 +74,7 @@ def _num_warps(block: int) -> int:
     return max(1, min(16, block // 256))
 
 
-def rms_norm_triton(x, weight, eps, *, residual=None, out=None):
+def rms_norm_triton(x, weight, eps, *, residual=None, out=None, round_first=True):
     T, D = x.shape
     out = torch.empty_like(x) if out is None else out
     _check_rows("x", x, T, D)
@@ -84,33 +86,35 @@ def rms_norm_triton(x, weight, eps, *, residual=None, out=None):
     _rms_norm_kernel[(T,)](
         x, res, weight, out, D, eps,
         x.stride(0), res.stride(0), out.stride(0),
-        HAS_RESIDUAL=residual is not None, BLOCK_D=block, num_warps=_num_warps(block),
+        HAS_RESIDUAL=residual is not None, ROUND_FIRST=round_first, BLOCK_D=block,
+        num_warps=_num_warps(block),
     )
     return out
 
 
-def rms_norm_ref(x, weight, eps, *, residual=None, out=None):
+def rms_norm_ref(x, weight, eps, *, residual=None, out=None, round_first=True):
     if residual is not None:
         residual.copy_((residual.float() + x.float()).to(residual.dtype))
         x = residual
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     dtype = out.dtype if out is not None else x.dtype
-    y = weight.float() * y.to(dtype).float()
+    y = weight.float() * (y.to(dtype).float() if round_first else y)
     if out is None:
         return y.to(dtype)
     return out.copy_(y)
 
 
-def rms_norm(x, weight, eps, *, residual=None, out=None):
+def rms_norm(x, weight, eps, *, residual=None, out=None, round_first=True):
     """RMSNorm of each row, optionally after adding ``x`` into ``residual`` in place.
 
     x: [T, D] any float dtype; weight: [D]; residual: [T, D] or None (fp32 or x's dtype), updated
     to ``residual + x``, and then it is ``residual`` that is normalised; out: [T, D].
-    Returns out = weight * rmsnorm(row), computed in fp32.
+    Returns out = weight * rmsnorm(row), computed in fp32; round_first rounds the normalised row
+    to out's dtype before the weight (HF's Mamba2) rather than only the product (NemotronH).
     """
     fn = rms_norm_triton if x.is_cuda else rms_norm_ref
-    return fn(x, weight, eps, residual=residual, out=out)
+    return fn(x, weight, eps, residual=residual, out=out, round_first=round_first)
 
 
 def gated_rms_norm_triton(x, z, weight, group_size, eps, *, out=None):

@@ -35,6 +35,8 @@ class Model:
         self.norm_f = weights["norm_f.weight"]
         self.layers = [_LAYER_CLASSES[kind](cfg, i, weights) for i, kind in enumerate(cfg.layer_types)]
         self.residual_dtype = torch.float32 if cfg.residual_in_fp32 else self.dtype
+        # HF's Mamba2 norm rounds before its weight, NemotronH's after (only bf16 tells them apart)
+        self.round_norm_first = cfg.architecture == "mamba2"
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype=torch.bfloat16, device="cpu") -> "Model":
@@ -56,12 +58,12 @@ class Model:
         """
         x = F.embedding(inputs.input_ids, self.embed)
         residual = x.to(self.residual_dtype)
-        h = rms_norm(x, self.norms[0], self.cfg.norm_eps)
+        h = rms_norm(x, self.norms[0], self.cfg.norm_eps, round_first=self.round_norm_first)
         for i, layer in enumerate(self.layers):
             out = layer.forward(h, inputs, state, aux_stream)
             norm_w = self.norms[i + 1] if i + 1 < len(self.layers) else self.norm_f
             # residual <- residual + out; h <- norm(residual)
             h = torch.empty_like(out)
-            rms_norm(out, norm_w, self.cfg.norm_eps, residual=residual, out=h)
+            rms_norm(out, norm_w, self.cfg.norm_eps, residual=residual, out=h, round_first=self.round_norm_first)
         rows = h.index_select(0, inputs.logit_rows)
         return F.linear(rows, self.lm_head).float()

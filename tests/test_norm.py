@@ -1,6 +1,7 @@
 import pytest
 import torch
 from transformers.models.mamba2.modeling_mamba2 import Mamba2RMSNorm, MambaRMSNormGated
+from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHRMSNorm
 
 from hf_models import HF_5_23
 
@@ -30,6 +31,23 @@ def test_rms_norm_matches_reference(device, dtype, D, res_dtype):
     if res is not None:
         # the residual now holds residual + x, rounded to its dtype
         assert_close(res.cpu(), res_ref, res.dtype)
+
+
+def test_round_first_chooses_the_hf_variant(device):
+    """bf16: Mamba2 rounds the normalised row before the weight, NemotronH only the product."""
+    torch.manual_seed(4)
+    D = 64
+    x = torch.randn(5, D).to(torch.bfloat16)
+    hf_m = Mamba2RMSNorm(D, eps=1e-5).to(torch.bfloat16)
+    hf_n = NemotronHRMSNorm(D, eps=1e-5).to(torch.bfloat16)
+    w = torch.randn(D).to(torch.bfloat16)
+    hf_m.weight.data, hf_n.weight.data = w.clone(), w.clone()
+    assert torch.equal(rms_norm_ref(x, w, 1e-5), hf_m(x))
+    assert torch.equal(rms_norm_ref(x, w, 1e-5, round_first=False), hf_n(x))
+    for round_first in (True, False):
+        out = poisoned((5, D), torch.bfloat16, device)
+        rms_norm_triton(x.to(device), w.to(device), 1e-5, out=out, round_first=round_first)
+        assert_close(out.cpu(), rms_norm_ref(x, w, 1e-5, round_first=round_first), torch.bfloat16)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

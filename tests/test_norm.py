@@ -42,8 +42,9 @@ def test_round_first_chooses_the_hf_variant(device):
     hf_n = NemotronHRMSNorm(D, eps=1e-5).to(torch.bfloat16)
     w = torch.randn(D).to(torch.bfloat16)
     hf_m.weight.data, hf_n.weight.data = w.clone(), w.clone()
-    assert torch.equal(rms_norm_ref(x, w, 1e-5), hf_m(x))
-    assert torch.equal(rms_norm_ref(x, w, 1e-5, round_first=False), hf_n(x))
+    if HF_5_23:  # the rounding order of HF's norms as of the version CI tests against
+        assert torch.equal(rms_norm_ref(x, w, 1e-5), hf_m(x))
+        assert torch.equal(rms_norm_ref(x, w, 1e-5, round_first=False), hf_n(x))
     for round_first in (True, False):
         out = poisoned((5, D), torch.bfloat16, device)
         rms_norm_triton(x.to(device), w.to(device), 1e-5, out=out, round_first=round_first)

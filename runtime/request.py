@@ -11,7 +11,9 @@ from .sampling import SamplingParams
 __all__ = ["Request", "RequestOutput"]
 
 
-@dataclass
+# identity equality: the scheduler finds a request in its queues by the object, never by
+# comparing fields (a prompt is a numpy array)
+@dataclass(eq=False)
 class Request:
     id: int
     prompt: np.ndarray  # [L] int64

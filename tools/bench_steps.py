@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime
 import statistics
-import sys
 import time
 
 import torch

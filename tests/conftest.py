@@ -29,8 +29,36 @@ def _fix_interpreter_bf16_dot():
     interpreter.InterpreterBuilder.create_dot = create_dot
 
 
+def _fix_interpreter_bf16_rounding():
+    """The interpreter narrows fp32 to bf16 by truncation; GPUs round to nearest even. Round
+    here too, so kernels that round intermediates (as the unfused ops they replace do) agree
+    with their references to the last bit there as well."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    def to_bf16(src):
+        bits = src.data.astype(np.float32).view(np.uint32)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        rounded = np.where(np.isnan(src.data), np.uint16(0x7FC0), rounded)
+        return interpreter.TensorHandle(rounded, tl.bfloat16)
+
+    def narrowing(original):
+        def cast(self, src, dst_type, *args):
+            if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+                return to_bf16(src)
+            return original(self, src, dst_type, *args)
+        return cast
+
+    builder = interpreter.InterpreterBuilder
+    builder.cast_impl = narrowing(builder.cast_impl)
+    builder.create_fp_to_fp = narrowing(builder.create_fp_to_fp)
+    builder.create_fp_trunc = narrowing(builder.create_fp_trunc)
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _fix_interpreter_bf16_dot()
+    _fix_interpreter_bf16_rounding()
 
 
 def pytest_collection_modifyitems(config, items):

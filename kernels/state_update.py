@@ -51,6 +51,7 @@ def _state_update_kernel(
     HAS_Z: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr,
     DT_SOFTPLUS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # One program: row b, head h, rows [pid_p * BLOCK_P, +BLOCK_P) of the head's [P, N] state.
     # Heads of one row are neighbours in program order, so B/C of a group and the slot's
@@ -82,6 +83,11 @@ def _state_update_kernel(
         + offs_p[:, None] * stride_state_p + offs_n[None, :]
     )
     state = tl.load(state_ptrs, mask=state_mask, other=0.0).to(tl.float32)
+    # A programmatic dependent launch streams the state in while the previous kernel drains:
+    # only this kernel touches the layer's state within a step. Its inputs come after the wait.
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
     # Inputs of pad rows are read (they are step buffers, not state) and then discarded.
     x = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + offs_p, mask=mask_p, other=0.0)
@@ -188,6 +194,7 @@ def selective_state_update_triton(
     dt_bias: torch.Tensor | None = None,
     dt_softplus: bool = True,
     out: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Launch the Triton kernel; same contract as :func:`selective_state_update`.
 
@@ -234,7 +241,9 @@ def selective_state_update_triton(
         HAS_Z=z is not None,
         HAS_DT_BIAS=dt_bias is not None,
         DT_SOFTPLUS=dt_softplus,
+        USE_PDL=pdl,
         num_warps=num_warps,
+        **({"launch_pdl": True} if pdl else {}),
     )
     return out
 
@@ -253,6 +262,7 @@ def selective_state_update_ref(
     dt_bias: torch.Tensor | None = None,
     dt_softplus: bool = True,
     out: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Plain fp32 torch reference; same contract as :func:`selective_state_update`.
 
@@ -306,6 +316,7 @@ def selective_state_update(
     dt_bias: torch.Tensor | None = None,
     dt_softplus: bool = True,
     out: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Advance the SSM state of each row's slot by one token and return the token's output.
 
@@ -320,11 +331,13 @@ def selective_state_update(
     dt_bias:  [H] added to dt before the softplus, or None
     dt_softplus: apply softplus to dt (after dt_bias)
     out:      [batch, H, P] in x's dtype, written in full (zeros for pad rows); allocated if None
+    pdl:      launch as a programmatic dependent of the previous kernel (CUDA, sm_90+; the
+              reference ignores it)
 
     CUDA tensors run the Triton kernel (no host sync, capturable); CPU tensors run the reference.
     Returns ``out``.
     """
     fn = selective_state_update_triton if state.is_cuda else selective_state_update_ref
     return fn(
-        state, x, dt, A, B, C, D, slot_idx, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus, out=out
+        state, x, dt, A, B, C, D, slot_idx, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus, out=out, pdl=pdl
     )

@@ -1,0 +1,513 @@
+"""Skinny projections for small decode batches, with the neighbouring element-wise work fused in.
+
+At decode batch 1-2 a projection is a matrix-vector product whose cost is its weight read plus
+the latency of a launch; the norm before it and the element-wise work after it are launches of
+their own that move almost nothing. Here one kernel does all three:
+
+- prologue, the projection's input: the raw rows; RMSNorm of each row (the block norm); or
+  Mamba2's gated, grouped RMSNorm of ``y * silu(z)``. Every program recomputes the row norms of
+  its (at most ``MAX_ROWS``) rows from L2, so programs never communicate.
+- the product: each program owns ``BLOCK_N`` output columns and loads its ``[BLOCK_N, K]``
+  slice of the weight once, then takes the rows one after the other as plain multiply-adds in
+  fp32 (no tensor cores: a 16-row MMA tile would be mostly padding). The per-row work grows
+  with the rows, which is why the model uses this path at 1-2 rows only (measured in
+  docs/BENCHMARKS.md).
+- epilogue: store the rounded product; or add it into the residual stream in place; or squared
+  ReLU; or, for Mamba2's in_proj, the causal conv1d decode update (state shift and SiLU) on the
+  ``xBC`` columns, which one program owns per channel, so the conv state has a single writer.
+
+Programmatic dependent launch (sm_90+): with ``pdl=True`` a kernel may start while the previous
+one drains. Before ``gdc_wait`` it loads only what the previous kernel cannot be writing: its
+first weight tile, the conv weights and state (no other kernel touches a layer's conv state
+within a step), and with ``early=True`` the gate z and the residual. Those are safe because a
+kernel here signals its dependents (``gdc_launch_dependents``) only after its own wait returned,
+i.e. after its predecessor completed: so when a kernel starts, everything two or more launches
+back in the stream is complete. Every kernel calls ``gdc_wait`` before reading its direct
+predecessor's output, so the chain stays ordered end to end.
+
+Numerics follow the unfused ops: the product is rounded to the weight dtype (as ``F.linear``),
+then the epilogue runs on the rounded value in fp32, as ``conv1d_update`` / ``rms_norm`` would.
+The references compose those unfused references.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .conv1d import conv1d_update_ref
+from .norm import gated_rms_norm_ref, rms_norm_ref
+
+__all__ = [
+    "MAX_ROWS",
+    "ConvTail",
+    "norm_linear",
+    "norm_linear_triton",
+    "norm_linear_ref",
+    "gated_norm_linear",
+    "gated_norm_linear_triton",
+    "gated_norm_linear_ref",
+    "pdl_supported",
+]
+
+# The kernels take up to 8 rows; the model uses them at 1-2, where they beat norm + cuBLAS.
+MAX_ROWS = 8
+
+_PRO_NONE, _PRO_RMS, _PRO_GATED = 0, 1, 2
+_EPI_STORE, _EPI_RESIDUAL, _EPI_RELU2, _EPI_CONV = 0, 1, 2, 3
+
+
+class ConvTail:
+    """Mamba2's conv1d decode update as an in_proj epilogue, on output columns [lo, lo + D).
+
+    state: [S, D, K-1] slot pool (any strides); weight: [D, K]; bias: [D] or None;
+    slots: [rows] int32 slot of each row, PAD_SLOT_ID for padding (state untouched, zeros out).
+    """
+
+    def __init__(self, state, weight, bias, slots, lo: int):
+        self.state, self.weight, self.bias, self.slots, self.lo = state, weight, bias, slots, lo
+
+
+class _Rows(NamedTuple):
+    n: int  # rows computed
+    idx: torch.Tensor | None  # [n] source row of each, or None for rows 0..n-1
+
+
+@triton.jit
+def _input_rows(x_ptr, z, src, row_ok, cols, col_ok, stride_x, GATED: tl.constexpr):
+    """Rows ``src`` of x over ``cols`` in fp32 ([rows, BLOCK_K]), times silu(z) when GATED."""
+    mask = row_ok[:, None] & col_ok[None, :]
+    a = tl.load(x_ptr + src[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if GATED:
+        z = z.to(tl.float32)
+        a = a * z * tl.sigmoid(z)
+    return a
+
+
+@triton.jit
+def _load_rows(ptr, src, row_ok, cols, col_ok, stride):
+    return tl.load(ptr + src[:, None] * stride + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _pick(t, m, BLOCK_M: tl.constexpr):
+    """Row m of a [BLOCK_M, X] tile, as [1, X]."""
+    if BLOCK_M == 1:
+        return t
+    rows = tl.arange(0, BLOCK_M)[:, None]
+    return tl.sum(tl.where(rows == m, t, 0), axis=0)[None, :]
+
+
+@triton.jit
+def _pick3(t, m, BLOCK_M: tl.constexpr):
+    """Row m of a [BLOCK_M, X, Y] tile, as [1, X, Y]."""
+    if BLOCK_M == 1:
+        return t
+    rows = tl.arange(0, BLOCK_M)[:, None, None]
+    return tl.sum(tl.where(rows == m, t, 0), axis=0)[None, :, :]
+
+
+@triton.jit
+def _group_table(acc, v, cols, group_size, NUM_GROUPS: tl.constexpr, BLOCK_G: tl.constexpr):
+    """acc[m, g] += sum of v[m, k] over the columns k of group g: [BLOCK_M, BLOCK_G]."""
+    if NUM_GROUPS == 1:
+        return acc + tl.sum(v, axis=1)[:, None]
+    gcol = cols // group_size
+    for g in tl.static_range(NUM_GROUPS):
+        s_g = tl.sum(tl.where(gcol[None, :] == g, v, 0.0), axis=1)
+        acc += tl.where(tl.arange(0, BLOCK_G)[None, :] == g, s_g[:, None], 0.0)
+    return acc
+
+
+@triton.jit
+def _normalize(a, cols, col_ok, rstd, wn_ptr, group_size, ROUND_FIRST: tl.constexpr,
+               NUM_GROUPS: tl.constexpr, BLOCK_G: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """round(wn * (a * rstd of its group)), with the rounding of ``rms_norm`` / ``gated_rms_norm``."""
+    if NUM_GROUPS == 1:
+        r = tl.sum(rstd, axis=1)[:, None]
+    else:
+        gcol = cols // group_size
+        r = tl.zeros_like(a)
+        for g in tl.static_range(NUM_GROUPS):
+            r_g = tl.sum(tl.where(tl.arange(0, BLOCK_G)[None, :] == g, rstd, 0.0), axis=1)
+            r = tl.where(gcol[None, :] == g, r_g[:, None], r)
+    y = a * r
+    if ROUND_FIRST:
+        y = y.to(OUT_DTYPE).to(tl.float32)
+    wn = tl.load(wn_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    return (y * wn[None, :]).to(OUT_DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _skinny_row(
+    m, w0, z0, res, window, shifted, cw, slot, n, n_ok, c, c_ok,
+    x_ptr, z_ptr, wn_ptr, w_ptr, bias_ptr, out_ptr, row_ptr, cs_ptr, cb_ptr,
+    K, eps, group_size,
+    stride_x, stride_z, stride_w, stride_out, stride_cs_s, stride_cs_d, stride_cs_k,
+    PROLOGUE: tl.constexpr, ROUND_FIRST: tl.constexpr, NUM_GROUPS: tl.constexpr, BLOCK_G: tl.constexpr,
+    EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ROW_IDX: tl.constexpr,
+    CONV_K: tl.constexpr, BLOCK_C: tl.constexpr, CONV_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, EARLY: tl.constexpr,
+):
+    """Output row m over the program's columns n, as tensors of one row ([1, ...]); the
+    [BLOCK_M, ...] tiles are what the kernel loaded before the wait."""
+    row = m + tl.arange(0, 1)  # [1]
+    row_ok = row >= 0
+    n64 = n.to(tl.int64)
+    ks = tl.arange(0, BLOCK_K)
+    act_dtype = w_ptr.dtype.element_ty
+    if HAS_ROW_IDX:
+        src = tl.load(row_ptr + row).to(tl.int64)
+    else:
+        src = row.to(tl.int64)
+
+    # The first K tile of the input row; then, with a norm, the row's (or each group's) rstd
+    z = z0  # the gate, for a gated prologue
+    if PROLOGUE == 2:
+        if EARLY and K_TILES == 1:
+            z = _pick(z0, m, BLOCK_M)
+        else:
+            z = _load_rows(z_ptr, src, row_ok, ks, ks < K, stride_z)
+    a0 = _input_rows(x_ptr, z, src, row_ok, ks, ks < K, stride_x, PROLOGUE == 2)
+    rstd = tl.zeros([1, BLOCK_G], dtype=tl.float32)
+    if PROLOGUE != 0:
+        sq = _group_table(rstd, a0 * a0, ks, group_size, NUM_GROUPS, BLOCK_G)
+        for t in tl.static_range(1, K_TILES):
+            cols = t * BLOCK_K + ks
+            if PROLOGUE == 2:
+                z = _load_rows(z_ptr, src, row_ok, cols, cols < K, stride_z)
+            a = _input_rows(x_ptr, z, src, row_ok, cols, cols < K, stride_x, PROLOGUE == 2)
+            sq = _group_table(sq, a * a, cols, group_size, NUM_GROUPS, BLOCK_G)
+        rstd = tl.rsqrt(sq / group_size + eps)
+        a0 = _normalize(a0, ks, ks < K, rstd, wn_ptr, group_size, ROUND_FIRST, NUM_GROUPS, BLOCK_G, act_dtype)
+
+    # the product, one K tile at a time (the first weight tile is already in registers)
+    acc = tl.sum(w0.to(tl.float32) * a0, axis=1)[None, :]  # [1, BLOCK_N]
+    for t in tl.static_range(1, K_TILES):
+        cols = t * BLOCK_K + ks
+        col_ok = cols < K
+        w = tl.load(w_ptr + n64[:, None] * stride_w + cols[None, :], mask=n_ok[:, None] & col_ok[None, :], other=0.0)
+        if PROLOGUE == 2:
+            z = _load_rows(z_ptr, src, row_ok, cols, col_ok, stride_z)
+        a = _input_rows(x_ptr, z, src, row_ok, cols, col_ok, stride_x, PROLOGUE == 2)
+        if PROLOGUE != 0:
+            a = _normalize(a, cols, col_ok, rstd, wn_ptr, group_size, ROUND_FIRST, NUM_GROUPS, BLOCK_G, act_dtype)
+        acc += tl.sum(w.to(tl.float32) * a, axis=1)[None, :]
+
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    y = acc.to(act_dtype).to(tl.float32)  # what F.linear would hand on
+    out_mask = row_ok[:, None] & n_ok[None, :]
+    out_ptrs = out_ptr + row.to(tl.int64)[:, None] * stride_out + n64[None, :]
+    if EPILOGUE == 1:
+        # residual <- residual + y, in the residual's dtype (the rows are the residual's rows)
+        if EARLY:
+            r = _pick(res, m, BLOCK_M)
+        else:
+            r = tl.load(out_ptrs, mask=out_mask, other=0.0)
+        y += r.to(tl.float32)
+    if EPILOGUE == 2:
+        y = tl.maximum(y, 0.0)
+        y = y * y
+    if EPILOGUE == 3:
+        # out = silu(w . [state taps, y] + b) on the conv columns; the state becomes window[1:]
+        slot_m = _pick(slot[:, None], m, BLOCK_M)  # [1, 1]
+        live = (slot_m >= 0) & c_ok[None, :]  # [1, BLOCK_N]
+        taps = tl.arange(0, BLOCK_C)[None, None, :]
+        new = y[:, :, None]
+        win = tl.where(taps == CONV_K - 1, new, _pick3(window, m, BLOCK_M).to(tl.float32))
+        conv = tl.sum(win * cw, axis=2)
+        if CONV_BIAS:
+            conv += tl.load(cb_ptr + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+        conv = conv * tl.sigmoid(conv)
+        y = tl.where(c_ok[None, :], tl.where(live, conv, 0.0), y)
+        nxt = tl.where(taps == CONV_K - 2, new, _pick3(shifted, m, BLOCK_M).to(tl.float32))
+        s_ptrs = (cs_ptr + tl.maximum(slot_m, 0).to(tl.int64)[:, :, None] * stride_cs_s
+                  + c[None, :, None] * stride_cs_d + taps * stride_cs_k)
+        tl.store(s_ptrs, nxt.to(cs_ptr.dtype.element_ty), mask=live[:, :, None] & (taps < CONV_K - 1))
+    tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _skinny_kernel(
+    x_ptr, z_ptr, wn_ptr, w_ptr, bias_ptr, out_ptr, row_ptr,
+    cs_ptr, cw_ptr, cb_ptr, slot_ptr,
+    N, K, eps, group_size, conv_lo, conv_dim,
+    stride_x, stride_z, stride_w, stride_out,
+    stride_cs_s, stride_cs_d, stride_cs_k, stride_cw_d,
+    PROLOGUE: tl.constexpr, ROUND_FIRST: tl.constexpr, NUM_GROUPS: tl.constexpr, BLOCK_G: tl.constexpr,
+    EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ROW_IDX: tl.constexpr,
+    CONV_K: tl.constexpr, BLOCK_C: tl.constexpr, CONV_BIAS: tl.constexpr,
+    M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    K_TILES: tl.constexpr, EARLY: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # grid: (cdiv(N, BLOCK_N),): all M rows, one after the other, over BLOCK_N output columns.
+    # Rows one at a time keep the product in the weight tile's layout (no cross-row shuffles).
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    n64 = n.to(tl.int64)
+    ks = tl.arange(0, BLOCK_K)
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+
+    # Before the wait, only what the previous kernel cannot be writing: the weight; with EARLY,
+    # z and the residual (written two or more kernels back, so complete: see the module doc);
+    # the layer's conv state and weights (no other kernel touches them within a step).
+    w0 = tl.load(w_ptr + n64[:, None] * stride_w + ks[None, :], mask=n_ok[:, None] & (ks[None, :] < K), other=0.0)
+    z0 = w0
+    res = w0
+    window = w0
+    shifted = w0
+    cw = w0
+    slot = rows
+    c = n
+    c_ok = n_ok
+    if EARLY:
+        if PROLOGUE == 2 and K_TILES == 1:
+            z0 = _load_rows(z_ptr, rows.to(tl.int64), row_ok, ks, ks < K, stride_z)
+        if EPILOGUE == 1:
+            res = _load_rows(out_ptr, rows.to(tl.int64), row_ok, n64, n_ok, stride_out)
+    if EPILOGUE == 3:
+        # [BLOCK_M, BLOCK_N, BLOCK_C] windows of each row's slot: taps 0..K-2, and taps 1..K-2
+        c = n - conv_lo
+        c_ok = n_ok & (c >= 0) & (c < conv_dim)
+        c = tl.where(c_ok, c, 0)
+        slot = tl.load(slot_ptr + rows, mask=row_ok, other=-1)
+        live = row_ok[:, None] & (slot[:, None] >= 0) & c_ok[None, :]
+        taps = tl.arange(0, BLOCK_C)[None, None, :]
+        s_ptrs = (cs_ptr + tl.maximum(slot, 0).to(tl.int64)[:, None, None] * stride_cs_s
+                  + c[None, :, None] * stride_cs_d + taps * stride_cs_k)
+        window = tl.load(s_ptrs, mask=live[:, :, None] & (taps < CONV_K - 1), other=0.0)
+        shifted = tl.load(s_ptrs + stride_cs_k, mask=live[:, :, None] & (taps < CONV_K - 2), other=0.0)
+        cw = tl.load(cw_ptr + c[None, :, None] * stride_cw_d + taps, mask=c_ok[None, :, None] & (taps < CONV_K),
+                     other=0.0).to(tl.float32)
+        # the rows' state is written back per row below; threads holding copies of one element
+        # must all have read it first
+        tl.debug_barrier()
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    for m in tl.static_range(M):
+        _skinny_row(
+            m, w0, z0, res, window, shifted, cw, slot, n, n_ok, c, c_ok,
+            x_ptr, z_ptr, wn_ptr, w_ptr, bias_ptr, out_ptr, row_ptr,
+            cs_ptr, cb_ptr,
+            K, eps, group_size,
+            stride_x, stride_z, stride_w, stride_out, stride_cs_s, stride_cs_d, stride_cs_k,
+            PROLOGUE, ROUND_FIRST, NUM_GROUPS, BLOCK_G, EPILOGUE, HAS_BIAS, HAS_ROW_IDX,
+            CONV_K, BLOCK_C, CONV_BIAS, BLOCK_M, BLOCK_K, K_TILES, EARLY,
+        )
+
+
+@functools.cache
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch: Hopper or newer, and a Triton that can launch with it."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter: any stand-in will do
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _config(N: int, K: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps), from a sweep on an H200 (docs/BENCHMARKS.md).
+
+    The whole K in one tile up to 2048 columns (Mamba2-130M's projections: the program's weight
+    slice sits in registers before the wait), else tiles of 1024. 4 warps; 16 columns a program
+    for tiles of <= 1024 when that still makes a full wave, else 8 (the gated out_proj, whose
+    prologue re-reads two 1536-wide rows, is fastest with few, wide programs).
+    """
+    block_k = triton.next_power_of_2(K) if K <= 2048 else 1024
+    block_n = 16 if block_k <= 1024 and triton.cdiv(N, 16) >= _num_sms(device) else 8
+    return block_n, block_k, 4
+
+
+def _check(name: str, t: torch.Tensor, shape: tuple) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {list(shape)}, got {list(t.shape)}")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name}: the last dimension must be contiguous, got strides {tuple(t.stride())}")
+
+
+def _check_weight(weight: torch.Tensor, K: int) -> None:
+    if weight.dim() != 2 or weight.shape[1] != K or weight.stride(1) != 1:
+        raise ValueError(f"weight: expected [N, {K}] with contiguous rows, got {list(weight.shape)} "
+                         f"with strides {tuple(weight.stride())}")
+
+
+def _launch(x, z, norm_w, weight, bias, out, rows: _Rows, *, eps, group_size, prologue, round_first,
+            epilogue, conv: ConvTail | None, pdl: bool, early: bool = False):
+    M, (N, K) = rows.n, weight.shape
+    if M > MAX_ROWS:
+        raise ValueError(f"{M} rows: the skinny projection takes at most {MAX_ROWS}; use a GEMM")
+    if M == 0:
+        return out
+    block_n, block_k, num_warps = _config(N, K, weight.device)
+    conv_args = (out, weight, weight, rows.idx if rows.idx is not None else out, 0, 0, 0, 0, 0, 0)
+    conv_k, conv_bias = 2, False
+    if conv is not None:
+        D, conv_k = conv.weight.shape
+        s = conv.state.stride()
+        conv_args = (conv.state, conv.weight, conv.bias if conv.bias is not None else conv.weight, conv.slots,
+                     conv.lo, D, s[0], s[1], s[2], conv.weight.stride(0))
+        conv_bias = conv.bias is not None
+    cs, cw, cb, slots, lo, D, ss_s, ss_d, ss_k, scw = conv_args
+    groups = K // group_size
+    extra = {"launch_pdl": True} if pdl else {}
+    _skinny_kernel[(triton.cdiv(N, block_n),)](
+        x, z if z is not None else x, norm_w if norm_w is not None else weight, weight,
+        bias if bias is not None else weight, out, rows.idx if rows.idx is not None else x,
+        cs, cw, cb, slots,
+        N, K, eps, group_size, lo, D,
+        x.stride(0), z.stride(0) if z is not None else 0, weight.stride(0), out.stride(0),
+        ss_s, ss_d, ss_k, scw,
+        PROLOGUE=prologue, ROUND_FIRST=round_first, NUM_GROUPS=groups, BLOCK_G=triton.next_power_of_2(groups),
+        EPILOGUE=epilogue, HAS_BIAS=bias is not None, HAS_ROW_IDX=rows.idx is not None,
+        CONV_K=conv_k, BLOCK_C=triton.next_power_of_2(conv_k), CONV_BIAS=conv_bias,
+        M=M, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k, K_TILES=triton.cdiv(K, block_k),
+        EARLY=early, USE_PDL=pdl, num_warps=num_warps, **extra,
+    )
+    return out
+
+
+def _epilogue(residual, relu2, conv) -> int:
+    if sum(e is not None and e is not False for e in (residual, conv)) + bool(relu2) > 1:
+        raise ValueError("pick one epilogue: residual, relu2 or conv")
+    if residual is not None:
+        return _EPI_RESIDUAL
+    if relu2:
+        return _EPI_RELU2
+    return _EPI_CONV if conv is not None else _EPI_STORE
+
+
+def _out_rows(x, rows, out, residual, N, dtype):
+    """(row spec, destination): rows computed, and where they go."""
+    spec = _Rows(x.shape[0] if rows is None else rows.shape[0], rows)
+    if residual is not None:
+        if rows is not None:
+            raise ValueError("a residual epilogue adds into the residual's own rows: no row indices")
+        _check("residual", residual, (spec.n, N))
+        return spec, residual
+    if out is None:
+        out = torch.empty(spec.n, N, dtype=dtype, device=x.device)
+    _check("out", out, (spec.n, N))
+    return spec, out
+
+
+def norm_linear_triton(x, norm_w, eps, weight, *, bias=None, round_first=True, rows=None, residual=None,
+                       relu2=False, conv=None, out=None, pdl=False):
+    """Triton launcher of :func:`norm_linear`."""
+    T, K = x.shape
+    _check("x", x, (T, K))
+    _check_weight(weight, K)
+    if conv is not None:
+        _check("conv.slots", conv.slots, (T if rows is None else rows.shape[0],))
+    epi = _epilogue(residual, relu2, conv)
+    spec, dst = _out_rows(x, rows, out, residual, weight.shape[0], weight.dtype)
+    return _launch(x, None, norm_w, weight, bias, dst, spec, eps=eps, group_size=K,
+                   prologue=_PRO_NONE if norm_w is None else _PRO_RMS, round_first=round_first,
+                   epilogue=epi, conv=conv, pdl=pdl)
+
+
+def _linear_ref(h, weight, bias):
+    y = F.linear(h.float(), weight.float(), None if bias is None else bias.float())
+    return y.to(weight.dtype)
+
+
+def _epilogue_ref(y, residual, relu2, conv, out):
+    if residual is not None:
+        residual.copy_((residual.float() + y.float()).to(residual.dtype))
+        return residual
+    if relu2:
+        y = torch.relu(y.float()).square().to(y.dtype)
+    if conv is not None:
+        D = conv.weight.shape[0]
+        xbc = y[:, conv.lo: conv.lo + D]
+        conv1d_update_ref(xbc.clone(), conv.state, conv.weight, conv.bias, conv.slots, out=xbc)
+    if out is None:
+        return y
+    return out.copy_(y)
+
+
+def norm_linear_ref(x, norm_w, eps, weight, *, bias=None, round_first=True, rows=None, residual=None,
+                    relu2=False, conv=None, out=None, pdl=False):
+    """The unfused composition: :func:`rms_norm_ref`, a rounded fp32 product, the epilogue."""
+    _epilogue(residual, relu2, conv)
+    src = x if rows is None else x.index_select(0, rows.long())
+    h = src
+    if norm_w is not None:
+        h = torch.empty(src.shape, dtype=weight.dtype, device=src.device)
+        rms_norm_ref(src, norm_w, eps, out=h, round_first=round_first)
+    return _epilogue_ref(_linear_ref(h, weight, bias), residual, relu2, conv, out)
+
+
+def norm_linear(x, norm_w, eps, weight, *, bias=None, round_first=True, rows=None, residual=None,
+                relu2=False, conv=None, out=None, pdl=False):
+    """``epilogue(rms_norm(x[rows]) @ weight.T + bias)`` for at most ``MAX_ROWS`` rows.
+
+    x:        [T, K] activations (bf16, or the fp32 residual stream); row-strided views allowed
+    norm_w:   [K] RMSNorm weight, or None for no norm; eps, round_first as in ``rms_norm``
+    weight:   [N, K], rows contiguous; bias: [N] or None
+    rows:     [R] int row indices of x to use (logit rows), or None for all T rows
+    epilogue, at most one of:
+      residual: [T, N] updated in place to residual + y (its dtype); nothing else is written
+      relu2:    y = relu(y)^2
+      conv:     ConvTail: the conv1d decode update on columns [conv.lo, conv.lo + D)
+    out:      [R, N] (any float dtype; the product is rounded to weight's dtype first)
+    pdl:      launch as a programmatic dependent of the previous kernel (CUDA, sm_90+)
+
+    CUDA tensors run the Triton kernel (capturable, no host sync); CPU tensors the reference.
+    """
+    fn = norm_linear_triton if x.is_cuda else norm_linear_ref
+    return fn(x, norm_w, eps, weight, bias=bias, round_first=round_first, rows=rows, residual=residual,
+              relu2=relu2, conv=conv, out=out, pdl=pdl)
+
+
+def gated_norm_linear_triton(y, z, norm_w, group_size, eps, weight, *, bias=None, residual=None, out=None,
+                             pdl=False, early=False):
+    """Triton launcher of :func:`gated_norm_linear`."""
+    T, K = y.shape
+    _check("y", y, (T, K))
+    _check("z", z, (T, K))
+    _check_weight(weight, K)
+    if K % group_size:
+        raise ValueError(f"group_size {group_size} does not divide {K}")
+    spec, dst = _out_rows(y, None, out, residual, weight.shape[0], weight.dtype)
+    return _launch(y, z, norm_w, weight, bias, dst, spec, eps=eps, group_size=group_size,
+                   prologue=_PRO_GATED, round_first=True, epilogue=_epilogue(residual, False, None),
+                   conv=None, pdl=pdl, early=early)
+
+
+def gated_norm_linear_ref(y, z, norm_w, group_size, eps, weight, *, bias=None, residual=None, out=None,
+                          pdl=False, early=False):
+    """The unfused composition: :func:`gated_rms_norm_ref`, a rounded fp32 product, the residual add."""
+    h = gated_rms_norm_ref(y, z, norm_w, group_size, eps)
+    return _epilogue_ref(_linear_ref(h, weight, bias), residual, False, None, out)
+
+
+def gated_norm_linear(y, z, norm_w, group_size, eps, weight, *, bias=None, residual=None, out=None, pdl=False,
+                      early=False):
+    """``gated_rms_norm(y, z) @ weight.T + bias``, added into ``residual`` in place when given.
+
+    y, z: [T, K] (row-strided views allowed), T <= MAX_ROWS; norm_w: [K]; group_size divides K;
+    weight: [N, K]; residual: [T, N] (fp32 or weight's dtype) or None, then out: [T, N].
+    pdl: as in :func:`norm_linear`; early: z and the residual were written two or more kernels
+    back in this stream, so a programmatic dependent launch may read them before its wait (in a
+    Mamba2 block: z by in_proj, the residual by the previous block).
+    """
+    fn = gated_norm_linear_triton if y.is_cuda else gated_norm_linear_ref
+    return fn(y, z, norm_w, group_size, eps, weight, bias=bias, residual=residual, out=out, pdl=pdl, early=early)

@@ -1,0 +1,139 @@
+"""Skinny decode projections with fused prologues and epilogues, against the unfused references."""
+
+import pytest
+import torch
+
+from mambastep.kernels.decode_linear import (
+    MAX_ROWS,
+    ConvTail,
+    gated_norm_linear_ref,
+    gated_norm_linear_triton,
+    norm_linear_ref,
+    norm_linear_triton,
+)
+from mambastep.kernels.varlen import PAD_SLOT_ID
+from support import assert_close, poisoned
+
+BF16 = torch.bfloat16
+
+
+def _weights(N, K, device, bias):
+    w = (torch.randn(N, K, device=device) / K**0.5).to(BF16)
+    b = torch.randn(N, device=device).to(BF16) if bias else None
+    return w, b
+
+
+def _cpu(t):
+    return None if t is None else t.cpu().clone()
+
+
+# K = 40: one tile; K = 2500: three tiles of 1024 (the path large models take)
+@pytest.mark.parametrize("M,K", [(1, 40), (3, 40), (5, 2500)])
+@pytest.mark.parametrize("round_first", [True, False])
+@pytest.mark.parametrize("bias", [False, True])
+def test_norm_linear_matches_reference(device, M, K, round_first, bias):
+    torch.manual_seed(M * K + bias)
+    N = 37
+    x = torch.randn(M + 2, K + 3, device=device)[:M, 1:1 + K]  # an fp32 residual, row-strided
+    norm_w = torch.randn(K, device=device).to(BF16)
+    w, b = _weights(N, K, device, bias)
+    out = poisoned((M, N), BF16, device)
+    norm_linear_triton(x, norm_w, 1e-5, w, bias=b, round_first=round_first, out=out)
+    ref = norm_linear_ref(x.cpu(), norm_w.cpu(), 1e-5, w.cpu(), bias=_cpu(b), round_first=round_first)
+    assert_close(out.cpu(), ref, BF16, factor=0.25)
+
+
+def test_logit_rows_and_fp32_out(device):
+    """Rows picked by index (the LM head over logit rows) and an fp32 destination."""
+    torch.manual_seed(1)
+    K, N = 48, 70
+    x = torch.randn(6, K, device=device)
+    norm_w = torch.randn(K, device=device).to(BF16)
+    w, _ = _weights(N, K, device, False)
+    rows = torch.tensor([4, 0, 5], device=device)
+    out = poisoned((3, N), torch.float32, device)
+    norm_linear_triton(x, norm_w, 1e-5, w, rows=rows, out=out)
+    ref = norm_linear_ref(x.cpu(), norm_w.cpu(), 1e-5, w.cpu(), rows=rows.cpu(), out=torch.empty(3, N))
+    assert_close(out.cpu(), ref, BF16, factor=0.25)
+
+
+@pytest.mark.parametrize("res_dtype", [torch.float32, BF16])
+def test_residual_epilogue_adds_in_place(device, res_dtype):
+    torch.manual_seed(2)
+    M, K, N = 4, 64, 24
+    x = torch.randn(M, K, device=device).to(BF16)
+    w, b = _weights(N, K, device, True)
+    residual = torch.randn(M, N, device=device).to(res_dtype)
+    res_ref = residual.cpu().clone()
+    norm_linear_triton(x, None, 1e-5, w, bias=b, residual=residual)
+    norm_linear_ref(x.cpu(), None, 1e-5, w.cpu(), bias=b.cpu(), residual=res_ref)
+    assert_close(residual.cpu(), res_ref, res_dtype if res_dtype == BF16 else BF16, factor=0.25)
+
+
+def test_relu2_epilogue(device):
+    torch.manual_seed(3)
+    M, K, N = 2, 32, 40
+    x = torch.randn(M, K, device=device).to(BF16)
+    norm_w = torch.randn(K, device=device).to(BF16)
+    w, _ = _weights(N, K, device, False)
+    out = poisoned((M, N), BF16, device)
+    norm_linear_triton(x, norm_w, 1e-5, w, relu2=True, out=out, round_first=False)
+    ref = norm_linear_ref(x.cpu(), norm_w.cpu(), 1e-5, w.cpu(), relu2=True, round_first=False)
+    assert (out.cpu() >= 0).all()
+    assert_close(out.cpu(), ref, BF16, factor=0.25)
+
+
+@pytest.mark.parametrize("M", [1, 4])
+def test_conv_epilogue_updates_state_and_skips_pad_rows(device, M):
+    """in_proj with the conv decode update on the xBC columns: outputs and the mutated state."""
+    torch.manual_seed(4 + M)
+    K, lo, D, rest, S, W = 32, 20, 44, 6, 5, 4
+    N = lo + D + rest
+    x = torch.randn(M, K, device=device)
+    norm_w = torch.randn(K, device=device).to(BF16)
+    w, _ = _weights(N, K, device, False)
+    conv_w = torch.randn(D, W, device=device).to(BF16)
+    conv_b = torch.randn(D, device=device).to(BF16)
+    # the pool layout: [S, K-1, D] stored, seen as [S, D, K-1]
+    state = torch.randn(S, W - 1, D, device=device).to(BF16).transpose(1, 2)
+    slots = torch.tensor([3, PAD_SLOT_ID, 0, 4][:M], dtype=torch.int32, device=device)
+    state_ref = state.cpu().clone()
+    out = poisoned((M, N), BF16, device)
+    norm_linear_triton(x, norm_w, 1e-5, w, conv=ConvTail(state, conv_w, conv_b, slots, lo), out=out)
+    ref = norm_linear_ref(x.cpu(), norm_w.cpu(), 1e-5, w.cpu(),
+                          conv=ConvTail(state_ref, conv_w.cpu(), conv_b.cpu(), slots.cpu(), lo))
+    assert_close(out.cpu(), ref, BF16, factor=0.25)
+    assert_close(state.cpu(), state_ref, BF16, factor=0.25)
+    untouched = [s for s in range(S) if s not in slots.tolist()]
+    assert torch.equal(state.cpu()[untouched], state_ref[untouched])
+
+
+@pytest.mark.parametrize("early", [False, True])
+@pytest.mark.parametrize("G", [1, 2, 3])
+@pytest.mark.parametrize("M", [1, 3])
+def test_gated_norm_linear_into_residual(device, G, M, early):
+    """early: z and the residual read before the (programmatic launch) wait; same result."""
+    torch.manual_seed(10 * G + M)
+    K, N = 24 * G, 33
+    wide = torch.randn(M, 2 * K + 5, device=device).to(BF16)
+    y, z = wide[:, :K], wide[:, K + 5:]  # views into one projection row, as in the mixer
+    norm_w = torch.randn(K, device=device).to(BF16)
+    w, _ = _weights(N, K, device, False)
+    residual = torch.randn(M, N, device=device)
+    res_ref = residual.cpu().clone()
+    gated_norm_linear_triton(y, z, norm_w, K // G, 1e-5, w, residual=residual, early=early)
+    gated_norm_linear_ref(y.cpu(), z.cpu(), norm_w.cpu(), K // G, 1e-5, w.cpu(), residual=res_ref)
+    assert_close(residual.cpu(), res_ref, BF16, factor=0.25)
+
+
+def test_bad_inputs_raise(device):
+    w, _ = _weights(8, 16, device, False)
+    x = torch.randn(MAX_ROWS + 1, 16, device=device)
+    with pytest.raises(ValueError, match="at most"):
+        norm_linear_triton(x, None, 1e-5, w)
+    with pytest.raises(ValueError, match="weight"):
+        norm_linear_triton(x[:2, :8], None, 1e-5, w)
+    with pytest.raises(ValueError, match="one epilogue"):
+        norm_linear_triton(x[:2], None, 1e-5, w, relu2=True, residual=torch.zeros(2, 8, device=device))
+    with pytest.raises(ValueError, match="divide"):
+        gated_norm_linear_triton(x[:2], x[:2], w[0], 5, 1e-5, w)

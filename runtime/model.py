@@ -1,8 +1,11 @@
 """The whole model: embedding, pre-norm residual blocks of any layer kind, final norm, LM head.
 
 ``forward`` takes packed step inputs and the state pool and returns logits only for
-``inputs.logit_rows``. Every block is ``residual += mixer(norm(residual))``; the add is fused into
-the next norm (``rms_norm(..., residual=...)``).
+``inputs.logit_rows``. Every block is ``residual += mixer(norm(residual))``. Layer by layer, the
+add is fused into the next norm (``rms_norm(..., residual=...)``). Small decode-only steps on a GPU
+take the fused decode path instead when every layer offers one (``decode_fused``): each block's
+norm rides in the prologue of its first projection and the residual add in the epilogue of its
+last (``kernels.decode_linear``), chained by programmatic dependent launch where supported.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..kernels.decode_linear import norm_linear, pdl_supported
 from ..kernels.norm import rms_norm
 from .config import ModelConfig
 from .layers import AttentionLayer, MambaLayer, MLPLayer, MoELayer
@@ -20,6 +24,10 @@ from .step_inputs import StepInputs
 from .weights import load_weights, random_weights
 
 __all__ = ["Model"]
+
+# Decode batches up to this size take the fused path (when the model has one). Its skinny
+# projections beat norm + cuBLAS at 1-2 rows and lose from 4 (docs/BENCHMARKS.md).
+FUSED_MAX_ROWS = 2
 
 _LAYER_CLASSES = {"mamba": MambaLayer, "attention": AttentionLayer, "mlp": MLPLayer, "moe": MoELayer}
 
@@ -37,6 +45,9 @@ class Model:
         self.residual_dtype = torch.float32 if cfg.residual_in_fp32 else self.dtype
         # HF's Mamba2 norm rounds before its weight, NemotronH's after (only bf16 tells them apart)
         self.round_norm_first = cfg.architecture == "mamba2"
+        # The fused decode path: on by default where it runs compiled (a switch for measurement)
+        self.fused_decode = self.device.type == "cuda" and all(hasattr(l, "decode_fused") for l in self.layers)
+        self.pdl = pdl_supported(self.device)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype=torch.bfloat16, device="cpu") -> "Model":
@@ -56,6 +67,8 @@ class Model:
         With ``aux_stream``, Mamba2 and attention layers run their prefill branch on it,
         overlapped with the decode branch on the current stream.
         """
+        if self.fused_decode and inputs.prefill is None and 0 < inputs.num_decode <= FUSED_MAX_ROWS:
+            return self._decode_fused(inputs, state)
         x = F.embedding(inputs.input_ids, self.embed)
         residual = x.to(self.residual_dtype)
         h = rms_norm(x, self.norms[0], self.cfg.norm_eps, round_first=self.round_norm_first)
@@ -67,3 +80,17 @@ class Model:
             rms_norm(out, norm_w, self.cfg.norm_eps, residual=residual, out=h, round_first=self.round_norm_first)
         rows = h.index_select(0, inputs.logit_rows)
         return F.linear(rows, self.lm_head).float()
+
+    def _decode_fused(self, inputs: StepInputs, state) -> torch.Tensor:
+        residual = F.embedding(inputs.input_ids, self.embed).to(self.residual_dtype)
+        for layer, norm_w in zip(self.layers, self.norms):
+            layer.decode_fused(residual, norm_w, self.round_norm_first, inputs, state, self.pdl)
+        rows = inputs.logit_rows
+        if rows.shape[0] == 1:
+            logits = torch.empty(1, self.lm_head.shape[0], dtype=torch.float32, device=residual.device)
+            return norm_linear(residual, self.norm_f, self.cfg.norm_eps, self.lm_head, rows=rows,
+                               round_first=self.round_norm_first, out=logits, pdl=self.pdl)
+        # the vocabulary-wide projection re-used by several rows: cuBLAS
+        h = rms_norm(residual.index_select(0, rows), self.norm_f, self.cfg.norm_eps, round_first=self.round_norm_first,
+                     out=torch.empty(rows.shape[0], residual.shape[1], dtype=self.dtype, device=residual.device))
+        return F.linear(h, self.lm_head).float()

@@ -24,6 +24,13 @@ PRESETS: dict[str, dict] = {
         moe_intermediate_size=32, moe_shared_expert_intermediate_size=64,
         max_position_embeddings=4096, eos_token_id=2,
     ),
+    # A few Mamba2 layers: the pure-Mamba2 path (fused decode) at test size.
+    "tiny-mamba2": dict(
+        architecture="mamba2", vocab_size=512, hidden_size=64, layer_types=("mamba",) * 3,
+        mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, conv_kernel=4,
+        chunk_size=32, tie_word_embeddings=True, residual_in_fp32=True,
+        max_position_embeddings=4096, eos_token_id=0,
+    ),
     "mamba2-130m": dict(
         architecture="mamba2", vocab_size=50288, hidden_size=768, layer_types=("mamba",) * 24,
         mamba_num_heads=24, mamba_head_dim=64, ssm_state_size=128, n_groups=1, conv_kernel=4,

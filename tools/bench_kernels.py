@@ -1,6 +1,7 @@
 """Kernel benchmarks: the device copy bandwidth (the memory ceiling), the selective state update
 as achieved bandwidth against it, and the chunked SSD scan as time and TFLOP/s beside the plain
-torch chunked implementation, at Nemotron-H-8B mamba shapes."""
+torch chunked implementation, at Nemotron-H-8B mamba shapes; and the fused skinny projections
+of the decode path beside norm + cuBLAS, at Mamba2-130M shapes."""
 
 from __future__ import annotations
 
@@ -103,14 +104,74 @@ def bench_ssd(n_seqs: int, seq_len: int) -> dict:
     }
 
 
+# Mamba2-130M projections: (name, N, K, prologue)
+SKINNY = (("in_proj", 3352, 768, "norm"), ("out_proj", 768, 1536, "gated"), ("lm_head", 50288, 768, "norm"))
+
+
+def chain_us(fn, copies: int, reps: int = 48) -> float:
+    """Per-call time of ``fn(i)`` replayed as a CUDA graph of ``reps`` back-to-back calls (as the
+    decode step issues them), weights rotating over ``copies`` so L2 never holds them."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(2):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(reps):
+            fn(i % copies)
+    return median_ms(graph.replay) * 1e3 / reps
+
+
+def bench_skinny(name: str, N: int, K: int, prologue: str, rows: int) -> dict:
+    """One projection with its norm: norm kernel(s) + cuBLAS, against the fused skinny kernel
+    without and with programmatic dependent launch."""
+    from mambastep.kernels.decode_linear import gated_norm_linear, norm_linear
+    from mambastep.kernels.norm import gated_rms_norm, rms_norm
+
+    bf16, dev = torch.bfloat16, "cuda"
+    copies = max(2, -(-256 * 2**20 // (N * K * 2)))
+    weights = [torch.randn(N, K, device=dev).mul_(0.02).to(bf16) for _ in range(copies)]
+    norm_w = torch.ones(K, device=dev, dtype=bf16)
+    h = torch.empty(rows, K, device=dev, dtype=bf16)
+    out = torch.empty(rows, N, device=dev, dtype=bf16)
+    if prologue == "norm":
+        x = torch.randn(rows, K, device=dev)
+
+        def unfused(i):
+            rms_norm(x, norm_w, 1e-5, out=h)
+            torch.matmul(h, weights[i].t(), out=out)
+
+        def fused(pdl):
+            return lambda i: norm_linear(x, norm_w, 1e-5, weights[i], out=out, pdl=pdl)
+    else:  # Mamba2's gated norm before out_proj, and the residual add after it
+        y, z = (torch.randn(rows, K, device=dev, dtype=bf16) for _ in range(2))
+        residual = torch.randn(rows, N, device=dev)
+
+        def unfused(i):
+            gated_rms_norm(y, z, norm_w, K, 1e-5, out=h)
+            torch.matmul(h, weights[i].t(), out=out)
+            residual.add_(out)
+
+        def fused(pdl):
+            return lambda i: gated_norm_linear(y, z, norm_w, K, 1e-5, weights[i], residual=residual, pdl=pdl)
+    return {"op": "skinny", "name": name, "N": N, "K": K, "rows": rows, "unfused_us": chain_us(unfused, copies),
+            "fused_us": chain_us(fused(False), copies), "fused_pdl_us": chain_us(fused(True), copies)}
+
+
 def run() -> dict:
     torch.manual_seed(0)
     bw = copy_bandwidth()
     cases = [("state_update", b, dt) for dt in (torch.bfloat16, torch.float32) for b in (1, 8, 64, 256)]
     cases += [("ssd", n, l) for n, l in ((1, 223), (8, 2048), (64, 512))]
+    cases += [("skinny", shape, r) for shape in SKINNY for r in (1, 2)]
     rows = []
     for kind, a, b in tqdm(cases, desc="kernel benchmarks", file=sys.stderr):
-        rows.append(bench_state_update(a, b, bw) if kind == "state_update" else bench_ssd(a, b))
+        if kind == "skinny":
+            rows.append(bench_skinny(*a, rows=b))
+        else:
+            rows.append(bench_state_update(a, b, bw) if kind == "state_update" else bench_ssd(a, b))
     return {
         "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
         "torch": torch.__version__, "copy_GB/s": bw / 1e9, "rows": rows,
@@ -124,9 +185,18 @@ def print_table(result: dict) -> None:
     print("| op | case | time (ms) | achieved | baseline (torch) | speed-up |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in result["rows"]:
+        if r["op"] == "skinny":
+            continue
         if r["op"] == "state_update":
             print(f"| state update | B={r['batch']} {r['state_dtype']} state | {r['ms']:.4f} | "
                   f"{r['GB/s']:.0f} GB/s ({100 * r['of_copy_bw']:.0f}% of copy) | | |")
         else:
             print(f"| SSD scan | {r['shape']} tokens | {r['ms']:.3f} | {r['TFLOP/s']:.1f} TFLOP/s | "
                   f"{r['torch_ms']:.2f} ms | {r['speedup']:.1f}x |")
+    print("\nMamba2-130M projections with their norms, per call in a CUDA graph of back-to-back calls (us)")
+    print("| projection | rows | norm + cuBLAS | fused | fused, PDL | speed-up |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in result["rows"]:
+        if r["op"] == "skinny":
+            print(f"| {r['name']} {r['N']}x{r['K']} | {r['rows']} | {r['unfused_us']:.2f} | {r['fused_us']:.2f} | "
+                  f"{r['fused_pdl_us']:.2f} | {r['unfused_us'] / r['fused_pdl_us']:.2f}x |")

@@ -1,5 +1,7 @@
 """Step benchmarks: decode steps eager vs CUDA graph beside the HBM floor, and mixed
-prefill/decode steps with and without the forked stream beside separate steps.
+prefill/decode steps with and without the forked stream beside separate steps. Where the model
+has a fused decode path, small decode batches are also timed layer by layer and fused without
+programmatic dependent launch, each captured in its own graphs.
 
 Every number is a median of per-step wall times, each step synchronised (the latency a caller
 that waits for its tokens sees), on presets with random weights.
@@ -16,12 +18,12 @@ from tqdm import tqdm
 
 from ..graphs.buckets import BucketSet
 from ..graphs.runner import Runner
-from ..runtime.model import Model
+from ..runtime.model import FUSED_MAX_ROWS, Model
 from ..runtime.plan import StepPlan
 from ..runtime.state_pool import StatePool
 from .bench_kernels import copy_bandwidth
 
-DECODE_BATCHES = (1, 8, 32, 128, 256)
+DECODE_BATCHES = (1, 2, 4, 8, 32, 128, 256)
 MIXED_DECODE = (16, 64)
 PREFILL_CHUNKS = (223, 512, 2048)
 CONTEXT = 256  # tokens already in each decode row's slot
@@ -37,6 +39,22 @@ def step_ms(runner: Runner, plan: StepPlan, iters: int = 30) -> float:
         runner.run(plan)
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def replay_ms(runner: Runner, plan: StepPlan, iters: int = 30) -> float:
+    """Device time of the forward graph's replay alone (CUDA events; the buffers already filled)."""
+    runner.run(plan)
+    graph, _ = runner.graphs[runner.bucket_for(plan)]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
     return statistics.median(times)
 
 
@@ -83,6 +101,21 @@ def _weights(model: Model):
                 yield from (t for t in v if isinstance(t, torch.Tensor))
 
 
+def captured_with(model: Model, pool: StatePool, buckets: list, progress: bool, **flags) -> Runner:
+    """A runner whose graphs of ``buckets`` were captured with the model attributes ``flags``."""
+    saved = {k: getattr(model, k) for k in flags}
+    for k, v in flags.items():
+        setattr(model, k, v)
+    try:
+        runner = Runner(model, pool, BucketSet(decode=tuple(b.decode for b in buckets), mixed_decode=(0,),
+                                               prefill=(16,), max_prefill_seqs=1), overlap=False)
+        runner.capture(buckets, progress=progress)
+    finally:
+        for k, v in saved.items():
+            setattr(model, k, v)
+    return runner
+
+
 def bench_preset(name: str, bandwidth: float, progress: bool) -> dict:
     torch.manual_seed(0)
     model = Model.from_preset(name, dtype=torch.bfloat16, device="cuda")
@@ -98,12 +131,21 @@ def bench_preset(name: str, bandwidth: float, progress: bool) -> dict:
     unforked = Runner(model, pool, buckets, overlap=False)
     reports = [str(forked.capture(progress=progress)),
                str(unforked.capture([b for b in buckets.all() if b.prefill], progress=progress))]
+    variants = {}
+    if model.fused_decode:
+        small = [b for b in buckets.all() if not b.prefill and b.decode <= FUSED_MAX_ROWS]
+        variants = {"layered_ms": captured_with(model, pool, small, progress, fused_decode=False),
+                    "no_pdl_ms": captured_with(model, pool, small, progress, pdl=False)}
     rows = []
     for batch in tqdm(DECODE_BATCHES, desc=f"{name} decode", disable=not progress):
         plan = decode_plan(batch)
         e, g = step_ms(eager, plan), step_ms(forked, plan)
         floor = hbm_floor_bytes(model, pool, batch) / bandwidth * 1e3
-        rows.append({"kind": "decode", "batch": batch, "eager_ms": e, "graph_ms": g, "floor_ms": floor})
+        row = {"kind": "decode", "batch": batch, "eager_ms": e, "graph_ms": g, "floor_ms": floor,
+               "replay_ms": replay_ms(forked, plan)}
+        if batch <= FUSED_MAX_ROWS:
+            row.update({k: step_ms(r, plan) for k, r in variants.items()})
+        rows.append(row)
     prefill_slot = slots - 1
     for d in tqdm(MIXED_DECODE, desc=f"{name} mixed", disable=not progress):
         for c in PREFILL_CHUNKS:
@@ -117,7 +159,7 @@ def bench_preset(name: str, bandwidth: float, progress: bool) -> dict:
                 "forked_ms": step_ms(forked, mixed), "unforked_ms": step_ms(unforked, mixed),
                 "separate_ms": step_ms(forked, decode_plan(d)) + step_ms(forked, pre),
             })
-    del eager, forked, unforked, pool, model
+    del eager, forked, unforked, variants, pool, model
     torch.cuda.empty_cache()
     return {"preset": name, "capture": reports, "rows": rows}
 
@@ -136,13 +178,21 @@ def print_table(result: dict) -> None:
           f"copy bandwidth {result['copy_GB/s']:.0f} GB/s; bf16 weights, fp32 SSM state, context {CONTEXT}")
     for p in result["presets"]:
         print(f"\n{p['preset']}: " + "; ".join(p["capture"]))
-        print("| decode batch | eager (ms) | graph (ms) | eager/graph | HBM floor (ms) | graph/floor |")
-        print("| --- | --- | --- | --- | --- | --- |")
+        print("| decode batch | eager (ms) | graph (ms) | eager/graph | replay on device (ms) | HBM floor (ms) "
+              "| graph/floor |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
         for r in p["rows"]:
             if r["kind"] == "decode":
                 print(f"| {r['batch']} | {r['eager_ms']:.3f} | {r['graph_ms']:.3f} | "
-                      f"{r['eager_ms'] / r['graph_ms']:.1f}x | {r['floor_ms']:.3f} | "
+                      f"{r['eager_ms'] / r['graph_ms']:.1f}x | {r['replay_ms']:.3f} | {r['floor_ms']:.3f} | "
                       f"{r['graph_ms'] / r['floor_ms']:.2f}x |")
+        fused = [r for r in p["rows"] if "layered_ms" in r]
+        if fused:
+            print("| decode batch | fused, PDL (ms) | fused, no PDL (ms) | layer by layer (ms) | layered/fused |")
+            print("| --- | --- | --- | --- | --- |")
+            for r in fused:
+                print(f"| {r['batch']} | {r['graph_ms']:.3f} | {r['no_pdl_ms']:.3f} | {r['layered_ms']:.3f} | "
+                      f"{r['layered_ms'] / r['graph_ms']:.2f}x |")
         print("| decode + prefill chunk | forked (ms) | unforked (ms) | fork gain | separate steps (ms) |")
         print("| --- | --- | --- | --- | --- |")
         for r in p["rows"]:

@@ -4,8 +4,8 @@ Setup, once: allocate the step buffers at the bucket maxima, warm every bucket u
 compiles, cuBLAS creates its handles, on every stream), then capture the buckets largest first
 into one shared memory pool: per bucket, one forward graph and one small sampling graph per
 sampling mode. A step: pick the smallest bucket that holds the plan, write the plan into the host
-arena, one host-to-device copy, replay the forward graph, replay the sampling graph, copy the
-drawn tokens to pinned host memory asynchronously. A plan larger than every bucket runs the same
+arena, replay the forward graph (whose first node is the step's one host-to-device copy of the
+arena), replay the sampling graph, copy the drawn tokens to pinned host memory asynchronously. A plan larger than every bucket runs the same
 functions eagerly over exactly-sized views of the same buffers. Without CUDA the runner is eager
 throughout, over the same padded buffers.
 
@@ -139,7 +139,8 @@ class Runner:
     def _refill(self, plan: StepPlan, bucket: Bucket | None = None) -> Bucket:
         bucket = bucket or self.bucket_for(plan)
         self.buffers.fill(plan, bucket)
-        self.buffers.upload()
+        if bucket not in self.graphs:  # a forward graph uploads the arena itself
+            self.buffers.upload()
         return bucket
 
     def _forward(self, bucket: Bucket) -> torch.Tensor:
@@ -178,6 +179,7 @@ class Runner:
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.graph_pool):
+                self.buffers.upload()  # one API call less per step, and no gap before the graph
                 logits = self.forward(bucket)
             self.graphs[bucket] = (graph, logits)
             for mode in modes:

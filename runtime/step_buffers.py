@@ -3,7 +3,9 @@
 Every per-step input (token ids, prefill metadata, decode slots and KV lengths, logit rows) is a
 typed view at a fixed offset of one byte arena. A refill writes a ``StepPlan`` into the host
 views with numpy, padding to the chosen bucket, and ``upload`` issues the step's single
-host-to-device copy. The device views never move, so graphs captured over them stay valid.
+host-to-device copy. The device views never move, so graphs captured over them stay valid; a
+graph may also capture the upload itself as its first node (the runner does), and then each
+replay copies the arena as the host left it.
 
 A bucket ``(B, Tp)`` is B decode rows and Tp prefill tokens (Tp = 0: decode only). Inputs for a
 bucket are the leading ``[:n]`` slices of the arena's views, so every bucket shares one arena.
@@ -82,7 +84,9 @@ class StepBuffers:
             "chunk_start": (i32, C), "chunk_end": (i32, C), "seq_chunk_start": (i32, S + 1),
         }
         self.arena = _Arena(spec, self.device)
-        self._copy_done = torch.cuda.Event() if self.device.type == "cuda" else None
+        # external: recorded inside a graph capture it becomes an event-record node, which each
+        # replay records, so ``fill`` can wait for exactly the copy of a captured upload too
+        self._copy_done = torch.cuda.Event(external=True) if self.device.type == "cuda" else None
         self._inputs: dict[Bucket, StepInputs] = {}
 
     def _prefill_meta(self, views: dict, tokens: int) -> PrefillMetadata:
@@ -170,7 +174,8 @@ class StepBuffers:
         h["sample_slots"][n:R] = PAD_SLOT_ID
 
     def upload(self) -> None:
-        """The step's one host-to-device copy (asynchronous on the current stream)."""
+        """The step's one host-to-device copy (asynchronous on the current stream; inside a
+        graph capture, a copy node and an event-record node of the graph)."""
         if self.arena.device is self.arena.host:
             return
         self.arena.device.copy_(self.arena.host, non_blocking=True)

@@ -62,15 +62,18 @@ _PRO_NONE, _PRO_RMS, _PRO_GATED = 0, 1, 2
 _EPI_STORE, _EPI_RESIDUAL, _EPI_RELU2, _EPI_CONV = 0, 1, 2, 3
 
 
-class ConvTail:
+class ConvTail(NamedTuple):
     """Mamba2's conv1d decode update as an in_proj epilogue, on output columns [lo, lo + D).
 
     state: [S, D, K-1] slot pool (any strides); weight: [D, K]; bias: [D] or None;
     slots: [rows] int32 slot of each row, PAD_SLOT_ID for padding (state untouched, zeros out).
     """
 
-    def __init__(self, state, weight, bias, slots, lo: int):
-        self.state, self.weight, self.bias, self.slots, self.lo = state, weight, bias, slots, lo
+    state: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    slots: torch.Tensor
+    lo: int
 
 
 class _Rows(NamedTuple):
@@ -357,15 +360,13 @@ def _launch(x, z, norm_w, weight, bias, out, rows: _Rows, *, eps, group_size, pr
     if M == 0:
         return out
     block_n, block_k, num_warps = _config(N, K, weight.device)
-    conv_args = (out, weight, weight, rows.idx if rows.idx is not None else out, 0, 0, 0, 0, 0, 0)
-    conv_k, conv_bias = 2, False
-    if conv is not None:
-        D, conv_k = conv.weight.shape
-        s = conv.state.stride()
-        conv_args = (conv.state, conv.weight, conv.bias if conv.bias is not None else conv.weight, conv.slots,
-                     conv.lo, D, s[0], s[1], s[2], conv.weight.stride(0))
-        conv_bias = conv.bias is not None
-    cs, cw, cb, slots, lo, D, ss_s, ss_d, ss_k, scw = conv_args
+    if conv is None:  # any valid pointers: the constexpr epilogue never reads them
+        cs, cw, cb, slots, lo, D, conv_k = out, weight, weight, out, 0, 0, 2
+        ss_s = ss_d = ss_k = scw = 0
+    else:
+        (D, conv_k), (ss_s, ss_d, ss_k), scw = conv.weight.shape, conv.state.stride(), conv.weight.stride(0)
+        cs, cw, slots, lo = conv.state, conv.weight, conv.slots, conv.lo
+        cb = conv.bias if conv.bias is not None else conv.weight
     groups = K // group_size
     extra = {"launch_pdl": True} if pdl else {}
     _skinny_kernel[(triton.cdiv(N, block_n),)](
@@ -377,7 +378,7 @@ def _launch(x, z, norm_w, weight, bias, out, rows: _Rows, *, eps, group_size, pr
         ss_s, ss_d, ss_k, scw,
         PROLOGUE=prologue, ROUND_FIRST=round_first, NUM_GROUPS=groups, BLOCK_G=triton.next_power_of_2(groups),
         EPILOGUE=epilogue, HAS_BIAS=bias is not None, HAS_ROW_IDX=rows.idx is not None,
-        CONV_K=conv_k, BLOCK_C=triton.next_power_of_2(conv_k), CONV_BIAS=conv_bias,
+        CONV_K=conv_k, BLOCK_C=triton.next_power_of_2(conv_k), CONV_BIAS=conv is not None and conv.bias is not None,
         M=M, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k, K_TILES=triton.cdiv(K, block_k),
         EARLY=early, USE_PDL=pdl, num_warps=num_warps, **extra,
     )
@@ -385,7 +386,7 @@ def _launch(x, z, norm_w, weight, bias, out, rows: _Rows, *, eps, group_size, pr
 
 
 def _epilogue(residual, relu2, conv) -> int:
-    if sum(e is not None and e is not False for e in (residual, conv)) + bool(relu2) > 1:
+    if (residual is not None) + bool(relu2) + (conv is not None) > 1:
         raise ValueError("pick one epilogue: residual, relu2 or conv")
     if residual is not None:
         return _EPI_RESIDUAL

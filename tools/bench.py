@@ -1,8 +1,10 @@
 """Benchmarks on a CUDA device; each comparison runs side by side in one process.
 
-    mambastep bench kernels [--json PATH]   state update bandwidth, SSD scan vs torch
-    mambastep bench steps [--json PATH]     decode steps eager vs graph vs HBM floor; mixed steps
-                                            with and without the forked stream
+    mambastep bench kernels [--json PATH]   state update bandwidth, SSD scan vs torch, fused
+                                            skinny projections vs norm + cuBLAS
+    mambastep bench steps [--json PATH]     decode steps eager vs graph vs HBM floor (and fused
+                                            vs layer by layer); mixed steps with and without
+                                            the forked stream
     mambastep bench profile --preset P --batch B   per-kernel time of one eager decode step
 """
 

@@ -213,3 +213,12 @@ def test_bf16_on_gpu_matches_hf(kind, tmp_path):
         got = step(runner, decode=[(t[i], slot, len(p) + i) for slot, (p, t) in enumerate(zip(ps, ref_tokens))])
         ref = torch.stack([f[len(p) + i] for f, p in zip(full, ps)])
         assert_close(got.cpu(), ref, torch.bfloat16, factor=2)
+    if kind == "mamba2":
+        # one request alone: batch-1 decode steps take the fused path (three kernels a block)
+        assert ours.fused_decode
+        runner = new_runner(ours)
+        p, t, f = ps[1], ref_tokens[1], full[1]
+        step(runner, [(p, 0, 0)])
+        for i in range(15):
+            got = step(runner, decode=[(t[i], 0, len(p) + i)])
+            assert_close(got.cpu(), f[len(p) + i][None], torch.bfloat16, factor=2)

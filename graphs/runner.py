@@ -5,9 +5,9 @@ compiles, cuBLAS creates its handles, on every stream), then capture the buckets
 into one shared memory pool: per bucket, one forward graph and one small sampling graph per
 sampling mode. A step: pick the smallest bucket that holds the plan, write the plan into the host
 arena, replay the forward graph (whose first node is the step's one host-to-device copy of the
-arena), replay the sampling graph, copy the drawn tokens to pinned host memory asynchronously. A plan larger than every bucket runs the same
-functions eagerly over exactly-sized views of the same buffers. Without CUDA the runner is eager
-throughout, over the same padded buffers.
+arena), replay the sampling graph, copy the drawn tokens to pinned host memory asynchronously. A
+plan larger than every bucket runs the same functions eagerly over exactly-sized views of the
+same buffers. Without CUDA the runner is eager throughout, over the same padded buffers.
 
 Drawn tokens also land in ``slot_tokens`` on the device, indexed by slot: a decode row whose plan
 token is -1 reads its input from there, so consecutive steps need no host round trip.

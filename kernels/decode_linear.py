@@ -262,14 +262,10 @@ def _skinny_kernel(
     # z and the residual (written two or more kernels back, so complete: see the module doc);
     # the layer's conv state and weights (no other kernel touches them within a step).
     w0 = tl.load(w_ptr + n64[:, None] * stride_w + ks[None, :], mask=n_ok[:, None] & (ks[None, :] < K), other=0.0)
-    z0 = w0
-    res = w0
-    window = w0
-    shifted = w0
-    cw = w0
-    slot = rows
-    c = n
-    c_ok = n_ok
+    # Stand-ins for the prefetched tiles a variant does not use (its constexpr branches never
+    # read them); one name each, whatever the variant, keeps a single row function.
+    z0, res, window, shifted, cw = w0, w0, w0, w0, w0
+    slot, c, c_ok = rows, n, n_ok
     if EARLY:
         if PROLOGUE == 2 and K_TILES == 1:
             z0 = _load_rows(z_ptr, rows.to(tl.int64), row_ok, ks, ks < K, stride_z)

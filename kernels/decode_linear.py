@@ -7,11 +7,17 @@ their own that move almost nothing. Here one kernel does all three:
 - prologue, the projection's input: the raw rows; RMSNorm of each row (the block norm); or
   Mamba2's gated, grouped RMSNorm of ``y * silu(z)``. Every program recomputes the row norms of
   its (at most ``MAX_ROWS``) rows from L2, so programs never communicate.
-- the product: each program owns ``BLOCK_N`` output columns and loads its ``[BLOCK_N, K]``
-  slice of the weight once, then takes the rows one after the other as plain multiply-adds in
-  fp32 (no tensor cores: a 16-row MMA tile would be mostly padding). The per-row work grows
-  with the rows, which is why the model uses this path at 1-2 rows only (measured in
-  docs/BENCHMARKS.md).
+- the product: each program owns ``BLOCK_N`` output columns and reads its ``[BLOCK_N, K]``
+  slice of the weight once, as plain multiply-adds in fp32 (no tensor cores: a 16-row MMA tile
+  would be mostly padding). Two ways through K (``_config``):
+  - one tile: up to ``ONE_TILE_MAX_K`` columns (Mamba2-130M's block projections), the whole
+    slice is loaded into registers before the wait, and the rows are taken one after the other
+    in the tile's layout. The per-row work grows with the rows: 1-2 rows pay, 4 do not.
+  - streamed: wider K (Nemotron-H-8B) and vocabulary-wide grids (LM heads) loop over K tiles
+    with software pipelining, each tile read once for all rows. A block norm is applied after
+    the product (each row's sum of squares comes along in the same pass, and its rstd scales the
+    sums at the end); a gated norm runs as a kernel of its own first, which measured faster
+    than recomputing its groups tile by tile.
 - epilogue: store the rounded product; or add it into the residual stream in place; or squared
   ReLU; or, for Mamba2's in_proj, the causal conv1d decode update (state shift and SiLU) on the
   ``xBC`` columns, which one program owns per channel, so the conv state has a single writer.
@@ -25,9 +31,14 @@ i.e. after its predecessor completed: so when a kernel starts, everything two or
 back in the stream is complete. Every kernel calls ``gdc_wait`` before reading its direct
 predecessor's output, so the chain stays ordered end to end.
 
+Kernels launched without PDL in between (the decode attention, a gated norm before a streamed
+product) complete before their successor starts, which only makes the chain stricter.
+
 Numerics follow the unfused ops: the product is rounded to the weight dtype (as ``F.linear``),
 then the epilogue runs on the rounded value in fp32, as ``conv1d_update`` / ``rms_norm`` would.
-The references compose those unfused references.
+The references compose those unfused references. One difference: the streamed path does not
+round the normalised input to the weight dtype before the product (it never materialises it),
+so it is, if anything, closer to the fp32 result; the tests hold both paths to the references.
 """
 
 from __future__ import annotations
@@ -41,10 +52,11 @@ import triton
 import triton.language as tl
 
 from .conv1d import conv1d_update_ref
-from .norm import gated_rms_norm_ref, rms_norm_ref
+from .norm import gated_rms_norm, gated_rms_norm_ref, rms_norm_ref
 
 __all__ = [
     "MAX_ROWS",
+    "ONE_TILE_MAX_K",
     "ConvTail",
     "norm_linear",
     "norm_linear_triton",
@@ -55,8 +67,10 @@ __all__ = [
     "pdl_supported",
 ]
 
-# The kernels take up to 8 rows; the model uses them at 1-2, where they beat norm + cuBLAS.
+# The kernels take up to 8 rows; the model uses them at 1-2 (``runtime.model.fused_max_rows``).
 MAX_ROWS = 8
+# The widest K held as one tile in registers; wider projections stream K (see ``_config``).
+ONE_TILE_MAX_K = 2048
 
 _PRO_NONE, _PRO_RMS, _PRO_GATED = 0, 1, 2
 _EPI_STORE, _EPI_RESIDUAL, _EPI_RELU2, _EPI_CONV = 0, 1, 2, 3
@@ -147,66 +161,104 @@ def _normalize(a, cols, col_ok, rstd, wn_ptr, group_size, ROUND_FIRST: tl.conste
 
 
 @triton.jit
-def _skinny_row(
-    m, w0, z0, res, window, shifted, cw, slot, n, n_ok, c, c_ok,
-    x_ptr, z_ptr, wn_ptr, w_ptr, bias_ptr, out_ptr, row_ptr, cs_ptr, cb_ptr,
-    K, eps, group_size,
-    stride_x, stride_z, stride_w, stride_out, stride_cs_s, stride_cs_d, stride_cs_k,
+def _tile_row(
+    m, w0, z0, x_ptr, z_ptr, wn_ptr, row_ptr, K, eps, group_size, stride_x, stride_z,
     PROLOGUE: tl.constexpr, ROUND_FIRST: tl.constexpr, NUM_GROUPS: tl.constexpr, BLOCK_G: tl.constexpr,
-    EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ROW_IDX: tl.constexpr,
-    CONV_K: tl.constexpr, BLOCK_C: tl.constexpr, CONV_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, EARLY: tl.constexpr,
+    HAS_ROW_IDX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EARLY: tl.constexpr,
 ):
-    """Output row m over the program's columns n, as tensors of one row ([1, ...]); the
-    [BLOCK_M, ...] tiles are what the kernel loaded before the wait."""
+    """The product of row m with the program's weight tile w0 ([BLOCK_N, BLOCK_K], the whole K)
+    in fp32, as [1, BLOCK_N]; the input row's prologue on the way."""
     row = m + tl.arange(0, 1)  # [1]
     row_ok = row >= 0
-    n64 = n.to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
-    act_dtype = w_ptr.dtype.element_ty
     if HAS_ROW_IDX:
         src = tl.load(row_ptr + row).to(tl.int64)
     else:
         src = row.to(tl.int64)
-
-    # The first K tile of the input row; then, with a norm, the row's (or each group's) rstd
     z = z0  # the gate, for a gated prologue
     if PROLOGUE == 2:
-        if EARLY and K_TILES == 1:
+        if EARLY:
             z = _pick(z0, m, BLOCK_M)
         else:
             z = _load_rows(z_ptr, src, row_ok, ks, ks < K, stride_z)
-    a0 = _input_rows(x_ptr, z, src, row_ok, ks, ks < K, stride_x, PROLOGUE == 2)
-    rstd = tl.zeros([1, BLOCK_G], dtype=tl.float32)
+    a = _input_rows(x_ptr, z, src, row_ok, ks, ks < K, stride_x, PROLOGUE == 2)
     if PROLOGUE != 0:
-        sq = _group_table(rstd, a0 * a0, ks, group_size, NUM_GROUPS, BLOCK_G)
-        for t in tl.static_range(1, K_TILES):
-            cols = t * BLOCK_K + ks
-            if PROLOGUE == 2:
-                z = _load_rows(z_ptr, src, row_ok, cols, cols < K, stride_z)
-            a = _input_rows(x_ptr, z, src, row_ok, cols, cols < K, stride_x, PROLOGUE == 2)
-            sq = _group_table(sq, a * a, cols, group_size, NUM_GROUPS, BLOCK_G)
+        sq = _group_table(tl.zeros([1, BLOCK_G], dtype=tl.float32), a * a, ks, group_size, NUM_GROUPS, BLOCK_G)
         rstd = tl.rsqrt(sq / group_size + eps)
-        a0 = _normalize(a0, ks, ks < K, rstd, wn_ptr, group_size, ROUND_FIRST, NUM_GROUPS, BLOCK_G, act_dtype)
+        a = _normalize(a, ks, ks < K, rstd, wn_ptr, group_size, ROUND_FIRST, NUM_GROUPS, BLOCK_G,
+                       w0.dtype)
+    return tl.sum(w0.to(tl.float32) * a, axis=1)[None, :]
 
-    # the product, one K tile at a time (the first weight tile is already in registers)
-    acc = tl.sum(w0.to(tl.float32) * a0, axis=1)[None, :]  # [1, BLOCK_N]
-    for t in tl.static_range(1, K_TILES):
-        cols = t * BLOCK_K + ks
-        col_ok = cols < K
-        w = tl.load(w_ptr + n64[:, None] * stride_w + cols[None, :], mask=n_ok[:, None] & col_ok[None, :], other=0.0)
-        if PROLOGUE == 2:
-            z = _load_rows(z_ptr, src, row_ok, cols, col_ok, stride_z)
-        a = _input_rows(x_ptr, z, src, row_ok, cols, col_ok, stride_x, PROLOGUE == 2)
-        if PROLOGUE != 0:
-            a = _normalize(a, cols, col_ok, rstd, wn_ptr, group_size, ROUND_FIRST, NUM_GROUPS, BLOCK_G, act_dtype)
-        acc += tl.sum(w.to(tl.float32) * a, axis=1)[None, :]
 
+@triton.jit
+def _stream_tile(acc, sq, w, k, ks, x_ptr, wn_ptr, src, row_ok, K, stride_x,
+                 NORM: tl.constexpr, EVEN_K: tl.constexpr):
+    """One K tile of the streamed product, elementwise (reduced once after the loop): acc += w *
+    input (times the norm weight), and with a norm sq += input^2."""
+    cols = k + ks
+    col_ok = cols < K
+    if EVEN_K:
+        col_ok = cols >= 0
+    a = _input_rows(x_ptr, src, src, row_ok, cols, col_ok, stride_x, False)  # [BLOCK_M, BLOCK_K]
+    if NORM:
+        sq += a * a
+        a = a * tl.load(wn_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    acc += w.to(tl.float32)[None, :, :] * a[:, None, :]
+    return acc, sq
+
+
+@triton.jit
+def _streamed_rows(
+    w0, n64, n_ok, x_ptr, wn_ptr, w_ptr, row_ptr, M, K, eps, stride_x, stride_w,
+    NORM: tl.constexpr, HAS_ROW_IDX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr,
+):
+    """The product of all rows with the program's [BLOCK_N, K] weight slice in fp32, as
+    [BLOCK_M, BLOCK_N], in one pass over K tiles (w0 is the first), each weight tile read once
+    for all rows. An RMSNorm prologue is applied after the product: the input times the norm
+    weight goes in unscaled, its squares come along, and each row is scaled by its rstd at the
+    end. So there is no second pass over the input, and no rounding of the normalised input
+    (which the one-tile path and the references keep)."""
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    ks = tl.arange(0, BLOCK_K)
+    if HAS_ROW_IDX:
+        src = tl.load(row_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    else:
+        src = rows.to(tl.int64)
+    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    acc, sq = _stream_tile(acc, sq, w0, 0, ks, x_ptr, wn_ptr, src, row_ok, K, stride_x, NORM, EVEN_K)
+    for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
+        cols = k + ks
+        w_ptrs = w_ptr + n64[:, None] * stride_w + cols[None, :]
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+        else:
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & (cols < K)[None, :], other=0.0)
+        acc, sq = _stream_tile(acc, sq, w, k, ks, x_ptr, wn_ptr, src, row_ok, K, stride_x, NORM, EVEN_K)
+    y = tl.sum(acc, axis=2)
+    if NORM:
+        y = y * tl.rsqrt(tl.sum(sq, axis=1) / K + eps)[:, None]
+    return y
+
+
+@triton.jit
+def _finish_row(
+    m, acc, res, window, shifted, cw, slot, n, n_ok, c, c_ok,
+    bias_ptr, out_ptr, cs_ptr, cb_ptr, stride_out, stride_cs_s, stride_cs_d, stride_cs_k,
+    EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, CONV_K: tl.constexpr, BLOCK_C: tl.constexpr,
+    CONV_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, EARLY: tl.constexpr, ACT_DTYPE: tl.constexpr,
+):
+    """Bias, rounding and epilogue of output row m (acc: its fp32 product, [1, BLOCK_N]), stored.
+    The [BLOCK_M, ...] tiles are what the kernel loaded before the wait."""
+    row = m + tl.arange(0, 1)  # [1]
+    row_ok = row >= 0
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    y = acc.to(act_dtype).to(tl.float32)  # what F.linear would hand on
+    y = acc.to(ACT_DTYPE).to(tl.float32)  # what F.linear would hand on
     out_mask = row_ok[:, None] & n_ok[None, :]
-    out_ptrs = out_ptr + row.to(tl.int64)[:, None] * stride_out + n64[None, :]
+    out_ptrs = out_ptr + row.to(tl.int64)[:, None] * stride_out + n.to(tl.int64)[None, :]
     if EPILOGUE == 1:
         # residual <- residual + y, in the residual's dtype (the rows are the residual's rows)
         if EARLY:
@@ -247,10 +299,11 @@ def _skinny_kernel(
     EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ROW_IDX: tl.constexpr,
     CONV_K: tl.constexpr, BLOCK_C: tl.constexpr, CONV_BIAS: tl.constexpr,
     M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    K_TILES: tl.constexpr, EARLY: tl.constexpr, USE_PDL: tl.constexpr,
+    LOOP: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr, EARLY: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    # grid: (cdiv(N, BLOCK_N),): all M rows, one after the other, over BLOCK_N output columns.
-    # Rows one at a time keep the product in the weight tile's layout (no cross-row shuffles).
+    # grid: (cdiv(N, BLOCK_N),): all M rows over BLOCK_N output columns. Without LOOP, the whole
+    # K is one tile held in registers and the rows are taken one after the other in the tile's
+    # layout (no cross-row shuffles); with LOOP, K is streamed in tiles.
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     n64 = n.to(tl.int64)
@@ -258,16 +311,16 @@ def _skinny_kernel(
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < M
 
-    # Before the wait, only what the previous kernel cannot be writing: the weight; with EARLY,
-    # z and the residual (written two or more kernels back, so complete: see the module doc);
-    # the layer's conv state and weights (no other kernel touches them within a step).
+    # Before the wait, only what the previous kernel cannot be writing: the (first) weight tile;
+    # with EARLY, z and the residual (written two or more kernels back, so complete: see the
+    # module doc); the layer's conv state and weights (no other kernel touches them in a step).
     w0 = tl.load(w_ptr + n64[:, None] * stride_w + ks[None, :], mask=n_ok[:, None] & (ks[None, :] < K), other=0.0)
     # Stand-ins for the prefetched tiles a variant does not use (its constexpr branches never
-    # read them); one name each, whatever the variant, keeps a single row function.
+    # read them); one name each, whatever the variant, keeps single helper signatures.
     z0, res, window, shifted, cw = w0, w0, w0, w0, w0
     slot, c, c_ok = rows, n, n_ok
     if EARLY:
-        if PROLOGUE == 2 and K_TILES == 1:
+        if PROLOGUE == 2 and not LOOP:
             z0 = _load_rows(z_ptr, rows.to(tl.int64), row_ok, ks, ks < K, stride_z)
         if EPILOGUE == 1:
             res = _load_rows(out_ptr, rows.to(tl.int64), row_ok, n64, n_ok, stride_out)
@@ -291,15 +344,24 @@ def _skinny_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    if LOOP:
+        tl.static_assert(PROLOGUE != 2, "a gated norm runs as its own kernel before a streamed product")
+        acc = _streamed_rows(
+            w0, n64, n_ok, x_ptr, wn_ptr, w_ptr, row_ptr, M, K, eps, stride_x, stride_w,
+            PROLOGUE == 1, HAS_ROW_IDX, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, STAGES,
+        )
     for m in tl.static_range(M):
-        _skinny_row(
-            m, w0, z0, res, window, shifted, cw, slot, n, n_ok, c, c_ok,
-            x_ptr, z_ptr, wn_ptr, w_ptr, bias_ptr, out_ptr, row_ptr,
-            cs_ptr, cb_ptr,
-            K, eps, group_size,
-            stride_x, stride_z, stride_w, stride_out, stride_cs_s, stride_cs_d, stride_cs_k,
-            PROLOGUE, ROUND_FIRST, NUM_GROUPS, BLOCK_G, EPILOGUE, HAS_BIAS, HAS_ROW_IDX,
-            CONV_K, BLOCK_C, CONV_BIAS, BLOCK_M, BLOCK_K, K_TILES, EARLY,
+        if LOOP:
+            acc_m = _pick(acc, m, BLOCK_M)
+        else:
+            acc_m = _tile_row(
+                m, w0, z0, x_ptr, z_ptr, wn_ptr, row_ptr, K, eps, group_size, stride_x, stride_z,
+                PROLOGUE, ROUND_FIRST, NUM_GROUPS, BLOCK_G, HAS_ROW_IDX, BLOCK_M, BLOCK_K, EARLY,
+            )
+        _finish_row(
+            m, acc_m, res, window, shifted, cw, slot, n, n_ok, c, c_ok,
+            bias_ptr, out_ptr, cs_ptr, cb_ptr, stride_out, stride_cs_s, stride_cs_d, stride_cs_k,
+            EPILOGUE, HAS_BIAS, CONV_K, BLOCK_C, CONV_BIAS, BLOCK_M, EARLY, w_ptr.dtype.element_ty,
         )
 
 
@@ -322,17 +384,35 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _config(N: int, K: int, device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps), from a sweep on an H200 (docs/BENCHMARKS.md).
+class _Config(NamedTuple):
+    loop: bool  # stream K in tiles (else the whole K is one tile)
+    block_n: int
+    block_k: int
+    num_warps: int
+    stages: int  # software-pipelining depth of the K loop
 
-    The whole K in one tile up to 2048 columns (Mamba2-130M's projections: the program's weight
-    slice sits in registers before the wait), else tiles of 1024. 4 warps; 16 columns a program
-    for tiles of <= 1024 when that still makes a full wave, else 8 (the gated out_proj, whose
+
+def _config(M: int, N: int, K: int, device: torch.device) -> _Config:
+    """Tile sizes for M rows of an [N, K] weight, from sweeps on an H200 (docs/BENCHMARKS.md).
+
+    One tile, when K <= ONE_TILE_MAX_K and the grid is a few waves at most (Mamba2-130M's block
+    projections): the program's whole weight slice sits in registers before the wait; 16 columns
+    a program for K <= 1024 when that still makes a full wave, else 8 (the gated out_proj, whose
     prologue re-reads two 1536-wide rows, is fastest with few, wide programs).
+
+    Otherwise K is streamed (Nemotron-H-8B's projections, the LM heads) in tiles of 512 columns
+    from K = 4096, else 256, 3 pipeline stages, 4 warps; 8 columns a program, 16 for
+    vocabulary-wide grids. The tile narrows as the rows grow, so that the per-row partial sums
+    keep their register footprint.
     """
-    block_k = triton.next_power_of_2(K) if K <= 2048 else 1024
-    block_n = 16 if block_k <= 1024 and triton.cdiv(N, 16) >= _num_sms(device) else 8
-    return block_n, block_k, 4
+    sms = _num_sms(device)
+    if K <= ONE_TILE_MAX_K and triton.cdiv(N, 16) <= 4 * sms:
+        block_k = triton.next_power_of_2(K)
+        block_n = 16 if block_k <= 1024 and triton.cdiv(N, 16) >= sms else 8
+        return _Config(False, block_n, block_k, 4, 1)
+    block_k = (512 if K >= 4096 else 256) // triton.next_power_of_2(M)
+    block_n = 16 if triton.cdiv(N, 16) >= 16 * sms else 8
+    return _Config(True, block_n, max(32, block_k), 4, 3)
 
 
 def _check(name: str, t: torch.Tensor, shape: tuple) -> None:
@@ -355,7 +435,7 @@ def _launch(x, z, norm_w, weight, bias, out, rows: _Rows, *, eps, group_size, pr
         raise ValueError(f"{M} rows: the skinny projection takes at most {MAX_ROWS}; use a GEMM")
     if M == 0:
         return out
-    block_n, block_k, num_warps = _config(N, K, weight.device)
+    cfg = _config(M, N, K, weight.device)
     if conv is None:  # any valid pointers: the constexpr epilogue never reads them
         cs, cw, cb, slots, lo, D, conv_k = out, weight, weight, out, 0, 0, 2
         ss_s = ss_d = ss_k = scw = 0
@@ -365,7 +445,7 @@ def _launch(x, z, norm_w, weight, bias, out, rows: _Rows, *, eps, group_size, pr
         cb = conv.bias if conv.bias is not None else conv.weight
     groups = K // group_size
     extra = {"launch_pdl": True} if pdl else {}
-    _skinny_kernel[(triton.cdiv(N, block_n),)](
+    _skinny_kernel[(triton.cdiv(N, cfg.block_n),)](
         x, z if z is not None else x, norm_w if norm_w is not None else weight, weight,
         bias if bias is not None else weight, out, rows.idx if rows.idx is not None else x,
         cs, cw, cb, slots,
@@ -375,8 +455,8 @@ def _launch(x, z, norm_w, weight, bias, out, rows: _Rows, *, eps, group_size, pr
         PROLOGUE=prologue, ROUND_FIRST=round_first, NUM_GROUPS=groups, BLOCK_G=triton.next_power_of_2(groups),
         EPILOGUE=epilogue, HAS_BIAS=bias is not None, HAS_ROW_IDX=rows.idx is not None,
         CONV_K=conv_k, BLOCK_C=triton.next_power_of_2(conv_k), CONV_BIAS=conv is not None and conv.bias is not None,
-        M=M, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k, K_TILES=triton.cdiv(K, block_k),
-        EARLY=early, USE_PDL=pdl, num_warps=num_warps, **extra,
+        M=M, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, LOOP=cfg.loop,
+        EVEN_K=K % cfg.block_k == 0, STAGES=cfg.stages, EARLY=early, USE_PDL=pdl, num_warps=cfg.num_warps, **extra,
     )
     return out
 
@@ -484,6 +564,12 @@ def gated_norm_linear_triton(y, z, norm_w, group_size, eps, weight, *, bias=None
     if K % group_size:
         raise ValueError(f"group_size {group_size} does not divide {K}")
     spec, dst = _out_rows(y, None, out, residual, weight.shape[0], weight.dtype)
+    if _config(T, weight.shape[0], K, y.device).loop:
+        # A streamed product would recompute the grouped norm tile by tile, which costs more
+        # than a kernel of its own (measured on Nemotron-H-8B's out_proj)
+        h = gated_rms_norm(y, z, norm_w, group_size, eps)
+        return _launch(h, None, None, weight, bias, dst, spec, eps=eps, group_size=K, prologue=_PRO_NONE,
+                       round_first=True, epilogue=_epilogue(residual, False, None), conv=None, pdl=pdl)
     return _launch(y, z, norm_w, weight, bias, dst, spec, eps=eps, group_size=group_size,
                    prologue=_PRO_GATED, round_first=True, epilogue=_epilogue(residual, False, None),
                    conv=None, pdl=pdl, early=early)
@@ -504,7 +590,8 @@ def gated_norm_linear(y, z, norm_w, group_size, eps, weight, *, bias=None, resid
     weight: [N, K]; residual: [T, N] (fp32 or weight's dtype) or None, then out: [T, N].
     pdl: as in :func:`norm_linear`; early: z and the residual were written two or more kernels
     back in this stream, so a programmatic dependent launch may read them before its wait (in a
-    Mamba2 block: z by in_proj, the residual by the previous block).
+    Mamba2 block: z by in_proj, the residual by the previous block). Where the product streams K
+    (see the module doc), the gated norm runs first as a kernel of its own.
     """
     fn = gated_norm_linear_triton if y.is_cuda else gated_norm_linear_ref
     return fn(y, z, norm_w, group_size, eps, weight, bias=bias, residual=residual, out=out, pdl=pdl, early=early)

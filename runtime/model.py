@@ -3,9 +3,10 @@
 ``forward`` takes packed step inputs and the state pool and returns logits only for
 ``inputs.logit_rows``. Every block is ``residual += mixer(norm(residual))``. Layer by layer, the
 add is fused into the next norm (``rms_norm(..., residual=...)``). Small decode-only steps on a GPU
-take the fused decode path instead when every layer offers one (``decode_fused``): each block's
-norm rides in the prologue of its first projection and the residual add in the epilogue of its
-last (``kernels.decode_linear``), chained by programmatic dependent launch where supported.
+take the fused decode path instead when every layer offers one (``decode_fused``: Mamba2,
+attention and MLP layers do, MoE layers do not): each block's norm rides in the prologue of its
+first projection and the residual add in the epilogue of its last (``kernels.decode_linear``),
+chained by programmatic dependent launch where that pays.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..kernels.decode_linear import norm_linear, pdl_supported
+from ..kernels.decode_linear import ONE_TILE_MAX_K, norm_linear, pdl_supported
 from ..kernels.norm import rms_norm
 from .config import ModelConfig
 from .layers import AttentionLayer, MambaLayer, MLPLayer, MoELayer
@@ -23,11 +24,28 @@ from .presets import preset_config
 from .step_inputs import StepInputs
 from .weights import load_weights, random_weights
 
-__all__ = ["Model"]
+__all__ = ["Model", "fused_max_rows", "one_tile"]
 
-# Decode batches up to this size take the fused path (when the model has one). Its skinny
-# projections beat norm + cuBLAS at 1-2 rows and lose from 4 (docs/BENCHMARKS.md).
-FUSED_MAX_ROWS = 2
+
+def one_tile(cfg: ModelConfig) -> bool:
+    """Whether every fused decode projection holds its whole K in registers (Mamba2-130M), as
+    opposed to streaming K over several waves of programs (Nemotron-H-8B)."""
+    widest = cfg.hidden_size
+    if "mamba" in cfg.layer_types:
+        widest = max(widest, cfg.mamba_inner)
+    if "mlp" in cfg.layer_types:
+        widest = max(widest, cfg.intermediate_size)
+    if "attention" in cfg.layer_types:
+        widest = max(widest, cfg.num_attention_heads * cfg.attention_head_dim)
+    return widest <= ONE_TILE_MAX_K
+
+
+def fused_max_rows(cfg: ModelConfig) -> int:
+    """The largest decode batch that takes the fused path (when the model has one). Its skinny
+    projections beat norm + cuBLAS at 1-2 rows where they hold the whole K in registers, at 1 row
+    only where they stream K; they lose from 4 rows (docs/BENCHMARKS.md)."""
+    return 2 if one_tile(cfg) else 1
+
 
 _LAYER_CLASSES = {"mamba": MambaLayer, "attention": AttentionLayer, "mlp": MLPLayer, "moe": MoELayer}
 
@@ -47,7 +65,12 @@ class Model:
         self.round_norm_first = cfg.architecture == "mamba2"
         # The fused decode path: on by default where it runs compiled (a switch for measurement)
         self.fused_decode = self.device.type == "cuda" and all(hasattr(l, "decode_fused") for l in self.layers)
-        self.pdl = pdl_supported(self.device)
+        self.fused_max_rows = fused_max_rows(cfg)
+        # Programmatic dependent launch pays where the fused kernels are short, one-wave launches
+        # (one-tile projections); where they stream K over several waves, dependents launched
+        # early hold SM slots the running kernel could use, and the step was faster without it
+        # (both measured in docs/BENCHMARKS.md). A switch, for measurement.
+        self.pdl = pdl_supported(self.device) and one_tile(cfg)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype=torch.bfloat16, device="cpu") -> "Model":
@@ -67,7 +90,7 @@ class Model:
         With ``aux_stream``, Mamba2 and attention layers run their prefill branch on it,
         overlapped with the decode branch on the current stream.
         """
-        if self.fused_decode and inputs.prefill is None and 0 < inputs.num_decode <= FUSED_MAX_ROWS:
+        if self.fused_decode and inputs.prefill is None and 0 < inputs.num_decode <= self.fused_max_rows:
             return self._decode_fused(inputs, state)
         x = F.embedding(inputs.input_ids, self.embed)
         residual = x.to(self.residual_dtype)

@@ -31,6 +31,15 @@ PRESETS: dict[str, dict] = {
         chunk_size=32, tie_word_embeddings=True, residual_in_fp32=True,
         max_position_embeddings=4096, eos_token_id=0,
     ),
+    # The hybrid without experts: the hybrid fused decode path (Mamba2, attention, MLP) at test size.
+    "tiny-nemotron-h": dict(
+        architecture="nemotron_h", vocab_size=512, hidden_size=64,
+        layer_types=("mamba", "attention", "mlp", "mamba", "mlp", "mamba"),
+        mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, conv_kernel=4,
+        chunk_size=32, dt_limit=(1e-6, float("inf")),
+        num_attention_heads=4, num_key_value_heads=2, attention_head_dim=16, intermediate_size=128,
+        max_position_embeddings=4096, eos_token_id=2,
+    ),
     "mamba2-130m": dict(
         architecture="mamba2", vocab_size=50288, hidden_size=768, layer_types=("mamba",) * 24,
         mamba_num_heads=24, mamba_head_dim=64, ssm_state_size=128, n_groups=1, conv_kernel=4,

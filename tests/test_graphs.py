@@ -92,9 +92,10 @@ def test_bucket_set_round_trips(tmp_path):
         BucketSet(decode=(0, 4))
 
 
-@pytest.fixture(scope="module", params=["tiny-hybrid", "tiny-mamba2"])
+@pytest.fixture(scope="module", params=["tiny-hybrid", "tiny-mamba2", "tiny-nemotron-h"])
 def gpu_model(request):
-    """Both decode paths: layer by layer (hybrid), fused with programmatic launches (Mamba2)."""
+    """Both decode paths: layer by layer (the hybrid with experts), fused with programmatic
+    launches (Mamba2, and the hybrid without experts)."""
     return Model.from_preset(request.param, dtype=torch.bfloat16, device="cuda")
 
 
@@ -167,11 +168,12 @@ def test_one_host_to_device_copy_per_step(gpu_model):
 
 
 @pytest.mark.gpu
-def test_fused_decode_equals_layer_by_layer_gpu():
+@pytest.mark.parametrize("preset", ["tiny-mamba2", "tiny-nemotron-h"])
+def test_fused_decode_equals_layer_by_layer_gpu(preset):
     """Graphs of the fused decode path (Triton skinny projections chained by programmatic
     dependent launch) against graphs of the layer-by-layer path: the same tokens and close
     logits over a script whose decode steps take the fused path."""
-    model = Model.from_preset("tiny-mamba2", dtype=torch.bfloat16, device="cuda")
+    model = Model.from_preset(preset, dtype=torch.bfloat16, device="cuda")
     assert model.fused_decode
     results = []
     for fused in (True, False):

@@ -119,13 +119,18 @@ def test_mixed_step_equals_separate_steps(pair):
         assert_close(x, y)
 
 
+# Nemotron-H without experts: every layer kind with a fused decode path (MoE layers have none)
+DENSE_HYBRID = ["mamba", "attention", "mlp", "mamba", "mlp", "attention", "mamba"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @torch.no_grad()
-def test_fused_decode_equals_layer_by_layer(tmp_path, monkeypatch):
-    """The fused decode path (each block in three fused ops) gives the layer-by-layer logits and
-    states, at one row (all-fused LM head) and two (cuBLAS LM head). On CPU it runs the fused
-    ops' references, which checks the wiring: slices, orders, the residual stream; the Triton
-    kernels are checked against the same references."""
-    save_tiny("mamba2", tmp_path)
+def test_fused_decode_equals_layer_by_layer(kind, tmp_path, monkeypatch):
+    """The fused decode path (norms and residual adds fused into the projections) gives the
+    layer-by-layer logits and states, at one row and two. On CPU it runs the fused ops'
+    references, which checks the wiring: slices, orders, the residual stream, the KV cache; the
+    Triton kernels are checked against the same references."""
+    save_tiny(kind, tmp_path, **({"layers_block_type": DENSE_HYBRID} if kind == "nemotron_h" else {}))
     model = Model.from_pretrained(tmp_path, dtype=torch.float32)
     fused_steps = []
     real = Model._decode_fused
@@ -198,7 +203,7 @@ def test_bf16_on_gpu_matches_hf(kind, tmp_path):
     """bf16 Triton path vs HF in fp32: prefill logits, then decode logits teacher-forced with
     HF's greedy tokens (so a near-tie flipping one token cannot derail the comparison). No MoE
     layer here: bf16 rounding flips near-tied expert choices, a discontinuity no tolerance bounds."""
-    no_moe = {} if kind == "mamba2" else {"layers_block_type": ["mamba", "attention", "mlp", "mamba", "attention"]}
+    no_moe = {} if kind == "mamba2" else {"layers_block_type": DENSE_HYBRID}
     hf = save_tiny(kind, tmp_path, **no_moe)
     hf.generation_config.eos_token_id = None
     ours = Model.from_pretrained(tmp_path, dtype=torch.bfloat16, device="cuda")
@@ -213,12 +218,11 @@ def test_bf16_on_gpu_matches_hf(kind, tmp_path):
         got = step(runner, decode=[(t[i], slot, len(p) + i) for slot, (p, t) in enumerate(zip(ps, ref_tokens))])
         ref = torch.stack([f[len(p) + i] for f, p in zip(full, ps)])
         assert_close(got.cpu(), ref, torch.bfloat16, factor=2)
-    if kind == "mamba2":
-        # one request alone: batch-1 decode steps take the fused path (three kernels a block)
-        assert ours.fused_decode
-        runner = new_runner(ours)
-        p, t, f = ps[1], ref_tokens[1], full[1]
-        step(runner, [(p, 0, 0)])
-        for i in range(15):
-            got = step(runner, decode=[(t[i], 0, len(p) + i)])
-            assert_close(got.cpu(), f[len(p) + i][None], torch.bfloat16, factor=2)
+    # one request alone: batch-1 decode steps take the fused decode path
+    assert ours.fused_decode
+    runner = new_runner(ours)
+    p, t, f = ps[1], ref_tokens[1], full[1]
+    step(runner, [(p, 0, 0)])
+    for i in range(15):
+        got = step(runner, decode=[(t[i], 0, len(p) + i)])
+        assert_close(got.cpu(), f[len(p) + i][None], torch.bfloat16, factor=2)

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ...kernels.activation import relu2
+from ...kernels.decode_linear import norm_linear
 from ..config import ModelConfig
 
 __all__ = ["MLPLayer", "MoELayer"]
@@ -19,11 +20,21 @@ def _relu2_mlp(x, up, down, up_bias=None, down_bias=None):
 class MLPLayer:
     def __init__(self, cfg: ModelConfig, idx: int, w: dict[str, torch.Tensor]):
         p = f"layers.{idx}.mixer."
+        self.eps = cfg.norm_eps
         self.up, self.down = w[p + "up_proj.weight"], w[p + "down_proj.weight"]
         self.up_bias, self.down_bias = w.get(p + "up_proj.bias"), w.get(p + "down_proj.bias")
 
     def forward(self, x, inputs=None, state=None, aux_stream=None):
         return _relu2_mlp(x, self.up, self.down, self.up_bias, self.down_bias)
+
+    def decode_fused(self, residual: torch.Tensor, norm_w: torch.Tensor, round_first: bool,
+                     inputs=None, state=None, pdl: bool = False) -> None:
+        """``residual += mlp(norm(residual))`` for a small decode step in two kernels: block norm
+        + up_proj + relu2; down_proj + residual add (``kernels.decode_linear``)."""
+        h = torch.empty(residual.shape[0], self.up.shape[0], dtype=self.up.dtype, device=residual.device)
+        norm_linear(residual, norm_w, self.eps, self.up, bias=self.up_bias, round_first=round_first, relu2=True,
+                    out=h, pdl=pdl)
+        norm_linear(h, None, self.eps, self.down, bias=self.down_bias, residual=residual, pdl=pdl)
 
 
 class MoELayer:

@@ -1,7 +1,7 @@
 """Kernel benchmarks: the device copy bandwidth (the memory ceiling), the selective state update
 as achieved bandwidth against it, and the chunked SSD scan as time and TFLOP/s beside the plain
 torch chunked implementation, at Nemotron-H-8B mamba shapes; and the fused skinny projections
-of the decode path beside norm + cuBLAS, at Mamba2-130M shapes."""
+of the decode path beside norm + cuBLAS, at Mamba2-130M and Nemotron-H-8B shapes."""
 
 from __future__ import annotations
 
@@ -104,8 +104,12 @@ def bench_ssd(n_seqs: int, seq_len: int) -> dict:
     }
 
 
-# Mamba2-130M projections: (name, N, K, prologue)
-SKINNY = (("in_proj", 3352, 768, "norm"), ("out_proj", 768, 1536, "gated"), ("lm_head", 50288, 768, "norm"))
+# Decode projections: (name, N, K, prologue: the block norm, the gated norm of G groups, or none)
+SKINNY = (
+    ("130M in_proj", 3352, 768, "norm"), ("130M out_proj", 768, 1536, "gated 1"), ("130M LM head", 50288, 768, "norm"),
+    ("8B in_proj", 18560, 4096, "norm"), ("8B out_proj", 4096, 8192, "gated 8"), ("8B up_proj", 21504, 4096, "norm"),
+    ("8B down_proj", 4096, 21504, "none"), ("8B LM head", 131072, 4096, "norm"),
+)
 
 
 def chain_us(fn, copies: int, reps: int = 48) -> float:
@@ -145,17 +149,28 @@ def bench_skinny(name: str, N: int, K: int, prologue: str, rows: int) -> dict:
 
         def fused(pdl):
             return lambda i: norm_linear(x, norm_w, 1e-5, weights[i], out=out, pdl=pdl)
+    elif prologue == "none":  # a plain projection into the residual stream (down_proj, o_proj)
+        y = torch.randn(rows, K, device=dev, dtype=bf16)
+        residual = torch.randn(rows, N, device=dev)
+
+        def unfused(i):
+            torch.matmul(y, weights[i].t(), out=out)
+            residual.add_(out)
+
+        def fused(pdl):
+            return lambda i: norm_linear(y, None, 1e-5, weights[i], residual=residual, pdl=pdl)
     else:  # Mamba2's gated norm before out_proj, and the residual add after it
+        group = K // int(prologue.split()[1])
         y, z = (torch.randn(rows, K, device=dev, dtype=bf16) for _ in range(2))
         residual = torch.randn(rows, N, device=dev)
 
         def unfused(i):
-            gated_rms_norm(y, z, norm_w, K, 1e-5, out=h)
+            gated_rms_norm(y, z, norm_w, group, 1e-5, out=h)
             torch.matmul(h, weights[i].t(), out=out)
             residual.add_(out)
 
         def fused(pdl):
-            return lambda i: gated_norm_linear(y, z, norm_w, K, 1e-5, weights[i], residual=residual, pdl=pdl)
+            return lambda i: gated_norm_linear(y, z, norm_w, group, 1e-5, weights[i], residual=residual, pdl=pdl)
     return {"op": "skinny", "name": name, "N": N, "K": K, "rows": rows, "unfused_us": chain_us(unfused, copies),
             "fused_us": chain_us(fused(False), copies), "fused_pdl_us": chain_us(fused(True), copies)}
 
@@ -193,7 +208,7 @@ def print_table(result: dict) -> None:
         else:
             print(f"| SSD scan | {r['shape']} tokens | {r['ms']:.3f} | {r['TFLOP/s']:.1f} TFLOP/s | "
                   f"{r['torch_ms']:.2f} ms | {r['speedup']:.1f}x |")
-    print("\nMamba2-130M projections with their norms, per call in a CUDA graph of back-to-back calls (us)")
+    print("\nDecode projections with their norms, per call in a CUDA graph of back-to-back calls (us)")
     print("| projection | rows | norm + cuBLAS | fused | fused, PDL | speed-up |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in result["rows"]:

@@ -18,9 +18,10 @@ from tqdm import tqdm
 
 from ..graphs.buckets import BucketSet
 from ..graphs.runner import Runner
-from ..runtime.model import FUSED_MAX_ROWS, Model
+from ..runtime.model import Model
 from ..runtime.plan import StepPlan
 from ..runtime.state_pool import StatePool
+from ..kernels.decode_linear import pdl_supported
 from .bench_kernels import copy_bandwidth
 
 DECODE_BATCHES = (1, 2, 4, 8, 32, 128, 256)
@@ -133,9 +134,11 @@ def bench_preset(name: str, bandwidth: float, progress: bool) -> dict:
                str(unforked.capture([b for b in buckets.all() if b.prefill], progress=progress))]
     variants = {}
     if model.fused_decode:
-        small = [b for b in buckets.all() if not b.prefill and b.decode <= FUSED_MAX_ROWS]
+        small = [b for b in buckets.all() if not b.prefill and b.decode <= model.fused_max_rows]
         variants = {"layered_ms": captured_with(model, pool, small, progress, fused_decode=False),
                     "no_pdl_ms": captured_with(model, pool, small, progress, pdl=False)}
+        if pdl_supported(model.device) and not model.pdl:  # the model's default is without
+            variants["pdl_ms"] = captured_with(model, pool, small, progress, pdl=True)
     rows = []
     for batch in tqdm(DECODE_BATCHES, desc=f"{name} decode", disable=not progress):
         plan = decode_plan(batch)
@@ -143,7 +146,7 @@ def bench_preset(name: str, bandwidth: float, progress: bool) -> dict:
         floor = hbm_floor_bytes(model, pool, batch) / bandwidth * 1e3
         row = {"kind": "decode", "batch": batch, "eager_ms": e, "graph_ms": g, "floor_ms": floor,
                "replay_ms": replay_ms(forked, plan)}
-        if batch <= FUSED_MAX_ROWS:
+        if batch <= model.fused_max_rows:
             row.update({k: step_ms(r, plan) for k, r in variants.items()})
         rows.append(row)
     prefill_slot = slots - 1
@@ -188,11 +191,13 @@ def print_table(result: dict) -> None:
                       f"{r['graph_ms'] / r['floor_ms']:.2f}x |")
         fused = [r for r in p["rows"] if "layered_ms" in r]
         if fused:
+            # graph_ms is the model's default: with PDL unless a pdl_ms variant was timed
             print("| decode batch | fused, PDL (ms) | fused, no PDL (ms) | layer by layer (ms) | layered/fused |")
             print("| --- | --- | --- | --- | --- |")
             for r in fused:
-                print(f"| {r['batch']} | {r['graph_ms']:.3f} | {r['no_pdl_ms']:.3f} | {r['layered_ms']:.3f} | "
-                      f"{r['layered_ms'] / r['graph_ms']:.2f}x |")
+                pdl, default = r.get("pdl_ms", r["graph_ms"]), r["graph_ms"]
+                print(f"| {r['batch']} | {pdl:.3f} | {r['no_pdl_ms']:.3f} | {r['layered_ms']:.3f} | "
+                      f"{r['layered_ms'] / default:.2f}x |")
         print("| decode + prefill chunk | forked (ms) | unforked (ms) | fork gain | separate steps (ms) |")
         print("| --- | --- | --- | --- | --- |")
         for r in p["rows"]:

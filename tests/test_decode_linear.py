@@ -160,3 +160,42 @@ def test_bad_inputs_raise(device):
         norm_linear_triton(x[:2], None, 1e-5, w, relu2=True, residual=torch.zeros(2, 8, device=device))
     with pytest.raises(ValueError, match="divide"):
         gated_norm_linear_triton(x[:2], x[:2], w[0], 5, 1e-5, w)
+
+
+@pytest.mark.gpu
+def test_pdl_chain_in_a_graph_equals_plain_launches(mode):
+    """A block-like chain (norm + projection, projection + residual add, norm + projection +
+    relu2, projection + residual add), each kernel reading its predecessor's output, captured in
+    a CUDA graph with programmatic dependent launch as the decode step runs it: bit for bit what
+    plain launches give, on both ways through K."""
+    from mambastep.kernels.decode_linear import pdl_supported
+
+    dev = torch.device("cuda")
+    if not pdl_supported(dev):
+        pytest.skip("programmatic dependent launch needs sm_90+ and a Triton that launches with it")
+    torch.manual_seed(6)
+    K = 256
+    w = [_weights(K, K, dev, False)[0] for _ in range(4)]
+    norm_w = torch.randn(K, device=dev).to(BF16)
+    start = torch.randn(1, K, device=dev)
+    h = torch.empty(1, K, device=dev, dtype=BF16)
+
+    def run(pdl):
+        residual = start.clone()
+
+        def block():
+            norm_linear_triton(residual, norm_w, 1e-5, w[0], out=h, pdl=pdl)
+            norm_linear_triton(h, None, 1e-5, w[1], residual=residual, pdl=pdl)
+            norm_linear_triton(residual, norm_w, 1e-5, w[2], relu2=True, out=h, pdl=pdl)
+            norm_linear_triton(h, None, 1e-5, w[3], residual=residual, pdl=pdl)
+
+        block()  # compiles outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            block()
+        residual.copy_(start)
+        graph.replay()
+        torch.cuda.synchronize()
+        return residual.clone()
+
+    assert torch.equal(run(True), run(False))

@@ -7,10 +7,12 @@ import torch
 
 from mambastep.graphs.buckets import BucketSet
 from mambastep.graphs.runner import Runner
+from mambastep.kernels import decode_linear
 from mambastep.runtime.model import Model
 from mambastep.runtime.plan import StepPlan
 from mambastep.runtime.state_pool import StatePool
 from mambastep.runtime.step_buffers import Bucket
+from support import stream_every_projection
 
 BUCKETS = BucketSet(decode=(1, 4, 8), mixed_decode=(0, 4, 8), prefill=(32, 64), max_prefill_seqs=4)
 SLOTS = 8
@@ -168,11 +170,15 @@ def test_one_host_to_device_copy_per_step(gpu_model):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("streamed", [False, True], ids=["one-tile", "streamed"])
 @pytest.mark.parametrize("preset", ["tiny-mamba2", "tiny-nemotron-h"])
-def test_fused_decode_equals_layer_by_layer_gpu(preset):
+def test_fused_decode_equals_layer_by_layer_gpu(preset, streamed, monkeypatch):
     """Graphs of the fused decode path (Triton skinny projections chained by programmatic
     dependent launch) against graphs of the layer-by-layer path: the same tokens and close
-    logits over a script whose decode steps take the fused path."""
+    logits over a script whose decode steps take the fused path; with K in one tile, and
+    streamed as on Nemotron-H-8B (every projection, the gated norm then a kernel of its own)."""
+    if streamed:
+        monkeypatch.setattr(decode_linear, "_config", stream_every_projection)
     model = Model.from_preset(preset, dtype=torch.bfloat16, device="cuda")
     assert model.fused_decode
     results = []

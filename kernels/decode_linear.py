@@ -28,7 +28,10 @@ first weight tile, the conv weights and state (no other kernel touches a layer's
 within a step), and with ``early=True`` the gate z and the residual. Those are safe because a
 kernel here signals its dependents (``gdc_launch_dependents``) only after its own wait returned,
 i.e. after its predecessor completed: so when a kernel starts, everything two or more launches
-back in the stream is complete. Every kernel calls ``gdc_wait`` before reading its direct
+back in the stream is complete. A one-tile kernel (one wave) signals right after its wait; a
+streamed one, whose programs run in several waves, only after its K loop, so that dependents take
+SM slots as its last wave drains rather than idle in them through it (on Nemotron-H-8B the early
+signal made the step slower, the late one faster: docs/BENCHMARKS.md). Every kernel calls ``gdc_wait`` before reading its direct
 predecessor's output, so the chain stays ordered end to end.
 
 Kernels launched without PDL in between (the decode attention, a gated norm before a streamed
@@ -343,13 +346,17 @@ def _skinny_kernel(
         tl.debug_barrier()
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if not LOOP:
+            tl.extra.cuda.gdc_launch_dependents()
     if LOOP:
         tl.static_assert(PROLOGUE != 2, "a gated norm runs as its own kernel before a streamed product")
         acc = _streamed_rows(
             w0, n64, n_ok, x_ptr, wn_ptr, w_ptr, row_ptr, M, K, eps, stride_x, stride_w,
             PROLOGUE == 1, HAS_ROW_IDX, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, STAGES,
         )
+        if USE_PDL:
+            # several waves of programs: the dependents take slots only as the last one drains
+            tl.extra.cuda.gdc_launch_dependents()
     for m in tl.static_range(M):
         if LOOP:
             acc_m = _pick(acc, m, BLOCK_M)
@@ -402,17 +409,22 @@ def _config(M: int, N: int, K: int, device: torch.device) -> _Config:
 
     Otherwise K is streamed (Nemotron-H-8B's projections, the LM heads) in tiles of 512 columns
     from K = 4096, else 256, 3 pipeline stages, 4 warps; 8 columns a program, 16 for
-    vocabulary-wide grids. The tile narrows as the rows grow, so that the per-row partial sums
-    keep their register footprint.
+    vocabulary-wide grids. Tall projections from K = 4096 (N >= 4K: the 8B's in_proj and up_proj)
+    take 16 x 1024 tiles in 2 stages (in_proj 39.7 against 43.5 us; up_proj ties). The tile
+    narrows as the rows grow, so that the per-row partial sums keep their register footprint.
     """
     sms = _num_sms(device)
     if K <= ONE_TILE_MAX_K and triton.cdiv(N, 16) <= 4 * sms:
         block_k = triton.next_power_of_2(K)
         block_n = 16 if block_k <= 1024 and triton.cdiv(N, 16) >= sms else 8
         return _Config(False, block_n, block_k, 4, 1)
-    block_k = (512 if K >= 4096 else 256) // triton.next_power_of_2(M)
-    block_n = 16 if triton.cdiv(N, 16) >= 16 * sms else 8
-    return _Config(True, block_n, max(32, block_k), 4, 3)
+    rows = triton.next_power_of_2(M)
+    vocabulary_wide = triton.cdiv(N, 16) >= 16 * sms
+    if N >= 4 * K and K >= 4096 and not vocabulary_wide:
+        # tall block projections (Nemotron-H-8B's in_proj and up_proj): 16 x 1024 tiles, 2 stages
+        return _Config(True, 16, 1024 // rows, 4, 2)
+    block_k = (512 if K >= 4096 else 256) // rows
+    return _Config(True, 16 if vocabulary_wide else 8, max(32, block_k), 4, 3)
 
 
 def _check(name: str, t: torch.Tensor, shape: tuple) -> None:
@@ -456,7 +468,8 @@ def _launch(x, z, norm_w, weight, bias, out, rows: _Rows, *, eps, group_size, pr
         EPILOGUE=epilogue, HAS_BIAS=bias is not None, HAS_ROW_IDX=rows.idx is not None,
         CONV_K=conv_k, BLOCK_C=triton.next_power_of_2(conv_k), CONV_BIAS=conv is not None and conv.bias is not None,
         M=M, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, LOOP=cfg.loop,
-        EVEN_K=K % cfg.block_k == 0, STAGES=cfg.stages, EARLY=early, USE_PDL=pdl, num_warps=cfg.num_warps, **extra,
+        EVEN_K=K % cfg.block_k == 0, STAGES=cfg.stages, EARLY=early, USE_PDL=pdl, num_warps=cfg.num_warps,
+        **extra,
     )
     return out
 

@@ -66,11 +66,10 @@ class Model:
         # The fused decode path: on by default where it runs compiled (a switch for measurement)
         self.fused_decode = self.device.type == "cuda" and all(hasattr(l, "decode_fused") for l in self.layers)
         self.fused_max_rows = fused_max_rows(cfg)
-        # Programmatic dependent launch pays where the fused kernels are short, one-wave launches
-        # (one-tile projections); where they stream K over several waves, dependents launched
-        # early hold SM slots the running kernel could use, and the step was faster without it
-        # (both measured in docs/BENCHMARKS.md). A switch, for measurement.
-        self.pdl = pdl_supported(self.device) and one_tile(cfg)
+        # Programmatic dependent launch between the fused kernels (kernels.decode_linear says when
+        # each signals its dependents; docs/BENCHMARKS.md has the step with and without). A
+        # switch, for measurement.
+        self.pdl = pdl_supported(self.device)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype=torch.bfloat16, device="cpu") -> "Model":

@@ -13,7 +13,7 @@ from mambastep.kernels.decode_linear import (
     norm_linear_triton,
 )
 from mambastep.kernels.varlen import PAD_SLOT_ID
-from support import assert_close, poisoned
+from support import assert_close, poisoned, stream_every_projection
 
 BF16 = torch.bfloat16
 
@@ -29,7 +29,7 @@ def mode(request, monkeypatch):
     """Both ways through K at test sizes: the whole K as one tile, or K streamed in tiles of 16
     columns (several of them, the last one ragged), as the large models' projections take it."""
     if request.param == "loop":
-        monkeypatch.setattr(decode_linear, "_config", lambda M, N, K, device: decode_linear._Config(True, 16, 16, 4, 2))
+        monkeypatch.setattr(decode_linear, "_config", stream_every_projection)
     return request.param
 
 
@@ -135,11 +135,12 @@ def test_gated_norm_linear_into_residual(device, mode, G, M, early):
     assert_close(residual.cpu(), res_ref, BF16, factor=0.25)
 
 
-@pytest.mark.parametrize("M,K", [(1, 2500), (2, 4100)])
-def test_default_config_at_large_k(device, M, K):
+# a tall projection's tiles too, on the GPU (slow in the interpreter)
+@pytest.mark.parametrize("M,K,N", [(1, 2500, 20), (2, 4100, 20), pytest.param(1, 4096, 16400, marks=pytest.mark.gpu)])
+def test_default_config_at_large_k(device, M, K, N):
     """K past one tile takes the streamed path with the tile sizes the launcher picks."""
     torch.manual_seed(M)
-    N = 20
+    assert decode_linear._config(M, N, K, device).loop
     x = torch.randn(M, K, device=device)
     norm_w = torch.randn(K, device=device).to(BF16)
     w, _ = _weights(N, K, device, False)

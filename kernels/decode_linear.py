@@ -34,8 +34,9 @@ SM slots as its last wave drains rather than idle in them through it (on Nemotro
 signal made the step slower, the late one faster: docs/BENCHMARKS.md). Every kernel calls ``gdc_wait`` before reading its direct
 predecessor's output, so the chain stays ordered end to end.
 
-Kernels launched without PDL in between (the decode attention, a gated norm before a streamed
-product) complete before their successor starts, which only makes the chain stricter.
+Kernels launched without PDL in between (the decode attention) complete before their successor
+starts, which only makes the chain stricter. The gated norm before a streamed product
+(``kernels.norm``) takes part in the chain like a one-tile kernel here.
 
 Numerics follow the unfused ops: the product is rounded to the weight dtype (as ``F.linear``),
 then the epilogue runs on the rounded value in fp32, as ``conv1d_update`` / ``rms_norm`` would.
@@ -409,9 +410,10 @@ def _config(M: int, N: int, K: int, device: torch.device) -> _Config:
 
     Otherwise K is streamed (Nemotron-H-8B's projections, the LM heads) in tiles of 512 columns
     from K = 4096, else 256, 3 pipeline stages, 4 warps; 8 columns a program, 16 for
-    vocabulary-wide grids. Tall projections from K = 4096 (N >= 4K: the 8B's in_proj and up_proj)
-    take 16 x 1024 tiles in 2 stages (in_proj 39.7 against 43.5 us; up_proj ties). The tile
-    narrows as the rows grow, so that the per-row partial sums keep their register footprint.
+    vocabulary-wide grids. One row through a tall projection from K = 4096 (N >= 4K: the 8B's
+    in_proj and up_proj) takes 16 x 1024 tiles in 2 stages (in_proj 39.7 against 43.5 us, up_proj
+    ties; at two rows they lose). The tile narrows as the rows grow, so that the per-row partial
+    sums keep their register footprint.
     """
     sms = _num_sms(device)
     if K <= ONE_TILE_MAX_K and triton.cdiv(N, 16) <= 4 * sms:
@@ -420,9 +422,9 @@ def _config(M: int, N: int, K: int, device: torch.device) -> _Config:
         return _Config(False, block_n, block_k, 4, 1)
     rows = triton.next_power_of_2(M)
     vocabulary_wide = triton.cdiv(N, 16) >= 16 * sms
-    if N >= 4 * K and K >= 4096 and not vocabulary_wide:
-        # tall block projections (Nemotron-H-8B's in_proj and up_proj): 16 x 1024 tiles, 2 stages
-        return _Config(True, 16, 1024 // rows, 4, 2)
+    if M == 1 and N >= 4 * K and K >= 4096 and not vocabulary_wide:
+        # one row through a tall block projection (Nemotron-H-8B's in_proj and up_proj)
+        return _Config(True, 16, 1024, 4, 2)
     block_k = (512 if K >= 4096 else 256) // rows
     return _Config(True, 16 if vocabulary_wide else 8, max(32, block_k), 4, 3)
 
@@ -580,7 +582,7 @@ def gated_norm_linear_triton(y, z, norm_w, group_size, eps, weight, *, bias=None
     if _config(T, weight.shape[0], K, y.device).loop:
         # A streamed product would recompute the grouped norm tile by tile, which costs more
         # than a kernel of its own (measured on Nemotron-H-8B's out_proj)
-        h = gated_rms_norm(y, z, norm_w, group_size, eps)
+        h = gated_rms_norm(y, z, norm_w, group_size, eps, pdl=pdl)
         return _launch(h, None, None, weight, bias, dst, spec, eps=eps, group_size=K, prologue=_PRO_NONE,
                        round_first=True, epilogue=_epilogue(residual, False, None), conv=None, pdl=pdl)
     return _launch(y, z, norm_w, weight, bias, dst, spec, eps=eps, group_size=group_size,

@@ -48,18 +48,23 @@ def _gated_rms_norm_kernel(
     group_size, eps,
     stride_x, stride_z, stride_out,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
     cols = group * group_size + tl.arange(0, BLOCK)
     mask = tl.arange(0, BLOCK) < group_size
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if USE_PDL:
+        # x and z come from earlier kernels in the stream; only the weight is read before the wait
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + row * stride_z + cols, mask=mask, other=0.0).to(tl.float32)
     # norm(x * silu(z)), the gate applied before the norm (Mamba2's norm_before_gate=False)
     x = x * z * tl.sigmoid(z)
     var = tl.sum(x * x, axis=0) / group_size
     y = (x * tl.rsqrt(var + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -117,7 +122,7 @@ def rms_norm(x, weight, eps, *, residual=None, out=None, round_first=True):
     return fn(x, weight, eps, residual=residual, out=out, round_first=round_first)
 
 
-def gated_rms_norm_triton(x, z, weight, group_size, eps, *, out=None):
+def gated_rms_norm_triton(x, z, weight, group_size, eps, *, out=None, pdl=False):
     T, D = x.shape
     out = torch.empty_like(x) if out is None else out
     for name, t in (("x", x), ("z", z), ("out", out)):
@@ -128,12 +133,12 @@ def gated_rms_norm_triton(x, z, weight, group_size, eps, *, out=None):
     _gated_rms_norm_kernel[(T, D // group_size)](
         x, z, weight, out, group_size, eps,
         x.stride(0), z.stride(0), out.stride(0),
-        BLOCK=block, num_warps=_num_warps(block),
+        BLOCK=block, USE_PDL=pdl, num_warps=_num_warps(block), **({"launch_pdl": True} if pdl else {}),
     )
     return out
 
 
-def gated_rms_norm_ref(x, z, weight, group_size, eps, *, out=None):
+def gated_rms_norm_ref(x, z, weight, group_size, eps, *, out=None, pdl=False):
     T, D = x.shape
     h = (x.float() * F.silu(z.float())).view(T, D // group_size, group_size)
     h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).view(T, D)
@@ -143,10 +148,12 @@ def gated_rms_norm_ref(x, z, weight, group_size, eps, *, out=None):
     return out.copy_(y)
 
 
-def gated_rms_norm(x, z, weight, group_size, eps, *, out=None):
+def gated_rms_norm(x, z, weight, group_size, eps, *, out=None, pdl=False):
     """Mamba2's gated norm: RMSNorm over groups of ``group_size`` of ``x * silu(z)``.
 
     x, z: [T, D] (row-strided views allowed); weight: [D]; out: [T, D] in x's dtype.
+    pdl: launch as a programmatic dependent of the previous kernel (CUDA, sm_90+), as in
+    ``kernels.decode_linear``; it signals its own dependents right after its wait.
     """
     fn = gated_rms_norm_triton if x.is_cuda else gated_rms_norm_ref
-    return fn(x, z, weight, group_size, eps, out=out)
+    return fn(x, z, weight, group_size, eps, out=out, pdl=pdl)

@@ -166,9 +166,10 @@ def test_bad_inputs_raise(device):
 @pytest.mark.gpu
 def test_pdl_chain_in_a_graph_equals_plain_launches(mode):
     """A block-like chain (norm + projection, projection + residual add, norm + projection +
-    relu2, projection + residual add), each kernel reading its predecessor's output, captured in
-    a CUDA graph with programmatic dependent launch as the decode step runs it: bit for bit what
-    plain launches give, on both ways through K."""
+    relu2, gated norm + projection + residual add, norm + projection), each kernel reading its
+    predecessor's output, captured in a CUDA graph with programmatic dependent launch as the
+    decode step runs it: bit for bit what plain launches give, on both ways through K (streamed,
+    the gated norm is a kernel of its own in the chain)."""
     from mambastep.kernels.decode_linear import pdl_supported
 
     dev = torch.device("cuda")
@@ -176,8 +177,9 @@ def test_pdl_chain_in_a_graph_equals_plain_launches(mode):
         pytest.skip("programmatic dependent launch needs sm_90+ and a Triton that launches with it")
     torch.manual_seed(6)
     K = 256
-    w = [_weights(K, K, dev, False)[0] for _ in range(4)]
+    w = [_weights(K, K, dev, False)[0] for _ in range(5)]
     norm_w = torch.randn(K, device=dev).to(BF16)
+    z = torch.randn(1, K, device=dev).to(BF16)
     start = torch.randn(1, K, device=dev)
     h = torch.empty(1, K, device=dev, dtype=BF16)
 
@@ -188,7 +190,8 @@ def test_pdl_chain_in_a_graph_equals_plain_launches(mode):
             norm_linear_triton(residual, norm_w, 1e-5, w[0], out=h, pdl=pdl)
             norm_linear_triton(h, None, 1e-5, w[1], residual=residual, pdl=pdl)
             norm_linear_triton(residual, norm_w, 1e-5, w[2], relu2=True, out=h, pdl=pdl)
-            norm_linear_triton(h, None, 1e-5, w[3], residual=residual, pdl=pdl)
+            gated_norm_linear_triton(h, z, norm_w, K // 2, 1e-5, w[3], residual=residual, pdl=pdl)
+            norm_linear_triton(residual, norm_w, 1e-5, w[4], out=h, pdl=pdl)
 
         block()  # compiles outside the capture
         graph = torch.cuda.CUDAGraph()
@@ -197,6 +200,8 @@ def test_pdl_chain_in_a_graph_equals_plain_launches(mode):
         residual.copy_(start)
         graph.replay()
         torch.cuda.synchronize()
-        return residual.clone()
+        return residual.clone(), h.clone()
 
-    assert torch.equal(run(True), run(False))
+    (res_pdl, h_pdl), (res_plain, h_plain) = run(True), run(False)
+    assert torch.equal(res_pdl, res_plain)
+    assert torch.equal(h_pdl, h_plain)

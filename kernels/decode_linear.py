@@ -31,8 +31,9 @@ i.e. after its predecessor completed: so when a kernel starts, everything two or
 back in the stream is complete. A one-tile kernel (one wave) signals right after its wait; a
 streamed one, whose programs run in several waves, only after its K loop, so that dependents take
 SM slots as its last wave drains rather than idle in them through it (on Nemotron-H-8B the early
-signal made the step slower, the late one faster: docs/BENCHMARKS.md). Every kernel calls ``gdc_wait`` before reading its direct
-predecessor's output, so the chain stays ordered end to end.
+signal made the step slower, the late one faster: docs/BENCHMARKS.md). Every kernel calls
+``gdc_wait`` before reading its direct predecessor's output, so the chain stays ordered end to
+end.
 
 Kernels launched without PDL in between (the decode attention) complete before their successor
 starts, which only makes the chain stricter. The gated norm before a streamed product

@@ -5,7 +5,9 @@
     mambastep bench steps [--json PATH]     decode steps eager vs graph vs HBM floor (and fused
                                             vs layer by layer); mixed steps with and without
                                             the forked stream
-    mambastep bench profile --preset P --batch B   per-kernel time of one eager decode step
+    mambastep bench profile --preset P --batch B [--prefill T]
+                                            per-kernel time of one eager step: B decode rows
+                                            (and a prefill chunk of T tokens)
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ def main(argv=None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument("--preset", action="append", help="steps: preset(s) to run (default: both)")
     parser.add_argument("--batch", type=int, default=1, help="profile: decode batch")
+    parser.add_argument("--prefill", type=int, default=0, help="profile: tokens of one prefill chunk (0: none)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("benchmarks need a CUDA device")
     if args.what == "profile":
-        print(bench_steps.profile((args.preset or ["mamba2-130m"])[0], args.batch))
+        print(bench_steps.profile((args.preset or ["mamba2-130m"])[0], args.batch, args.prefill))
         return 0
     suite = SUITES[args.what]
     result = suite.run(tuple(args.preset)) if (args.what == "steps" and args.preset) else suite.run()

@@ -209,12 +209,16 @@ def print_table(result: dict) -> None:
                       f"{100 * gain:.0f}% | {r['separate_ms']:.3f} |")
 
 
-def profile(preset: str, batch: int, top: int = 25) -> str:
-    """Per-kernel device time of a decode step at ``batch`` (run eagerly: same kernels as the graph)."""
+def profile(preset: str, batch: int, prefill: int = 0, top: int = 25) -> str:
+    """Per-kernel device time of a step: ``batch`` decode rows, plus one prefill chunk of
+    ``prefill`` tokens if nonzero (run eagerly and unforked: the same kernels as the graph)."""
     model = Model.from_preset(preset, dtype=torch.bfloat16, device="cuda")
-    pool = StatePool(model.cfg, batch, max_context=CONTEXT + 2, dtype=torch.bfloat16, device="cuda")
-    runner = Runner(model, pool, BucketSet(decode=(batch,), mixed_decode=(0,), prefill=(16,)), overlap=False)
-    plan = decode_plan(batch)
+    pool = StatePool(model.cfg, batch + 1, max_context=CONTEXT + prefill + 2, dtype=torch.bfloat16, device="cuda")
+    buckets = BucketSet(decode=(max(batch, 1),), mixed_decode=tuple(sorted({0, batch})), prefill=(max(prefill, 16),),
+                        max_prefill_seqs=1)
+    runner = Runner(model, pool, buckets, overlap=False)
+    chunk = [(prefill_plan(prefill, batch).prefill_tokens.tolist(), batch, 0)] if prefill else []
+    plan = StepPlan.make(chunk, [(1 + i, i, CONTEXT) for i in range(batch)])
     runner.run(plan)
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

@@ -1,8 +1,9 @@
 """Sampling inside the step graph: greedy, temperature, top-k and top-p, with per-request seeds.
 
-``sample`` is a fixed sequence of torch ops over static shapes: no host sync, no branch on data,
+``sample`` is a fixed sequence of kernels over static shapes: no host sync, no branch on data,
 so it is captured into the step's CUDA graph (one graph per rows x mode) and its token ids stay
-on the device as the next step's input.
+on the device as the next step's input. On CUDA the greedy and sample modes run two Triton
+kernels (``kernels/sample.py``); the filtered mode, and the CPU, run torch ops (``sample_torch``).
 
 Randomness is counter-based. Each (seed, position, token id) hashes to its own uniform with
 integer ops, and the Gumbel-max trick turns the uniforms into a draw from softmax(logits / T)
@@ -30,22 +31,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["MODES", "SamplingParams", "sample", "sample_ref", "sampling_mode"]
+from ..kernels.sample import KEY_MUL, KEY_OFF, MUL1, MUL2, UNIFORM_BITS, sample_triton
+
+__all__ = ["MODES", "SamplingParams", "sample", "sample_ref", "sample_torch", "sampling_mode"]
 
 MODES = ("greedy", "sample", "filtered")
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _MASK32 = 0xFFFFFFFF
-# Multipliers of a low-bias xorshift-multiply 32-bit mixer (hash-prospector's search). Both are
-# below 2**31, so a 32-bit value times either stays below 2**63: the int64 math never overflows
-# and needs no wraparound guarantee from any device.
-_MUL1, _MUL2 = 0x21F0AAAD, 0x735A2D97
-# Distinct starting words for the two key chains (multiplier and offset), from the golden ratio
-# and sqrt(2)'s fractional bits.
-_KEY_MUL, _KEY_OFF = 0x9E3779B9, 0x6A09E667
-# Uniforms keep 23 random bits: (2k + 1) / 2**24 for k < 2**23 is exact in float32 and lies in
-# (0, 1), so neither log in the Gumbel transform can see 0 or 1.
-_UNIFORM_BITS = 23
+# The hash's constants live beside its Triton twin (kernels/sample.py). Both multipliers are
+# below 2**31, so a 32-bit value times either stays below 2**63: the int64 math here never
+# overflows and needs no wraparound guarantee from any device.
 
 
 def _is_int(x) -> bool:
@@ -120,10 +116,10 @@ def _mix32(x):
     rebind a Python int, so the same code is the exact-integer reference for the tests.
     """
     x ^= x >> 16
-    x *= _MUL1
+    x *= MUL1
     x &= _MASK32
     x ^= x >> 15
-    x *= _MUL2
+    x *= MUL2
     x &= _MASK32
     x ^= x >> 15
     return x
@@ -137,7 +133,7 @@ def _row_keys(seed, position):
     """
     # & and >> on int64 keep two's-complement bits, so negative seeds split like unsigned ones
     words = (seed & _MASK32, (seed >> 32) & _MASK32, position & _MASK32, (position >> 32) & _MASK32)
-    mult, offset = _KEY_MUL, _KEY_OFF
+    mult, offset = KEY_MUL, KEY_OFF
     for w in words:
         mult = _mix32(mult ^ w)
         offset = _mix32(offset ^ w)
@@ -145,7 +141,7 @@ def _row_keys(seed, position):
 
 
 def _random_bits(mult, offset, token_ids):
-    """``_UNIFORM_BITS`` random bits per (draw, token): int64 ``[R, V]``.
+    """``UNIFORM_BITS`` random bits per (draw, token): int64 ``[R, V]``.
 
     mult, offset: int64 ``[R, 1]`` from ``_row_keys``; token_ids: int64 ``[V]`` or ``[R, V]``.
     Each row walks a Weyl sequence ``token * mult + offset`` (mod 2**32) through the mixer, so
@@ -155,13 +151,13 @@ def _random_bits(mult, offset, token_ids):
     x = token_ids * mult
     x += offset
     x &= _MASK32
-    return _mix32(x) >> (32 - _UNIFORM_BITS)
+    return _mix32(x) >> (32 - UNIFORM_BITS)
 
 
 def _gumbel(mult, offset, token_ids) -> torch.Tensor:
     """Standard Gumbel noise ``-log(-log(u))``, float32 with ``_random_bits``'s shape."""
     u = _random_bits(mult, offset, token_ids).to(torch.float32)
-    u.add_(0.5).mul_(2.0**-_UNIFORM_BITS)
+    u.add_(0.5).mul_(2.0**-UNIFORM_BITS)
     return u.log_().neg_().log_().neg_()
 
 
@@ -191,6 +187,13 @@ def sample(logits, temperature, top_k, top_p, seed, position, *, mode: str, out)
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
     _check(logits, dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, position=position), out)
+    if logits.is_cuda and mode != "filtered":
+        return sample_triton(logits.float(), temperature, top_k, seed, position, draw=mode == "sample", out=out)
+    return sample_torch(logits, temperature, top_k, top_p, seed, position, mode=mode, out=out)
+
+
+def sample_torch(logits, temperature, top_k, top_p, seed, position, *, mode: str, out) -> torch.Tensor:
+    """``sample`` in torch ops on any device (checked arguments: call ``sample``)."""
     logits = logits.float()
     argmax = logits.argmax(dim=-1)
     if mode == "greedy":

@@ -5,6 +5,7 @@ import pytest
 import torch
 from support import poisoned
 
+from mambastep.kernels.sample import sample_triton
 from mambastep.runtime.sampling import (
     MODES,
     SamplingParams,
@@ -12,6 +13,7 @@ from mambastep.runtime.sampling import (
     _row_keys,
     sample,
     sample_ref,
+    sample_torch,
     sampling_mode,
 )
 
@@ -320,6 +322,50 @@ def test_bad_arguments():
 
 
 # ---------------------------------------------------------------------------------------------
+# the Triton kernels of the greedy and sample modes (compiled on CUDA, else Triton's interpreter,
+# which breaks argmax ties to the left whatever it is asked: ties are checked on the GPU)
+
+
+def unfiltered(R, V, seed, mode):
+    """mixed_params without top-p, top-k only 0 or 1: rows the greedy / sample modes serve."""
+    t, k, _, s, pos = mixed_params(R, V, seed=seed)
+    if mode == "greedy":
+        t = torch.zeros(R)
+    return t, torch.where(k == 1, 1, 0).int(), torch.ones(R), s, pos
+
+
+def kernel_vs_torch(logits, p, mode, block):
+    R = logits.shape[0]
+    got = sample_triton(logits, p[0], p[1], p[3], p[4], draw=mode == "sample", block=block,
+                        out=poisoned((R,), torch.int64, logits.device))
+    want = sample_torch(logits, *p, mode=mode, out=torch.empty(R, dtype=torch.int64, device=logits.device))
+    assert torch.equal(got, want)
+    return got
+
+
+@pytest.mark.parametrize("block", [16, 64, 512])  # 19 blocks (the last partial), 5, one wider than V
+@pytest.mark.parametrize("mode", ["greedy", "sample"])
+def test_kernel_matches_torch_path(mode, block, device):
+    R, V = 20, 300
+    # a row stride wider than the vocabulary, as a padded LM head's output would have
+    logits = torch.full((R, V + 7), float("nan"), device=device)[:, :V]
+    logits.copy_(random_logits(R, V, seed=11))
+    logits[0, 10] = logits[0, 200] = logits[0].max() + 1  # tied maxima in different blocks
+    p = tuple(x.to(device) for x in unfiltered(R, V, 12, mode))
+    got = kernel_vs_torch(logits, p, mode, block)
+    if mode == "greedy":
+        assert got[0] == 10
+
+
+def test_kernel_ties_break_by_token_id(device):
+    """Integer logits tie everywhere: the argmax takes the lowest id across blocks."""
+    R, V = 12, 100
+    logits = torch.randint(-2, 2, (R, V), generator=torch.Generator().manual_seed(13)).float().to(device)
+    for mode in ("greedy", "sample"):
+        kernel_vs_torch(logits, tuple(x.to(device) for x in unfiltered(R, V, 14, mode)), mode, block=16)
+
+
+# ---------------------------------------------------------------------------------------------
 # CUDA graph
 
 
@@ -381,3 +427,20 @@ def test_cuda_graph_replay_matches_eager(mode, V):
         assert torch.equal(out.cpu(), cpu)
         if mode == "filtered":
             assert torch.equal(out.cpu(), sample_ref(logits.cpu(), *p))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["greedy", "sample"])
+@pytest.mark.parametrize("logit_kind", ["random", "tied"])
+def test_gpu_kernel_matches_torch_path(mode, logit_kind):
+    """The compiled kernels against the torch ops on the same device: ties across and within
+    vocabulary blocks (integer logits) take the lowest token id there too."""
+    R, V = 96, 50288
+    if logit_kind == "tied":
+        logits = torch.randint(-2, 2, (R, V), generator=torch.Generator().manual_seed(15)).float()
+    else:
+        logits = random_logits(R, V, seed=16)
+    p = tuple(x.cuda() for x in unfiltered(R, V, 17, mode))
+    got = kernel_vs_torch(logits.cuda(), p, mode, block=2048)
+    if mode == "greedy":
+        assert torch.equal(got.cpu(), logits.argmax(-1))

@@ -1,18 +1,24 @@
-"""Greedy and temperature sampling of logit rows in two small kernels (Gumbel-max).
+"""Token sampling kernels: greedy, temperature, and top-k / top-p draws (Gumbel-max).
 
-The torch path in ``runtime/sampling.py`` takes a full-vocabulary argmax with torch's reduction
-(one block per row: ~16 µs for one row of 50k logits on an H200) and derives each row's noise
-keys in ~100 one-element kernels. Here:
+The torch ops of ``runtime/sampling.py`` take a full-vocabulary argmax with torch's reduction
+(one block per row: ~16 µs for one row of 50k logits on an H200), derive each row's noise keys
+in ~100 one-element kernels, and filter with some twenty full-vocabulary ops. Here:
 
 1. ``_block_best_kernel``  per (row, vocabulary block): the block's largest raw logit and, when
                            drawing, its largest score ``logits / T + Gumbel(seed, position,
                            token)``, each with the lowest token id among ties
 2. ``_row_pick_kernel``    per row: the best of its blocks; greedy rows (T = 0 or top_k = 1)
                            take the argmax, the others the draw
+3. ``_filtered_draw_kernel`` per row of the logits / T sorted by torch (descending, ties by
+                           token id): the top-k prefix's softmax normaliser, then the walk down
+                           the ranks while the mass above stays under top_p, keeping the best
+                           score; stops where the nucleus ends
 
-The hash is the torch path's, bit for bit (32-bit integer math, IEEE division by T), so both
-pick the same token but where a float32 log differs by an ulp at an exact tie. Top-k / top-p
-("filtered" mode) need a sort and stay on the torch path.
+The hash is the torch path's, bit for bit (32-bit integer math, IEEE division by T), so the
+greedy and sample modes pick the same token as the torch ops but where a float32 log differs
+by an ulp at an exact tie. The filtered mode sums the nucleus mass in another order than
+torch's softmax and cumsum, so a token whose mass above lies within float32 rounding of top_p
+may fall on the other side.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["MUL1", "MUL2", "KEY_MUL", "KEY_OFF", "UNIFORM_BITS", "sample_triton"]
+__all__ = ["MUL1", "MUL2", "KEY_MUL", "KEY_OFF", "UNIFORM_BITS", "filtered_sample_triton", "sample_triton"]
 
 # Multipliers of a low-bias xorshift-multiply 32-bit mixer (hash-prospector's search).
 MUL1, MUL2 = 0x21F0AAAD, 0x735A2D97
@@ -123,6 +129,49 @@ def _row_pick_kernel(
     tl.store(out_ptr + r, token.to(tl.int64))
 
 
+@triton.jit
+def _filtered_draw_kernel(
+    vals_ptr, order_ptr, temperature_ptr, top_k_ptr, top_p_ptr, seed_ptr, position_ptr, out_ptr, V,
+    BLOCK: tl.constexpr,
+):
+    r = tl.program_id(0)
+    row = r.to(tl.int64) * V
+    top_k = tl.load(top_k_ptr + r)
+    top_p = tl.load(top_p_ptr + r)
+    kept = tl.where(top_k > 0, tl.minimum(top_k, V), V)  # the top-k prefix of the ranks
+    m = tl.load(vals_ptr + row)  # the largest value
+    z = 0.0
+    for r0 in range(0, kept, BLOCK):
+        ranks = r0 + tl.arange(0, BLOCK)
+        z += tl.sum(tl.exp(tl.load(vals_ptr + row + ranks, mask=ranks < kept, other=-float("inf")) - m), axis=0)
+    # rank i is in the nucleus when the mass ranked above it is short of top_p; top_p = 1 skips
+    # the test, so rounding cannot cut the tail off an unfiltered row
+    limit = tl.where(top_p >= 1, float("inf"), top_p * z)
+    mult, offset = _row_keys(tl.load(seed_ptr + r), tl.load(position_ptr + r))
+    first = tl.load(order_ptr + row)  # the argmax, lowest id among ties (a stable sort)
+    best_token = first
+    best = -float("inf")
+    above = 0.0  # mass of the ranks before this block
+    r0 = 0
+    while (r0 < kept) & (above < limit):
+        ranks = r0 + tl.arange(0, BLOCK)
+        live = ranks < kept
+        v = tl.load(vals_ptr + row + ranks, mask=live, other=-float("inf"))
+        e = tl.exp(v - m)
+        keep = live & (above + tl.cumsum(e, axis=0) - e < limit)
+        tokens = tl.load(order_ptr + row + ranks, mask=live, other=0)
+        score = tl.where(keep, v + _gumbel(mult, offset, tokens.to(tl.uint32)), -float("inf"))
+        block_best = tl.max(score, axis=0)
+        token = tl.load(order_ptr + row + r0 + tl.argmax(score, axis=0, tie_break_left=True))
+        # strictly greater: among equal scores the lower rank wins, as a full argmax would pick
+        best_token = tl.where(block_best > best, token, best_token)
+        best = tl.maximum(best, block_best)
+        above += tl.sum(e, axis=0)
+        r0 += BLOCK
+    greedy = (tl.load(temperature_ptr + r) == 0) | (top_k == 1)
+    tl.store(out_ptr + r, tl.where(greedy, first, best_token))
+
+
 def sample_triton(logits, temperature, top_k, seed, position, *, draw: bool, out: torch.Tensor,
                   block: int = BLOCK_V) -> torch.Tensor:
     """Argmax (``draw`` False: every row greedy) or temperature draw of each row into ``out``.
@@ -147,4 +196,22 @@ def sample_triton(logits, temperature, top_k, seed, position, *, draw: bool, out
         best, best_id, temperature, top_k, out, n_blocks,
         BLOCKS=max(2, triton.next_power_of_2(n_blocks)), DRAW=draw, num_warps=1,
     )
+    return out
+
+
+
+def filtered_sample_triton(logits, temperature, top_k, top_p, seed, position, *, out: torch.Tensor,
+                           block: int = BLOCK_V) -> torch.Tensor:
+    """Top-k / top-p draw of each row into ``out`` (greedy rows: the argmax): torch divides by T
+    and sorts, one kernel walks each row's ranks. Arguments as ``runtime.sampling.sample``."""
+    R = logits.shape[0]
+    if R == 0:
+        return out
+    greedy = (temperature == 0) | (top_k == 1)
+    # greedy rows divide by 1 instead of 0, so their first rank is the argmax of the raw logits
+    scaled = logits / torch.where(greedy, 1.0, temperature).unsqueeze(-1)
+    # stable: equal values rank by token id, so the kept set is well defined under ties
+    vals, order = scaled.sort(dim=-1, descending=True, stable=True)
+    _filtered_draw_kernel[(R,)](vals, order, temperature, top_k, top_p, seed, position, out, logits.shape[1],
+                                BLOCK=block, num_warps=4)
     return out

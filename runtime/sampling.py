@@ -2,8 +2,9 @@
 
 ``sample`` is a fixed sequence of kernels over static shapes: no host sync, no branch on data,
 so it is captured into the step's CUDA graph (one graph per rows x mode) and its token ids stay
-on the device as the next step's input. On CUDA the greedy and sample modes run two Triton
-kernels (``kernels/sample.py``); the filtered mode, and the CPU, run torch ops (``sample_torch``).
+on the device as the next step's input. On CUDA the modes run Triton kernels
+(``kernels/sample.py``; the filtered mode after a torch sort); on the CPU, torch ops
+(``sample_torch``, also the kernels' reference).
 
 Randomness is counter-based. Each (seed, position, token id) hashes to its own uniform with
 integer ops, and the Gumbel-max trick turns the uniforms into a draw from softmax(logits / T)
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..kernels.sample import KEY_MUL, KEY_OFF, MUL1, MUL2, UNIFORM_BITS, sample_triton
+from ..kernels.sample import KEY_MUL, KEY_OFF, MUL1, MUL2, UNIFORM_BITS, filtered_sample_triton, sample_triton
 
 __all__ = ["MODES", "SamplingParams", "sample", "sample_ref", "sample_torch", "sampling_mode"]
 
@@ -187,9 +188,11 @@ def sample(logits, temperature, top_k, top_p, seed, position, *, mode: str, out)
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
     _check(logits, dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, position=position), out)
-    if logits.is_cuda and mode != "filtered":
-        return sample_triton(logits.float(), temperature, top_k, seed, position, draw=mode == "sample", out=out)
-    return sample_torch(logits, temperature, top_k, top_p, seed, position, mode=mode, out=out)
+    if not logits.is_cuda:
+        return sample_torch(logits, temperature, top_k, top_p, seed, position, mode=mode, out=out)
+    if mode == "filtered":
+        return filtered_sample_triton(logits.float(), temperature, top_k, top_p, seed, position, out=out)
+    return sample_triton(logits.float(), temperature, top_k, seed, position, draw=mode == "sample", out=out)
 
 
 def sample_torch(logits, temperature, top_k, top_p, seed, position, *, mode: str, out) -> torch.Tensor:

@@ -5,7 +5,7 @@ import pytest
 import torch
 from support import poisoned
 
-from mambastep.kernels.sample import sample_triton
+from mambastep.kernels.sample import filtered_sample_triton, sample_triton
 from mambastep.runtime.sampling import (
     MODES,
     SamplingParams,
@@ -365,6 +365,31 @@ def test_kernel_ties_break_by_token_id(device):
         kernel_vs_torch(logits, tuple(x.to(device) for x in unfiltered(R, V, 14, mode)), mode, block=16)
 
 
+def filtered_vs_torch(logits, p, block):
+    R = logits.shape[0]
+    got = filtered_sample_triton(logits, *p, block=block, out=poisoned((R,), torch.int64, logits.device))
+    want = sample_torch(logits, *p, mode="filtered", out=torch.empty(R, dtype=torch.int64, device=logits.device))
+    assert torch.equal(got, want)
+    return got
+
+
+@pytest.mark.parametrize("block", [16, 64, 512])
+def test_filtered_kernel_matches_torch_path(block, device):
+    """Rows mixing greedy, plain temperature, top-k (incl. off values 0, V, > V) and top-p, with
+    a nucleus that ends inside a block, at a block edge or runs to the end of the vocabulary."""
+    R, V = 40, 300
+    logits = random_logits(R, V, seed=18, scale=1.0).to(device)  # flat: nuclei of many blocks
+    p = tuple(x.to(device) for x in mixed_params(R, V, seed=19))
+    got = filtered_vs_torch(logits, p, block)
+    assert torch.equal(got.cpu(), sample_ref(logits.cpu(), *(x.cpu() for x in p)))
+
+
+def test_filtered_kernel_with_tied_logits(device):
+    R, V = 48, 40
+    logits = torch.randint(-3, 3, (R, V), generator=torch.Generator().manual_seed(20)).float().to(device)
+    filtered_vs_torch(logits, tuple(x.to(device) for x in mixed_params(R, V, seed=21)), block=16)
+
+
 # ---------------------------------------------------------------------------------------------
 # CUDA graph
 
@@ -430,7 +455,7 @@ def test_cuda_graph_replay_matches_eager(mode, V):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["greedy", "sample"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("logit_kind", ["random", "tied"])
 def test_gpu_kernel_matches_torch_path(mode, logit_kind):
     """The compiled kernels against the torch ops on the same device: ties across and within
@@ -440,6 +465,9 @@ def test_gpu_kernel_matches_torch_path(mode, logit_kind):
         logits = torch.randint(-2, 2, (R, V), generator=torch.Generator().manual_seed(15)).float()
     else:
         logits = random_logits(R, V, seed=16)
+    if mode == "filtered":
+        filtered_vs_torch(logits.cuda(), tuple(x.cuda() for x in mixed_params(R, V, seed=17)), block=2048)
+        return
     p = tuple(x.cuda() for x in unfiltered(R, V, 17, mode))
     got = kernel_vs_torch(logits.cuda(), p, mode, block=2048)
     if mode == "greedy":

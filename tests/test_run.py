@@ -28,6 +28,20 @@ def test_run_on_a_checkpoint(capsys, tmp_path):
     assert "request latency" in capsys.readouterr().out
 
 
+def test_run_samples_with_top_k_and_top_p(capsys, tmp_path):
+    assert run.main(["--device", "cpu", "--preset", "tiny-mamba2", "--requests", "3", "--concurrency", "2",
+                     "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--quiet",
+                     "--json", str(tmp_path / "r.json")]) == 0
+    stats = json.loads((tmp_path / "r.json").read_text())
+    assert stats["sampling"] == {"temperature": 0.8, "top_k": 20, "top_p": 0.9}
+
+
+def test_run_rejects_bad_sampling_options(capsys):
+    with pytest.raises(SystemExit):
+        run.main(["--device", "cpu", "--top-p", "0", "--quiet"])
+    assert "top_p" in capsys.readouterr().err
+
+
 def test_run_reports_a_bad_checkpoint(capsys, tmp_path):
     with pytest.raises(SystemExit):
         run.main(["--model", str(tmp_path / "missing"), "--quiet"])

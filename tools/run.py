@@ -32,8 +32,9 @@ def workload(n: int, vocab: int, seed: int, prompt_mean=223, output_mean=140, ma
     return [(rng.integers(1, vocab, p).tolist(), int(o)) for p, o in zip(prompt_lens, output_lens)]
 
 
-def serve(engine: Engine, jobs, concurrency: int, temperature: float, progress: bool) -> dict:
-    """Run every job with at most ``concurrency`` in flight; per-request timings in seconds."""
+def serve(engine: Engine, jobs, concurrency: int, sampling: dict, progress: bool) -> dict:
+    """Run every job with at most ``concurrency`` in flight, each request sampling with the
+    ``SamplingParams`` fields in ``sampling``; per-request timings in seconds."""
     pending = list(reversed(jobs))
     started, first, last, counts, gaps = {}, {}, {}, {}, {}
     done = 0
@@ -42,7 +43,7 @@ def serve(engine: Engine, jobs, concurrency: int, temperature: float, progress: 
     while done < len(jobs):
         while pending and len(started) - done < concurrency:
             prompt, n_out = pending.pop()
-            params = SamplingParams(temperature=temperature, max_tokens=n_out, ignore_eos=True)
+            params = SamplingParams(**sampling, max_tokens=n_out, ignore_eos=True)
             rid = engine.add_request(prompt, params)
             started[rid] = time.perf_counter()
         for out in engine.step():
@@ -104,6 +105,9 @@ def main(argv=None) -> int:
     parser.add_argument("--pipelined", action="store_true", help="launch step N+1 before reading step N's tokens")
     parser.add_argument("--buckets", metavar="PATH", help="graph buckets from `mambastep tune` (default: built in)")
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    parser.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: off)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of tokens whose "
+                        "probability reaches p (1: off)")
     parser.add_argument("--max-context", type=int, default=4096, help="prompt + output tokens per request")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--seed", type=int, default=0, help="workload and weight seed")
@@ -119,6 +123,11 @@ def main(argv=None) -> int:
     concurrency = args.concurrency or (64 if gpu else 8)
     if requests < 1 or concurrency < 1:
         parser.error("--requests and --concurrency must be at least 1")
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    try:
+        SamplingParams(**sampling)
+    except ValueError as e:
+        parser.error(str(e))
     dtype = torch.bfloat16 if gpu else torch.float32
     common = dict(dtype=dtype, device=device, max_context=args.max_context, use_graphs=gpu and not args.eager,
                   pipelined=args.pipelined, progress=not args.quiet)
@@ -137,7 +146,7 @@ def main(argv=None) -> int:
         print(engine.capture_report, file=sys.stderr)
 
     jobs = workload(requests, engine.cfg.vocab_size, args.seed, max_context=args.max_context)
-    timings = serve(engine, jobs, concurrency, args.temperature, progress=not args.quiet)
+    timings = serve(engine, jobs, concurrency, sampling, progress=not args.quiet)
     stats = summarize(timings, requests)
     mode = "eager" if (args.eager or not gpu) else "CUDA graphs"
     print_table(stats, f"\n{name} on {torch.cuda.get_device_name() if gpu else 'CPU'} ({mode}), "
@@ -145,7 +154,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": name, "device": device, "mode": mode, "requests": requests,
-                       "concurrency": concurrency, **stats}, f, indent=1)
+                       "concurrency": concurrency, "sampling": sampling, **stats}, f, indent=1)
     return 0
 
 

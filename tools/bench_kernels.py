@@ -1,7 +1,8 @@
 """Kernel benchmarks: the device copy bandwidth (the memory ceiling), the selective state update
 as achieved bandwidth against it, and the chunked SSD scan as time and TFLOP/s beside the plain
-torch chunked implementation, at Nemotron-H-8B mamba shapes; and the fused skinny projections
-of the decode path beside norm + cuBLAS, at Mamba2-130M and Nemotron-H-8B shapes."""
+torch chunked implementation, at Nemotron-H-8B mamba shapes; the fused skinny projections of
+the decode path beside norm + cuBLAS, at Mamba2-130M and Nemotron-H-8B shapes; and token
+sampling per mode beside its torch ops, over a 50288-token vocabulary."""
 
 from __future__ import annotations
 
@@ -175,16 +176,35 @@ def bench_skinny(name: str, N: int, K: int, prologue: str, rows: int) -> dict:
             "fused_us": chain_us(fused(False), copies), "fused_pdl_us": chain_us(fused(True), copies)}
 
 
+def bench_sampling(rows: int, mode: str) -> dict:
+    """One sampling call (``runtime.sampling.sample``) against the same draw in torch ops."""
+    from mambastep.runtime.sampling import sample, sample_torch
+
+    dev, V = "cuda", 50288
+    logits = torch.randn(rows, V, device=dev) * 3
+    params = (torch.full((rows,), 0.0 if mode == "greedy" else 0.8, device=dev),
+              torch.zeros(rows, dtype=torch.int32, device=dev),
+              torch.full((rows,), 0.95 if mode == "filtered" else 1.0, device=dev),
+              torch.arange(rows, device=dev) * 7, torch.arange(rows, device=dev) + 100)
+    out = torch.empty(rows, dtype=torch.int64, device=dev)
+    return {"op": "sampling", "rows": rows, "mode": mode,
+            "torch_us": chain_us(lambda i: sample_torch(logits, *params, mode=mode, out=out), 1, reps=8),
+            "us": chain_us(lambda i: sample(logits, *params, mode=mode, out=out), 1, reps=8)}
+
+
 def run() -> dict:
     torch.manual_seed(0)
     bw = copy_bandwidth()
     cases = [("state_update", b, dt) for dt in (torch.bfloat16, torch.float32) for b in (1, 8, 64, 256)]
     cases += [("ssd", n, l) for n, l in ((1, 223), (8, 2048), (64, 512))]
     cases += [("skinny", shape, r) for shape in SKINNY for r in (1, 2)]
+    cases += [("sampling", r, m) for r in (1, 64, 256) for m in ("greedy", "sample", "filtered")]
     rows = []
     for kind, a, b in tqdm(cases, desc="kernel benchmarks", file=sys.stderr):
         if kind == "skinny":
             rows.append(bench_skinny(*a, rows=b))
+        elif kind == "sampling":
+            rows.append(bench_sampling(a, b))
         else:
             rows.append(bench_state_update(a, b, bw) if kind == "state_update" else bench_ssd(a, b))
     return {
@@ -200,7 +220,7 @@ def print_table(result: dict) -> None:
     print("| op | case | time (ms) | achieved | baseline (torch) | speed-up |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in result["rows"]:
-        if r["op"] == "skinny":
+        if r["op"] in ("skinny", "sampling"):
             continue
         if r["op"] == "state_update":
             print(f"| state update | B={r['batch']} {r['state_dtype']} state | {r['ms']:.4f} | "
@@ -215,3 +235,9 @@ def print_table(result: dict) -> None:
         if r["op"] == "skinny":
             print(f"| {r['name']} {r['N']}x{r['K']} | {r['rows']} | {r['unfused_us']:.2f} | {r['fused_us']:.2f} | "
                   f"{r['fused_pdl_us']:.2f} | {r['unfused_us'] / r['fused_pdl_us']:.2f}x |")
+    print("\nSampling, one call over 50288 logits a row, in a CUDA graph (us); filtered: top-p 0.95")
+    print("| rows | mode | torch ops | mambastep | speed-up |")
+    print("| --- | --- | --- | --- | --- |")
+    for r in result["rows"]:
+        if r["op"] == "sampling":
+            print(f"| {r['rows']} | {r['mode']} | {r['torch_us']:.1f} | {r['us']:.1f} | {r['torch_us'] / r['us']:.1f}x |")

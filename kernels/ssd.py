@@ -381,7 +381,7 @@ def _check(x, dt, A, B, C, D, z, dt_bias, ssm_state, meta, out, workspace):
 
 def ssd_scan_triton(x, dt, A, B, C, D, ssm_state, meta: PrefillMetadata, *, z=None, dt_bias=None,
                     dt_softplus=True, dt_limit=(0.0, float("inf")), out=None,
-                    workspace: SSDWorkspace | None = None):
+                    workspace: SSDWorkspace | None = None, passed: torch.cuda.Event | None = None):
     """Triton launcher of ``ssd_scan`` (CUDA tensors; CPU tensors need TRITON_INTERPRET=1)."""
     _check(x, dt, A, B, C, D, z, dt_bias, ssm_state, meta, out, workspace)
     T, H, P = x.shape
@@ -415,6 +415,8 @@ def ssd_scan_triton(x, dt, A, B, C, D, ssm_state, meta: PrefillMetadata, *, z=No
         meta.seq_chunk_start, H, P, N, *ssm_state.stride(),
         CHUNK_SIZE=cs_size, BLOCK_P=bl.pass_p, BLOCK_N=bl.pass_n,
     )
+    if passed is not None:
+        passed.record()
     zs = z.stride() if z is not None else (0, 0, 0)
     grid = (max_chunks * triton.cdiv(cs_size, bl.scan_m), H, triton.cdiv(P, bl.scan_p))
     _chunk_scan_kernel[grid](
@@ -435,7 +437,7 @@ def ssd_scan_triton(x, dt, A, B, C, D, ssm_state, meta: PrefillMetadata, *, z=No
 
 def ssd_scan(x, dt, A, B, C, D, ssm_state, meta: PrefillMetadata, *, z=None, dt_bias=None,
              dt_softplus=True, dt_limit=(0.0, float("inf")), out=None,
-             workspace: SSDWorkspace | None = None):
+             workspace: SSDWorkspace | None = None, passed: torch.cuda.Event | None = None):
     """Chunked SSD scan of packed prefill sequences; updates their slots of ``ssm_state``.
 
     x:         [T, H, P]  packed tokens (T = meta.max_tokens), bf16/fp16/fp32; any row stride
@@ -450,12 +452,16 @@ def ssd_scan(x, dt, A, B, C, D, ssm_state, meta: PrefillMetadata, *, z=None, dt_
     dt_softplus, dt_limit: dt' = clamp(softplus(dt + dt_bias), *dt_limit)
     out:       [T, H, P] in x's dtype, written entirely (skipped rows are zero)
     workspace: SSDWorkspace sized for meta's static dims; with ``out`` given nothing is allocated
+    passed:    a CUDA event to record on the current stream once every chunk's start state is
+               known, before the chunk scan (another stream may wait for it); CUDA only
 
     Per sequence: h_t = exp(dt'_t A) h_{t-1} + dt'_t x_t B_t^T, y_t = h_t C_t + D x_t, starting
     from its slot when has_initial_state (else zero) and storing the last state in the slot.
     Sequences whose slot is PAD_SLOT_ID, unused chunks and padding tokens are skipped.
     CUDA tensors run the Triton kernels; CPU tensors the torch block decomposition.
     """
-    scan = ssd_scan_triton if x.is_cuda else ssd_scan_chunked_torch
-    return scan(x, dt, A, B, C, D, ssm_state, meta, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
-                dt_limit=dt_limit, out=out, workspace=workspace)
+    if x.is_cuda:
+        return ssd_scan_triton(x, dt, A, B, C, D, ssm_state, meta, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                               dt_limit=dt_limit, out=out, workspace=workspace, passed=passed)
+    return ssd_scan_chunked_torch(x, dt, A, B, C, D, ssm_state, meta, z=z, dt_bias=dt_bias,
+                                  dt_softplus=dt_softplus, dt_limit=dt_limit, out=out, workspace=workspace)

@@ -64,13 +64,14 @@ class MambaLayer:
         C = xbc_rows[:, self.inner + GN :].view(T, self.G, self.N)
         return x, B, C
 
-    def prefill_branch(self, proj, xbc, y, inputs: StepInputs, conv_state, ssm_state) -> None:
+    def prefill_branch(self, proj, xbc, y, inputs: StepInputs, conv_state, ssm_state, passed=None) -> None:
+        """``passed``: an event to record once the scan's chunk states are passed (see forward)."""
         tp = inputs.num_prefill_tokens
         xbc_in, dt, xbc_out = self._views(proj, xbc, slice(0, tp))
         conv1d_varlen(xbc_in, self.conv_w, self.conv_b, conv_state, inputs.prefill, out=xbc_out)
         x, B, C = self._ssm_operands(xbc_out)
         ssd_scan(x, dt, self.A, B, C, self.D, ssm_state, inputs.prefill, dt_bias=self.dt_bias,
-                 dt_softplus=True, dt_limit=self.dt_limit, out=y[:tp])
+                 dt_softplus=True, dt_limit=self.dt_limit, out=y[:tp], passed=passed)
 
     def decode_branch(self, proj, xbc, y, inputs: StepInputs, conv_state, ssm_state) -> None:
         tp = inputs.num_prefill_tokens
@@ -109,9 +110,15 @@ class MambaLayer:
     def forward(self, x: torch.Tensor, inputs: StepInputs, state, aux_stream=None) -> torch.Tensor:
         proj, xbc, y = self.project(x)
         args = (proj, xbc, y, inputs, state.conv[self.idx], state.ssm[self.idx])
+        # Forked, the decode branch waits until the scan's chunk states are passed: its state
+        # update streams the decode rows' whole state and, beside the scan's first, short,
+        # latency-bound kernels, slows them down 1.5-3x; beside the chunk scan it costs less
+        # (docs/BENCHMARKS.md, the staggered fork).
+        forked = aux_stream is not None and inputs.num_prefill_tokens and inputs.num_decode
+        passed = torch.cuda.Event() if forked else None
         run_branches(
-            (lambda: self.prefill_branch(*args)) if inputs.num_prefill_tokens else None,
+            (lambda: self.prefill_branch(*args, passed=passed)) if inputs.num_prefill_tokens else None,
             (lambda: self.decode_branch(*args)) if inputs.num_decode else None,
-            aux_stream,
+            aux_stream, decode_after=passed,
         )
         return self.finish(proj, y)

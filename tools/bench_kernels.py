@@ -213,31 +213,35 @@ def run() -> dict:
     }
 
 
+def _table(columns: list[str], rows, line) -> None:
+    """A markdown table: the header, then ``line(r)``'s cells for each of ``rows``."""
+    print("| " + " | ".join(columns) + " |")
+    print("|" + " --- |" * len(columns))
+    for r in rows:
+        print("| " + " | ".join(line(r)) + " |")
+
+
 def print_table(result: dict) -> None:
+    rows = result["rows"]
     print(f"\n{result['device']}, {result['date']}, torch {result['torch']}, "
           f"copy bandwidth {result['copy_GB/s']:.0f} GB/s (read + write)")
     print(f"shapes: H={H} P={P} N={N} G={G} chunk={CHUNK}, bf16 inputs")
-    print("| op | case | time (ms) | achieved | baseline (torch) | speed-up |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for r in result["rows"]:
-        if r["op"] in ("skinny", "sampling"):
-            continue
+
+    def scan_line(r):
         if r["op"] == "state_update":
-            print(f"| state update | B={r['batch']} {r['state_dtype']} state | {r['ms']:.4f} | "
-                  f"{r['GB/s']:.0f} GB/s ({100 * r['of_copy_bw']:.0f}% of copy) | | |")
-        else:
-            print(f"| SSD scan | {r['shape']} tokens | {r['ms']:.3f} | {r['TFLOP/s']:.1f} TFLOP/s | "
-                  f"{r['torch_ms']:.2f} ms | {r['speedup']:.1f}x |")
+            return ["state update", f"B={r['batch']} {r['state_dtype']} state", f"{r['ms']:.4f}",
+                    f"{r['GB/s']:.0f} GB/s ({100 * r['of_copy_bw']:.0f}% of copy)", "", ""]
+        return ["SSD scan", f"{r['shape']} tokens", f"{r['ms']:.3f}", f"{r['TFLOP/s']:.1f} TFLOP/s",
+                f"{r['torch_ms']:.2f} ms", f"{r['speedup']:.1f}x"]
+
+    _table(["op", "case", "time (ms)", "achieved", "baseline (torch)", "speed-up"],
+           [r for r in rows if r["op"] in ("state_update", "ssd_scan")], scan_line)
     print("\nDecode projections with their norms, per call in a CUDA graph of back-to-back calls (us)")
-    print("| projection | rows | norm + cuBLAS | fused | fused, PDL | speed-up |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for r in result["rows"]:
-        if r["op"] == "skinny":
-            print(f"| {r['name']} {r['N']}x{r['K']} | {r['rows']} | {r['unfused_us']:.2f} | {r['fused_us']:.2f} | "
-                  f"{r['fused_pdl_us']:.2f} | {r['unfused_us'] / r['fused_pdl_us']:.2f}x |")
+    _table(["projection", "rows", "norm + cuBLAS", "fused", "fused, PDL", "speed-up"],
+           [r for r in rows if r["op"] == "skinny"],
+           lambda r: [f"{r['name']} {r['N']}x{r['K']}", str(r["rows"]), f"{r['unfused_us']:.2f}",
+                      f"{r['fused_us']:.2f}", f"{r['fused_pdl_us']:.2f}", f"{r['unfused_us'] / r['fused_pdl_us']:.2f}x"])
     print("\nSampling, one call over 50288 logits a row, in a CUDA graph (us); filtered: top-p 0.95")
-    print("| rows | mode | torch ops | mambastep | speed-up |")
-    print("| --- | --- | --- | --- | --- |")
-    for r in result["rows"]:
-        if r["op"] == "sampling":
-            print(f"| {r['rows']} | {r['mode']} | {r['torch_us']:.1f} | {r['us']:.1f} | {r['torch_us'] / r['us']:.1f}x |")
+    _table(["rows", "mode", "torch ops", "mambastep", "speed-up"], [r for r in rows if r["op"] == "sampling"],
+           lambda r: [str(r["rows"]), r["mode"], f"{r['torch_us']:.1f}", f"{r['us']:.1f}",
+                      f"{r['torch_us'] / r['us']:.1f}x"])

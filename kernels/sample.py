@@ -9,8 +9,8 @@ in ~100 one-element kernels, and filter with some twenty full-vocabulary ops. He
                            token)``, each with the lowest token id among ties
 2. ``_row_pick_kernel``    per row: the best of its blocks; greedy rows (T = 0 or top_k = 1)
                            take the argmax, the others the draw
-3. ``_filtered_draw_kernel`` per row of the logits / T sorted by torch (descending, ties by
-                           token id): the top-k prefix's softmax normaliser, then the walk down
+3. ``_filtered_draw_kernel`` per row of the logits / T ranked by a torch sort (descending, ties
+                           by token id): the top-k prefix's softmax normaliser, then the walk down
                            the ranks while the mass above stays under top_p, keeping the best
                            score; stops where the nucleus ends
 
@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["MUL1", "MUL2", "KEY_MUL", "KEY_OFF", "UNIFORM_BITS", "filtered_sample_triton", "sample_triton"]
+__all__ = ["MUL1", "MUL2", "KEY_MUL", "KEY_OFF", "UNIFORM_BITS", "filtered_draw_triton", "sample_triton"]
 
 # Multipliers of a low-bias xorshift-multiply 32-bit mixer (hash-prospector's search).
 MUL1, MUL2 = 0x21F0AAAD, 0x735A2D97
@@ -199,19 +199,14 @@ def sample_triton(logits, temperature, top_k, seed, position, *, draw: bool, out
     return out
 
 
-
-def filtered_sample_triton(logits, temperature, top_k, top_p, seed, position, *, out: torch.Tensor,
-                           block: int = BLOCK_V) -> torch.Tensor:
-    """Top-k / top-p draw of each row into ``out`` (greedy rows: the argmax): torch divides by T
-    and sorts, one kernel walks each row's ranks. Arguments as ``runtime.sampling.sample``."""
-    R = logits.shape[0]
-    if R == 0:
-        return out
-    greedy = (temperature == 0) | (top_k == 1)
-    # greedy rows divide by 1 instead of 0, so their first rank is the argmax of the raw logits
-    scaled = logits / torch.where(greedy, 1.0, temperature).unsqueeze(-1)
-    # stable: equal values rank by token id, so the kept set is well defined under ties
-    vals, order = scaled.sort(dim=-1, descending=True, stable=True)
-    _filtered_draw_kernel[(R,)](vals, order, temperature, top_k, top_p, seed, position, out, logits.shape[1],
-                                BLOCK=block, num_warps=4)
+def filtered_draw_triton(vals, order, temperature, top_k, top_p, seed, position, *, out: torch.Tensor,
+                         block: int = BLOCK_V) -> torch.Tensor:
+    """Top-k / top-p draw of each row into ``out`` (greedy rows: the argmax), from the rows'
+    ranked logits / T: ``vals`` [R, V] float32 highest first, ties by token id (a stable sort),
+    ``order`` [R, V] int64 their token ids (``runtime.sampling._ranked``). Other arguments as
+    ``runtime.sampling.sample``."""
+    R, V = vals.shape
+    if R:
+        _filtered_draw_kernel[(R,)](vals, order, temperature, top_k, top_p, seed, position, out, V,
+                                    BLOCK=block, num_warps=4)
     return out

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..kernels.sample import KEY_MUL, KEY_OFF, MUL1, MUL2, UNIFORM_BITS, filtered_sample_triton, sample_triton
+from ..kernels.sample import KEY_MUL, KEY_OFF, MUL1, MUL2, UNIFORM_BITS, filtered_draw_triton, sample_triton
 
 __all__ = ["MODES", "SamplingParams", "sample", "sample_ref", "sample_torch", "sampling_mode"]
 
@@ -191,7 +191,8 @@ def sample(logits, temperature, top_k, top_p, seed, position, *, mode: str, out)
     if not logits.is_cuda:
         return sample_torch(logits, temperature, top_k, top_p, seed, position, mode=mode, out=out)
     if mode == "filtered":
-        return filtered_sample_triton(logits.float(), temperature, top_k, top_p, seed, position, out=out)
+        vals, order = _ranked(_scaled(logits.float(), temperature, _greedy(temperature, top_k)))
+        return filtered_draw_triton(vals, order, temperature, top_k, top_p, seed, position, out=out)
     return sample_triton(logits.float(), temperature, top_k, seed, position, draw=mode == "sample", out=out)
 
 
@@ -201,24 +202,36 @@ def sample_torch(logits, temperature, top_k, top_p, seed, position, *, mode: str
     argmax = logits.argmax(dim=-1)
     if mode == "greedy":
         return out.copy_(argmax)
-    is_greedy = (temperature == 0) | (top_k == 1)
-    # greedy rows divide by 1 instead of 0; their draw is discarded below
-    scaled = logits / torch.where(is_greedy, 1.0, temperature).unsqueeze(-1)
+    is_greedy = _greedy(temperature, top_k)
+    scaled = _scaled(logits, temperature, is_greedy)
     mult, offset = (k.unsqueeze(-1) for k in _row_keys(seed, position))
     if mode == "sample":
         tokens = torch.arange(logits.shape[-1], device=logits.device)
         drawn = (scaled + _gumbel(mult, offset, tokens)).argmax(dim=-1)
     else:
-        drawn = _draw_filtered(scaled, top_k, top_p, mult, offset)
+        drawn = _draw_filtered(*_ranked(scaled), top_k, top_p, mult, offset)
     return out.copy_(torch.where(is_greedy, argmax, drawn))
 
 
-def _draw_filtered(scaled, top_k, top_p, mult, offset) -> torch.Tensor:
-    """Gumbel-max over each row's top-k / top-p set, in sorted order: [R, V] f32 -> [R] int64."""
-    V = scaled.shape[-1]
-    # stable: equal logits rank by token id, so the kept set is well defined under ties
-    vals, order = scaled.sort(dim=-1, descending=True, stable=True)  # [R, V]
-    rank = torch.arange(V, device=scaled.device)
+def _greedy(temperature, top_k) -> torch.Tensor:
+    return (temperature == 0) | (top_k == 1)
+
+
+def _scaled(logits, temperature, is_greedy) -> torch.Tensor:
+    """logits / T per row; greedy rows divide by 1 instead of 0 (their draw is not used)."""
+    return logits / torch.where(is_greedy, 1.0, temperature).unsqueeze(-1)
+
+
+def _ranked(scaled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's values, highest first, and their token ids: [R, V] each. Stable, so equal
+    values rank by token id and the kept set of top-k / top-p is well defined under ties."""
+    return scaled.sort(dim=-1, descending=True, stable=True)
+
+
+def _draw_filtered(vals, order, top_k, top_p, mult, offset) -> torch.Tensor:
+    """Gumbel-max over each row's top-k / top-p set of the ranked values: [R, V] -> [R] int64."""
+    V = vals.shape[-1]
+    rank = torch.arange(V, device=vals.device)
     keep = rank < torch.where(top_k > 0, top_k, V).unsqueeze(-1)
     vals = vals.masked_fill(~keep, -math.inf)
     probs = vals.softmax(dim=-1)

@@ -5,12 +5,15 @@ import pytest
 import torch
 from support import poisoned
 
-from mambastep.kernels.sample import filtered_sample_triton, sample_triton
+from mambastep.kernels.sample import filtered_draw_triton, sample_triton
 from mambastep.runtime.sampling import (
     MODES,
     SamplingParams,
     _random_bits,
+    _greedy,
+    _ranked,
     _row_keys,
+    _scaled,
     sample,
     sample_ref,
     sample_torch,
@@ -367,7 +370,8 @@ def test_kernel_ties_break_by_token_id(device):
 
 def filtered_vs_torch(logits, p, block):
     R = logits.shape[0]
-    got = filtered_sample_triton(logits, *p, block=block, out=poisoned((R,), torch.int64, logits.device))
+    vals, order = _ranked(_scaled(logits, p[0], _greedy(p[0], p[1])))
+    got = filtered_draw_triton(vals, order, *p, block=block, out=poisoned((R,), torch.int64, logits.device))
     want = sample_torch(logits, *p, mode="filtered", out=torch.empty(R, dtype=torch.int64, device=logits.device))
     assert torch.equal(got, want)
     return got

@@ -12,7 +12,8 @@ their own that move almost nothing. Here one kernel does all three:
   would be mostly padding). Two ways through K (``_config``):
   - one tile: up to ``ONE_TILE_MAX_K`` columns (Mamba2-130M's block projections), the whole
     slice is loaded into registers before the wait, and the rows are taken one after the other
-    in the tile's layout. The per-row work grows with the rows: 1-2 rows pay, 4 do not.
+    in the tile's layout. The per-row work grows with the rows: in a whole decode step 1-4 rows
+    pay, 8 do not.
   - streamed: wider K (Nemotron-H-8B) and vocabulary-wide grids (LM heads) loop over K tiles
     with software pipelining, each tile read once for all rows. A block norm is applied after
     the product (each row's sum of squares comes along in the same pass, and its rstd scales the
@@ -72,7 +73,7 @@ __all__ = [
     "pdl_supported",
 ]
 
-# The kernels take up to 8 rows; the model uses them at 1-2 (``runtime.model.fused_max_rows``).
+# The kernels take up to 8 rows; the model uses them at 1-4 (``runtime.model.fused_max_rows``).
 MAX_ROWS = 8
 # The widest K held as one tile in registers; wider projections stream K (see ``_config``).
 ONE_TILE_MAX_K = 2048

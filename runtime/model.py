@@ -41,10 +41,11 @@ def one_tile(cfg: ModelConfig) -> bool:
 
 
 def fused_max_rows(cfg: ModelConfig) -> int:
-    """The largest decode batch that takes the fused path (when the model has one). Its skinny
-    projections beat norm + cuBLAS at 1-2 rows where they hold the whole K in registers, at 1 row
-    only where they stream K; they lose from 4 rows (docs/BENCHMARKS.md)."""
-    return 2 if one_tile(cfg) else 1
+    """The largest decode batch that takes the fused path (when the model has one). Where its
+    skinny projections hold the whole K in registers (Mamba2-130M) the fused step beats the
+    layer-by-layer one up to 4 rows and loses at 8; where they stream K (Nemotron-H-8B) it wins
+    at 1 row and ties at 2 (docs/BENCHMARKS.md)."""
+    return 4 if one_tile(cfg) else 1
 
 
 _LAYER_CLASSES = {"mamba": MambaLayer, "attention": AttentionLayer, "mlp": MLPLayer, "moe": MoELayer}

@@ -8,8 +8,9 @@ import torch
 from mambastep.graphs.buckets import BucketSet
 from mambastep.graphs.runner import Runner
 from mambastep.kernels import decode_linear
-from mambastep.runtime.model import Model
+from mambastep.runtime.model import Model, fused_max_rows
 from mambastep.runtime.plan import StepPlan
+from mambastep.runtime.presets import preset_config
 from mambastep.runtime.state_pool import StatePool
 from mambastep.runtime.step_buffers import Bucket
 from support import stream_every_projection
@@ -181,6 +182,8 @@ def test_fused_decode_equals_layer_by_layer_gpu(preset, streamed, monkeypatch):
         monkeypatch.setattr(decode_linear, "_config", stream_every_projection)
     model = Model.from_preset(preset, dtype=torch.bfloat16, device="cuda")
     assert model.fused_decode
+    if streamed:  # the rows Nemotron-H-8B, whose projections stream K, takes fused
+        model.fused_max_rows = fused_max_rows(preset_config("nemotron-h-8b"))
     results = []
     for fused in (True, False):
         model.fused_decode = fused

@@ -11,8 +11,9 @@ from hf_models import VOCAB, save_tiny
 from mambastep.graphs.buckets import BucketSet
 from mambastep.graphs.runner import Runner
 from mambastep.runtime.config import ConfigError, ModelConfig
-from mambastep.runtime.model import Model
+from mambastep.runtime.model import Model, fused_max_rows
 from mambastep.runtime.plan import StepPlan
+from mambastep.runtime.presets import preset_config
 from mambastep.runtime.state_pool import StatePool
 from mambastep.runtime.step_buffers import Bucket
 from mambastep.runtime.weights import WeightError
@@ -127,28 +128,41 @@ DENSE_HYBRID = ["mamba", "attention", "mlp", "mamba", "mlp", "attention", "mamba
 @torch.no_grad()
 def test_fused_decode_equals_layer_by_layer(kind, tmp_path, monkeypatch):
     """The fused decode path (norms and residual adds fused into the projections) gives the
-    layer-by-layer logits and states, at one row and two. On CPU it runs the fused ops'
-    references, which checks the wiring: slices, orders, the residual stream, the KV cache; the
-    Triton kernels are checked against the same references."""
+    layer-by-layer logits and states, at four rows, two and one (as many as the model takes
+    fused). On CPU it runs the fused ops' references, which checks the wiring: slices, orders,
+    the residual stream, the KV cache; the Triton kernels are checked against the same
+    references."""
     save_tiny(kind, tmp_path, **({"layers_block_type": DENSE_HYBRID} if kind == "nemotron_h" else {}))
     model = Model.from_pretrained(tmp_path, dtype=torch.float32)
     fused_steps = []
     real = Model._decode_fused
     monkeypatch.setattr(Model, "_decode_fused", lambda self, *a: fused_steps.append(1) or real(self, *a))
-    ps = prompts([5, 12], seed=7)
+    ps = prompts([5, 12, 7, 9], seed=7)
+    widths = [w for w in (4, 2, 1) if w <= model.fused_max_rows]
     runs = []
     for fused in (False, True):
         model.fused_decode = fused
         runner = new_runner(model, 4)
         step(runner, [(p, slot, 0) for slot, p in enumerate(ps)])
-        logits = [step(runner, decode=[(3 + i, slot, len(p) + i) for slot, p in enumerate(ps)]) for i in range(3)]
-        logits += [step(runner, decode=[(9 + i, 1, len(ps[1]) + 3 + i)]) for i in range(2)]
+        pos = [len(p) for p in ps]
+        logits = []
+        for width in widths:
+            for i in range(2):
+                logits.append(step(runner, decode=[(3 + i + s, s, pos[s]) for s in range(width)]))
+                pos[:width] = [n + 1 for n in pos[:width]]
         runs.append((logits, [t.clone() for t in runner.pool.tensors()]))
     model.fused_decode = False
-    assert len(fused_steps) == 5
+    assert len(fused_steps) == 2 * len(widths)
     (a, states_a), (b, states_b) = runs
     for x, y in zip(a + states_a, b + states_b):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
+
+
+def test_fused_rows_follow_the_projection_shapes():
+    """The fused decode path takes 1-4 rows where every projection's K fits one register tile
+    (Mamba2-130M), 1 row where the projections stream K (Nemotron-H-8B): docs/BENCHMARKS.md."""
+    assert fused_max_rows(preset_config("mamba2-130m")) == 4
+    assert fused_max_rows(preset_config("nemotron-h-8b")) == 1
 
 
 def test_missing_tensor_is_named(tmp_path):

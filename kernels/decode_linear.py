@@ -59,8 +59,6 @@ import triton.language as tl
 
 from .conv1d import conv1d_update_ref
 from .norm import gated_rms_norm, gated_rms_norm_ref, rms_norm_ref
-from .split_tail import SCALE_JIT, Pending, pending_ref
-from .tiles import pick_row, pick_row3
 
 __all__ = [
     "MAX_ROWS",
@@ -120,6 +118,24 @@ def _load_rows(ptr, src, row_ok, cols, col_ok, stride):
 
 
 @triton.jit
+def _pick(t, m, BLOCK_M: tl.constexpr):
+    """Row m of a [BLOCK_M, X] tile, as [1, X]."""
+    if BLOCK_M == 1:
+        return t
+    rows = tl.arange(0, BLOCK_M)[:, None]
+    return tl.sum(tl.where(rows == m, t, 0), axis=0)[None, :]
+
+
+@triton.jit
+def _pick3(t, m, BLOCK_M: tl.constexpr):
+    """Row m of a [BLOCK_M, X, Y] tile, as [1, X, Y]."""
+    if BLOCK_M == 1:
+        return t
+    rows = tl.arange(0, BLOCK_M)[:, None, None]
+    return tl.sum(tl.where(rows == m, t, 0), axis=0)[None, :, :]
+
+
+@triton.jit
 def _group_table(acc, v, cols, group_size, NUM_GROUPS: tl.constexpr, BLOCK_G: tl.constexpr):
     """acc[m, g] += sum of v[m, k] over the columns k of group g: [BLOCK_M, BLOCK_G]."""
     if NUM_GROUPS == 1:
@@ -151,40 +167,13 @@ def _normalize(a, cols, col_ok, rstd, wn_ptr, group_size, ROUND_FIRST: tl.conste
 
 
 @triton.jit
-def _pending_rows(res, acc_ptr, ssq_ptr, bias_ptr, rows, row_ok, ks, k_ok, group_size, eps,
-                  stride_acc_m, stride_acc_g, stride_ssq_m,
-                  GROUPS: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """The residual stream with a pending Mamba2 output added (``kernels.split_tail``), in fp32
-    ([BLOCK_M, BLOCK_K]) but rounded to the residual's dtype: the squares of each norm group's
-    K slices summed in a fixed order, the accumulator scaled by the group's rstd, the bias, the
-    rounding of ``F.linear``, then the add to ``res`` (the stream before the block)."""
-    mask = row_ok[:, None] & k_ok[None, :]
-    s = tl.arange(0, BLOCK_S)
-    sq = tl.load(ssq_ptr + rows[:, None] * stride_ssq_m + s[None, :], mask=row_ok[:, None] & (s < SPLITS)[None, :],
-                 other=0.0)
-    out = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-    for g in tl.static_range(GROUPS):
-        ssq_g = tl.sum(tl.where((s // (SPLITS // GROUPS) == g)[None, :], sq, 0.0), axis=1)
-        scale = tl.rsqrt(ssq_g / group_size + eps) / SCALE_JIT
-        acc = tl.load(acc_ptr + rows[:, None] * stride_acc_m + g * stride_acc_g + ks[None, :], mask=mask, other=0)
-        out += acc.to(tl.float32) * scale[:, None]
-    if HAS_BIAS:
-        out += tl.load(bias_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-    out = out.to(OUT_DTYPE).to(tl.float32)
-    return (res.to(tl.float32) + out).to(res.dtype).to(tl.float32)
-
-
-@triton.jit
 def _tile_row(
-    m, w0, z0, xin, x_ptr, z_ptr, wn_ptr, row_ptr, K, eps, group_size, stride_x, stride_z,
+    m, w0, z0, x_ptr, z_ptr, wn_ptr, row_ptr, K, eps, group_size, stride_x, stride_z,
     PROLOGUE: tl.constexpr, ROUND_FIRST: tl.constexpr, NUM_GROUPS: tl.constexpr, BLOCK_G: tl.constexpr,
     HAS_ROW_IDX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EARLY: tl.constexpr,
-    PENDING: tl.constexpr,
 ):
     """The product of row m with the program's weight tile w0 ([BLOCK_N, BLOCK_K], the whole K)
-    in fp32, as [1, BLOCK_N]; the input row's prologue on the way. With PENDING the input rows
-    are ``xin``, already in registers."""
+    in fp32, as [1, BLOCK_N]; the input row's prologue on the way."""
     row = m + tl.arange(0, 1)  # [1]
     row_ok = row >= 0
     ks = tl.arange(0, BLOCK_K)
@@ -195,13 +184,10 @@ def _tile_row(
     z = z0  # the gate, for a gated prologue
     if PROLOGUE == 2:
         if EARLY:
-            z = pick_row(z0, m, BLOCK_M)
+            z = _pick(z0, m, BLOCK_M)
         else:
             z = _load_rows(z_ptr, src, row_ok, ks, ks < K, stride_z)
-    if PENDING:
-        a = pick_row(xin, m, BLOCK_M)
-    else:
-        a = _input_rows(x_ptr, z, src, row_ok, ks, ks < K, stride_x, PROLOGUE == 2)
+    a = _input_rows(x_ptr, z, src, row_ok, ks, ks < K, stride_x, PROLOGUE == 2)
     if PROLOGUE != 0:
         sq = _group_table(tl.zeros([1, BLOCK_G], dtype=tl.float32), a * a, ks, group_size, NUM_GROUPS, BLOCK_G)
         rstd = tl.rsqrt(sq / group_size + eps)
@@ -282,7 +268,7 @@ def _finish_row(
     if EPILOGUE == 1:
         # residual <- residual + y, in the residual's dtype (the rows are the residual's rows)
         if EARLY:
-            r = pick_row(res, m, BLOCK_M)
+            r = _pick(res, m, BLOCK_M)
         else:
             r = tl.load(out_ptrs, mask=out_mask, other=0.0)
         y += r.to(tl.float32)
@@ -291,17 +277,17 @@ def _finish_row(
         y = y * y
     if EPILOGUE == 3:
         # out = silu(w . [state taps, y] + b) on the conv columns; the state becomes window[1:]
-        slot_m = pick_row(slot[:, None], m, BLOCK_M)  # [1, 1]
+        slot_m = _pick(slot[:, None], m, BLOCK_M)  # [1, 1]
         live = (slot_m >= 0) & c_ok[None, :]  # [1, BLOCK_N]
         taps = tl.arange(0, BLOCK_C)[None, None, :]
         new = y[:, :, None]
-        win = tl.where(taps == CONV_K - 1, new, pick_row3(window, m, BLOCK_M).to(tl.float32))
+        win = tl.where(taps == CONV_K - 1, new, _pick3(window, m, BLOCK_M).to(tl.float32))
         conv = tl.sum(win * cw, axis=2)
         if CONV_BIAS:
             conv += tl.load(cb_ptr + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
         conv = conv * tl.sigmoid(conv)
         y = tl.where(c_ok[None, :], tl.where(live, conv, 0.0), y)
-        nxt = tl.where(taps == CONV_K - 2, new, pick_row3(shifted, m, BLOCK_M).to(tl.float32))
+        nxt = tl.where(taps == CONV_K - 2, new, _pick3(shifted, m, BLOCK_M).to(tl.float32))
         s_ptrs = (cs_ptr + tl.maximum(slot_m, 0).to(tl.int64)[:, :, None] * stride_cs_s
                   + c[None, :, None] * stride_cs_d + taps * stride_cs_k)
         tl.store(s_ptrs, nxt.to(cs_ptr.dtype.element_ty), mask=live[:, :, None] & (taps < CONV_K - 1))
@@ -312,13 +298,9 @@ def _finish_row(
 def _skinny_kernel(
     x_ptr, z_ptr, wn_ptr, w_ptr, bias_ptr, out_ptr, row_ptr,
     cs_ptr, cw_ptr, cb_ptr, slot_ptr,
-    pres_ptr, pacc_ptr, pssq_ptr, pbias_ptr,
-    N, K, eps, group_size, conv_lo, conv_dim, p_group_size, p_eps,
+    N, K, eps, group_size, conv_lo, conv_dim,
     stride_x, stride_z, stride_w, stride_out,
     stride_cs_s, stride_cs_d, stride_cs_k, stride_cw_d,
-    stride_pres, stride_pacc_m, stride_pacc_g, stride_pssq_m,
-    PENDING: tl.constexpr, P_GROUPS: tl.constexpr, P_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-    P_BIAS: tl.constexpr,
     PROLOGUE: tl.constexpr, ROUND_FIRST: tl.constexpr, NUM_GROUPS: tl.constexpr, BLOCK_G: tl.constexpr,
     EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ROW_IDX: tl.constexpr,
     CONV_K: tl.constexpr, BLOCK_C: tl.constexpr, CONV_BIAS: tl.constexpr,
@@ -341,13 +323,8 @@ def _skinny_kernel(
     w0 = tl.load(w_ptr + n64[:, None] * stride_w + ks[None, :], mask=n_ok[:, None] & (ks[None, :] < K), other=0.0)
     # Stand-ins for the prefetched tiles a variant does not use (its constexpr branches never
     # read them); one name each, whatever the variant, keeps single helper signatures.
-    z0, res, window, shifted, cw, xin = w0, w0, w0, w0, w0, w0
+    z0, res, window, shifted, cw = w0, w0, w0, w0, w0
     slot, c, c_ok = rows, n, n_ok
-    if PENDING:
-        # the residual stream before the pending block: written two or more kernels back
-        tl.static_assert(PROLOGUE == 1 and not LOOP and not HAS_ROW_IDX,
-                         "a pending input takes the one-tile block norm over all rows")
-        xin = _load_rows(pres_ptr, rows.to(tl.int64), row_ok, ks, ks < K, stride_pres)
     if EARLY:
         if PROLOGUE == 2 and not LOOP:
             z0 = _load_rows(z_ptr, rows.to(tl.int64), row_ok, ks, ks < K, stride_z)
@@ -374,14 +351,6 @@ def _skinny_kernel(
         tl.extra.cuda.gdc_wait()
         if not LOOP:
             tl.extra.cuda.gdc_launch_dependents()
-    if PENDING:
-        # the new residual stream: every program computes it, the first one stores it
-        xin = _pending_rows(xin, pacc_ptr, pssq_ptr, pbias_ptr, rows, row_ok, ks, ks < K, p_group_size, p_eps,
-                            stride_pacc_m, stride_pacc_g, stride_pssq_m,
-                            P_GROUPS, P_SPLITS, BLOCK_S, P_BIAS, BLOCK_M, BLOCK_K, w_ptr.dtype.element_ty)
-        if tl.program_id(0) == 0:
-            tl.store(x_ptr + rows.to(tl.int64)[:, None] * stride_x + ks[None, :], xin.to(x_ptr.dtype.element_ty),
-                     mask=row_ok[:, None] & (ks < K)[None, :])
     if LOOP:
         tl.static_assert(PROLOGUE != 2, "a gated norm runs as its own kernel before a streamed product")
         acc = _streamed_rows(
@@ -393,11 +362,11 @@ def _skinny_kernel(
             tl.extra.cuda.gdc_launch_dependents()
     for m in tl.static_range(M):
         if LOOP:
-            acc_m = pick_row(acc, m, BLOCK_M)
+            acc_m = _pick(acc, m, BLOCK_M)
         else:
             acc_m = _tile_row(
-                m, w0, z0, xin, x_ptr, z_ptr, wn_ptr, row_ptr, K, eps, group_size, stride_x, stride_z,
-                PROLOGUE, ROUND_FIRST, NUM_GROUPS, BLOCK_G, HAS_ROW_IDX, BLOCK_M, BLOCK_K, EARLY, PENDING,
+                m, w0, z0, x_ptr, z_ptr, wn_ptr, row_ptr, K, eps, group_size, stride_x, stride_z,
+                PROLOGUE, ROUND_FIRST, NUM_GROUPS, BLOCK_G, HAS_ROW_IDX, BLOCK_M, BLOCK_K, EARLY,
             )
         _finish_row(
             m, acc_m, res, window, shifted, cw, slot, n, n_ok, c, c_ok,
@@ -476,7 +445,7 @@ def _check_weight(weight: torch.Tensor, K: int) -> None:
 
 
 def _launch(x, z, norm_w, weight, bias, out, rows: _Rows, *, eps, group_size, prologue, round_first,
-            epilogue, conv: ConvTail | None, pdl: bool, early: bool = False, pending: Pending | None = None):
+            epilogue, conv: ConvTail | None, pdl: bool, early: bool = False):
     M, (N, K) = rows.n, weight.shape
     if M > MAX_ROWS:
         raise ValueError(f"{M} rows: the skinny projection takes at most {MAX_ROWS}; use a GEMM")
@@ -490,27 +459,15 @@ def _launch(x, z, norm_w, weight, bias, out, rows: _Rows, *, eps, group_size, pr
         (D, conv_k), (ss_s, ss_d, ss_k), scw = conv.weight.shape, conv.state.stride(), conv.weight.stride(0)
         cs, cw, slots, lo = conv.state, conv.weight, conv.slots, conv.lo
         cb = conv.bias if conv.bias is not None else conv.weight
-    if pending is None:  # stand-ins again
-        p = Pending(x, x, 1, 0.0, None, x, weight.dtype)
-        p_groups, p_splits = 1, 1
-    else:
-        if cfg.loop or prologue != _PRO_RMS or rows.idx is not None:
-            raise ValueError("a pending input takes a block norm over all rows, with K in one tile")
-        p = pending
-        (_, p_groups, _), p_splits = p.acc.shape, p.ssq.shape[1]
     groups = K // group_size
     extra = {"launch_pdl": True} if pdl else {}
     _skinny_kernel[(triton.cdiv(N, cfg.block_n),)](
         x, z if z is not None else x, norm_w if norm_w is not None else weight, weight,
         bias if bias is not None else weight, out, rows.idx if rows.idx is not None else x,
         cs, cw, cb, slots,
-        p.residual, p.acc, p.ssq, p.bias if p.bias is not None else weight,
-        N, K, eps, group_size, lo, D, p.group_size, p.eps,
+        N, K, eps, group_size, lo, D,
         x.stride(0), z.stride(0) if z is not None else 0, weight.stride(0), out.stride(0),
         ss_s, ss_d, ss_k, scw,
-        p.residual.stride(0), p.acc.stride(0), p.acc.stride(1), p.ssq.stride(0),
-        PENDING=pending is not None, P_GROUPS=p_groups, P_SPLITS=p_splits,
-        BLOCK_S=triton.next_power_of_2(p_splits), P_BIAS=p.bias is not None,
         PROLOGUE=prologue, ROUND_FIRST=round_first, NUM_GROUPS=groups, BLOCK_G=triton.next_power_of_2(groups),
         EPILOGUE=epilogue, HAS_BIAS=bias is not None, HAS_ROW_IDX=rows.idx is not None,
         CONV_K=conv_k, BLOCK_C=triton.next_power_of_2(conv_k), CONV_BIAS=conv is not None and conv.bias is not None,
@@ -545,34 +502,19 @@ def _out_rows(x, rows, out, residual, N, dtype):
     return spec, out
 
 
-def _check_pending(p: Pending, x, weight) -> None:
-    T, K = x.shape
-    _check("pending.residual", p.residual, (T, K))
-    if p.residual.data_ptr() == x.data_ptr():
-        raise ValueError("x receives the new residual stream: it must not be pending.residual's buffer")
-    if p.acc.dim() != 3 or tuple(p.acc.shape[::2]) != (T, K) or p.acc.dtype != torch.int64:
-        raise ValueError(f"pending.acc: expected int64 [{T}, groups, {K}], got {p.acc.dtype} {list(p.acc.shape)}")
-    if p.ssq.shape[1] % p.acc.shape[1]:
-        raise ValueError(f"pending.ssq: {p.ssq.shape[1]} slices do not split into {p.acc.shape[1]} groups")
-    if p.dtype != weight.dtype:
-        raise ValueError(f"pending output rounds to {p.dtype}, the projection's weight is {weight.dtype}")
-
-
 def norm_linear_triton(x, norm_w, eps, weight, *, bias=None, round_first=True, rows=None, residual=None,
-                       relu2=False, conv=None, out=None, pdl=False, pending=None):
+                       relu2=False, conv=None, out=None, pdl=False):
     """Triton launcher of :func:`norm_linear`."""
     T, K = x.shape
     _check("x", x, (T, K))
     _check_weight(weight, K)
-    if pending is not None:
-        _check_pending(pending, x, weight)
     if conv is not None:
         _check("conv.slots", conv.slots, (T if rows is None else rows.shape[0],))
     epi = _epilogue(residual, relu2, conv)
     spec, dst = _out_rows(x, rows, out, residual, weight.shape[0], weight.dtype)
     return _launch(x, None, norm_w, weight, bias, dst, spec, eps=eps, group_size=K,
                    prologue=_PRO_NONE if norm_w is None else _PRO_RMS, round_first=round_first,
-                   epilogue=epi, conv=conv, pdl=pdl, pending=pending)
+                   epilogue=epi, conv=conv, pdl=pdl)
 
 
 def _linear_ref(h, weight, bias):
@@ -596,13 +538,9 @@ def _epilogue_ref(y, residual, relu2, conv, out):
 
 
 def norm_linear_ref(x, norm_w, eps, weight, *, bias=None, round_first=True, rows=None, residual=None,
-                    relu2=False, conv=None, out=None, pdl=False, pending=None):
-    """The unfused composition: :func:`pending_ref`, :func:`rms_norm_ref`, a rounded fp32 product,
-    the epilogue."""
+                    relu2=False, conv=None, out=None, pdl=False):
+    """The unfused composition: :func:`rms_norm_ref`, a rounded fp32 product, the epilogue."""
     _epilogue(residual, relu2, conv)
-    if pending is not None:
-        _check_pending(pending, x, weight)
-        x.copy_(pending_ref(pending))
     src = x if rows is None else x.index_select(0, rows.long())
     h = src
     if norm_w is not None:
@@ -612,7 +550,7 @@ def norm_linear_ref(x, norm_w, eps, weight, *, bias=None, round_first=True, rows
 
 
 def norm_linear(x, norm_w, eps, weight, *, bias=None, round_first=True, rows=None, residual=None,
-                relu2=False, conv=None, out=None, pdl=False, pending=None):
+                relu2=False, conv=None, out=None, pdl=False):
     """``epilogue(rms_norm(x[rows]) @ weight.T + bias)`` for at most ``MAX_ROWS`` rows.
 
     x:        [T, K] activations (bf16, or the fp32 residual stream); row-strided views allowed
@@ -625,15 +563,12 @@ def norm_linear(x, norm_w, eps, weight, *, bias=None, round_first=True, rows=Non
       conv:     ConvTail: the conv1d decode update on columns [conv.lo, conv.lo + D)
     out:      [R, N] (any float dtype; the product is rounded to weight's dtype first)
     pdl:      launch as a programmatic dependent of the previous kernel (CUDA, sm_90+)
-    pending:  a Mamba2 block's output left pending (``kernels.split_tail``): x is first written
-              with ``pending.residual`` plus that output (the new residual stream), and the norm
-              and product take it; needs a block norm, all rows, and K in one tile
 
     CUDA tensors run the Triton kernel (capturable, no host sync); CPU tensors the reference.
     """
     fn = norm_linear_triton if x.is_cuda else norm_linear_ref
     return fn(x, norm_w, eps, weight, bias=bias, round_first=round_first, rows=rows, residual=residual,
-              relu2=relu2, conv=conv, out=out, pdl=pdl, pending=pending)
+              relu2=relu2, conv=conv, out=out, pdl=pdl)
 
 
 def gated_norm_linear_triton(y, z, norm_w, group_size, eps, weight, *, bias=None, residual=None, out=None,

@@ -71,10 +71,6 @@ class Model:
         # each signals its dependents; docs/BENCHMARKS.md has the step with and without). A
         # switch, for measurement.
         self.pdl = pdl_supported(self.device)
-        # Mamba2 blocks in two kernels rather than three, each block's output added by the next
-        # block's first kernel (kernels.split_tail). Where every block is Mamba2 and every
-        # projection holds K in one tile (Mamba2-130M); a switch, for measurement.
-        self.split_tails = self.fused_decode and one_tile(cfg) and set(cfg.layer_types) == {"mamba"} and len(self.layers) > 1
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype=torch.bfloat16, device="cpu") -> "Model":
@@ -110,11 +106,8 @@ class Model:
 
     def _decode_fused(self, inputs: StepInputs, state) -> torch.Tensor:
         residual = F.embedding(inputs.input_ids, self.embed).to(self.residual_dtype)
-        if self.split_tails:
-            residual = self._split_blocks(residual, inputs, state)
-        else:
-            for layer, norm_w in zip(self.layers, self.norms):
-                layer.decode_fused(residual, norm_w, self.round_norm_first, inputs, state, self.pdl)
+        for layer, norm_w in zip(self.layers, self.norms):
+            layer.decode_fused(residual, norm_w, self.round_norm_first, inputs, state, self.pdl)
         rows = inputs.logit_rows
         if rows.shape[0] == 1:
             logits = torch.empty(1, self.lm_head.shape[0], dtype=torch.float32, device=residual.device)
@@ -124,17 +117,3 @@ class Model:
         h = rms_norm(residual.index_select(0, rows), self.norm_f, self.cfg.norm_eps, round_first=self.round_norm_first,
                      out=torch.empty(rows.shape[0], residual.shape[1], dtype=self.dtype, device=residual.device))
         return F.linear(h, self.lm_head).float()
-
-    def _split_blocks(self, residual: torch.Tensor, inputs: StepInputs, state) -> torch.Tensor:
-        """Mamba2 blocks whose tails are split over K: block i's output stays pending until block
-        i + 1's first kernel adds it, writing the residual stream into the other of two buffers
-        (its programs all read the one before). The last block adds its own output in place."""
-        streams = (residual, torch.empty_like(residual))
-        last = len(self.layers) - 1
-        acc = torch.zeros(last, residual.shape[0], self.cfg.n_groups, residual.shape[1], dtype=torch.int64,
-                          device=residual.device)
-        pending = None
-        for i, (layer, norm_w) in enumerate(zip(self.layers, self.norms)):
-            pending = layer.decode_fused(streams[i % 2], norm_w, self.round_norm_first, inputs, state, self.pdl,
-                                         pending=pending, acc=acc[i] if i < last else None)
-        return streams[last % 2]

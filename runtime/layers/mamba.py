@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from ...kernels.conv1d import conv1d_update, conv1d_varlen
 from ...kernels.decode_linear import ConvTail, gated_norm_linear, norm_linear
 from ...kernels.norm import gated_rms_norm
-from ...kernels.split_tail import Pending, split_tail
 from ...kernels.ssd import ssd_scan
 from ...kernels.state_update import selective_state_update
 from ..config import ModelConfig
@@ -91,36 +90,22 @@ class MambaLayer:
         return F.linear(normed, self.out_proj, self.out_proj_bias)
 
     def decode_fused(self, residual: torch.Tensor, norm_w: torch.Tensor, round_first: bool,
-                     inputs: StepInputs, state, pdl: bool = False, *, pending: Pending | None = None,
-                     acc: torch.Tensor | None = None) -> Pending | None:
+                     inputs: StepInputs, state, pdl: bool = False) -> None:
         """The whole block for a small decode-only step, ``residual += mixer(norm(residual))``, in
         three kernels: block norm + in_proj + conv update; state update; gated norm + out_proj +
-        residual add (``kernels.decode_linear``).
-
-        With ``acc`` ([rows, groups, hidden] int64, zeros), in two: the state update, gated norm
-        and out_proj as one kernel split over K (``kernels.split_tail``), whose output is returned
-        pending rather than added. With ``pending`` (the previous block's), the first kernel adds
-        it: ``residual`` receives the new stream, ``pending.residual`` holds the one before.
-        """
+        residual add (``kernels.decode_linear``)."""
         T = residual.shape[0]
         proj = torch.empty(T, self.in_proj.shape[0], dtype=self.in_proj.dtype, device=residual.device)
         conv = ConvTail(state.conv[self.idx], self.conv_w, self.conv_b, inputs.decode_slots, self.inner)
         norm_linear(residual, norm_w, self.eps, self.in_proj, bias=self.in_proj_bias, round_first=round_first,
-                    conv=conv, out=proj, pdl=pdl, pending=pending)
+                    conv=conv, out=proj, pdl=pdl)
         x, B, C = self._ssm_operands(proj[:, self.inner : self.inner + self.conv_dim])
-        dt, z = proj[:, self.inner + self.conv_dim :], proj[:, : self.inner]
-        if acc is not None:
-            return split_tail(state.ssm[self.idx], x, dt, self.A, B, C, self.D, inputs.decode_slots,
-                              z.view(T, self.H, self.P), dt_bias=self.dt_bias, norm_w=self.norm_w, norm_groups=self.G,
-                              eps=self.eps, weight=self.out_proj, bias=self.out_proj_bias, residual=residual,
-                              acc=acc, pdl=pdl)
         y = torch.empty(T, self.H, self.P, dtype=proj.dtype, device=proj.device)
-        selective_state_update(state.ssm[self.idx], x, dt, self.A, B, C, self.D,
+        selective_state_update(state.ssm[self.idx], x, proj[:, self.inner + self.conv_dim :], self.A, B, C, self.D,
                                inputs.decode_slots, dt_bias=self.dt_bias, dt_softplus=True, out=y, pdl=pdl)
         # z (from in_proj) and the residual (from the previous block) are two or more kernels back
-        gated_norm_linear(y.view(T, self.inner), z, self.norm_w, self.inner // self.G, self.eps,
+        gated_norm_linear(y.view(T, self.inner), proj[:, : self.inner], self.norm_w, self.inner // self.G, self.eps,
                           self.out_proj, bias=self.out_proj_bias, residual=residual, pdl=pdl, early=True)
-        return None
 
     def forward(self, x: torch.Tensor, inputs: StepInputs, state, aux_stream=None) -> torch.Tensor:
         proj, xbc, y = self.project(x)

@@ -10,10 +10,10 @@ their own that move almost nothing. Here one kernel does all three:
 - the product: each program owns ``BLOCK_N`` output columns and reads its ``[BLOCK_N, K]``
   slice of the weight once, as plain multiply-adds in fp32 (no tensor cores: a 16-row MMA tile
   would be mostly padding). Two ways through K (``_config``):
-  - one tile: up to ``ONE_TILE_MAX_K`` columns (Mamba2-130M's block projections), the whole
-    slice is loaded into registers before the wait, and the rows are taken one after the other
-    in the tile's layout. The per-row work grows with the rows: in a whole decode step 1-4 rows
-    pay, 8 do not.
+  - one tile: up to ``ONE_TILE_MAX_K`` columns (Mamba2-130M's block projections, and its LM
+    head at one row), the whole slice is loaded into registers before the wait, and the rows are
+    taken one after the other in the tile's layout, mostly one warp a program. The per-row work
+    grows with the rows: in a whole decode step 1-4 rows pay, 8 do not.
   - streamed: wider K (Nemotron-H-8B) and vocabulary-wide grids (LM heads) loop over K tiles
     with software pipelining, each tile read once for all rows. A block norm is applied after
     the product (each row's sum of squares comes along in the same pass, and its rstd scales the
@@ -29,8 +29,8 @@ first weight tile, the conv weights and state (no other kernel touches a layer's
 within a step), and with ``early=True`` the gate z and the residual. Those are safe because a
 kernel here signals its dependents (``gdc_launch_dependents``) only after its own wait returned,
 i.e. after its predecessor completed: so when a kernel starts, everything two or more launches
-back in the stream is complete. A one-tile kernel (one wave) signals right after its wait; a
-streamed one, whose programs run in several waves, only after its K loop, so that dependents take
+back in the stream is complete. A one-tile kernel (one wave, but for an LM head, the step's last
+kernel) signals right after its wait; a streamed one, whose programs run in several waves, only after its K loop, so that dependents take
 SM slots as its last wave drains rather than idle in them through it (on Nemotron-H-8B the early
 signal made the step slower, the late one faster: docs/BENCHMARKS.md). Every kernel calls
 ``gdc_wait`` before reading its direct predecessor's output, so the chain stays ordered end to
@@ -148,9 +148,10 @@ def _group_table(acc, v, cols, group_size, NUM_GROUPS: tl.constexpr, BLOCK_G: tl
 
 
 @triton.jit
-def _normalize(a, cols, col_ok, rstd, wn_ptr, group_size, ROUND_FIRST: tl.constexpr,
+def _normalize(a, cols, rstd, wn, group_size, ROUND_FIRST: tl.constexpr,
                NUM_GROUPS: tl.constexpr, BLOCK_G: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """round(wn * (a * rstd of its group)), with the rounding of ``rms_norm`` / ``gated_rms_norm``."""
+    """round(wn * (a * rstd of its group)), with the rounding of ``rms_norm`` / ``gated_rms_norm``;
+    wn: the norm weight in fp32, [1, BLOCK_K]."""
     if NUM_GROUPS == 1:
         r = tl.sum(rstd, axis=1)[:, None]
     else:
@@ -162,21 +163,19 @@ def _normalize(a, cols, col_ok, rstd, wn_ptr, group_size, ROUND_FIRST: tl.conste
     y = a * r
     if ROUND_FIRST:
         y = y.to(OUT_DTYPE).to(tl.float32)
-    wn = tl.load(wn_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    return (y * wn[None, :]).to(OUT_DTYPE).to(tl.float32)
+    return (y * wn).to(OUT_DTYPE).to(tl.float32)
 
 
 @triton.jit
 def _tile_row(
-    m, w0, z0, x_ptr, z_ptr, wn_ptr, row_ptr, K, eps, group_size, stride_x, stride_z,
+    m, w0, wn, z0, ks, x_ptr, z_ptr, row_ptr, K, eps, group_size, stride_x, stride_z,
     PROLOGUE: tl.constexpr, ROUND_FIRST: tl.constexpr, NUM_GROUPS: tl.constexpr, BLOCK_G: tl.constexpr,
-    HAS_ROW_IDX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EARLY: tl.constexpr,
+    HAS_ROW_IDX: tl.constexpr, BLOCK_M: tl.constexpr, EARLY: tl.constexpr,
 ):
     """The product of row m with the program's weight tile w0 ([BLOCK_N, BLOCK_K], the whole K)
-    in fp32, as [1, BLOCK_N]; the input row's prologue on the way."""
+    in fp32, as [1, BLOCK_N]; the input row's prologue on the way (wn: the norm weight, loaded)."""
     row = m + tl.arange(0, 1)  # [1]
     row_ok = row >= 0
-    ks = tl.arange(0, BLOCK_K)
     if HAS_ROW_IDX:
         src = tl.load(row_ptr + row).to(tl.int64)
     else:
@@ -191,8 +190,7 @@ def _tile_row(
     if PROLOGUE != 0:
         sq = _group_table(tl.zeros([1, BLOCK_G], dtype=tl.float32), a * a, ks, group_size, NUM_GROUPS, BLOCK_G)
         rstd = tl.rsqrt(sq / group_size + eps)
-        a = _normalize(a, ks, ks < K, rstd, wn_ptr, group_size, ROUND_FIRST, NUM_GROUPS, BLOCK_G,
-                       w0.dtype)
+        a = _normalize(a, ks, rstd, wn, group_size, ROUND_FIRST, NUM_GROUPS, BLOCK_G, w0.dtype)
     return tl.sum(w0.to(tl.float32) * a, axis=1)[None, :]
 
 
@@ -314,6 +312,11 @@ def _skinny_kernel(
     n_ok = n < N
     n64 = n.to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
+    if not LOOP and x_ptr.dtype.element_ty == tl.float32:
+        # 4-wide (16-byte) vectors, as the fp32 input rows load, for the bf16 tiles too: one
+        # layout for every [.., BLOCK_K] tile, so the weight tile is never re-laid out (through
+        # shared memory, after the wait) to meet the input row
+        ks = tl.max_contiguous(ks, 4)
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < M
 
@@ -323,8 +326,10 @@ def _skinny_kernel(
     w0 = tl.load(w_ptr + n64[:, None] * stride_w + ks[None, :], mask=n_ok[:, None] & (ks[None, :] < K), other=0.0)
     # Stand-ins for the prefetched tiles a variant does not use (its constexpr branches never
     # read them); one name each, whatever the variant, keeps single helper signatures.
-    z0, res, window, shifted, cw = w0, w0, w0, w0, w0
+    z0, res, window, shifted, cw, wn = w0, w0, w0, w0, w0, w0
     slot, c, c_ok = rows, n, n_ok
+    if PROLOGUE != 0 and not LOOP:
+        wn = tl.load(wn_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)[None, :]
     if EARLY:
         if PROLOGUE == 2 and not LOOP:
             z0 = _load_rows(z_ptr, rows.to(tl.int64), row_ok, ks, ks < K, stride_z)
@@ -365,8 +370,8 @@ def _skinny_kernel(
             acc_m = _pick(acc, m, BLOCK_M)
         else:
             acc_m = _tile_row(
-                m, w0, z0, x_ptr, z_ptr, wn_ptr, row_ptr, K, eps, group_size, stride_x, stride_z,
-                PROLOGUE, ROUND_FIRST, NUM_GROUPS, BLOCK_G, HAS_ROW_IDX, BLOCK_M, BLOCK_K, EARLY,
+                m, w0, wn, z0, ks, x_ptr, z_ptr, row_ptr, K, eps, group_size, stride_x, stride_z,
+                PROLOGUE, ROUND_FIRST, NUM_GROUPS, BLOCK_G, HAS_ROW_IDX, BLOCK_M, EARLY,
             )
         _finish_row(
             m, acc_m, res, window, shifted, cw, slot, n, n_ok, c, c_ok,
@@ -406,9 +411,13 @@ def _config(M: int, N: int, K: int, device: torch.device) -> _Config:
     """Tile sizes for M rows of an [N, K] weight, from sweeps on an H200 (docs/BENCHMARKS.md).
 
     One tile, when K <= ONE_TILE_MAX_K and the grid is a few waves at most (Mamba2-130M's block
-    projections): the program's whole weight slice sits in registers before the wait; 16 columns
-    a program for K <= 1024 when that still makes a full wave, else 8 (the gated out_proj, whose
-    prologue re-reads two 1536-wide rows, is fastest with few, wide programs).
+    projections), or one row through K <= 1024 (its LM head too): the program's whole weight
+    slice sits in registers, loaded before the wait. Up to 1024 columns of K, one warp a program,
+    so that the row's norm and the product reduce within the warp (no shared memory, no
+    barriers): 2 columns a program at one row while that is about a wave of resident programs
+    (in_proj), else 4 (each thread holds 64-128 weights). Wider (the gated out_proj, whose
+    prologue works through two 1536-wide rows, better spread over warps): 8 columns, 4 warps at
+    one row, 8 at more. Measured in the whole Mamba2-130M decode step (docs/BENCHMARKS.md).
 
     Otherwise K is streamed (Nemotron-H-8B's projections, the LM heads) in tiles of 512 columns
     from K = 4096, else 256, 3 pipeline stages, 4 warps; 8 columns a program, 16 for
@@ -418,10 +427,12 @@ def _config(M: int, N: int, K: int, device: torch.device) -> _Config:
     sums keep their register footprint.
     """
     sms = _num_sms(device)
-    if K <= ONE_TILE_MAX_K and triton.cdiv(N, 16) <= 4 * sms:
+    if K <= ONE_TILE_MAX_K and (triton.cdiv(N, 16) <= 4 * sms or (M == 1 and K <= 1024)):
         block_k = triton.next_power_of_2(K)
-        block_n = 16 if block_k <= 1024 and triton.cdiv(N, 16) >= sms else 8
-        return _Config(False, block_n, block_k, 4, 1)
+        if block_k <= 1024:
+            block_n = 2 if M == 1 and triton.cdiv(N, 2) <= 16 * sms else 4
+            return _Config(False, block_n, block_k, 1, 1)
+        return _Config(False, 8, block_k, 4 if M == 1 else 8, 1)
     rows = triton.next_power_of_2(M)
     vocabulary_wide = triton.cdiv(N, 16) >= 16 * sms
     if M == 1 and N >= 4 * K and K >= 4096 and not vocabulary_wide:

@@ -125,21 +125,26 @@ _TILE_BYTES = 8192
 
 
 @functools.lru_cache(maxsize=None)
-def _block_config(headdim: int, dstate: int, state_dtype: torch.dtype) -> tuple[int, int, int]:
+def _block_config(headdim: int, dstate: int, state_dtype: torch.dtype, batch: int = 2) -> tuple[int, int, int]:
     """(BLOCK_P, BLOCK_N, num_warps) for a head of [headdim, dstate] state in ``state_dtype``.
 
-    Static per model, so each model compiles one variant; never autotuned, since the kernel
-    mutates the state.
+    Static per model and batch size, so each model compiles a variant or two; never autotuned,
+    since the kernel mutates the state. At batch 1, where the step waits on each kernel's latency
+    rather than its bandwidth, half the tile in one warp: twice the programs, each a shorter
+    chain (Mamba2-130M's batch-1 step 2-3% faster, docs/BENCHMARKS.md).
     """
     elem = state_dtype.itemsize
+    tile_bytes = _TILE_BYTES if batch > 1 else _TILE_BYTES // 2
     block_n = triton.next_power_of_2(dstate)
-    target_p = max(1, _TILE_BYTES // (block_n * elem))
+    target_p = max(1, tile_bytes // (block_n * elem))
     start = min(target_p, triton.next_power_of_2(headdim))
-    # Of start, start/2, start/4, start/8 (tiles of at least 1 KiB) pick the one that wastes the
-    # fewest masked rows (headdim 80: 16 x 5 rather than 32 x 3), the largest on a tie.
-    min_p = min(start, max(1, _TILE_BYTES // 8 // (block_n * elem)))
+    # Of start, start/2, start/4, start/8 (tiles of at least 1/8 the target) pick the one that
+    # wastes the fewest masked rows (headdim 80: 16 x 5 rather than 32 x 3), the largest on a tie.
+    min_p = min(start, max(1, tile_bytes // 8 // (block_n * elem)))
     candidates = [start >> k for k in range(4) if start >> k >= min_p]
     block_p = min(candidates, key=lambda bp: (triton.cdiv(headdim, bp) * bp, -bp))
+    if batch == 1:
+        return block_p, block_n, 1
     # 16-byte vectors: 8 bf16 or 4 fp32 lanes. Give each thread at least two vectors of the tile
     # so its loads overlap; 4 warps cover an 8 KiB tile in four vectors per thread.
     vec = 16 // elem
@@ -215,7 +220,7 @@ def selective_state_update_triton(
     G = B.shape[1]
     if batch == 0:
         return out
-    block_p, block_n, num_warps = _block_config(P, N, state.dtype)
+    block_p, block_n, num_warps = _block_config(P, N, state.dtype, min(batch, 2))
     grid = (batch * H, triton.cdiv(P, block_p))
     # Absent optional tensors: any valid pointer will do, the constexpr flags keep it unread.
     _state_update_kernel[grid](

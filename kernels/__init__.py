@@ -11,6 +11,7 @@ from .attention import decode_attention, prefill_attention
 from .conv1d import conv1d_update, conv1d_varlen
 from .decode_ids import fill_decode_ids
 from .decode_linear import ConvTail, gated_norm_linear, norm_linear
+from .embedding import embed_rows
 from .norm import gated_rms_norm, rms_norm
 from .ssd import SSDWorkspace, ssd_scan
 from .state_update import selective_state_update
@@ -20,5 +21,5 @@ __all__ = [
     "PAD_SLOT_ID", "PrefillMetadata", "fill_prefill_metadata", "max_chunks_for",
     "conv1d_update", "conv1d_varlen", "selective_state_update", "ssd_scan", "SSDWorkspace",
     "decode_attention", "prefill_attention", "rms_norm", "gated_rms_norm", "relu2", "fill_decode_ids",
-    "norm_linear", "gated_norm_linear", "ConvTail",
+    "norm_linear", "gated_norm_linear", "ConvTail", "embed_rows",
 ]

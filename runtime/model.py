@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.decode_linear import ONE_TILE_MAX_K, norm_linear, pdl_supported
+from ..kernels.embedding import embed_rows
 from ..kernels.norm import rms_norm
 from .config import ModelConfig
 from .layers import AttentionLayer, MambaLayer, MLPLayer, MoELayer
@@ -105,7 +106,9 @@ class Model:
         return F.linear(rows, self.lm_head).float()
 
     def _decode_fused(self, inputs: StepInputs, state) -> torch.Tensor:
-        residual = F.embedding(inputs.input_ids, self.embed).to(self.residual_dtype)
+        ids = inputs.input_ids
+        residual = torch.empty(ids.shape[0], self.embed.shape[1], dtype=self.residual_dtype, device=ids.device)
+        embed_rows(ids, self.embed, residual, pdl=self.pdl)
         for layer, norm_w in zip(self.layers, self.norms):
             layer.decode_fused(residual, norm_w, self.round_norm_first, inputs, state, self.pdl)
         rows = inputs.logit_rows

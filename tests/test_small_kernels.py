@@ -3,6 +3,7 @@ import torch
 
 from mambastep.kernels.activation import relu2_ref, relu2_triton
 from mambastep.kernels.decode_ids import fill_decode_ids_ref, fill_decode_ids_triton
+from mambastep.kernels.embedding import embed_rows_ref, embed_rows_triton
 from support import assert_close, poisoned
 
 
@@ -24,3 +25,15 @@ def test_fill_decode_ids(device):
     expect = fill_decode_ids_ref(ids.clone().cpu(), slots.cpu(), slot_tokens.cpu())
     assert expect.tolist() == [12, 0, 7, 13, 0]
     assert fill_decode_ids_triton(ids, slots, slot_tokens).cpu().tolist() == expect.tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D", [24, 768, 1500])
+def test_embed_rows(device, dtype, D):
+    table = torch.randn(50, D, device=device).to(torch.bfloat16)
+    ids = torch.tensor([3, 0, 49, 3], device=device)
+    out = poisoned((4, D), dtype, device)
+    embed_rows_triton(ids, table, out)
+    expect = table.cpu()[ids.cpu()].to(dtype)
+    assert torch.equal(out.cpu(), expect)
+    assert torch.equal(embed_rows_ref(ids.cpu(), table.cpu(), torch.empty(4, D, dtype=dtype)), expect)

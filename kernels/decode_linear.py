@@ -489,14 +489,6 @@ def _launch(x, z, norm_w, weight, bias, out, rows: _Rows, *, eps, group_size, pr
     return out
 
 
-def _group_size(K: int, group_size: int | None) -> int:
-    if group_size is None:
-        return K
-    if group_size <= 0 or K % group_size:
-        raise ValueError(f"group_size {group_size} does not divide {K}")
-    return group_size
-
-
 def _epilogue(residual, relu2, conv) -> int:
     if (residual is not None) + bool(relu2) + (conv is not None) > 1:
         raise ValueError("pick one epilogue: residual, relu2 or conv")
@@ -522,21 +514,18 @@ def _out_rows(x, rows, out, residual, N, dtype):
 
 
 def norm_linear_triton(x, norm_w, eps, weight, *, bias=None, round_first=True, rows=None, residual=None,
-                       relu2=False, conv=None, out=None, pdl=False, group_size=None, early=False):
+                       relu2=False, conv=None, out=None, pdl=False):
     """Triton launcher of :func:`norm_linear`."""
     T, K = x.shape
     _check("x", x, (T, K))
     _check_weight(weight, K)
-    group_size = _group_size(K, group_size)
-    if group_size != K and _config(T if rows is None else rows.shape[0], weight.shape[0], K, x.device).loop:
-        raise ValueError(f"a norm over groups of {group_size} needs K = {K} in one tile (at most {ONE_TILE_MAX_K})")
     if conv is not None:
         _check("conv.slots", conv.slots, (T if rows is None else rows.shape[0],))
     epi = _epilogue(residual, relu2, conv)
     spec, dst = _out_rows(x, rows, out, residual, weight.shape[0], weight.dtype)
-    return _launch(x, None, norm_w, weight, bias, dst, spec, eps=eps, group_size=group_size,
+    return _launch(x, None, norm_w, weight, bias, dst, spec, eps=eps, group_size=K,
                    prologue=_PRO_NONE if norm_w is None else _PRO_RMS, round_first=round_first,
-                   epilogue=epi, conv=conv, pdl=pdl, early=early)
+                   epilogue=epi, conv=conv, pdl=pdl)
 
 
 def _linear_ref(h, weight, bias):
@@ -560,30 +549,23 @@ def _epilogue_ref(y, residual, relu2, conv, out):
 
 
 def norm_linear_ref(x, norm_w, eps, weight, *, bias=None, round_first=True, rows=None, residual=None,
-                    relu2=False, conv=None, out=None, pdl=False, group_size=None, early=False):
-    """The unfused composition: :func:`rms_norm_ref` (over each group), a rounded fp32 product,
-    the epilogue."""
+                    relu2=False, conv=None, out=None, pdl=False):
+    """The unfused composition: :func:`rms_norm_ref`, a rounded fp32 product, the epilogue."""
     _epilogue(residual, relu2, conv)
     src = x if rows is None else x.index_select(0, rows.long())
     h = src
     if norm_w is not None:
-        R, K = src.shape
-        G = K // _group_size(K, group_size)
         h = torch.empty(src.shape, dtype=weight.dtype, device=src.device)
-        rms_norm_ref(src.view(R, G, K // G), norm_w.view(G, K // G), eps, out=h.view(R, G, K // G),
-                     round_first=round_first)
+        rms_norm_ref(src, norm_w, eps, out=h, round_first=round_first)
     return _epilogue_ref(_linear_ref(h, weight, bias), residual, relu2, conv, out)
 
 
 def norm_linear(x, norm_w, eps, weight, *, bias=None, round_first=True, rows=None, residual=None,
-                relu2=False, conv=None, out=None, pdl=False, group_size=None, early=False):
+                relu2=False, conv=None, out=None, pdl=False):
     """``epilogue(rms_norm(x[rows]) @ weight.T + bias)`` for at most ``MAX_ROWS`` rows.
 
-    x:        [T, K] activations (bf16, or fp32: the residual stream, a gated mixer output);
-              row-strided views allowed
+    x:        [T, K] activations (bf16, or the fp32 residual stream); row-strided views allowed
     norm_w:   [K] RMSNorm weight, or None for no norm; eps, round_first as in ``rms_norm``
-    group_size: the norm over each group of this many columns (Mamba2's grouped norm), or None
-              for one group; a grouped norm needs K in one tile (``ONE_TILE_MAX_K``)
     weight:   [N, K], rows contiguous; bias: [N] or None
     rows:     [R] int row indices of x to use (logit rows), or None for all T rows
     epilogue, at most one of:
@@ -592,14 +574,12 @@ def norm_linear(x, norm_w, eps, weight, *, bias=None, round_first=True, rows=Non
       conv:     ConvTail: the conv1d decode update on columns [conv.lo, conv.lo + D)
     out:      [R, N] (any float dtype; the product is rounded to weight's dtype first)
     pdl:      launch as a programmatic dependent of the previous kernel (CUDA, sm_90+)
-    early:    the residual was written two or more kernels back in this stream, so a programmatic
-              dependent launch may read it before its wait (as in :func:`gated_norm_linear`)
 
     CUDA tensors run the Triton kernel (capturable, no host sync); CPU tensors the reference.
     """
     fn = norm_linear_triton if x.is_cuda else norm_linear_ref
     return fn(x, norm_w, eps, weight, bias=bias, round_first=round_first, rows=rows, residual=residual,
-              relu2=relu2, conv=conv, out=out, pdl=pdl, group_size=group_size, early=early)
+              relu2=relu2, conv=conv, out=out, pdl=pdl)
 
 
 def gated_norm_linear_triton(y, z, norm_w, group_size, eps, weight, *, bias=None, residual=None, out=None,

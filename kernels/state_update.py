@@ -6,8 +6,7 @@ For each row ``b`` whose slot ``s = slot_idx[b]`` is live and each head ``h`` (g
     dt'   = softplus(dt[b, h] + dt_bias[h])                 # bias and softplus optional
     state[s, h] = state[s, h] * exp(dt' * A[h]) + dt' * x[b, h][:, None] * B[b, g][None, :]
     y     = state[s, h] @ C[b, g] + D[h] * x[b, h]           # D optional
-    y     = round(y) * silu(z[b, h])                         # gate optional: y rounded to
-                                                             # x's dtype, then gated in fp32
+    y     = y * silu(z[b, h])                                # z optional
 
 The state is stored back in its own dtype, but ``y`` is taken from the fp32 updated state before
 that rounding. HF's ``mamba2_selective_state_update`` does the same (its ``ssm_states`` is the
@@ -16,55 +15,25 @@ no dt clamp, like HF's recurrent branch.
 
 A row whose slot is ``PAD_SLOT_ID`` never touches the pool and gets zeros in ``out``. Slots of
 live rows must be distinct (each row owns its slot for the step).
-
-The gate can also be computed here (``GateProjection``). In Mamba2's fused decode path
-(``runtime.layers.mamba``) each program projects its rows of in_proj's z columns from the
-residual stream before its programmatic-launch wait, while in_proj, left with the xBC and dt
-columns, drains; so that product is off the step's critical path. It then hands on y * silu(z) in
-fp32, and the out_proj's prologue has only the grouped norm left.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .decode_linear import _normalize, norm_linear_ref
 from .varlen import PAD_SLOT_ID
 
-__all__ = ["GateProjection", "selective_state_update", "selective_state_update_triton", "selective_state_update_ref"]
-
-
-class GateProjection(NamedTuple):
-    """The gate computed by the state update itself: ``z = rms_norm(residual) @ weight.T + bias``,
-    rounded to weight's dtype as ``F.linear`` would, for each row (Mamba2's in_proj z columns, in
-    the fused decode path: ``runtime.layers.mamba``).
-
-    residual: [batch, K] (K at most ``GATE_MAX_K``); norm_w: [K]; weight: [H * P, K], rows
-    contiguous; bias: [H * P] or None; eps, round_first as in ``kernels.norm.rms_norm``.
-    """
-
-    residual: torch.Tensor
-    norm_w: torch.Tensor
-    eps: float
-    round_first: bool
-    weight: torch.Tensor
-    bias: torch.Tensor | None
-
-
-# The widest K of a projected gate: each program holds its rows' [BLOCK_P, K] weight slice.
-GATE_MAX_K = 1024
+__all__ = ["selective_state_update", "selective_state_update_triton", "selective_state_update_ref"]
 
 
 @triton.jit
 def _state_update_kernel(
     state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, slot_ptr, out_ptr,
-    res_ptr, wn_ptr, wz_ptr, bz_ptr, eps, K,
     heads_per_group,
     stride_state_s, stride_state_h, stride_state_p,
     stride_x_b, stride_x_h,
@@ -73,17 +42,13 @@ def _state_update_kernel(
     stride_C_b, stride_C_g,
     stride_z_b, stride_z_h,
     stride_out_b, stride_out_h,
-    stride_res_b, stride_wz,
     NHEADS: tl.constexpr,
     HEADDIM: tl.constexpr,
     DSTATE: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
     HAS_D: tl.constexpr,
-    GATE: tl.constexpr,
-    HAS_BZ: tl.constexpr,
-    ROUND_FIRST: tl.constexpr,
+    HAS_Z: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr,
     DT_SOFTPLUS: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -118,23 +83,6 @@ def _state_update_kernel(
         + offs_p[:, None] * stride_state_p + offs_n[None, :]
     )
     state = tl.load(state_ptrs, mask=state_mask, other=0.0).to(tl.float32)
-    if GATE == 2:
-        # z = rms_norm(res[b]) @ wz[rows of this tile].T (+ bias), rounded as F.linear would: this
-        # tile's share of in_proj's z columns, computed while the previous kernel (the rest of
-        # in_proj) drains. res was written two or more kernels back, so it is complete
-        # (kernels.decode_linear's notes on programmatic dependent launch).
-        ks = tl.max_contiguous(tl.arange(0, BLOCK_K), 4)  # one layout for the fp32 row and bf16 tile
-        k_ok = ks < K
-        r = tl.load(res_ptr + b * stride_res_b + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        wn = tl.load(wn_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        wz = tl.load(wz_ptr + (h * HEADDIM + offs_p).to(tl.int64)[:, None] * stride_wz + ks[None, :],
-                     mask=mask_p[:, None] & k_ok[None, :], other=0.0)
-        rstd = tl.rsqrt(tl.sum(r * r, axis=1)[:, None] / K + eps)
-        r = _normalize(r, ks, rstd, wn, K, ROUND_FIRST, 1, 1, wz.dtype)
-        z = tl.sum(wz.to(tl.float32) * r, axis=1)
-        if HAS_BZ:
-            z += tl.load(bz_ptr + h * HEADDIM + offs_p, mask=mask_p, other=0.0).to(tl.float32)
-        z = z.to(wz.dtype).to(tl.float32)
     # A programmatic dependent launch streams the state in while the previous kernel drains:
     # only this kernel touches the layer's state within a step. Its inputs come after the wait.
     if USE_PDL:
@@ -162,11 +110,9 @@ def _state_update_kernel(
     y = tl.sum(state * C[None, :], axis=1)  # [BLOCK_P]
     if HAS_D:
         y += tl.load(D_ptr + h).to(tl.float32) * x
-    if GATE != 0:
-        # the gate as a gated norm after the mixer would apply it: to y in x's dtype, in fp32
-        y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
-        if GATE == 1:
-            z = tl.load(z_ptr + b * stride_z_b + h * stride_z_h + offs_p, mask=mask_p, other=0.0).to(tl.float32)
+    if HAS_Z:
+        z = tl.load(z_ptr + b * stride_z_b + h * stride_z_h + offs_p, mask=mask_p, other=0.0)
+        z = z.to(tl.float32)
         y *= z * tl.sigmoid(z)
     y = tl.where(live, y, 0.0).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + b * stride_out_b + h * stride_out_h + offs_p, y, mask=mask_p)
@@ -235,21 +181,8 @@ def _check_shapes(state, x, dt, A, B, C, D, slot_idx, z, dt_bias, out) -> None:
         raise ValueError(f"heads ({H}) must be a multiple of groups ({G})")
     if slot_idx.dtype != torch.int32:
         raise ValueError(f"slot_idx must be int32, got {slot_idx.dtype}")
-    if out.dtype not in (x.dtype, torch.float32):
-        raise ValueError(f"out must have x's dtype {x.dtype} or float32, got {out.dtype}")
-
-
-def _check_gate(gate: GateProjection, batch: int, H: int, P: int) -> None:
-    K = gate.residual.shape[-1]
-    if K > GATE_MAX_K:
-        raise ValueError(f"a projected gate takes K <= {GATE_MAX_K}, got {K}")
-    expect = {"gate.residual": (gate.residual, (batch, K)), "gate.norm_w": (gate.norm_w, (K,)),
-              "gate.weight": (gate.weight, (H * P, K)), "gate.bias": (gate.bias, (H * P,))}
-    for name, (t, shape) in expect.items():
-        if t is not None and tuple(t.shape) != shape:
-            raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
-        if t is not None and t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last dim")
+    if out.dtype != x.dtype:
+        raise ValueError(f"out must have x's dtype {x.dtype}, got {out.dtype}")
 
 
 def selective_state_update_triton(
@@ -263,7 +196,6 @@ def selective_state_update_triton(
     slot_idx: torch.Tensor,
     *,
     z: torch.Tensor | None = None,
-    gate: GateProjection | None = None,
     dt_bias: torch.Tensor | None = None,
     dt_softplus: bool = True,
     out: torch.Tensor | None = None,
@@ -286,30 +218,17 @@ def selective_state_update_triton(
     batch = x.shape[0]
     _, H, P, N = state.shape
     G = B.shape[1]
-    if z is not None and gate is not None:
-        raise ValueError("pass the gate as z or as a GateProjection, not both")
-    if gate is not None:
-        _check_gate(gate, batch, H, P)
     if batch == 0:
         return out
     block_p, block_n, num_warps = _block_config(P, N, state.dtype, min(batch, 2))
-    block_k, K = 1, 1
-    if gate is not None:
-        # at most 128 of the gate's weights a thread
-        K = gate.residual.shape[1]
-        block_k = triton.next_power_of_2(K)
-        num_warps = max(num_warps, min(8, block_p * block_k // (32 * 128)))
     grid = (batch * H, triton.cdiv(P, block_p))
     # Absent optional tensors: any valid pointer will do, the constexpr flags keep it unread.
-    g = gate
     _state_update_kernel[grid](
         state, x, dt, A, B, C,
         D if D is not None else x,
         z if z is not None else x,
         dt_bias if dt_bias is not None else x,
         slot_idx, out,
-        g.residual if g else x, g.norm_w if g else x, g.weight if g else x,
-        g.bias if g is not None and g.bias is not None else x, g.eps if g else 0.0, K,
         H // G,
         state.stride(0), state.stride(1), state.stride(2),
         x.stride(0), x.stride(1),
@@ -318,17 +237,13 @@ def selective_state_update_triton(
         C.stride(0), C.stride(1),
         z.stride(0) if z is not None else 0, z.stride(1) if z is not None else 0,
         out.stride(0), out.stride(1),
-        g.residual.stride(0) if g else 0, g.weight.stride(0) if g else 0,
         NHEADS=H,
         HEADDIM=P,
         DSTATE=N,
         BLOCK_P=block_p,
         BLOCK_N=block_n,
-        BLOCK_K=block_k,
         HAS_D=D is not None,
-        GATE=2 if g else int(z is not None),
-        HAS_BZ=g is not None and g.bias is not None,
-        ROUND_FIRST=bool(g.round_first) if g else False,
+        HAS_Z=z is not None,
         HAS_DT_BIAS=dt_bias is not None,
         DT_SOFTPLUS=dt_softplus,
         USE_PDL=pdl,
@@ -349,7 +264,6 @@ def selective_state_update_ref(
     slot_idx: torch.Tensor,
     *,
     z: torch.Tensor | None = None,
-    gate: GateProjection | None = None,
     dt_bias: torch.Tensor | None = None,
     dt_softplus: bool = True,
     out: torch.Tensor | None = None,
@@ -363,14 +277,7 @@ def selective_state_update_ref(
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _check_shapes(state, x, dt, A, B, C, D, slot_idx, z, dt_bias, out)
-    _, H, P, _ = state.shape
-    G = B.shape[1]
-    if z is not None and gate is not None:
-        raise ValueError("pass the gate as z or as a GateProjection, not both")
-    if gate is not None:
-        _check_gate(gate, x.shape[0], H, P)
-        z = norm_linear_ref(gate.residual, gate.norm_w, gate.eps, gate.weight, bias=gate.bias,
-                            round_first=gate.round_first).view(x.shape[0], H, P)
+    H, G = state.shape[1], B.shape[1]
 
     rows = (slot_idx != PAD_SLOT_ID).nonzero().squeeze(1)
     slots = slot_idx[rows].long()
@@ -394,7 +301,7 @@ def selective_state_update_ref(
     if D is not None:
         y = y + f32(D)[:, None] * x_
     if z is not None:
-        y = y.to(x.dtype).float() * F.silu(f32(z[rows]))
+        y = y * F.silu(f32(z[rows]))
     out.zero_()
     out[rows] = y.to(out.dtype)
     return out
@@ -411,7 +318,6 @@ def selective_state_update(
     slot_idx: torch.Tensor,
     *,
     z: torch.Tensor | None = None,
-    gate: GateProjection | None = None,
     dt_bias: torch.Tensor | None = None,
     dt_softplus: bool = True,
     out: torch.Tensor | None = None,
@@ -426,13 +332,10 @@ def selective_state_update(
     B, C:     [batch, G, N], G dividing H (may be strided views, last dim contiguous)
     D:        [H] skip weight, or None
     slot_idx: [batch] int32 state slot of each row; PAD_SLOT_ID (-1) skips the row
-    z:        [batch, H, P] gate, or None; y, rounded to x's dtype (as a gated norm after the
-              mixer would take it), is multiplied by silu(z) in fp32
-    gate:     a GateProjection: z computed here from the residual stream, or None
+    z:        [batch, H, P] gate, or None; y is multiplied by silu(z)
     dt_bias:  [H] added to dt before the softplus, or None
     dt_softplus: apply softplus to dt (after dt_bias)
-    out:      [batch, H, P] in x's dtype or fp32, written in full (zeros for pad rows); allocated
-              in x's dtype if None
+    out:      [batch, H, P] in x's dtype, written in full (zeros for pad rows); allocated if None
     pdl:      launch as a programmatic dependent of the previous kernel (CUDA, sm_90+; the
               reference ignores it)
 
@@ -441,6 +344,5 @@ def selective_state_update(
     """
     fn = selective_state_update_triton if state.is_cuda else selective_state_update_ref
     return fn(
-        state, x, dt, A, B, C, D, slot_idx, z=z, gate=gate, dt_bias=dt_bias, dt_softplus=dt_softplus, out=out,
-        pdl=pdl,
+        state, x, dt, A, B, C, D, slot_idx, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus, out=out, pdl=pdl
     )

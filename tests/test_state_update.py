@@ -5,8 +5,6 @@ from support import assert_close, poisoned
 from transformers.models.mamba2.modeling_mamba2 import mamba2_selective_state_update as hf_update
 
 from mambastep.kernels.state_update import (
-    GATE_MAX_K,
-    GateProjection,
     _block_config,
     selective_state_update,
     selective_state_update_ref,
@@ -127,53 +125,6 @@ def test_triton_matches_reference(
     slots = make_slots(batch, S, pad_rows=[1, 3], device=device)
     flags = dict(use_z=use_z, use_D=use_D, use_bias=use_bias, softplus=softplus)
     check_against_reference(pool, inp, slots, dtype, **flags)
-
-
-def make_gate(batch, H, P, K, device, *, bias=True, round_first=True, seed=3):
-    g = torch.Generator().manual_seed(seed)
-    bf16 = lambda t: t.to(device=device, dtype=torch.bfloat16)  # noqa: E731
-    return GateProjection(
-        residual=torch.randn(batch, K, generator=g).to(device), norm_w=bf16(1 + 0.1 * torch.randn(K, generator=g)),
-        eps=1e-5, round_first=round_first, weight=bf16(torch.randn(H * P, K, generator=g) / K**0.5),
-        bias=bf16(torch.randn(H * P, generator=g)) if bias else None,
-    )
-
-
-@pytest.mark.parametrize("batch,pad_rows", [(1, []), (4, [2])])
-@pytest.mark.parametrize("K,bias,round_first", [(24, True, True), (40, False, False)])
-def test_projected_gate_matches_reference(device, batch, pad_rows, K, bias, round_first):
-    """z projected inside the kernel (Mamba2's fused decode path) against the reference, which
-    projects it with norm_linear_ref; y * silu(z) comes out in fp32."""
-    H, P, N, G, S = 4, 16, 16, 2, 6
-    inp = make_inputs(batch, H, P, N, G, torch.bfloat16, device)
-    pool = make_pool(S, H, P, N, torch.float32, device)
-    slots = make_slots(batch, S, pad_rows=pad_rows, device=device)
-    gate = make_gate(batch, H, P, K, device, bias=bias, round_first=round_first)
-    state_k, state_r = pool.clone(), pool.clone()
-    out = poisoned((batch, H, P), torch.float32, device)
-    args = (inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"], slots)
-    selective_state_update_triton(state_k, *args, gate=gate, dt_bias=inp["dt_bias"], out=out)
-    want = selective_state_update_ref(state_r, *args, gate=gate, dt_bias=inp["dt_bias"],
-                                      out=torch.empty_like(out))
-    live = slots != PAD_SLOT_ID
-    assert (out[~live] == 0).all()
-    # z is rounded to bf16 on both sides; a differently ordered fp32 sum may round it one ulp apart
-    assert_close(out[live], want[live], torch.bfloat16)
-    assert_close(state_k, state_r, torch.float32)
-
-
-def test_projected_gate_rejects_bad_arguments():
-    H, P, N, G, S = 4, 16, 16, 2, 6
-    inp = make_inputs(2, H, P, N, G)
-    pool, slots = make_pool(S, H, P, N, torch.float32), make_slots(2, S)
-    args = (inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"], slots)
-    for fn in (selective_state_update_triton, selective_state_update_ref):
-        with pytest.raises(ValueError, match="not both"):
-            fn(pool, *args, z=inp["z"], gate=make_gate(2, H, P, 24, "cpu"))
-        with pytest.raises(ValueError, match="gate.weight"):
-            fn(pool, *args, gate=make_gate(2, H, P + 1, 24, "cpu"))
-        with pytest.raises(ValueError, match="K <="):
-            fn(pool, *args, gate=make_gate(2, H, P, GATE_MAX_K + 1, "cpu"))
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])

@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from ...kernels.conv1d import conv1d_update, conv1d_varlen
-from ...kernels.decode_linear import ONE_TILE_MAX_K, ConvTail, gated_norm_linear, norm_linear
+from ...kernels.decode_linear import ConvTail, gated_norm_linear, norm_linear
 from ...kernels.norm import gated_rms_norm
 from ...kernels.ssd import ssd_scan
-from ...kernels.state_update import GATE_MAX_K, GateProjection, selective_state_update
+from ...kernels.state_update import selective_state_update
 from ..config import ModelConfig
 from ..step_inputs import StepInputs
 from .branches import run_branches
@@ -41,9 +41,6 @@ class MambaLayer:
         self.norm_w = w[p + "norm.weight"]
         self.out_proj = w[p + "out_proj.weight"]
         self.out_proj_bias = w.get(p + "out_proj.bias")
-        # The fused decode path projects z in the state update where its weight slice fits there
-        # and the out_proj holds its K in one tile (for the grouped norm): Mamba2-130M
-        self.gate_in_state_update = cfg.hidden_size <= GATE_MAX_K and self.inner <= ONE_TILE_MAX_K
 
     def project(self, x: torch.Tensor):
         """in_proj over all tokens, and the empty buffers both branches write into."""
@@ -95,41 +92,20 @@ class MambaLayer:
     def decode_fused(self, residual: torch.Tensor, norm_w: torch.Tensor, round_first: bool,
                      inputs: StepInputs, state, pdl: bool = False) -> None:
         """The whole block for a small decode-only step, ``residual += mixer(norm(residual))``, in
-        three kernels (``kernels.decode_linear``, ``kernels.state_update``):
-
-        - block norm + in_proj + conv update; where ``gate_in_state_update``, only in_proj's xBC and
-          dt columns;
-        - the state update; there, with its share of the z columns projected before its wait
-          (off the critical path) and y * silu(z) handed on in fp32;
-        - gated norm (there, the grouped norm of what the state update handed on) + out_proj +
-          residual add.
-        """
+        three kernels: block norm + in_proj + conv update; state update; gated norm + out_proj +
+        residual add (``kernels.decode_linear``)."""
         T = residual.shape[0]
-        H, P, inner, conv_dim = self.H, self.P, self.inner, self.conv_dim
-        if self.gate_in_state_update:
-            lo = inner  # in_proj's rows from xBC on: [xBC | dt]
-            gate = GateProjection(residual, norm_w, self.eps, round_first, self.in_proj[:inner],
-                                  None if self.in_proj_bias is None else self.in_proj_bias[:inner])
-        else:
-            lo, gate = 0, None
-        bias = None if self.in_proj_bias is None else self.in_proj_bias[lo:]
-        proj = torch.empty(T, self.in_proj.shape[0] - lo, dtype=self.in_proj.dtype, device=residual.device)
-        conv = ConvTail(state.conv[self.idx], self.conv_w, self.conv_b, inputs.decode_slots, inner - lo)
-        norm_linear(residual, norm_w, self.eps, self.in_proj[lo:], bias=bias, round_first=round_first,
+        proj = torch.empty(T, self.in_proj.shape[0], dtype=self.in_proj.dtype, device=residual.device)
+        conv = ConvTail(state.conv[self.idx], self.conv_w, self.conv_b, inputs.decode_slots, self.inner)
+        norm_linear(residual, norm_w, self.eps, self.in_proj, bias=self.in_proj_bias, round_first=round_first,
                     conv=conv, out=proj, pdl=pdl)
-        xbc = proj[:, inner - lo : inner - lo + conv_dim]
-        dt = proj[:, inner - lo + conv_dim :]
-        x, B, C = self._ssm_operands(xbc)
-        y = torch.empty(T, H, P, dtype=torch.float32 if gate else proj.dtype, device=proj.device)
-        selective_state_update(state.ssm[self.idx], x, dt, self.A, B, C, self.D, inputs.decode_slots, gate=gate,
-                               dt_bias=self.dt_bias, dt_softplus=True, out=y, pdl=pdl)
+        x, B, C = self._ssm_operands(proj[:, self.inner : self.inner + self.conv_dim])
+        y = torch.empty(T, self.H, self.P, dtype=proj.dtype, device=proj.device)
+        selective_state_update(state.ssm[self.idx], x, proj[:, self.inner + self.conv_dim :], self.A, B, C, self.D,
+                               inputs.decode_slots, dt_bias=self.dt_bias, dt_softplus=True, out=y, pdl=pdl)
         # z (from in_proj) and the residual (from the previous block) are two or more kernels back
-        if gate:
-            norm_linear(y.view(T, inner), self.norm_w, self.eps, self.out_proj, bias=self.out_proj_bias,
-                        group_size=inner // self.G, residual=residual, pdl=pdl, early=True)
-        else:
-            gated_norm_linear(y.view(T, inner), proj[:, :inner], self.norm_w, inner // self.G, self.eps,
-                              self.out_proj, bias=self.out_proj_bias, residual=residual, pdl=pdl, early=True)
+        gated_norm_linear(y.view(T, self.inner), proj[:, : self.inner], self.norm_w, self.inner // self.G, self.eps,
+                          self.out_proj, bias=self.out_proj_bias, residual=residual, pdl=pdl, early=True)
 
     def forward(self, x: torch.Tensor, inputs: StepInputs, state, aux_stream=None) -> torch.Tensor:
         proj, xbc, y = self.project(x)

@@ -25,16 +25,16 @@ their own that move almost nothing. Here one kernel does all three:
 
 Programmatic dependent launch (sm_90+): with ``pdl=True`` a kernel may start while the previous
 one drains. Before ``gdc_wait`` it loads only what the previous kernel cannot be writing: its
-first weight tile, the conv weights and state (no other kernel touches a layer's conv state
-within a step), and with ``early=True`` the gate z and the residual. Those are safe because a
-kernel here signals its dependents (``gdc_launch_dependents``) only after its own wait returned,
-i.e. after its predecessor completed: so when a kernel starts, everything two or more launches
-back in the stream is complete. A one-tile kernel (one wave, but for an LM head, the step's last
-kernel) signals right after its wait; a streamed one, whose programs run in several waves, only after its K loop, so that dependents take
-SM slots as its last wave drains rather than idle in them through it (on Nemotron-H-8B the early
-signal made the step slower, the late one faster: docs/BENCHMARKS.md). Every kernel calls
-``gdc_wait`` before reading its direct predecessor's output, so the chain stays ordered end to
-end.
+first weight tile (and a one-tile kernel's norm weight), the conv weights and state (no other
+kernel touches a layer's conv state within a step), and with ``early=True`` the gate z and the
+residual. Those are safe because a kernel here signals its dependents (``gdc_launch_dependents``)
+only after its own wait returned, i.e. after its predecessor completed: so when a kernel starts,
+everything two or more launches back in the stream is complete. A one-tile kernel (one wave; or
+an LM head, the step's last kernel) signals right after its wait; a streamed one, whose programs
+run in several waves, only after its K loop, so that dependents take SM slots as its last wave
+drains rather than idle in them through it (on Nemotron-H-8B the early signal made the step
+slower, the late one faster: docs/BENCHMARKS.md). Every kernel calls ``gdc_wait`` before reading
+its direct predecessor's output, so the chain stays ordered end to end.
 
 Kernels launched without PDL in between (the decode attention) complete before their successor
 starts, which only makes the chain stricter. The gated norm before a streamed product

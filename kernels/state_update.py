@@ -131,7 +131,7 @@ def _block_config(headdim: int, dstate: int, state_dtype: torch.dtype, batch: in
     Static per model and batch size, so each model compiles a variant or two; never autotuned,
     since the kernel mutates the state. At batch 1, where the step waits on each kernel's latency
     rather than its bandwidth, half the tile in one warp: twice the programs, each a shorter
-    chain (Mamba2-130M's batch-1 step 2-3% faster, docs/BENCHMARKS.md).
+    chain (Mamba2-130M's batch-1 step 2-5% faster, docs/BENCHMARKS.md).
     """
     elem = state_dtype.itemsize
     tile_bytes = _TILE_BYTES if batch > 1 else _TILE_BYTES // 2

@@ -125,16 +125,16 @@ _TILE_BYTES = 8192
 
 
 @functools.lru_cache(maxsize=None)
-def _block_config(headdim: int, dstate: int, state_dtype: torch.dtype, batch: int = 2) -> tuple[int, int, int]:
+def _block_config(headdim: int, dstate: int, state_dtype: torch.dtype, one_row: bool = False) -> tuple[int, int, int]:
     """(BLOCK_P, BLOCK_N, num_warps) for a head of [headdim, dstate] state in ``state_dtype``.
 
-    Static per model and batch size, so each model compiles a variant or two; never autotuned,
-    since the kernel mutates the state. At batch 1, where the step waits on each kernel's latency
-    rather than its bandwidth, half the tile in one warp: twice the programs, each a shorter
-    chain (Mamba2-130M's batch-1 step 2-5% faster, docs/BENCHMARKS.md).
+    Static per model (and whether the batch is one row), so each model compiles a variant or two;
+    never autotuned, since the kernel mutates the state. At one row, where the step waits on each
+    kernel's latency rather than its bandwidth, half the tile in one warp: twice the programs,
+    each a shorter chain (Mamba2-130M's batch-1 step 2-5% faster, docs/BENCHMARKS.md).
     """
     elem = state_dtype.itemsize
-    tile_bytes = _TILE_BYTES if batch > 1 else _TILE_BYTES // 2
+    tile_bytes = _TILE_BYTES // 2 if one_row else _TILE_BYTES
     block_n = triton.next_power_of_2(dstate)
     target_p = max(1, tile_bytes // (block_n * elem))
     start = min(target_p, triton.next_power_of_2(headdim))
@@ -143,7 +143,7 @@ def _block_config(headdim: int, dstate: int, state_dtype: torch.dtype, batch: in
     min_p = min(start, max(1, tile_bytes // 8 // (block_n * elem)))
     candidates = [start >> k for k in range(4) if start >> k >= min_p]
     block_p = min(candidates, key=lambda bp: (triton.cdiv(headdim, bp) * bp, -bp))
-    if batch == 1:
+    if one_row:
         return block_p, block_n, 1
     # 16-byte vectors: 8 bf16 or 4 fp32 lanes. Give each thread at least two vectors of the tile
     # so its loads overlap; 4 warps cover an 8 KiB tile in four vectors per thread.
@@ -220,7 +220,7 @@ def selective_state_update_triton(
     G = B.shape[1]
     if batch == 0:
         return out
-    block_p, block_n, num_warps = _block_config(P, N, state.dtype, min(batch, 2))
+    block_p, block_n, num_warps = _block_config(P, N, state.dtype, batch == 1)
     grid = (batch * H, triton.cdiv(P, block_p))
     # Absent optional tensors: any valid pointer will do, the constexpr flags keep it unread.
     _state_update_kernel[grid](

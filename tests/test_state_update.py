@@ -205,9 +205,9 @@ def test_triton_rejects_strided_last_dim():
 
 @pytest.mark.parametrize("P,N", [(64, 128), (80, 128), (64, 64), (10, 16)])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("batch", [1, 2])
-def test_block_config_is_a_legal_tile(P, N, state_dtype, batch):
-    block_p, block_n, num_warps = _block_config(P, N, state_dtype, batch)
+@pytest.mark.parametrize("one_row", [True, False])
+def test_block_config_is_a_legal_tile(P, N, state_dtype, one_row):
+    block_p, block_n, num_warps = _block_config(P, N, state_dtype, one_row)
     for v in (block_p, block_n, num_warps):
         assert v & (v - 1) == 0
     assert block_n >= N and block_p <= triton.next_power_of_2(P)

@@ -59,8 +59,13 @@ def replay_ms(runner: Runner, plan: StepPlan, iters: int = 30) -> float:
     return statistics.median(times)
 
 
+def _decode_rows(batch: int, first_slot: int = 0) -> list:
+    """(token, slot, context) of ``batch`` decode rows in consecutive slots."""
+    return [(1 + i, first_slot + i, CONTEXT) for i in range(batch)]
+
+
 def decode_plan(batch: int, first_slot: int = 0) -> StepPlan:
-    return StepPlan.make(decode=[(1 + i, first_slot + i, CONTEXT) for i in range(batch)])
+    return StepPlan.make(decode=_decode_rows(batch, first_slot))
 
 
 def prefill_plan(tokens: int, slot: int) -> StepPlan:
@@ -218,7 +223,7 @@ def profile(preset: str, batch: int, prefill: int = 0, top: int = 25) -> str:
                         max_prefill_seqs=1)
     runner = Runner(model, pool, buckets, overlap=False)
     chunk = [(prefill_plan(prefill, batch).prefill_tokens.tolist(), batch, 0)] if prefill else []
-    plan = StepPlan.make(chunk, [(1 + i, i, CONTEXT) for i in range(batch)])
+    plan = StepPlan.make(chunk, _decode_rows(batch))
     runner.run(plan)
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from bisect import bisect_left
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -62,15 +63,15 @@ class BucketSet:
     def choose(self, plan: StepPlan) -> Bucket | None:
         """The smallest bucket that holds ``plan``, or None when it is larger than every bucket."""
         if plan.num_prefill == 0:
-            fit = [b for b in self.decode if b >= plan.num_decode]
-            return Bucket(fit[0]) if fit else None
+            i = bisect_left(self.decode, plan.num_decode)
+            return Bucket(self.decode[i]) if i < len(self.decode) else None
         if plan.num_prefill > self.max_prefill_seqs:
             return None
-        decode = [b for b in self.mixed_decode if b >= plan.num_decode]
-        prefill = [t for t in self.prefill if t >= plan.num_prefill_tokens]
-        if not decode or not prefill:
+        i = bisect_left(self.mixed_decode, plan.num_decode)
+        j = bisect_left(self.prefill, plan.num_prefill_tokens)
+        if i == len(self.mixed_decode) or j == len(self.prefill):
             return None
-        return Bucket(decode[0], prefill[0])
+        return Bucket(self.mixed_decode[i], self.prefill[j])
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=1))

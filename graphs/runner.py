@@ -82,8 +82,10 @@ class Runner:
         self.graph_pool = None
         rows = self.buffers.rows(Bucket(self.buffers.max_decode, self.buffers.max_prefill_tokens))
         pin = self.cuda
-        # two host buffers, so a pipelined step's copy never overwrites tokens not yet read
+        # two host buffers (and their events), so a pipelined step's copy never overwrites
+        # tokens not yet read
         self._host_tokens = [torch.zeros(rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._token_events = [torch.cuda.Event() for _ in range(2)] if self.cuda else None
         self._flip = 0
 
     def bucket_for(self, plan: StepPlan) -> Bucket:
@@ -107,7 +109,6 @@ class Runner:
         self.slot_tokens.index_copy_(0, where, tokens)
         return tokens
 
-    @torch.inference_mode()
     def run(self, plan: StepPlan, bucket: Bucket | None = None) -> torch.Tensor:
         """Logits [n_rows, vocab] for the plan's rows: the last token of each prefill sequence,
         then each decode row; ``bucket`` overrides the choice (tests, tuning). The tensor is the
@@ -115,7 +116,6 @@ class Runner:
         bucket = self._refill(plan, bucket)
         return self._forward(bucket)[: plan.num_rows]
 
-    @torch.inference_mode()
     def launch(self, plan: StepPlan) -> PendingTokens:
         """Run the step and draw a token per row; returns without waiting for the device."""
         bucket = self._refill(plan)
@@ -126,14 +126,15 @@ class Runner:
             graph, tokens = self.sample_graphs[bucket, mode]
             graph.replay()
         else:
-            tokens = self.draw(bucket, logits, mode)
+            with torch.inference_mode():
+                tokens = self.draw(bucket, logits, mode)
         host = self._host_tokens[self._flip][: plan.num_rows]
-        self._flip ^= 1
         host.copy_(tokens[: plan.num_rows], non_blocking=self.cuda)
         event = None
         if self.cuda:
-            event = torch.cuda.Event()
+            event = self._token_events[self._flip]
             event.record()
+        self._flip ^= 1
         return PendingTokens(host.numpy(), event)
 
     def _refill(self, plan: StepPlan, bucket: Bucket | None = None) -> Bucket:
@@ -144,11 +145,13 @@ class Runner:
         return bucket
 
     def _forward(self, bucket: Bucket) -> torch.Tensor:
+        # a replay needs no grad mode; only the eager path enters inference mode (~1 us a step)
         if bucket in self.graphs:
             graph, logits = self.graphs[bucket]
             graph.replay()
             return logits
-        return self.forward(bucket)
+        with torch.inference_mode():
+            return self.forward(bucket)
 
     @torch.inference_mode()
     def capture(self, buckets: list[Bucket] | None = None, modes=MODES, progress: bool = True) -> CaptureReport:

@@ -25,6 +25,8 @@ from .step_inputs import StepInputs
 __all__ = ["Bucket", "StepBuffers"]
 
 _ALIGN = 64
+# padding values where they are not zero: padding rows have no slot and keep every token (top-p 1)
+_PAD = {"decode_slots": PAD_SLOT_ID, "sample_slots": PAD_SLOT_ID, "top_p": 1}
 
 
 @dataclass(frozen=True, order=True)
@@ -59,6 +61,8 @@ class _Arena:
             torch_dtype = torch.from_numpy(np.zeros(0, dtype)).dtype
             self.dev[name] = self.device[o : o + nbytes].view(torch_dtype)
         self.nbytes = total
+        self.bytes = host_np  # the host arena as bytes
+        self.offsets = offsets
 
 
 class StepBuffers:
@@ -71,19 +75,27 @@ class StepBuffers:
         C = max_chunks_for(T, S, chunk_size)
         i32, i64 = np.int32, np.int64
         spec = {
-            "input_ids": (i64, T + max_decode),
             "logit_rows": (i64, S + max_decode),
-            # sampling, per logit row (8-byte fields first keeps every view aligned)
+            # sampling, per logit row
             "seed": (i64, S + max_decode), "position": (i64, S + max_decode),
             "temperature": (np.float32, S + max_decode), "top_p": (np.float32, S + max_decode),
             "top_k": (i32, S + max_decode), "sample_slots": (i32, S + max_decode),
             "decode_slots": (i32, max_decode),
             "decode_kv_lens": (i32, max_decode),
-            "cu_seqlens": (i32, S + 1), "seq_idx": (i32, T), "slot_idx": (i32, S),
+            "cu_seqlens": (i32, S + 1), "slot_idx": (i32, S),
             "has_initial_state": (i32, S), "context_lens": (i32, S), "chunk_seq": (i32, C),
             "chunk_start": (i32, C), "chunk_end": (i32, C), "seq_chunk_start": (i32, S + 1),
+            # last, the two arrays as long as the prefill tokens (the refill resets only the
+            # bucket's part of these)
+            "input_ids": (i64, T + max_decode), "seq_idx": (i32, T),
         }
         self.arena = _Arena(spec, self.device)
+        # A refill starts by copying this image of every per-row field at its padding value
+        # (token 0, row 0, greedy sampling, no slot), then writes only the plan's live entries.
+        for name, view in self.arena.np.items():
+            view[:] = _PAD.get(name, 0)
+        self._padding = self.arena.bytes[: self.arena.offsets["input_ids"]].copy()
+        self._arange = np.arange(max_decode, dtype=np.int64)
         # external: recorded inside a graph capture it becomes an event-record node, which each
         # replay records, so ``fill`` can wait for exactly the copy of a captured upload too
         self._copy_done = torch.cuda.Event(external=True) if self.device.type == "cuda" else None
@@ -129,9 +141,9 @@ class StepBuffers:
         """Write ``plan`` into the host arena, padded to ``bucket``.
 
         Logit rows come in plan order, live ones first: the last token of each prefill sequence,
-        then each decode row; the rest point at row 0 and their logits are ignored. Every entry
-        the bucket's inputs read is rewritten, so nothing from an earlier, larger step can reach
-        this one.
+        then each decode row; the rest point at row 0 and their logits are ignored. Every entry the
+        bucket's inputs read is reset to padding first, so nothing from an earlier, larger step
+        (or anything else left there) can reach this one.
         """
         if not bucket.fits(plan, self.max_prefill_seqs):
             raise ValueError(f"plan ({plan.num_decode} decodes, {plan.num_prefill_tokens} prefill tokens in "
@@ -140,38 +152,24 @@ class StepBuffers:
         if self._copy_done is not None:
             # the previous step's copy must have left the host arena before we overwrite it
             self._copy_done.synchronize()
-        h, B, Tp = self.arena.np, bucket.decode, bucket.prefill
-        n_pre, n_dec, tp = plan.num_prefill, plan.num_decode, plan.num_prefill_tokens
-        ids = h["input_ids"][: Tp + B]
-        ids[:tp] = plan.prefill_tokens
-        ids[tp:Tp] = 0
+        self.arena.bytes[: len(self._padding)] = self._padding
+        h, Tp = self.arena.np, bucket.prefill
+        n_pre, n_dec = plan.num_prefill, plan.num_decode
+        ids = h["input_ids"][: Tp + bucket.decode]
+        ids[:] = 0
         ids[Tp : Tp + n_dec] = plan.decode_tokens
-        ids[Tp + n_dec :] = 0
         h["decode_slots"][:n_dec] = plan.decode_slots
-        h["decode_slots"][n_dec:B] = PAD_SLOT_ID
-        h["decode_kv_lens"][:n_dec] = plan.decode_context + 1
-        h["decode_kv_lens"][n_dec:B] = 0
+        np.add(plan.decode_context, 1, out=h["decode_kv_lens"][:n_dec])
+        rows = h["logit_rows"]
+        np.add(self._arange[:n_dec], Tp, out=rows[n_pre : n_pre + n_dec])
         if Tp:
+            ids[: len(plan.prefill_tokens)] = plan.prefill_tokens
             fill_prefill_metadata(self._prefill_meta(h, Tp), plan.prefill_lens, plan.prefill_slots,
                                   plan.prefill_context > 0, plan.prefill_context)
-        R, n = self.rows(bucket), plan.num_rows
-        rows = h["logit_rows"][:R]
-        rows[:n_pre] = np.cumsum(plan.prefill_lens) - 1
-        rows[n_pre:n] = Tp + np.arange(n_dec)
-        rows[n:] = 0
-        self._fill_sampling(plan, R)
-
-    def _fill_sampling(self, plan: StepPlan, R: int) -> None:
-        h, n = self.arena.np, plan.num_rows if plan.sampled else 0
-        for name in ("temperature", "top_k", "top_p", "seed", "position", "sample_slots"):
-            h[name][:n] = getattr(plan, name)
-        # padding rows: greedy, and their tokens go nowhere
-        h["temperature"][n:R] = 0
-        h["top_k"][n:R] = 0
-        h["top_p"][n:R] = 1
-        h["seed"][n:R] = 0
-        h["position"][n:R] = 0
-        h["sample_slots"][n:R] = PAD_SLOT_ID
+            rows[:n_pre] = np.cumsum(plan.prefill_lens) - 1
+        if plan.sampled:
+            for name in ("temperature", "top_k", "top_p", "seed", "position", "sample_slots"):
+                h[name][: plan.num_rows] = getattr(plan, name)
 
     def upload(self) -> None:
         """The step's one host-to-device copy (asynchronous on the current stream; inside a

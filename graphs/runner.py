@@ -22,7 +22,6 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..kernels.decode_ids import fill_decode_ids
 from ..runtime.plan import StepPlan
 from ..runtime.sampling import MODES, sample, sampling_mode
 from ..runtime.step_buffers import Bucket, StepBuffers
@@ -95,9 +94,7 @@ class Runner:
     def forward(self, bucket: Bucket) -> torch.Tensor:
         """The step's forward over the buffers' views for ``bucket`` (what a graph captures):
         logits [rows, vocab] fp32."""
-        inputs = self.buffers.inputs(bucket)
-        fill_decode_ids(inputs.input_ids[bucket.prefill:], inputs.decode_slots, self.slot_tokens)
-        return self.model.forward(inputs, self.pool, self.aux_stream)
+        return self.model.forward(self.buffers.inputs(bucket), self.pool, self.aux_stream, drawn=self.slot_tokens)
 
     def draw(self, bucket: Bucket, logits: torch.Tensor, mode: str) -> torch.Tensor:
         """Sample every logit row of ``bucket`` and store kept tokens in ``slot_tokens``."""

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..kernels.decode_ids import fill_decode_ids
 from ..kernels.decode_linear import ONE_TILE_MAX_K, norm_linear, pdl_supported
 from ..kernels.embedding import embed_rows
 from ..kernels.norm import rms_norm
@@ -85,14 +86,17 @@ class Model:
         cfg = preset_config(name)
         return cls(cfg, random_weights(cfg, dtype=dtype, device=device, seed=seed))
 
-    def forward(self, inputs: StepInputs, state, aux_stream=None) -> torch.Tensor:
+    def forward(self, inputs: StepInputs, state, aux_stream=None, drawn: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [R, vocab] in fp32 for the rows ``inputs.logit_rows`` of the packed tokens.
 
         With ``aux_stream``, Mamba2 and attention layers run their prefill branch on it,
-        overlapped with the decode branch on the current stream.
+        overlapped with the decode branch on the current stream. ``drawn`` [slots]: the token
+        each slot drew last step, which a decode row whose id is -1 takes as its input.
         """
         if self.fused_decode and inputs.prefill is None and 0 < inputs.num_decode <= self.fused_max_rows:
-            return self._decode_fused(inputs, state)
+            return self._decode_fused(inputs, state, drawn)
+        if drawn is not None:
+            fill_decode_ids(inputs.input_ids[inputs.num_prefill_tokens :], inputs.decode_slots, drawn)
         x = F.embedding(inputs.input_ids, self.embed)
         residual = x.to(self.residual_dtype)
         h = rms_norm(x, self.norms[0], self.cfg.norm_eps, round_first=self.round_norm_first)
@@ -105,10 +109,12 @@ class Model:
         rows = h.index_select(0, inputs.logit_rows)
         return F.linear(rows, self.lm_head).float()
 
-    def _decode_fused(self, inputs: StepInputs, state) -> torch.Tensor:
+    def _decode_fused(self, inputs: StepInputs, state, drawn: torch.Tensor | None) -> torch.Tensor:
         ids = inputs.input_ids
         residual = torch.empty(ids.shape[0], self.embed.shape[1], dtype=self.residual_dtype, device=ids.device)
-        embed_rows(ids, self.embed, residual, pdl=self.pdl)
+        # the first kernel after the step's copy: it also resolves the -1 ids from ``drawn``
+        embed_rows(ids, self.embed, residual, pdl=self.pdl, slots=None if drawn is None else inputs.decode_slots,
+                   drawn=drawn)
         for layer, norm_w in zip(self.layers, self.norms):
             layer.decode_fused(residual, norm_w, self.round_norm_first, inputs, state, self.pdl)
         rows = inputs.logit_rows

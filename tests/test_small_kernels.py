@@ -37,3 +37,19 @@ def test_embed_rows(device, dtype, D):
     expect = table.cpu()[ids.cpu()].to(dtype)
     assert torch.equal(out.cpu(), expect)
     assert torch.equal(embed_rows_ref(ids.cpu(), table.cpu(), torch.empty(4, D, dtype=dtype)), expect)
+
+
+def test_embed_rows_takes_drawn_tokens(device):
+    """A row whose id is -1 takes the token its slot drew last step, as fill_decode_ids would;
+    a padding row (slot -1) takes token 0; ids stay as they are."""
+    table = torch.randn(20, 24, device=device).to(torch.bfloat16)
+    drawn = torch.tensor([10, 11, 12, 13, 19], device=device)
+    slots = torch.tensor([2, -1, 0, 3, -1], dtype=torch.int32, device=device)
+    ids = torch.tensor([-1, 0, 7, -1, -1], device=device)
+    out = poisoned((5, 24), torch.float32, device)
+    embed_rows_triton(ids, table, out, slots=slots, drawn=drawn)
+    expect = table.cpu()[torch.tensor([12, 0, 7, 13, 0])].float()
+    assert torch.equal(out.cpu(), expect)
+    assert ids.cpu().tolist() == [-1, 0, 7, -1, -1]
+    ref = embed_rows_ref(ids.cpu(), table.cpu(), torch.empty(5, 24), slots=slots.cpu(), drawn=drawn.cpu())
+    assert torch.equal(ref, expect)

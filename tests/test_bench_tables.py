@@ -17,3 +17,19 @@ def test_kernel_table_prints_every_row(capsys):
                   "| 130M in_proj 3352x768 | 1 | 5.60 | 4.90 | 3.10 | 1.81x |", "| 1 | sample | 194.0 | 7.6 | 25.5x |"):
         assert cells in out
     assert sum(line.startswith("| --- |") for line in out.splitlines()) == 3  # three tables
+
+
+def test_step_tables_print_every_row(capsys):
+    from mambastep.tools import bench_steps
+
+    decode = {"kind": "decode", "batch": 1, "eager_ms": 5.0, "graph_ms": 0.25, "floor_ms": 0.07,
+              "back_to_back_ms": 0.21, "replay_ms": 0.2, "layered_ms": 0.5, "no_pdl_ms": 0.3}
+    mixed = {"kind": "mixed", "decode": 64, "prefill": 512, "forked_ms": 1.8, "unforked_ms": 2.0, "separate_ms": 2.2}
+    bench_steps.print_table({"device": "GPU", "date": "2026-11-30", "torch": "2", "copy_GB/s": 4274.0,
+                             "presets": [{"preset": "mamba2-130m", "capture": ["captured 3 graphs"],
+                                          "rows": [decode, mixed]}]})
+    out = capsys.readouterr().out
+    for cells in ("| 1 | 5.000 | 0.250 | 20.0x | 0.210 | 0.200 | 0.070 | 3.57x |",
+                  "| 1 | 0.250 | 0.300 | 0.500 | 2.00x |", "| 64 + 512 | 1.800 | 2.000 | 10% | 2.200 |"):
+        assert cells in out
+    assert sum(line.startswith("| --- |") for line in out.splitlines()) == 3  # three tables

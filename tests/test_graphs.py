@@ -83,6 +83,8 @@ def test_bucket_choice():
     assert BUCKETS.choose(plan) == Bucket(8, 64)
     assert BUCKETS.choose(StepPlan.make(decode=[(1, 1, 3)] * 3)) == Bucket(4)
     assert BUCKETS.choose(StepPlan.make(decode=[(1, 1, 3)] * 9)) is None
+    assert BUCKETS.choose(StepPlan.make(decode=[(1, 1, 3)] * 8)) == Bucket(8)  # sizes are inclusive
+    assert BUCKETS.choose(StepPlan.make([(tokens(32, 1), 0, 0)], [(1, 1, 3)] * 4)) == Bucket(4, 32)
     assert BUCKETS.choose(StepPlan.make([(tokens(2, 1), s, 0) for s in range(5)])) is None  # > 4 seqs
     order = BUCKETS.all()
     assert order[0] == Bucket(8, 64) and sorted(order, reverse=True, key=lambda b: b.decode + b.prefill) == order
@@ -93,6 +95,27 @@ def test_bucket_set_round_trips(tmp_path):
     assert BucketSet.load(tmp_path / "b.json") == BUCKETS
     with pytest.raises(ValueError, match="decode"):
         BucketSet(decode=(0, 4))
+
+
+def check_drawn_tokens_feed_the_next_step(runner):
+    """Decode rows whose token is -1 take the tokens their slots drew in the last step (kept on
+    the device): the same logits as rows fed those tokens from the host."""
+    snapshot = [t.clone() for t in runner.pool.tensors()]
+    prompts = StepPlan.make([(tokens(9, 1), 0, 0), (tokens(5, 2), 3, 0)])
+    prompts.temperature, prompts.top_k = np.zeros(2, np.float32), np.zeros(2, np.int32)  # greedy
+    prompts.top_p, prompts.seed, prompts.position = np.ones(2, np.float32), np.zeros(2, np.int64), np.zeros(2, np.int64)
+    prompts.sample_slots = np.array([0, 3], np.int32)
+    drawn = runner.launch(prompts).get()
+    fed_on_device = runner.run(StepPlan.make(decode=[(-1, 0, 9), (-1, 3, 5)])).clone()
+    for t, s in zip(runner.pool.tensors(), snapshot):
+        t.copy_(s)
+    runner.run(prompts)
+    given = runner.run(StepPlan.make(decode=[(int(drawn[0]), 0, 9), (int(drawn[1]), 3, 5)]))
+    assert torch.equal(fed_on_device, given)
+
+
+def test_drawn_tokens_feed_the_next_step_cpu(cpu_model):
+    check_drawn_tokens_feed_the_next_step(make_runner(cpu_model))
 
 
 @pytest.fixture(scope="module", params=["tiny-hybrid", "tiny-mamba2", "tiny-nemotron-h"])
@@ -113,6 +136,15 @@ def test_graph_replay_equals_eager(gpu_model, overlap):
     for a, b in zip(eager, graphed):
         assert torch.equal(a.argmax(-1), b.argmax(-1))
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_drawn_tokens_feed_the_next_step_gpu(gpu_model):
+    """On the fused decode path (Mamba2, Nemotron-H) the embedding kernel reads them; layer by
+    layer (the hybrid with experts), fill_decode_ids."""
+    runner = make_runner(gpu_model)
+    runner.capture(progress=False)
+    check_drawn_tokens_feed_the_next_step(runner)
 
 
 @pytest.mark.gpu

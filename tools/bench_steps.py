@@ -33,22 +33,10 @@ PREFILL_CHUNKS = (223, 512, 2048)
 CONTEXT = 256  # tokens already in each decode row's slot
 
 
-def step_ms(runner: Runner, plan: StepPlan, iters: int = 30) -> float:
-    for _ in range(3):
-        runner.run(plan)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        runner.run(plan)
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def back_to_back_ms(runner: Runner, plan: StepPlan, steps: int = 50, rounds: int = 5) -> float:
-    """Wall time per step of ``steps`` steps launched without waiting for any (median of
-    ``rounds`` runs): each refill waits only for the previous step's copy of the arena."""
+def step_ms(runner: Runner, plan: StepPlan, steps: int = 1, rounds: int = 30) -> float:
+    """Wall time per step of ``steps`` steps launched without waiting for any, then synchronised
+    (median of ``rounds``): one step is the synchronised step; many, steps back to back, each
+    refill waiting only for the previous step's copy of the arena."""
     for _ in range(3):
         runner.run(plan)
     times = []
@@ -169,7 +157,7 @@ def bench_preset(name: str, bandwidth: float, progress: bool) -> dict:
         e, g = step_ms(eager, plan), step_ms(forked, plan)
         floor = hbm_floor_bytes(model, pool, batch) / bandwidth * 1e3
         row = {"kind": "decode", "batch": batch, "eager_ms": e, "graph_ms": g, "floor_ms": floor,
-               "back_to_back_ms": back_to_back_ms(forked, plan), "replay_ms": replay_ms(forked, plan)}
+               "back_to_back_ms": step_ms(forked, plan, steps=50, rounds=5), "replay_ms": replay_ms(forked, plan)}
         if batch <= model.fused_max_rows:
             row.update({k: step_ms(r, plan) for k, r in variants.items()})
         rows.append(row)

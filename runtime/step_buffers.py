@@ -85,8 +85,8 @@ class StepBuffers:
             "cu_seqlens": (i32, S + 1), "slot_idx": (i32, S),
             "has_initial_state": (i32, S), "context_lens": (i32, S), "chunk_seq": (i32, C),
             "chunk_start": (i32, C), "chunk_end": (i32, C), "seq_chunk_start": (i32, S + 1),
-            # last, the two arrays as long as the prefill tokens (the refill resets only the
-            # bucket's part of these)
+            # last, the two arrays as long as the prefill tokens, which the refill writes over
+            # the bucket's part only
             "input_ids": (i64, T + max_decode), "seq_idx": (i32, T),
         }
         self.arena = _Arena(spec, self.device)

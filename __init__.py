@@ -3,7 +3,7 @@
     from mambastep import Engine, SamplingParams
 """
 
-from .runtime import Engine, Model, ModelConfig, RequestOutput, SamplingParams
+from .runtime import DecodeOptions, Engine, Model, ModelConfig, RequestOutput, SamplingParams
 
-__all__ = ["Engine", "Model", "ModelConfig", "RequestOutput", "SamplingParams"]
+__all__ = ["DecodeOptions", "Engine", "Model", "ModelConfig", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"

@@ -1,4 +1,9 @@
-"""Which static step shapes get a CUDA graph, and which one a step uses."""
+"""Static step shapes: which ones get a CUDA graph, and which one a step uses.
+
+A bucket ``(B, Tp)`` is B decode rows and Tp prefill tokens (Tp = 0: a decode-only step). A step
+of ``d`` decode rows and ``t`` prefill tokens in ``s`` sequences runs in the smallest bucket that
+holds it; above every bucket it runs eagerly, at its exact size.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +12,20 @@ from bisect import bisect_left
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..runtime.plan import StepPlan
-from ..runtime.step_buffers import Bucket
+__all__ = ["Bucket", "BucketSet", "largest_first"]
 
-__all__ = ["BucketSet", "largest_first"]
+
+@dataclass(frozen=True, order=True)
+class Bucket:
+    """A static step shape: ``decode`` rows and ``prefill`` tokens (0 for a decode-only step)."""
+
+    decode: int
+    prefill: int = 0
+
+    def fits(self, decode: int, prefill_tokens: int, prefill_seqs: int, max_prefill_seqs: int) -> bool:
+        """Whether a step of that many decode rows, prefill tokens and sequences fits."""
+        return (decode <= self.decode and prefill_tokens <= self.prefill
+                and prefill_seqs <= (max_prefill_seqs if self.prefill else 0))
 
 
 def largest_first(buckets) -> list[Bucket]:
@@ -46,6 +61,14 @@ class BucketSet:
         if self.max_prefill_seqs < 1:
             raise ValueError(f"max_prefill_seqs: must be at least 1, got {self.max_prefill_seqs}")
 
+    @classmethod
+    def default(cls, cuda: bool) -> "BucketSet":
+        """The built-in set: graph buckets on CUDA; on the CPU a few small eager sizes, since
+        padding costs real time there."""
+        if cuda:
+            return cls()
+        return cls(decode=(1, 2, 4, 8, 16), mixed_decode=(0, 4, 16), prefill=(32, 128, 512), max_prefill_seqs=4)
+
     @property
     def max_decode(self) -> int:
         return max(self.decode[-1], self.mixed_decode[-1])
@@ -60,15 +83,15 @@ class BucketSet:
         buckets += [Bucket(b, t) for b in self.mixed_decode for t in self.prefill]
         return largest_first(buckets)
 
-    def choose(self, plan: StepPlan) -> Bucket | None:
-        """The smallest bucket that holds ``plan``, or None when it is larger than every bucket."""
-        if plan.num_prefill == 0:
-            i = bisect_left(self.decode, plan.num_decode)
+    def choose(self, decode: int, prefill_tokens: int = 0, prefill_seqs: int = 0) -> Bucket | None:
+        """The smallest bucket that holds the step, or None when it is larger than every bucket."""
+        if prefill_seqs == 0:
+            i = bisect_left(self.decode, decode)
             return Bucket(self.decode[i]) if i < len(self.decode) else None
-        if plan.num_prefill > self.max_prefill_seqs:
+        if prefill_seqs > self.max_prefill_seqs:
             return None
-        i = bisect_left(self.mixed_decode, plan.num_decode)
-        j = bisect_left(self.prefill, plan.num_prefill_tokens)
+        i = bisect_left(self.mixed_decode, decode)
+        j = bisect_left(self.prefill, prefill_tokens)
         if i == len(self.mixed_decode) or j == len(self.prefill):
             return None
         return Bucket(self.mixed_decode[i], self.prefill[j])

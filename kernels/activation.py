@@ -6,7 +6,9 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["relu2", "relu2_triton", "relu2_ref"]
+from .dispatch import with_reference
+
+__all__ = ["relu2", "relu2_ref"]
 
 
 @triton.jit
@@ -17,20 +19,17 @@ def _relu2_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, (x * x).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def relu2_triton(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def relu2_ref(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    y = torch.relu(x.float()).square().to(x.dtype)
+    return y if out is None else out.copy_(y)
+
+
+@with_reference(relu2_ref)
+def relu2(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """relu(x)**2 computed in fp32. x: any shape, contiguous; out: like x (may be x)."""
     out = torch.empty_like(x) if out is None else out
     if not (x.is_contiguous() and out.is_contiguous() and out.shape == x.shape):
         raise ValueError("relu2: x and out must be contiguous and of one shape")
     n, block = x.numel(), 2048
     _relu2_kernel[(triton.cdiv(n, block),)](x, out, n, BLOCK=block, num_warps=4)
     return out
-
-
-def relu2_ref(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    y = torch.relu(x.float()).square().to(x.dtype)
-    return y if out is None else out.copy_(y)
-
-
-def relu2(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """relu(x)**2 computed in fp32. x: any shape, contiguous; out: like x (may be x)."""
-    return (relu2_triton if x.is_cuda else relu2_ref)(x, out)

@@ -27,12 +27,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .dispatch import with_reference
 from .varlen import PAD_SLOT_ID, PrefillMetadata
 
 __all__ = [
-    "decode_attention", "decode_attention_triton", "decode_attention_ref", "decode_workspace",
-    "prefill_attention", "prefill_attention_triton", "prefill_attention_ref",
-    "write_kv", "write_kv_triton", "write_kv_ref",
+    "decode_attention", "decode_attention_ref", "decode_workspace", "prefill_attention", "prefill_attention_ref", "write_kv", "write_kv_ref",
 ]
 
 # Scores are carried in log2 units (scale * log2(e) folded into one multiply) so kernels use exp2.
@@ -359,10 +358,43 @@ def _check_meta(meta: PrefillMetadata, tokens: int) -> None:
         raise ValueError("meta.cu_seqlens must have max_seqs + 1 entries, context_lens max_seqs")
 
 
-def decode_attention_triton(q, k, v, k_cache, v_cache, slot_idx, kv_lens, *, scale, out=None, workspace=None):
-    """Launch the split-KV decode kernels; same contract as :func:`decode_attention`.
+def decode_attention_ref(q, k, v, k_cache, v_cache, slot_idx, kv_lens, *, scale, out=None, workspace=None):
+    """Plain fp32 torch reference; same contract as :func:`decode_attention` (``workspace`` unused).
 
-    Grids ``(B, KVH, num_splits)`` then ``(B, H)``, from static shapes only; no host sync.
+    Loops over rows and reads lengths on the host: the CPU path and the tests' oracle.
+    """
+    B = q.shape[0]
+    H, KVH, Dh, max_ctx = _check_cache(q, k, v, k_cache, v_cache, out, B)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out.zero_()
+    for b, (slot, n) in enumerate(zip(slot_idx.tolist(), kv_lens.tolist())):
+        n = min(n, max_ctx)
+        if slot == PAD_SLOT_ID or n <= 0:
+            continue
+        k_cache[slot, n - 1] = k[b]
+        v_cache[slot, n - 1] = v[b]
+        y = _attend_ref(q[b, None], k_cache[slot, :n], v_cache[slot, :n], n - 1, scale)
+        out[b] = y[0].to(out.dtype)
+    return out
+
+
+@with_reference(decode_attention_ref)
+def decode_attention(q, k, v, k_cache, v_cache, slot_idx, kv_lens, *, scale, out=None, workspace=None):
+    """Attention of one new token per row over its slot's cached context, after caching the token.
+
+    q:         [B, H, Dh] bf16 or fp32 (may be a strided view, last dim contiguous)
+    k, v:      [B, KVH, Dh] the new token's key and value, q's dtype (strided views allowed)
+    k_cache, v_cache: [S, max_ctx, KVH, Dh] q's dtype, the pool; row kv_lens[b] - 1 of slot
+               slot_idx[b] is overwritten with k[b], v[b], nothing else changes
+    slot_idx:  [B] int32 slot of each row; PAD_SLOT_ID (-1) skips the row
+    kv_lens:   [B] int32 context length including the new token (1 <= kv_lens <= max_ctx)
+    scale:     softmax scale (head_dim ** -0.5 for Nemotron-H)
+    out:       [B, H, Dh] q's dtype, written in full (zeros for pad rows); allocated if None
+    workspace: fp32 [B, H, num_splits, Dh + 1] from :func:`decode_workspace`; allocated if None
+
+    Query head h attends with KV head h // (H // KVH) to positions [0, kv_lens[b]). CUDA tensors
+    run the Triton kernels (no host sync, capturable); CPU tensors run the reference. Returns out.
     """
     B = q.shape[0]
     H, KVH, Dh, max_ctx = _check_cache(q, k, v, k_cache, v_cache, out, B)
@@ -410,49 +442,32 @@ def decode_attention_triton(q, k, v, k_cache, v_cache, slot_idx, kv_lens, *, sca
     return out
 
 
-def decode_attention_ref(q, k, v, k_cache, v_cache, slot_idx, kv_lens, *, scale, out=None, workspace=None):
-    """Plain fp32 torch reference; same contract as :func:`decode_attention` (``workspace`` unused).
+def _sequences(meta: PrefillMetadata, max_ctx: int):
+    """(token range, slot, context) of each live sequence, read on the host; positions clamped."""
+    cu = meta.cu_seqlens.tolist()
+    for i, (slot, ctx) in enumerate(zip(meta.slot_idx.tolist(), meta.context_lens.tolist())):
+        n = min(cu[i + 1] - cu[i], max_ctx - ctx)
+        if slot != PAD_SLOT_ID and n > 0:
+            yield cu[i], n, slot, ctx
 
-    Loops over rows and reads lengths on the host: the CPU path and the tests' oracle.
+
+def write_kv_ref(k, v, k_cache, v_cache, meta):
+    """Torch reference of :func:`write_kv` (host loop over sequences)."""
+    for t0, n, slot, ctx in _sequences(meta, k_cache.shape[1]):
+        k_cache[slot, ctx : ctx + n] = k[t0 : t0 + n]
+        v_cache[slot, ctx : ctx + n] = v[t0 : t0 + n]
+
+
+@with_reference(write_kv_ref)
+def write_kv(k, v, k_cache, v_cache, meta):
+    """Store packed prefill tokens' keys and values in their slots.
+
+    k, v:      [T, KVH, Dh] (strided views allowed, last dim contiguous), the caches' dtype
+    k_cache, v_cache: [S, max_ctx, KVH, Dh]; token j of sequence i goes to row
+               meta.context_lens[i] + j of slot meta.slot_idx[i]
+    meta:      PrefillMetadata on the caches' device (T = meta.max_tokens); tokens with seq_idx -1,
+               sequences with slot PAD_SLOT_ID and positions >= max_ctx are skipped
     """
-    B = q.shape[0]
-    H, KVH, Dh, max_ctx = _check_cache(q, k, v, k_cache, v_cache, out, B)
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    out.zero_()
-    for b, (slot, n) in enumerate(zip(slot_idx.tolist(), kv_lens.tolist())):
-        n = min(n, max_ctx)
-        if slot == PAD_SLOT_ID or n <= 0:
-            continue
-        k_cache[slot, n - 1] = k[b]
-        v_cache[slot, n - 1] = v[b]
-        y = _attend_ref(q[b, None], k_cache[slot, :n], v_cache[slot, :n], n - 1, scale)
-        out[b] = y[0].to(out.dtype)
-    return out
-
-
-def decode_attention(q, k, v, k_cache, v_cache, slot_idx, kv_lens, *, scale, out=None, workspace=None):
-    """Attention of one new token per row over its slot's cached context, after caching the token.
-
-    q:         [B, H, Dh] bf16 or fp32 (may be a strided view, last dim contiguous)
-    k, v:      [B, KVH, Dh] the new token's key and value, q's dtype (strided views allowed)
-    k_cache, v_cache: [S, max_ctx, KVH, Dh] q's dtype, the pool; row kv_lens[b] - 1 of slot
-               slot_idx[b] is overwritten with k[b], v[b], nothing else changes
-    slot_idx:  [B] int32 slot of each row; PAD_SLOT_ID (-1) skips the row
-    kv_lens:   [B] int32 context length including the new token (1 <= kv_lens <= max_ctx)
-    scale:     softmax scale (head_dim ** -0.5 for Nemotron-H)
-    out:       [B, H, Dh] q's dtype, written in full (zeros for pad rows); allocated if None
-    workspace: fp32 [B, H, num_splits, Dh + 1] from :func:`decode_workspace`; allocated if None
-
-    Query head h attends with KV head h // (H // KVH) to positions [0, kv_lens[b]). CUDA tensors
-    run the Triton kernels (no host sync, capturable); CPU tensors run the reference. Returns out.
-    """
-    fn = decode_attention_triton if q.is_cuda else decode_attention_ref
-    return fn(q, k, v, k_cache, v_cache, slot_idx, kv_lens, scale=scale, out=out, workspace=workspace)
-
-
-def write_kv_triton(k, v, k_cache, v_cache, meta):
-    """Launch the cache-write kernel; same contract as :func:`write_kv`. Grid ``(T,)``."""
     T, KVH, Dh = k.shape
     _check("k_cache", k_cache, (k_cache.shape[0], k_cache.shape[1], KVH, Dh), k.dtype)
     _check("v_cache", v_cache, tuple(k_cache.shape), k.dtype)
@@ -472,66 +487,6 @@ def write_kv_triton(k, v, k_cache, v_cache, meta):
         BLOCK_H=triton.next_power_of_2(KVH), BLOCK_D=triton.next_power_of_2(Dh),
         num_warps=max(1, min(4, KVH * Dh // 256)),
     )
-
-
-def _sequences(meta: PrefillMetadata, max_ctx: int):
-    """(token range, slot, context) of each live sequence, read on the host; positions clamped."""
-    cu = meta.cu_seqlens.tolist()
-    for i, (slot, ctx) in enumerate(zip(meta.slot_idx.tolist(), meta.context_lens.tolist())):
-        n = min(cu[i + 1] - cu[i], max_ctx - ctx)
-        if slot != PAD_SLOT_ID and n > 0:
-            yield cu[i], n, slot, ctx
-
-
-def write_kv_ref(k, v, k_cache, v_cache, meta):
-    """Torch reference of :func:`write_kv` (host loop over sequences)."""
-    for t0, n, slot, ctx in _sequences(meta, k_cache.shape[1]):
-        k_cache[slot, ctx : ctx + n] = k[t0 : t0 + n]
-        v_cache[slot, ctx : ctx + n] = v[t0 : t0 + n]
-
-
-def write_kv(k, v, k_cache, v_cache, meta):
-    """Store packed prefill tokens' keys and values in their slots.
-
-    k, v:      [T, KVH, Dh] (strided views allowed, last dim contiguous), the caches' dtype
-    k_cache, v_cache: [S, max_ctx, KVH, Dh]; token j of sequence i goes to row
-               meta.context_lens[i] + j of slot meta.slot_idx[i]
-    meta:      PrefillMetadata on the caches' device (T = meta.max_tokens); tokens with seq_idx -1,
-               sequences with slot PAD_SLOT_ID and positions >= max_ctx are skipped
-    """
-    fn = write_kv_triton if k.is_cuda else write_kv_ref
-    fn(k, v, k_cache, v_cache, meta)
-
-
-def prefill_attention_triton(q, k, v, k_cache, v_cache, meta, *, scale, out=None):
-    """Launch write_kv, then the prefill kernel; same contract as :func:`prefill_attention`.
-
-    Grid ``(H, cdiv(T, BLOCK_M) + max_seqs)`` from static shapes only; no host sync.
-    """
-    T = q.shape[0]
-    H, KVH, Dh, max_ctx = _check_cache(q, k, v, k_cache, v_cache, out, T)
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _check_inner_contiguous(q=q, out=out)
-    write_kv_triton(k, v, k_cache, v_cache, meta)
-    if T == 0:
-        return out
-    block_m = 64
-    # Same K/V tile bytes for fp32 as for 16-bit (shared memory for the pipelined loads).
-    block_n = 64 if k_cache.element_size() <= 2 else 32
-    _prefill_kernel[(H, triton.cdiv(T, block_m) + meta.max_seqs)](
-        q, k_cache, v_cache, out, meta.cu_seqlens, meta.slot_idx, meta.context_lens,
-        scale * _LOG2E, T, meta.max_seqs, max_ctx,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        out.stride(0), out.stride(1),
-        GROUP=H // KVH, HEAD_DIM=Dh,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(Dh)),
-        BLOCK_S=max(2, triton.next_power_of_2(meta.max_seqs)),
-        num_warps=4, num_stages=2,
-    )
-    return out
 
 
 def _attend_ref(q, keys, values, first_pos, scale):
@@ -561,6 +516,7 @@ def prefill_attention_ref(q, k, v, k_cache, v_cache, meta, *, scale, out=None):
     return out
 
 
+@with_reference(prefill_attention_ref)
 def prefill_attention(q, k, v, k_cache, v_cache, meta, *, scale, out=None):
     """Causal attention of packed prefill tokens over their slots' context, after caching them.
 
@@ -577,5 +533,27 @@ def prefill_attention(q, k, v, k_cache, v_cache, meta, *, scale, out=None):
     sees the earlier chunks of its prompt. Requires context_lens[i] + len_i <= max_ctx. CUDA
     tensors run the Triton kernels (no host sync, capturable); CPU tensors run the reference.
     """
-    fn = prefill_attention_triton if q.is_cuda else prefill_attention_ref
-    return fn(q, k, v, k_cache, v_cache, meta, scale=scale, out=out)
+    T = q.shape[0]
+    H, KVH, Dh, max_ctx = _check_cache(q, k, v, k_cache, v_cache, out, T)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _check_inner_contiguous(q=q, out=out)
+    write_kv.triton(k, v, k_cache, v_cache, meta)
+    if T == 0:
+        return out
+    block_m = 64
+    # Same K/V tile bytes for fp32 as for 16-bit (shared memory for the pipelined loads).
+    block_n = 64 if k_cache.element_size() <= 2 else 32
+    _prefill_kernel[(H, triton.cdiv(T, block_m) + meta.max_seqs)](
+        q, k_cache, v_cache, out, meta.cu_seqlens, meta.slot_idx, meta.context_lens,
+        scale * _LOG2E, T, meta.max_seqs, max_ctx,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1),
+        GROUP=H // KVH, HEAD_DIM=Dh,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(Dh)),
+        BLOCK_S=max(2, triton.next_power_of_2(meta.max_seqs)),
+        num_warps=4, num_stages=2,
+    )
+    return out

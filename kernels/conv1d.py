@@ -16,16 +16,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .dispatch import with_reference
 from .varlen import PrefillMetadata
 
-__all__ = [
-    "conv1d_update",
-    "conv1d_varlen",
-    "conv1d_update_ref",
-    "conv1d_varlen_ref",
-    "conv1d_update_triton",
-    "conv1d_varlen_triton",
-]
+__all__ = ["conv1d_update", "conv1d_varlen", "conv1d_update_ref", "conv1d_varlen_ref"]
 
 _ACTIVATIONS = ("silu", None)
 
@@ -232,81 +226,6 @@ def _check_index(name, t, n, device):
         raise ValueError(f"{name} is on {t.device}, the data on {device}")
 
 
-def conv1d_update_triton(x, conv_state, weight, bias, slot_idx, *, out=None, activation="silu"):
-    """Triton launcher of :func:`conv1d_update`."""
-    if out is None:
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    D, K = _check_common(x, conv_state, weight, bias, out, activation)
-    B = x.shape[0]
-    _check_index("slot_idx", slot_idx, B, x.device)
-    if B == 0:
-        return out
-    block_d = _block_d(D, 128)
-    block_k = triton.next_power_of_2(K)
-    grid = (B, triton.cdiv(D, block_d))
-    _conv1d_update_kernel[grid](
-        x, conv_state, weight, weight if bias is None else bias, slot_idx, out,
-        D,
-        x.stride(0), x.stride(1),
-        conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
-        weight.stride(0), weight.stride(1),
-        0 if bias is None else bias.stride(0),
-        out.stride(0), out.stride(1),
-        K=K, BLOCK_K=block_k, BLOCK_D=block_d,
-        HAS_BIAS=bias is not None, SILU=activation == "silu",
-        num_warps=_num_warps(block_d, 1),
-    )
-    return out
-
-
-def conv1d_varlen_triton(x, weight, bias, conv_state, meta, *, out=None, activation="silu"):
-    """Triton launcher of :func:`conv1d_varlen`: outputs first, then final states."""
-    if out is None:
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    D, K = _check_common(x, conv_state, weight, bias, out, activation)
-    T = x.shape[0]
-    n_seqs = meta.slot_idx.shape[0]
-    _check_index("meta.seq_idx", meta.seq_idx, T, x.device)
-    _check_index("meta.cu_seqlens", meta.cu_seqlens, n_seqs + 1, x.device)
-    _check_index("meta.slot_idx", meta.slot_idx, n_seqs, x.device)
-    _check_index("meta.has_initial_state", meta.has_initial_state, n_seqs, x.device)
-    if T == 0:
-        return out
-    strides = (
-        x.stride(0), x.stride(1),
-        conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
-    )
-
-    # 16 x 128 tiles in 8 warps: one 16-byte bf16 load per tap and thread; no spills on sm_90
-    block_t, block_d = 16, _block_d(D, 128)
-    grid = (triton.cdiv(T, block_t), triton.cdiv(D, block_d))
-    _conv1d_varlen_out_kernel[grid](
-        x, conv_state, weight, weight if bias is None else bias, out,
-        meta.cu_seqlens, meta.seq_idx, meta.slot_idx, meta.has_initial_state,
-        T, D,
-        *strides,
-        weight.stride(0), weight.stride(1),
-        0 if bias is None else bias.stride(0),
-        out.stride(0), out.stride(1),
-        K=K, BLOCK_T=block_t, BLOCK_D=block_d,
-        HAS_BIAS=bias is not None, SILU=activation == "silu",
-        num_warps=_num_warps(block_t * block_d, 8),
-    )
-
-    # stream order puts every read of an old state (above) before its overwrite (here)
-    block_d = _block_d(D, 256)
-    grid = (n_seqs, triton.cdiv(D, block_d))
-    _conv1d_varlen_state_kernel[grid](
-        x, conv_state,
-        meta.cu_seqlens, meta.slot_idx, meta.has_initial_state,
-        T, D,
-        *strides,
-        K=K, BLOCK_K=triton.next_power_of_2(K), BLOCK_D=block_d,
-        num_warps=_num_warps(block_d, 2),
-    )
-    return out
-
-
 def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
     if activation not in _ACTIVATIONS:
         raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
@@ -354,6 +273,7 @@ def conv1d_varlen_ref(x, weight, bias, conv_state, meta, *, out=None, activation
     return out
 
 
+@with_reference(conv1d_update_ref)
 def conv1d_update(
     x: torch.Tensor,
     conv_state: torch.Tensor,
@@ -378,10 +298,32 @@ def conv1d_update(
     A skipped row gets zeros. Live rows must have distinct slots. activation: "silu" or None.
     Returns out.
     """
-    fn = conv1d_update_triton if x.is_cuda else conv1d_update_ref
-    return fn(x, conv_state, weight, bias, slot_idx, out=out, activation=activation)
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    D, K = _check_common(x, conv_state, weight, bias, out, activation)
+    B = x.shape[0]
+    _check_index("slot_idx", slot_idx, B, x.device)
+    if B == 0:
+        return out
+    block_d = _block_d(D, 128)
+    block_k = triton.next_power_of_2(K)
+    grid = (B, triton.cdiv(D, block_d))
+    _conv1d_update_kernel[grid](
+        x, conv_state, weight, weight if bias is None else bias, slot_idx, out,
+        D,
+        x.stride(0), x.stride(1),
+        conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
+        weight.stride(0), weight.stride(1),
+        0 if bias is None else bias.stride(0),
+        out.stride(0), out.stride(1),
+        K=K, BLOCK_K=block_k, BLOCK_D=block_d,
+        HAS_BIAS=bias is not None, SILU=activation == "silu",
+        num_warps=_num_warps(block_d, 1),
+    )
+    return out
 
 
+@with_reference(conv1d_varlen_ref)
 def conv1d_varlen(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -409,5 +351,47 @@ def conv1d_varlen(
     tokens (seq_idx == -1) get zeros. Live sequences must have distinct slots and their tokens
     must lie within x's rows. activation: "silu" or None. Returns out.
     """
-    fn = conv1d_varlen_triton if x.is_cuda else conv1d_varlen_ref
-    return fn(x, weight, bias, conv_state, meta, out=out, activation=activation)
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    D, K = _check_common(x, conv_state, weight, bias, out, activation)
+    T = x.shape[0]
+    n_seqs = meta.slot_idx.shape[0]
+    _check_index("meta.seq_idx", meta.seq_idx, T, x.device)
+    _check_index("meta.cu_seqlens", meta.cu_seqlens, n_seqs + 1, x.device)
+    _check_index("meta.slot_idx", meta.slot_idx, n_seqs, x.device)
+    _check_index("meta.has_initial_state", meta.has_initial_state, n_seqs, x.device)
+    if T == 0:
+        return out
+    strides = (
+        x.stride(0), x.stride(1),
+        conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
+    )
+
+    # 16 x 128 tiles in 8 warps: one 16-byte bf16 load per tap and thread; no spills on sm_90
+    block_t, block_d = 16, _block_d(D, 128)
+    grid = (triton.cdiv(T, block_t), triton.cdiv(D, block_d))
+    _conv1d_varlen_out_kernel[grid](
+        x, conv_state, weight, weight if bias is None else bias, out,
+        meta.cu_seqlens, meta.seq_idx, meta.slot_idx, meta.has_initial_state,
+        T, D,
+        *strides,
+        weight.stride(0), weight.stride(1),
+        0 if bias is None else bias.stride(0),
+        out.stride(0), out.stride(1),
+        K=K, BLOCK_T=block_t, BLOCK_D=block_d,
+        HAS_BIAS=bias is not None, SILU=activation == "silu",
+        num_warps=_num_warps(block_t * block_d, 8),
+    )
+
+    # stream order puts every read of an old state (above) before its overwrite (here)
+    block_d = _block_d(D, 256)
+    grid = (n_seqs, triton.cdiv(D, block_d))
+    _conv1d_varlen_state_kernel[grid](
+        x, conv_state,
+        meta.cu_seqlens, meta.slot_idx, meta.has_initial_state,
+        T, D,
+        *strides,
+        K=K, BLOCK_K=triton.next_power_of_2(K), BLOCK_D=block_d,
+        num_warps=_num_warps(block_d, 2),
+    )
+    return out

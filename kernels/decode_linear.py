@@ -58,6 +58,7 @@ import triton
 import triton.language as tl
 
 from .conv1d import conv1d_update_ref
+from .dispatch import with_reference
 from .norm import gated_rms_norm, gated_rms_norm_ref, rms_norm_ref
 
 __all__ = [
@@ -65,15 +66,13 @@ __all__ = [
     "ONE_TILE_MAX_K",
     "ConvTail",
     "norm_linear",
-    "norm_linear_triton",
     "norm_linear_ref",
     "gated_norm_linear",
-    "gated_norm_linear_triton",
     "gated_norm_linear_ref",
     "pdl_supported",
 ]
 
-# The kernels take up to 8 rows; the model uses them at 1-4 (``runtime.model.fused_max_rows``).
+# The kernels take up to 8 rows; the model uses them at 1-4 (``runtime.decode_options``).
 MAX_ROWS = 8
 # The widest K held as one tile in registers; wider projections stream K (see ``_config``).
 ONE_TILE_MAX_K = 2048
@@ -407,8 +406,11 @@ class _Config(NamedTuple):
     stages: int  # software-pipelining depth of the K loop
 
 
-def _config(M: int, N: int, K: int, device: torch.device) -> _Config:
-    """Tile sizes for M rows of an [N, K] weight, from sweeps on an H200 (docs/BENCHMARKS.md).
+def _config(M: int, N: int, K: int, device: torch.device, tile_k: int | None = None) -> _Config:
+    """Tile sizes for M rows of an [N, K] weight, from sweeps on an H200 (docs/experiments.md).
+
+    ``tile_k`` given: stream K in tiles of that many columns whatever the shape (16 columns a
+    program, 2 stages), the way the large models' projections run.
 
     One tile, when K <= ONE_TILE_MAX_K and the grid is a few waves at most (Mamba2-130M's block
     projections), or one row through K <= 1024 (its LM head too): the program's whole weight
@@ -426,6 +428,8 @@ def _config(M: int, N: int, K: int, device: torch.device) -> _Config:
     ties; at two rows they lose). The tile narrows as the rows grow, so that the per-row partial
     sums keep their register footprint.
     """
+    if tile_k is not None:
+        return _Config(True, 16, tile_k, 4, 2)
     sms = _num_sms(device)
     if K <= ONE_TILE_MAX_K and (triton.cdiv(N, 16) <= 4 * sms or (M == 1 and K <= 1024)):
         block_k = triton.next_power_of_2(K)
@@ -456,13 +460,13 @@ def _check_weight(weight: torch.Tensor, K: int) -> None:
 
 
 def _launch(x, z, norm_w, weight, bias, out, rows: _Rows, *, eps, group_size, prologue, round_first,
-            epilogue, conv: ConvTail | None, pdl: bool, early: bool = False):
+            epilogue, conv: ConvTail | None, pdl: bool, early: bool = False, tile_k: int | None = None):
     M, (N, K) = rows.n, weight.shape
     if M > MAX_ROWS:
         raise ValueError(f"{M} rows: the skinny projection takes at most {MAX_ROWS}; use a GEMM")
     if M == 0:
         return out
-    cfg = _config(M, N, K, weight.device)
+    cfg = _config(M, N, K, weight.device, tile_k)
     if conv is None:  # any valid pointers: the constexpr epilogue never reads them
         cs, cw, cb, slots, lo, D, conv_k = out, weight, weight, out, 0, 0, 2
         ss_s = ss_d = ss_k = scw = 0
@@ -513,21 +517,6 @@ def _out_rows(x, rows, out, residual, N, dtype):
     return spec, out
 
 
-def norm_linear_triton(x, norm_w, eps, weight, *, bias=None, round_first=True, rows=None, residual=None,
-                       relu2=False, conv=None, out=None, pdl=False):
-    """Triton launcher of :func:`norm_linear`."""
-    T, K = x.shape
-    _check("x", x, (T, K))
-    _check_weight(weight, K)
-    if conv is not None:
-        _check("conv.slots", conv.slots, (T if rows is None else rows.shape[0],))
-    epi = _epilogue(residual, relu2, conv)
-    spec, dst = _out_rows(x, rows, out, residual, weight.shape[0], weight.dtype)
-    return _launch(x, None, norm_w, weight, bias, dst, spec, eps=eps, group_size=K,
-                   prologue=_PRO_NONE if norm_w is None else _PRO_RMS, round_first=round_first,
-                   epilogue=epi, conv=conv, pdl=pdl)
-
-
 def _linear_ref(h, weight, bias):
     y = F.linear(h.float(), weight.float(), None if bias is None else bias.float())
     return y.to(weight.dtype)
@@ -549,7 +538,7 @@ def _epilogue_ref(y, residual, relu2, conv, out):
 
 
 def norm_linear_ref(x, norm_w, eps, weight, *, bias=None, round_first=True, rows=None, residual=None,
-                    relu2=False, conv=None, out=None, pdl=False):
+                    relu2=False, conv=None, out=None, pdl=False, tile_k=None):
     """The unfused composition: :func:`rms_norm_ref`, a rounded fp32 product, the epilogue."""
     _epilogue(residual, relu2, conv)
     src = x if rows is None else x.index_select(0, rows.long())
@@ -560,8 +549,9 @@ def norm_linear_ref(x, norm_w, eps, weight, *, bias=None, round_first=True, rows
     return _epilogue_ref(_linear_ref(h, weight, bias), residual, relu2, conv, out)
 
 
+@with_reference(norm_linear_ref)
 def norm_linear(x, norm_w, eps, weight, *, bias=None, round_first=True, rows=None, residual=None,
-                relu2=False, conv=None, out=None, pdl=False):
+                relu2=False, conv=None, out=None, pdl=False, tile_k=None):
     """``epilogue(rms_norm(x[rows]) @ weight.T + bias)`` for at most ``MAX_ROWS`` rows.
 
     x:        [T, K] activations (bf16, or the fp32 residual stream); row-strided views allowed
@@ -574,44 +564,32 @@ def norm_linear(x, norm_w, eps, weight, *, bias=None, round_first=True, rows=Non
       conv:     ConvTail: the conv1d decode update on columns [conv.lo, conv.lo + D)
     out:      [R, N] (any float dtype; the product is rounded to weight's dtype first)
     pdl:      launch as a programmatic dependent of the previous kernel (CUDA, sm_90+)
+    tile_k:   stream K in tiles of this many columns whatever the shape (None: by the table)
 
     CUDA tensors run the Triton kernel (capturable, no host sync); CPU tensors the reference.
     """
-    fn = norm_linear_triton if x.is_cuda else norm_linear_ref
-    return fn(x, norm_w, eps, weight, bias=bias, round_first=round_first, rows=rows, residual=residual,
-              relu2=relu2, conv=conv, out=out, pdl=pdl)
-
-
-def gated_norm_linear_triton(y, z, norm_w, group_size, eps, weight, *, bias=None, residual=None, out=None,
-                             pdl=False, early=False):
-    """Triton launcher of :func:`gated_norm_linear`."""
-    T, K = y.shape
-    _check("y", y, (T, K))
-    _check("z", z, (T, K))
+    T, K = x.shape
+    _check("x", x, (T, K))
     _check_weight(weight, K)
-    if K % group_size:
-        raise ValueError(f"group_size {group_size} does not divide {K}")
-    spec, dst = _out_rows(y, None, out, residual, weight.shape[0], weight.dtype)
-    if _config(T, weight.shape[0], K, y.device).loop:
-        # A streamed product would recompute the grouped norm tile by tile, which costs more
-        # than a kernel of its own (measured on Nemotron-H-8B's out_proj)
-        h = gated_rms_norm(y, z, norm_w, group_size, eps, pdl=pdl)
-        return _launch(h, None, None, weight, bias, dst, spec, eps=eps, group_size=K, prologue=_PRO_NONE,
-                       round_first=True, epilogue=_epilogue(residual, False, None), conv=None, pdl=pdl)
-    return _launch(y, z, norm_w, weight, bias, dst, spec, eps=eps, group_size=group_size,
-                   prologue=_PRO_GATED, round_first=True, epilogue=_epilogue(residual, False, None),
-                   conv=None, pdl=pdl, early=early)
+    if conv is not None:
+        _check("conv.slots", conv.slots, (T if rows is None else rows.shape[0],))
+    epi = _epilogue(residual, relu2, conv)
+    spec, dst = _out_rows(x, rows, out, residual, weight.shape[0], weight.dtype)
+    return _launch(x, None, norm_w, weight, bias, dst, spec, eps=eps, group_size=K,
+                   prologue=_PRO_NONE if norm_w is None else _PRO_RMS, round_first=round_first,
+                   epilogue=epi, conv=conv, pdl=pdl, tile_k=tile_k)
 
 
 def gated_norm_linear_ref(y, z, norm_w, group_size, eps, weight, *, bias=None, residual=None, out=None,
-                          pdl=False, early=False):
+                          pdl=False, early=False, tile_k=None):
     """The unfused composition: :func:`gated_rms_norm_ref`, a rounded fp32 product, the residual add."""
     h = gated_rms_norm_ref(y, z, norm_w, group_size, eps)
     return _epilogue_ref(_linear_ref(h, weight, bias), residual, False, None, out)
 
 
+@with_reference(gated_norm_linear_ref)
 def gated_norm_linear(y, z, norm_w, group_size, eps, weight, *, bias=None, residual=None, out=None, pdl=False,
-                      early=False):
+                      early=False, tile_k=None):
     """``gated_rms_norm(y, z) @ weight.T + bias``, added into ``residual`` in place when given.
 
     y, z: [T, K] (row-strided views allowed), T <= MAX_ROWS; norm_w: [K]; group_size divides K;
@@ -619,7 +597,23 @@ def gated_norm_linear(y, z, norm_w, group_size, eps, weight, *, bias=None, resid
     pdl: as in :func:`norm_linear`; early: z and the residual were written two or more kernels
     back in this stream, so a programmatic dependent launch may read them before its wait (in a
     Mamba2 block: z by in_proj, the residual by the previous block). Where the product streams K
-    (see the module doc), the gated norm runs first as a kernel of its own.
+    (see the module doc), the gated norm runs first as a kernel of its own. tile_k: as in
+    :func:`norm_linear`.
     """
-    fn = gated_norm_linear_triton if y.is_cuda else gated_norm_linear_ref
-    return fn(y, z, norm_w, group_size, eps, weight, bias=bias, residual=residual, out=out, pdl=pdl, early=early)
+    T, K = y.shape
+    _check("y", y, (T, K))
+    _check("z", z, (T, K))
+    _check_weight(weight, K)
+    if K % group_size:
+        raise ValueError(f"group_size {group_size} does not divide {K}")
+    spec, dst = _out_rows(y, None, out, residual, weight.shape[0], weight.dtype)
+    if _config(T, weight.shape[0], K, y.device, tile_k).loop:
+        # A streamed product would recompute the grouped norm tile by tile, which costs more
+        # than a kernel of its own (measured on Nemotron-H-8B's out_proj)
+        h = gated_rms_norm(y, z, norm_w, group_size, eps, pdl=pdl)
+        return _launch(h, None, None, weight, bias, dst, spec, eps=eps, group_size=K, prologue=_PRO_NONE,
+                       round_first=True, epilogue=_epilogue(residual, False, None), conv=None, pdl=pdl,
+                       tile_k=tile_k)
+    return _launch(y, z, norm_w, weight, bias, dst, spec, eps=eps, group_size=group_size,
+                   prologue=_PRO_GATED, round_first=True, epilogue=_epilogue(residual, False, None),
+                   conv=None, pdl=pdl, early=early, tile_k=tile_k)

@@ -11,8 +11,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-__all__ = ["rms_norm", "rms_norm_triton", "rms_norm_ref", "gated_rms_norm", "gated_rms_norm_triton",
-           "gated_rms_norm_ref"]
+from .dispatch import with_reference
+
+__all__ = ["rms_norm", "rms_norm_ref", "gated_rms_norm", "gated_rms_norm_ref"]
 
 
 @triton.jit
@@ -79,7 +80,28 @@ def _num_warps(block: int) -> int:
     return max(1, min(16, block // 256))
 
 
-def rms_norm_triton(x, weight, eps, *, residual=None, out=None, round_first=True):
+def rms_norm_ref(x, weight, eps, *, residual=None, out=None, round_first=True):
+    if residual is not None:
+        residual.copy_((residual.float() + x.float()).to(residual.dtype))
+        x = residual
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    dtype = out.dtype if out is not None else x.dtype
+    y = weight.float() * (y.to(dtype).float() if round_first else y)
+    if out is None:
+        return y.to(dtype)
+    return out.copy_(y)
+
+
+@with_reference(rms_norm_ref)
+def rms_norm(x, weight, eps, *, residual=None, out=None, round_first=True):
+    """RMSNorm of each row, optionally after adding ``x`` into ``residual`` in place.
+
+    x: [T, D] any float dtype; weight: [D]; residual: [T, D] or None (fp32 or x's dtype), updated
+    to ``residual + x``, and then it is ``residual`` that is normalised; out: [T, D].
+    Returns out = weight * rmsnorm(row), computed in fp32; round_first rounds the normalised row
+    to out's dtype before the weight (HF's Mamba2) rather than only the product (NemotronH).
+    """
     T, D = x.shape
     out = torch.empty_like(x) if out is None else out
     _check_rows("x", x, T, D)
@@ -97,32 +119,24 @@ def rms_norm_triton(x, weight, eps, *, residual=None, out=None, round_first=True
     return out
 
 
-def rms_norm_ref(x, weight, eps, *, residual=None, out=None, round_first=True):
-    if residual is not None:
-        residual.copy_((residual.float() + x.float()).to(residual.dtype))
-        x = residual
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    dtype = out.dtype if out is not None else x.dtype
-    y = weight.float() * (y.to(dtype).float() if round_first else y)
+def gated_rms_norm_ref(x, z, weight, group_size, eps, *, out=None, pdl=False):
+    T, D = x.shape
+    h = (x.float() * F.silu(z.float())).view(T, D // group_size, group_size)
+    h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).view(T, D)
+    y = weight.float() * h.to(x.dtype).float()
     if out is None:
-        return y.to(dtype)
+        return y.to(x.dtype)
     return out.copy_(y)
 
 
-def rms_norm(x, weight, eps, *, residual=None, out=None, round_first=True):
-    """RMSNorm of each row, optionally after adding ``x`` into ``residual`` in place.
+@with_reference(gated_rms_norm_ref)
+def gated_rms_norm(x, z, weight, group_size, eps, *, out=None, pdl=False):
+    """Mamba2's gated norm: RMSNorm over groups of ``group_size`` of ``x * silu(z)``.
 
-    x: [T, D] any float dtype; weight: [D]; residual: [T, D] or None (fp32 or x's dtype), updated
-    to ``residual + x``, and then it is ``residual`` that is normalised; out: [T, D].
-    Returns out = weight * rmsnorm(row), computed in fp32; round_first rounds the normalised row
-    to out's dtype before the weight (HF's Mamba2) rather than only the product (NemotronH).
+    x, z: [T, D] (row-strided views allowed); weight: [D]; out: [T, D] in x's dtype.
+    pdl: launch as a programmatic dependent of the previous kernel (CUDA, sm_90+), as in
+    ``kernels.decode_linear``; it signals its own dependents right after its wait.
     """
-    fn = rms_norm_triton if x.is_cuda else rms_norm_ref
-    return fn(x, weight, eps, residual=residual, out=out, round_first=round_first)
-
-
-def gated_rms_norm_triton(x, z, weight, group_size, eps, *, out=None, pdl=False):
     T, D = x.shape
     out = torch.empty_like(x) if out is None else out
     for name, t in (("x", x), ("z", z), ("out", out)):
@@ -136,24 +150,3 @@ def gated_rms_norm_triton(x, z, weight, group_size, eps, *, out=None, pdl=False)
         BLOCK=block, USE_PDL=pdl, num_warps=_num_warps(block), **({"launch_pdl": True} if pdl else {}),
     )
     return out
-
-
-def gated_rms_norm_ref(x, z, weight, group_size, eps, *, out=None, pdl=False):
-    T, D = x.shape
-    h = (x.float() * F.silu(z.float())).view(T, D // group_size, group_size)
-    h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).view(T, D)
-    y = weight.float() * h.to(x.dtype).float()
-    if out is None:
-        return y.to(x.dtype)
-    return out.copy_(y)
-
-
-def gated_rms_norm(x, z, weight, group_size, eps, *, out=None, pdl=False):
-    """Mamba2's gated norm: RMSNorm over groups of ``group_size`` of ``x * silu(z)``.
-
-    x, z: [T, D] (row-strided views allowed); weight: [D]; out: [T, D] in x's dtype.
-    pdl: launch as a programmatic dependent of the previous kernel (CUDA, sm_90+), as in
-    ``kernels.decode_linear``; it signals its own dependents right after its wait.
-    """
-    fn = gated_rms_norm_triton if x.is_cuda else gated_rms_norm_ref
-    return fn(x, z, weight, group_size, eps, out=out, pdl=pdl)

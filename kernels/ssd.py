@@ -25,13 +25,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .ssd_reference import ssd_scan_chunked_torch, ssd_scan_ref
+from .dispatch import with_reference
 from .varlen import PrefillMetadata
 
-__all__ = ["SSDWorkspace", "ssd_scan", "ssd_scan_triton", "ssd_scan_ref", "ssd_scan_chunked_torch"]
+__all__ = ["SSDWorkspace", "ssd_scan", "ssd_scan_ref", "ssd_scan_chunked_torch"]
 
 
 @dataclass
@@ -378,11 +379,154 @@ def _check(x, dt, A, B, C, D, z, dt_bias, ssm_state, meta, out, workspace):
         if tuple(workspace.dt.shape) != want or tuple(workspace.states.shape) != (*want[:2], P, N):
             raise ValueError("workspace was sized for other static dims")
 
+# The torch references: a per-token loop (the oracle) and the SSD block decomposition per
+# sequence. Both read the metadata on the host (they sync), loop over sequences in Python, and
+# share the kernels' semantics (see ``ssd_scan`` for the argument list).
 
-def ssd_scan_triton(x, dt, A, B, C, D, ssm_state, meta: PrefillMetadata, *, z=None, dt_bias=None,
-                    dt_softplus=True, dt_limit=(0.0, float("inf")), out=None,
-                    workspace: SSDWorkspace | None = None, passed: torch.cuda.Event | None = None):
-    """Triton launcher of ``ssd_scan`` (CUDA tensors; CPU tensors need TRITON_INTERPRET=1)."""
+
+def process_dt(dt, dt_bias, dt_softplus, dt_limit):
+    """dt' = clamp(softplus(dt + dt_bias), *dt_limit) in fp32; dt: [L, H]."""
+    dt = dt.float()
+    if dt_bias is not None:
+        dt = dt + dt_bias.float()
+    if dt_softplus:
+        dt = F.softplus(dt)
+    return dt.clamp(min=dt_limit[0], max=dt_limit[1])
+
+
+def _live_sequences(meta: PrefillMetadata):
+    """(tokens start, end, slot, has_initial_state) of every sequence the kernels would scan."""
+    cu = torch.as_tensor(meta.cu_seqlens).tolist()
+    slots = torch.as_tensor(meta.slot_idx).tolist()
+    init = torch.as_tensor(meta.has_initial_state).tolist()
+    for s, slot in enumerate(slots):
+        if slot >= 0 and cu[s + 1] > cu[s]:
+            yield cu[s], cu[s + 1], slot, bool(init[s])
+
+
+def _prepare_out(x, out):
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    # rows of padding tokens and skipped sequences stay zero
+    out.zero_()
+    return out
+
+
+def _per_head(t, H):
+    """[L, G, N] -> [L, H, N] (head h reads group h // (H // G)), in fp32."""
+    return t.float().repeat_interleave(H // t.shape[1], dim=1)
+
+
+def ssd_scan_ref(x, dt, A, B, C, D, ssm_state, meta, *, z=None, dt_bias=None, dt_softplus=True,
+                 dt_limit=(0.0, float("inf")), out=None, workspace=None):
+    """The recurrence one token at a time, in fp32: obviously correct and slow."""
+    H = x.shape[1]
+    out = _prepare_out(x, out)
+    for t0, t1, slot, has_init in _live_sequences(meta):
+        dts = process_dt(dt[t0:t1], dt_bias, dt_softplus, dt_limit)  # [L, H]
+        xs, Bs, Cs = x[t0:t1].float(), _per_head(B[t0:t1], H), _per_head(C[t0:t1], H)
+        h = ssm_state[slot].float() if has_init else ssm_state.new_zeros(ssm_state.shape[1:], dtype=torch.float32)
+        for i in range(t1 - t0):
+            decay = torch.exp(dts[i] * A.float())  # [H]
+            # h: [H, P, N]
+            h = decay[:, None, None] * h + (dts[i, :, None] * xs[i])[:, :, None] * Bs[i][:, None, :]
+            y = torch.einsum("hpn,hn->hp", h, Cs[i])
+            if D is not None:
+                y = y + D.float()[:, None] * xs[i]
+            if z is not None:
+                y = y * F.silu(z[t0 + i].float())
+            out[t0 + i] = y.to(out.dtype)
+        ssm_state[slot] = h.to(ssm_state.dtype)
+    return out
+
+
+def _scan_sequence(x, dt, A, B, C, h0, chunk_size):
+    """SSD blocks of one sequence; x: [L, H, P], dt: [L, H], B, C: [L, H, N], h0: [H, P, N].
+
+    Returns y: [L, H, P] (without the D term) and the final state [H, P, N], all fp32.
+    """
+    L, H, P = x.shape
+    nc = -(-L // chunk_size)
+    pad = nc * chunk_size - L
+
+    def chunks(t):
+        # zero padding: dt = 0 makes padded positions neither decay nor contribute
+        return F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad)).reshape(nc, chunk_size, *t.shape[1:])
+
+    xdt = chunks(x * dt[..., None])  # [nc, l, H, P]
+    Bc, Cc = chunks(B), chunks(C)  # [nc, l, H, N]
+    cs = torch.cumsum(chunks(dt * A), dim=1).transpose(1, 2)  # [nc, H, l]
+
+    # within-chunk decay exp(cs_l - cs_s) for s <= l, else 0
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=x.device).tril()
+    seg = (cs[..., :, None] - cs[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [nc, H, l, s]
+    scores = torch.einsum("clhn,cshn->chls", Cc, Bc) * seg
+    y = torch.einsum("chls,cshp->clhp", scores, xdt)
+
+    # each chunk's own contribution to the state at its end
+    to_end = torch.exp(cs[..., -1:] - cs)  # [nc, H, l]
+    local = torch.einsum("chl,clhn,clhp->chpn", to_end, Bc, xdt)  # [nc, H, P, N]
+
+    # carry the state across chunks, keeping the state each chunk starts from
+    chunk_decay = torch.exp(cs[..., -1])  # [nc, H]
+    starts = []
+    h = h0
+    for c in range(nc):
+        starts.append(h)
+        h = chunk_decay[c][:, None, None] * h + local[c]
+    starts = torch.stack(starts)  # [nc, H, P, N]
+
+    y = y + torch.einsum("clhn,chpn->clhp", Cc, starts) * cs.exp().transpose(1, 2)[..., None]
+    return y.reshape(nc * chunk_size, H, P)[:L], h
+
+
+def ssd_scan_chunked_torch(x, dt, A, B, C, D, ssm_state, meta, *, z=None, dt_bias=None,
+                           dt_softplus=True, dt_limit=(0.0, float("inf")), out=None, workspace=None, passed=None):
+    """The SSD block decomposition per sequence in fp32 torch ops (chunks of ``meta.chunk_size``):
+    the CPU path and the benchmark baseline. ``workspace`` and ``passed`` have no use here."""
+    H = x.shape[1]
+    out = _prepare_out(x, out)
+    for t0, t1, slot, has_init in _live_sequences(meta):
+        xs = x[t0:t1].float()
+        h0 = ssm_state[slot].float() if has_init else ssm_state.new_zeros(ssm_state.shape[1:], dtype=torch.float32)
+        dts = process_dt(dt[t0:t1], dt_bias, dt_softplus, dt_limit)
+        y, h = _scan_sequence(xs, dts, A.float(), _per_head(B[t0:t1], H), _per_head(C[t0:t1], H), h0,
+                              meta.chunk_size)
+        if D is not None:
+            y = y + D.float()[:, None] * xs
+        if z is not None:
+            y = y * F.silu(z[t0:t1].float())
+        out[t0:t1] = y.to(out.dtype)
+        ssm_state[slot] = h.to(ssm_state.dtype)
+    return out
+
+
+@with_reference(ssd_scan_chunked_torch)
+def ssd_scan(x, dt, A, B, C, D, ssm_state, meta: PrefillMetadata, *, z=None, dt_bias=None,
+             dt_softplus=True, dt_limit=(0.0, float("inf")), out=None,
+             workspace: SSDWorkspace | None = None, passed: torch.cuda.Event | None = None):
+    """Chunked SSD scan of packed prefill sequences; updates their slots of ``ssm_state``.
+
+    x:         [T, H, P]  packed tokens (T = meta.max_tokens), bf16/fp16/fp32; any row stride
+    dt:        [T, H]     raw time steps
+    A:         [H] fp32   -exp(A_log)
+    B, C:      [T, G, N]  input/output projections; head h reads group h // (H // G)
+    D:         [H] or None skip connection
+    ssm_state: [S, H, P, N] bf16 or fp32 state pool, indexed by ``meta.slot_idx``
+    meta:      PrefillMetadata on x's device (chunk_size inside)
+    z:         [T, H, P] or None gate: y *= silu(z)
+    dt_bias:   [H] or None, added to dt before softplus
+    dt_softplus, dt_limit: dt' = clamp(softplus(dt + dt_bias), *dt_limit)
+    out:       [T, H, P] in x's dtype, written entirely (skipped rows are zero)
+    workspace: SSDWorkspace sized for meta's static dims; with ``out`` given nothing is allocated
+    passed:    a CUDA event to record on the current stream once every chunk's start state is
+               known, before the chunk scan (another stream may wait for it); CUDA only
+
+    Per sequence: h_t = exp(dt'_t A) h_{t-1} + dt'_t x_t B_t^T, y_t = h_t C_t + D x_t, starting
+    from its slot when has_initial_state (else zero) and storing the last state in the slot.
+    Sequences whose slot is PAD_SLOT_ID, unused chunks and padding tokens are skipped.
+    CUDA tensors run the Triton kernels; CPU tensors the torch block decomposition.
+    """
     _check(x, dt, A, B, C, D, z, dt_bias, ssm_state, meta, out, workspace)
     T, H, P = x.shape
     _, G, N = B.shape
@@ -433,35 +577,3 @@ def ssd_scan_triton(x, dt, A, B, C, D, ssm_state, meta: PrefillMetadata, *, z=No
         BLOCK_T=block_t, BLOCK_P=min(triton.next_power_of_2(P), 128),
     )
     return out
-
-
-def ssd_scan(x, dt, A, B, C, D, ssm_state, meta: PrefillMetadata, *, z=None, dt_bias=None,
-             dt_softplus=True, dt_limit=(0.0, float("inf")), out=None,
-             workspace: SSDWorkspace | None = None, passed: torch.cuda.Event | None = None):
-    """Chunked SSD scan of packed prefill sequences; updates their slots of ``ssm_state``.
-
-    x:         [T, H, P]  packed tokens (T = meta.max_tokens), bf16/fp16/fp32; any row stride
-    dt:        [T, H]     raw time steps
-    A:         [H] fp32   -exp(A_log)
-    B, C:      [T, G, N]  input/output projections; head h reads group h // (H // G)
-    D:         [H] or None skip connection
-    ssm_state: [S, H, P, N] bf16 or fp32 state pool, indexed by ``meta.slot_idx``
-    meta:      PrefillMetadata on x's device (chunk_size inside)
-    z:         [T, H, P] or None gate: y *= silu(z)
-    dt_bias:   [H] or None, added to dt before softplus
-    dt_softplus, dt_limit: dt' = clamp(softplus(dt + dt_bias), *dt_limit)
-    out:       [T, H, P] in x's dtype, written entirely (skipped rows are zero)
-    workspace: SSDWorkspace sized for meta's static dims; with ``out`` given nothing is allocated
-    passed:    a CUDA event to record on the current stream once every chunk's start state is
-               known, before the chunk scan (another stream may wait for it); CUDA only
-
-    Per sequence: h_t = exp(dt'_t A) h_{t-1} + dt'_t x_t B_t^T, y_t = h_t C_t + D x_t, starting
-    from its slot when has_initial_state (else zero) and storing the last state in the slot.
-    Sequences whose slot is PAD_SLOT_ID, unused chunks and padding tokens are skipped.
-    CUDA tensors run the Triton kernels; CPU tensors the torch block decomposition.
-    """
-    if x.is_cuda:
-        return ssd_scan_triton(x, dt, A, B, C, D, ssm_state, meta, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
-                               dt_limit=dt_limit, out=out, workspace=workspace, passed=passed)
-    return ssd_scan_chunked_torch(x, dt, A, B, C, D, ssm_state, meta, z=z, dt_bias=dt_bias,
-                                  dt_softplus=dt_softplus, dt_limit=dt_limit, out=out, workspace=workspace)

@@ -26,9 +26,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .dispatch import with_reference
 from .varlen import PAD_SLOT_ID
 
-__all__ = ["selective_state_update", "selective_state_update_triton", "selective_state_update_ref"]
+__all__ = ["selective_state_update", "selective_state_update_ref"]
 
 
 @triton.jit
@@ -185,74 +186,6 @@ def _check_shapes(state, x, dt, A, B, C, D, slot_idx, z, dt_bias, out) -> None:
         raise ValueError(f"out must have x's dtype {x.dtype}, got {out.dtype}")
 
 
-def selective_state_update_triton(
-    state: torch.Tensor,
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor | None,
-    slot_idx: torch.Tensor,
-    *,
-    z: torch.Tensor | None = None,
-    dt_bias: torch.Tensor | None = None,
-    dt_softplus: bool = True,
-    out: torch.Tensor | None = None,
-    pdl: bool = False,
-) -> torch.Tensor:
-    """Launch the Triton kernel; same contract as :func:`selective_state_update`.
-
-    Grid ``(batch * H, cdiv(P, BLOCK_P))`` from static shapes only; no host sync.
-    """
-    if out is None:
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _check_shapes(state, x, dt, A, B, C, D, slot_idx, z, dt_bias, out)
-    for name, t in {"state": state, "x": x, "B": B, "C": C, "z": z, "out": out}.items():
-        if t is not None:
-            _check_last_dim_contiguous(name, t)
-    for name, t in {"A": A, "D": D, "dt_bias": dt_bias, "slot_idx": slot_idx}.items():
-        if t is not None and t.stride(0) != 1:
-            raise ValueError(f"{name} must be contiguous")
-
-    batch = x.shape[0]
-    _, H, P, N = state.shape
-    G = B.shape[1]
-    if batch == 0:
-        return out
-    block_p, block_n, num_warps = _block_config(P, N, state.dtype, batch == 1)
-    grid = (batch * H, triton.cdiv(P, block_p))
-    # Absent optional tensors: any valid pointer will do, the constexpr flags keep it unread.
-    _state_update_kernel[grid](
-        state, x, dt, A, B, C,
-        D if D is not None else x,
-        z if z is not None else x,
-        dt_bias if dt_bias is not None else x,
-        slot_idx, out,
-        H // G,
-        state.stride(0), state.stride(1), state.stride(2),
-        x.stride(0), x.stride(1),
-        dt.stride(0), dt.stride(1),
-        B.stride(0), B.stride(1),
-        C.stride(0), C.stride(1),
-        z.stride(0) if z is not None else 0, z.stride(1) if z is not None else 0,
-        out.stride(0), out.stride(1),
-        NHEADS=H,
-        HEADDIM=P,
-        DSTATE=N,
-        BLOCK_P=block_p,
-        BLOCK_N=block_n,
-        HAS_D=D is not None,
-        HAS_Z=z is not None,
-        HAS_DT_BIAS=dt_bias is not None,
-        DT_SOFTPLUS=dt_softplus,
-        USE_PDL=pdl,
-        num_warps=num_warps,
-        **({"launch_pdl": True} if pdl else {}),
-    )
-    return out
-
-
 def selective_state_update_ref(
     state: torch.Tensor,
     x: torch.Tensor,
@@ -307,6 +240,7 @@ def selective_state_update_ref(
     return out
 
 
+@with_reference(selective_state_update_ref)
 def selective_state_update(
     state: torch.Tensor,
     x: torch.Tensor,
@@ -342,7 +276,49 @@ def selective_state_update(
     CUDA tensors run the Triton kernel (no host sync, capturable); CPU tensors run the reference.
     Returns ``out``.
     """
-    fn = selective_state_update_triton if state.is_cuda else selective_state_update_ref
-    return fn(
-        state, x, dt, A, B, C, D, slot_idx, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus, out=out, pdl=pdl
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _check_shapes(state, x, dt, A, B, C, D, slot_idx, z, dt_bias, out)
+    for name, t in {"state": state, "x": x, "B": B, "C": C, "z": z, "out": out}.items():
+        if t is not None:
+            _check_last_dim_contiguous(name, t)
+    for name, t in {"A": A, "D": D, "dt_bias": dt_bias, "slot_idx": slot_idx}.items():
+        if t is not None and t.stride(0) != 1:
+            raise ValueError(f"{name} must be contiguous")
+
+    batch = x.shape[0]
+    _, H, P, N = state.shape
+    G = B.shape[1]
+    if batch == 0:
+        return out
+    block_p, block_n, num_warps = _block_config(P, N, state.dtype, batch == 1)
+    grid = (batch * H, triton.cdiv(P, block_p))
+    # Absent optional tensors: any valid pointer will do, the constexpr flags keep it unread.
+    _state_update_kernel[grid](
+        state, x, dt, A, B, C,
+        D if D is not None else x,
+        z if z is not None else x,
+        dt_bias if dt_bias is not None else x,
+        slot_idx, out,
+        H // G,
+        state.stride(0), state.stride(1), state.stride(2),
+        x.stride(0), x.stride(1),
+        dt.stride(0), dt.stride(1),
+        B.stride(0), B.stride(1),
+        C.stride(0), C.stride(1),
+        z.stride(0) if z is not None else 0, z.stride(1) if z is not None else 0,
+        out.stride(0), out.stride(1),
+        NHEADS=H,
+        HEADDIM=P,
+        DSTATE=N,
+        BLOCK_P=block_p,
+        BLOCK_N=block_n,
+        HAS_D=D is not None,
+        HAS_Z=z is not None,
+        HAS_DT_BIAS=dt_bias is not None,
+        DT_SOFTPLUS=dt_softplus,
+        USE_PDL=pdl,
+        num_warps=num_warps,
+        **({"launch_pdl": True} if pdl else {}),
     )
+    return out

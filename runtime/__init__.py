@@ -1,9 +1,12 @@
-"""Config, weights, model layers, state pool, step buffers, scheduler, sampling and the Engine."""
+"""Config, weights, blocks and mixers, state pool, step buffers, scheduler, step runner and the
+Engine, over the graph runner (``graphs``) and the kernels (``kernels``)."""
 
 from .config import ConfigError, ModelConfig
-from .engine import Engine, RequestOutput
+from .decode_options import DecodeOptions
+from .engine import Engine
 from .model import Model
-from .sampling import SamplingParams
+from .request import RequestOutput, SamplingParams
 from .weights import WeightError
 
-__all__ = ["ConfigError", "Engine", "Model", "ModelConfig", "RequestOutput", "SamplingParams", "WeightError"]
+__all__ = ["ConfigError", "DecodeOptions", "Engine", "Model", "ModelConfig", "RequestOutput", "SamplingParams",
+           "WeightError"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["ModelConfig", "LAYER_KINDS", "ConfigError"]
@@ -229,10 +229,6 @@ class ModelConfig:
             norm_topk_prob=hf.get("norm_topk_prob", True),
             routed_scaling_factor=hf.get("routed_scaling_factor", 1.0),
         )
-
-    def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
 
 def _nemotron_layer_types(hf: dict) -> tuple[str, ...]:
     if hf.get("layers_block_type"):

@@ -24,18 +24,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..graphs.buckets import BucketSet
-from ..graphs.runner import PendingTokens, Runner
+from ..graphs import BucketSet
+from .decode_options import DecodeOptions
 from .model import Model
-from .request import Request, RequestOutput
-from .sampling import SamplingParams
+from .request import Request, RequestOutput, SamplingParams
 from .scheduler import Scheduler
 from .state_pool import StatePool
+from .step_runner import PendingTokens, StepRunner
 
-__all__ = ["Engine", "SamplingParams", "RequestOutput", "CPU_BUCKETS"]
-
-# Eager CPU steps are padded to these; small, since padding costs real time there.
-CPU_BUCKETS = BucketSet(decode=(1, 2, 4, 8, 16), mixed_decode=(0, 4, 16), prefill=(32, 128, 512), max_prefill_seqs=4)
+__all__ = ["Engine", "SamplingParams", "RequestOutput"]
 
 
 class Engine:
@@ -61,7 +58,7 @@ class Engine:
         cuda = model.device.type == "cuda"
         if isinstance(buckets, (str, Path)):
             buckets = BucketSet.load(buckets)
-        self.buckets = buckets or (BucketSet() if cuda else CPU_BUCKETS)
+        self.buckets = buckets or BucketSet.default(cuda)
         self.max_context = max_context
         if num_slots is None:
             num_slots = self.buckets.max_decode
@@ -70,7 +67,7 @@ class Engine:
                 fit = StatePool.slots_for_budget(self.cfg, max_context, free * memory_fraction, model.dtype)
                 num_slots = max(1, min(num_slots, fit))
         self.pool = StatePool(self.cfg, num_slots, max_context, dtype=model.dtype, device=model.device)
-        self.runner = Runner(model, self.pool, self.buckets, max_decode=num_slots, overlap=overlap)
+        self.runner = StepRunner(model, self.pool, self.buckets, max_decode=num_slots, overlap=overlap)
         self.scheduler = Scheduler(num_slots, self.buckets.max_prefill_tokens, self.buckets.max_prefill_seqs,
                                    self.runner.buffers.max_decode)
         self.pipelined = pipelined
@@ -83,16 +80,18 @@ class Engine:
         self._in_flight: tuple[PendingTokens, list[Request | None]] | None = None
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, *, dtype=torch.bfloat16, device=None, **kw) -> "Engine":
+    def from_pretrained(cls, path: str | Path, *, dtype=torch.bfloat16, device=None,
+                        options: DecodeOptions | None = None, **kw) -> "Engine":
         """An engine over an HF checkpoint directory (config.json + safetensors)."""
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        return cls(Model.from_pretrained(path, dtype=dtype, device=device), **kw)
+        return cls(Model.from_pretrained(path, dtype=dtype, device=device, options=options), **kw)
 
     @classmethod
-    def from_preset(cls, name: str, *, dtype=torch.bfloat16, device=None, seed: int = 0, **kw) -> "Engine":
+    def from_preset(cls, name: str, *, dtype=torch.bfloat16, device=None, seed: int = 0,
+                    options: DecodeOptions | None = None, **kw) -> "Engine":
         """An engine over a built-in model shape with random weights."""
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        return cls(Model.from_preset(name, dtype=dtype, device=device, seed=seed), **kw)
+        return cls(Model.from_preset(name, dtype=dtype, device=device, seed=seed, options=options), **kw)
 
     def add_request(self, prompt_ids, params: SamplingParams | None = None) -> int:
         """Queue a prompt; returns its request id. Raises ValueError (and changes nothing) for an

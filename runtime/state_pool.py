@@ -58,13 +58,3 @@ class StatePool:
         """How many slots fit in ``budget_bytes``."""
         per = max(1, cls.bytes_per_slot(cfg, max_context, dtype, ssm_dtype))
         return int(budget_bytes // per)
-
-    def reset_slot(self, slot: int) -> None:
-        """Zero one slot in every layer (a new request starting from no state). Not for the hot
-        path: a prefill with has_initial_state=0 ignores the old contents anyway."""
-        for t in (*self.conv.values(), *self.ssm.values(), *self.k.values(), *self.v.values()):
-            t[slot].zero_()
-
-    def tensors(self):
-        """Every state tensor, for tests that poison or snapshot the pool."""
-        return [*self.conv.values(), *self.ssm.values(), *self.k.values(), *self.v.values()]

@@ -7,38 +7,25 @@ host-to-device copy. The device views never move, so graphs captured over them s
 graph may also capture the upload itself as its first node (the runner does), and then each
 replay copies the arena as the host left it.
 
-A bucket ``(B, Tp)`` is B decode rows and Tp prefill tokens (Tp = 0: decode only). Inputs for a
-bucket are the leading ``[:n]`` slices of the arena's views, so every bucket shares one arena.
+Inputs for a bucket ``(B, Tp)`` (``graphs.Bucket``: B decode rows, Tp prefill tokens) are the
+leading ``[:n]`` slices of the arena's views, so every bucket shares one arena.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
+from ..graphs import Bucket
 from ..kernels.varlen import PAD_SLOT_ID, PrefillMetadata, fill_prefill_metadata, max_chunks_for
 from .plan import StepPlan
 from .step_inputs import StepInputs
 
-__all__ = ["Bucket", "StepBuffers"]
+__all__ = ["StepBuffers"]
 
 _ALIGN = 64
 # padding values where they are not zero: padding rows have no slot and keep every token (top-p 1)
 _PAD = {"decode_slots": PAD_SLOT_ID, "sample_slots": PAD_SLOT_ID, "top_p": 1}
-
-
-@dataclass(frozen=True, order=True)
-class Bucket:
-    """A static step shape: ``decode`` rows and ``prefill`` tokens (0 for a decode-only step)."""
-
-    decode: int
-    prefill: int = 0
-
-    def fits(self, plan: StepPlan, max_prefill_seqs: int) -> bool:
-        return (plan.num_decode <= self.decode and plan.num_prefill_tokens <= self.prefill
-                and plan.num_prefill <= (max_prefill_seqs if self.prefill else 0))
 
 
 class _Arena:
@@ -145,7 +132,7 @@ class StepBuffers:
         bucket's inputs read is reset to padding first, so nothing from an earlier, larger step
         (or anything else left there) can reach this one.
         """
-        if not bucket.fits(plan, self.max_prefill_seqs):
+        if not bucket.fits(plan.num_decode, plan.num_prefill_tokens, plan.num_prefill, self.max_prefill_seqs):
             raise ValueError(f"plan ({plan.num_decode} decodes, {plan.num_prefill_tokens} prefill tokens in "
                              f"{plan.num_prefill} sequences) does not fit {bucket}")
         self._check(bucket)

@@ -28,10 +28,6 @@ def assert_close(out, ref, dtype=torch.float32, factor=1.0):
     assert err <= tol(dtype) * factor, f"relative error {err:.3e} > {tol(dtype) * factor:.1e}"
 
 
-def stream_every_projection(M, N, K, device):
-    """Stand-in for ``kernels.decode_linear._config`` that streams K for every shape (in tiles of
-    16 columns, several at test sizes), as Nemotron-H-8B's projections take it: monkeypatch it in
-    to run a tiny model's fused decode path the large model's way."""
-    from mambastep.kernels.decode_linear import _Config
-
-    return _Config(True, 16, 16, 4, 2)
+def state_tensors(pool):
+    """Every state tensor of a StatePool (conv, SSM, K, V), to poison or snapshot."""
+    return [*pool.conv.values(), *pool.ssm.values(), *pool.k.values(), *pool.v.values()]

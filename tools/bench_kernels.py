@@ -90,13 +90,13 @@ def ssd_flops(tokens: int, chunk: int = CHUNK) -> float:
 
 
 def bench_ssd(n_seqs: int, seq_len: int) -> dict:
-    from mambastep.kernels.ssd import SSDWorkspace, ssd_scan_chunked_torch, ssd_scan_triton
+    from mambastep.kernels.ssd import SSDWorkspace, ssd_scan, ssd_scan_chunked_torch
 
     args = _ssd_inputs(n_seqs, seq_len)
     meta = args["meta"]
     ws = SSDWorkspace.allocate(meta.max_chunks, H, P, N, CHUNK, "cuda")
     out = torch.empty_like(args["x"])
-    tri_ms = median_ms(lambda: ssd_scan_triton(**args, out=out, workspace=ws))
+    tri_ms = median_ms(lambda: ssd_scan.triton(**args, out=out, workspace=ws))
     torch_ms = median_ms(lambda: ssd_scan_chunked_torch(**args), warmup_ms=10, rep_ms=50)
     flops = ssd_flops(n_seqs * seq_len)
     return {
@@ -177,8 +177,8 @@ def bench_skinny(name: str, N: int, K: int, prologue: str, rows: int) -> dict:
 
 
 def bench_sampling(rows: int, mode: str) -> dict:
-    """One sampling call (``runtime.sampling.sample``) against the same draw in torch ops."""
-    from mambastep.runtime.sampling import sample, sample_torch
+    """One sampling call (``kernels.sample.sample``) against the same draw in torch ops."""
+    from mambastep.kernels.sample import sample, sample_torch
 
     dev, V = "cuda", 50288
     logits = torch.randn(rows, V, device=dev) * 3

@@ -19,12 +19,13 @@ import time
 import torch
 from tqdm import tqdm
 
-from ..graphs.buckets import BucketSet
-from ..graphs.runner import Runner
+from ..graphs import BucketSet
 from ..kernels.decode_linear import pdl_supported
+from ..runtime.decode_options import DecodeOptions
 from ..runtime.model import Model
 from ..runtime.plan import StepPlan
 from ..runtime.state_pool import StatePool
+from ..runtime.step_runner import StepRunner
 from .bench_kernels import copy_bandwidth
 
 DECODE_BATCHES = (1, 2, 4, 8, 32, 128, 256)
@@ -33,33 +34,34 @@ PREFILL_CHUNKS = (223, 512, 2048)
 CONTEXT = 256  # tokens already in each decode row's slot
 
 
-def step_ms(runner: Runner, plan: StepPlan, steps: int = 1, rounds: int = 30) -> float:
+def step_ms(runner: StepRunner, plan: StepPlan, steps: int = 1, rounds: int = 30) -> float:
     """Wall time per step of ``steps`` steps launched without waiting for any, then synchronised
     (median of ``rounds``): one step is the synchronised step; many, steps back to back, each
     refill waiting only for the previous step's copy of the arena."""
     for _ in range(3):
-        runner.run(plan)
+        runner.logits(plan)
     times = []
     for _ in range(rounds):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(steps):
-            runner.run(plan)
+            runner.logits(plan)
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3 / steps)
     return statistics.median(times)
 
 
-def replay_ms(runner: Runner, plan: StepPlan, iters: int = 30) -> float:
+def replay_ms(runner: StepRunner, plan: StepPlan, iters: int = 30) -> float:
     """Device time of the forward graph's replay alone (CUDA events; the buffers already filled)."""
-    runner.run(plan)
-    graph, _ = runner.graphs[runner.bucket_for(plan)]
+    runner.logits(plan)
+    bucket = runner.bucket_for(plan)
+    assert runner.graphs.captured(bucket), f"{bucket} has no graph"
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(iters):
         torch.cuda.synchronize()
         start.record()
-        graph.replay()
+        runner.graphs.forward(bucket)
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
@@ -105,27 +107,26 @@ def hbm_floor_bytes(model: Model, pool: StatePool, batch: int) -> int:
 def _weights(model: Model):
     yield model.embed
     yield model.lm_head
-    yield from model.norms
-    yield model.norm_f
-    for layer in model.layers:
-        yield from (v for v in vars(layer).values() if isinstance(v, torch.Tensor))
-        for v in vars(layer).values():
+    yield from (block.norm.weight for block in model.blocks)
+    yield model.final_norm.weight
+    for block in model.blocks:
+        fields = vars(block.mixer).values()
+        yield from (v for v in fields if isinstance(v, torch.Tensor))
+        for v in fields:
             if isinstance(v, tuple):
                 yield from (t for t in v if isinstance(t, torch.Tensor))
 
 
-def captured_with(model: Model, pool: StatePool, buckets: list, progress: bool, **flags) -> Runner:
-    """A runner whose graphs of ``buckets`` were captured with the model attributes ``flags``."""
-    saved = {k: getattr(model, k) for k in flags}
-    for k, v in flags.items():
-        setattr(model, k, v)
-    try:
-        runner = Runner(model, pool, BucketSet(decode=tuple(b.decode for b in buckets), mixed_decode=(0,),
-                                               prefill=(16,), max_prefill_seqs=1), overlap=False)
-        runner.capture(buckets, progress=progress)
-    finally:
-        for k, v in saved.items():
-            setattr(model, k, v)
+def _state_tensors(pool: StatePool):
+    return [*pool.conv.values(), *pool.ssm.values(), *pool.k.values(), *pool.v.values()]
+
+
+def captured_with(model: Model, pool: StatePool, buckets: list, progress: bool, **options) -> StepRunner:
+    """A runner whose graphs of ``buckets`` run ``model``'s weights with other decode options."""
+    variant = model.with_options(DecodeOptions(**options))
+    runner = StepRunner(variant, pool, BucketSet(decode=tuple(b.decode for b in buckets), mixed_decode=(0,),
+                                                 prefill=(16,), max_prefill_seqs=1), overlap=False)
+    runner.capture(buckets, progress=progress)
     return runner
 
 
@@ -135,22 +136,23 @@ def bench_preset(name: str, bandwidth: float, progress: bool) -> dict:
     slots = max(DECODE_BATCHES) + max(MIXED_DECODE) + 1
     pool = StatePool(model.cfg, slots, max_context=CONTEXT + 2 * max(PREFILL_CHUNKS), dtype=torch.bfloat16,
                      device="cuda")
-    for t in pool.tensors():
+    for t in _state_tensors(pool):
         t.normal_(0, 0.1)
     buckets = BucketSet(decode=DECODE_BATCHES, mixed_decode=(0, *MIXED_DECODE), prefill=(256, 512, 2048),
                         max_prefill_seqs=1)
-    eager = Runner(model, pool, buckets, overlap=False)
-    forked = Runner(model, pool, buckets, overlap=True)
-    unforked = Runner(model, pool, buckets, overlap=False)
+    eager = StepRunner(model, pool, buckets, overlap=False)
+    forked = StepRunner(model, pool, buckets, overlap=True)
+    unforked = StepRunner(model, pool, buckets, overlap=False)
     reports = [str(forked.capture(progress=progress)),
                str(unforked.capture([b for b in buckets.all() if b.prefill], progress=progress))]
     variants = {}
-    if model.fused_decode:
-        small = [b for b in buckets.all() if not b.prefill and b.decode <= model.fused_max_rows]
-        variants = {"layered_ms": captured_with(model, pool, small, progress, fused_decode=False)}
+    opts = model.options
+    if opts.fused:
+        small = [b for b in buckets.all() if not b.prefill and b.decode <= opts.max_rows]
+        variants = {"layered_ms": captured_with(model, pool, small, progress, fused=False)}
         if pdl_supported(model.device):  # the launch mode the model's default leaves out
-            other = "no_pdl_ms" if model.pdl else "pdl_ms"
-            variants[other] = captured_with(model, pool, small, progress, pdl=not model.pdl)
+            other = "no_pdl_ms" if opts.pdl else "pdl_ms"
+            variants[other] = captured_with(model, pool, small, progress, pdl=not opts.pdl)
     rows = []
     for batch in tqdm(DECODE_BATCHES, desc=f"{name} decode", disable=not progress):
         plan = decode_plan(batch)
@@ -158,7 +160,7 @@ def bench_preset(name: str, bandwidth: float, progress: bool) -> dict:
         floor = hbm_floor_bytes(model, pool, batch) / bandwidth * 1e3
         row = {"kind": "decode", "batch": batch, "eager_ms": e, "graph_ms": g, "floor_ms": floor,
                "back_to_back_ms": step_ms(forked, plan, steps=50, rounds=5), "replay_ms": replay_ms(forked, plan)}
-        if batch <= model.fused_max_rows:
+        if batch <= opts.max_rows:
             row.update({k: step_ms(r, plan) for k, r in variants.items()})
         rows.append(row)
     prefill_slot = slots - 1
@@ -228,13 +230,13 @@ def profile(preset: str, batch: int, prefill: int = 0, top: int = 25) -> str:
     pool = StatePool(model.cfg, batch + 1, max_context=CONTEXT + prefill + 2, dtype=torch.bfloat16, device="cuda")
     buckets = BucketSet(decode=(max(batch, 1),), mixed_decode=tuple(sorted({0, batch})), prefill=(max(prefill, 16),),
                         max_prefill_seqs=1)
-    runner = Runner(model, pool, buckets, overlap=False)
+    runner = StepRunner(model, pool, buckets, overlap=False)
     chunk = [(prefill_plan(prefill, batch).prefill_tokens.tolist(), batch, 0)] if prefill else []
     plan = StepPlan.make(chunk, _decode_rows(batch))
-    runner.run(plan)
+    runner.logits(plan)
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(10):
-            runner.run(plan)
+            runner.logits(plan)
         torch.cuda.synchronize()
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=top)

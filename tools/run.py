@@ -20,7 +20,7 @@ from tqdm import tqdm
 from ..runtime.config import ConfigError
 from ..runtime.engine import Engine
 from ..runtime.presets import PRESETS
-from ..runtime.sampling import SamplingParams
+from ..runtime.request import SamplingParams
 from ..runtime.weights import WeightError
 
 

@@ -16,10 +16,10 @@ from collections import Counter
 import numpy as np
 import torch
 
-from ..graphs.buckets import BucketSet
-from ..runtime.engine import CPU_BUCKETS, Engine
+from ..graphs import BucketSet
+from ..runtime.engine import Engine
 from ..runtime.presets import PRESETS
-from ..runtime.sampling import SamplingParams
+from ..runtime.request import SamplingParams
 from .run import workload
 
 
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     gpu = torch.cuda.is_available()
-    base = BucketSet() if gpu else CPU_BUCKETS
+    base = BucketSet.default(gpu)
     seqs = args.max_prefill_seqs or base.max_prefill_seqs
     preset = args.preset or ("mamba2-130m" if gpu else "tiny-hybrid")
     engine = Engine.from_preset(preset, dtype=torch.bfloat16 if gpu else torch.float32, use_graphs=False,

@@ -3,9 +3,7 @@ import math
 import pytest
 import torch
 
-from mambastep.kernels.ssd import (
-    SSDWorkspace, ssd_scan, ssd_scan_chunked_torch, ssd_scan_ref, ssd_scan_triton,
-)
+from mambastep.kernels.ssd import SSDWorkspace, ssd_scan, ssd_scan_chunked_torch, ssd_scan_ref
 from mambastep.kernels.varlen import PAD_SLOT_ID, PrefillMetadata
 from support import assert_close, poisoned
 
@@ -48,7 +46,7 @@ def scan(fn, inp, meta, *, use_z=True, use_D=True, use_bias=True, softplus=True,
     T, Hh, P = x.shape
     pool = inp["ssm_state"].clone()
     out = poisoned(x.shape, x.dtype, x.device)
-    if fn is ssd_scan_triton and workspace is None:
+    if fn is ssd_scan.triton and workspace is None:
         workspace = SSDWorkspace.allocate(meta.max_chunks, Hh, P, inp["B"].shape[2], meta.chunk_size, x.device)
     if workspace is not None:
         for buf in (workspace.dt, workspace.dA_cumsum, workspace.states):
@@ -98,7 +96,7 @@ def run_case(fn, name, dtype, device, state_dtype=torch.float32):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_triton_matches_reference(name, dtype, device):
-    out, pool, ref_out, ref_pool, before, slots, total = run_case(ssd_scan_triton, name, dtype, device)
+    out, pool, ref_out, ref_pool, before, slots, total = run_case(ssd_scan.triton, name, dtype, device)
     assert_close(out.float(), ref_out.float(), dtype)
     assert (out[total:] == 0).all()
     check_pool(pool, ref_pool, before, slots, dtype)
@@ -106,7 +104,7 @@ def test_triton_matches_reference(name, dtype, device):
 
 def test_triton_bf16_state_pool(device):
     out, pool, ref_out, ref_pool, before, slots, _ = run_case(
-        ssd_scan_triton, "mixed_pack", torch.bfloat16, device, state_dtype=torch.bfloat16)
+        ssd_scan.triton, "mixed_pack", torch.bfloat16, device, state_dtype=torch.bfloat16)
     assert pool.dtype == torch.bfloat16
     assert_close(out.float(), ref_out.float(), torch.bfloat16)
     check_pool(pool, ref_pool, before, slots, torch.bfloat16)
@@ -118,7 +116,7 @@ def test_triton_multiple_row_blocks(dtype, chunk, device):
     lens, slots = [chunk + 6, 5], [1, 2]
     meta = PrefillMetadata.build(lens, slots, [1, 0], chunk_size=chunk, device=device)
     inp = make_inputs(sum(lens), P=16, G=2, dtype=dtype, device=device)
-    out, pool = scan(ssd_scan_triton, inp, meta)
+    out, pool = scan(ssd_scan.triton, inp, meta)
     ref_out, ref_pool = scan(ssd_scan_ref, inp, meta)
     assert_close(out.float(), ref_out.float(), dtype)
     check_pool(pool, ref_pool, inp["ssm_state"], slots, dtype)
@@ -146,7 +144,7 @@ def test_public_scan_on_cpu_is_chunked_torch():
 @pytest.mark.parametrize("impl", ["triton", "chunked_torch", "ref"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_padding_is_inert(impl, dtype, device):
-    fn = {"triton": ssd_scan_triton, "chunked_torch": ssd_scan_chunked_torch, "ref": ssd_scan_ref}[impl]
+    fn = {"triton": ssd_scan.triton, "chunked_torch": ssd_scan_chunked_torch, "ref": ssd_scan_ref}[impl]
     if impl != "triton":
         device = "cpu"
     a_lens, b_lens = [9, 20], [9, 7, 20]
@@ -178,7 +176,7 @@ def test_padding_is_inert(impl, dtype, device):
 
 @pytest.mark.parametrize("impl", ["triton", "chunked_torch"])
 def test_chunked_prefill_equals_one_scan(impl, device):
-    fn = ssd_scan_triton if impl == "triton" else ssd_scan_chunked_torch
+    fn = ssd_scan.triton if impl == "triton" else ssd_scan_chunked_torch
     device = device if impl == "triton" else "cpu"
     L, cut = 45, 20
     inp = make_inputs(L, G=2, device=device)
@@ -231,7 +229,7 @@ def test_gpu_full_shapes_match_reference(P, N, G, chunk, dtype, state_dtype):
     T = sum(lens) + 40
     meta = PrefillMetadata.build(lens, slots, init, chunk_size=chunk, max_tokens=T, max_seqs=8, device=dev)
     inp = make_inputs(T, H=128, P=P, N=N, G=G, dtype=dtype, device=dev, state_dtype=state_dtype)
-    out, pool = scan(ssd_scan_triton, inp, meta)
+    out, pool = scan(ssd_scan.triton, inp, meta)
     ref_out, ref_pool = scan(ssd_scan_ref, inp, meta)
     assert_close(out.float(), ref_out.float(), dtype)
     assert (out[sum(lens):] == 0).all()
@@ -244,7 +242,7 @@ def test_gpu_long_prompts_match_chunked_torch():
     lens, slots = [2048] * 4, [0, 1, 2, 3]
     meta = PrefillMetadata.build(lens, slots, [1, 0, 1, 0], chunk_size=256, device=dev)
     inp = make_inputs(sum(lens), H=128, P=64, N=128, G=8, dtype=torch.bfloat16, device=dev)
-    out, pool = scan(ssd_scan_triton, inp, meta)
+    out, pool = scan(ssd_scan.triton, inp, meta)
     ref_out, ref_pool = scan(ssd_scan_chunked_torch, inp, meta)
     assert_close(out.float(), ref_out.float(), torch.bfloat16)
     check_pool(pool, ref_pool, inp["ssm_state"], slots, torch.bfloat16)
@@ -262,7 +260,7 @@ def test_gpu_graph_replay_allocates_nothing_and_never_syncs():
     pool = inp["ssm_state"].clone()
 
     def step():
-        ssd_scan_triton(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"], pool, meta,
+        ssd_scan.triton(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"], pool, meta,
                         z=inp["z"], dt_bias=inp["dt_bias"], out=out, workspace=ws)
 
     step()  # compile outside the checks

@@ -14,8 +14,8 @@ from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mi
 from mambastep.kernels import PrefillMetadata
 from mambastep.kernels.conv1d import conv1d_update, conv1d_varlen
 from mambastep.kernels.norm import gated_rms_norm
-from mambastep.kernels.ssd import ssd_scan, ssd_scan_triton
-from mambastep.kernels.state_update import selective_state_update, selective_state_update_triton
+from mambastep.kernels.ssd import ssd_scan
+from mambastep.kernels.state_update import selective_state_update
 from hf_models import HF_5_23
 from support import assert_close
 
@@ -156,10 +156,10 @@ def test_ssd_scan_equals_state_update_token_by_token(device, with_z):
     scan_pool, step_pool = pool.clone(), pool.clone()
 
     meta = PrefillMetadata.build([L], [2], [1], chunk_size=chunk, device=device)
-    y_scan = ssd_scan_triton(x, dt, A, B, C, D, scan_pool, meta, z=z, dt_bias=dt_bias)
+    y_scan = ssd_scan.triton(x, dt, A, B, C, D, scan_pool, meta, z=z, dt_bias=dt_bias)
     slot = torch.tensor([2], dtype=torch.int32, device=device)
     y_steps = torch.cat([
-        selective_state_update_triton(
+        selective_state_update.triton(
             step_pool, x[t : t + 1], dt[t : t + 1], A, B[t : t + 1], C[t : t + 1], D, slot,
             z=None if z is None else z[t : t + 1], dt_bias=dt_bias,
         )

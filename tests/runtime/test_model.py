@@ -8,16 +8,16 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hf_models import VOCAB, save_tiny
-from mambastep.graphs.buckets import BucketSet
-from mambastep.graphs.runner import Runner
+from mambastep.graphs import Bucket, BucketSet
 from mambastep.runtime.config import ConfigError, ModelConfig
-from mambastep.runtime.model import Model, fused_max_rows
+from mambastep.runtime.decode_options import DecodeOptions
+from mambastep.runtime.model import Model
 from mambastep.runtime.plan import StepPlan
 from mambastep.runtime.presets import preset_config
 from mambastep.runtime.state_pool import StatePool
-from mambastep.runtime.step_buffers import Bucket
+from mambastep.runtime.step_runner import StepRunner
 from mambastep.runtime.weights import WeightError
-from support import assert_close
+from support import assert_close, state_tensors
 
 KINDS = ["mamba2", "nemotron_h"]
 PROMPT_LENS = [1, 7, 8, 9, 21]
@@ -42,12 +42,12 @@ BUCKETS = BucketSet(decode=(1, 2, 4, 8), mixed_decode=(0, 2, 8), prefill=(16, 32
 
 def new_runner(model, slots=8):
     pool = StatePool(model.cfg, slots, max_context=96, dtype=model.dtype, device=model.device)
-    return Runner(model, pool, BUCKETS, max_prefill_tokens=96)
+    return StepRunner(model, pool, BUCKETS, max_prefill_tokens=96)
 
 
 def step(runner, prefill=(), decode=()):
     """Logits of one step: prefill = [(ids, slot, context)], decode = [(id, slot, context)]."""
-    return runner.run(StepPlan.make(prefill, decode)).clone()
+    return runner.logits(StepPlan.make(prefill, decode)).clone()
 
 
 def greedy(model, prompt_list, n_new):
@@ -116,7 +116,7 @@ def test_mixed_step_equals_separate_steps(pair):
     alone_prefill = step(apart, [(c, 2, 0)])
     alone_decode = step(apart, decode=decode)
     assert_close(both, torch.cat([alone_prefill, alone_decode]))
-    for x, y in zip(mixed.pool.tensors(), apart.pool.tensors()):
+    for x, y in zip(state_tensors(mixed.pool), state_tensors(apart.pool)):
         assert_close(x, y)
 
 
@@ -126,33 +126,29 @@ DENSE_HYBRID = ["mamba", "attention", "mlp", "mamba", "mlp", "attention", "mamba
 
 @pytest.mark.parametrize("kind", KINDS)
 @torch.no_grad()
-def test_fused_decode_equals_layer_by_layer(kind, tmp_path, monkeypatch):
+def test_fused_decode_equals_layer_by_layer(kind, tmp_path):
     """The fused decode path (norms and residual adds fused into the projections) gives the
     layer-by-layer logits and states, at four rows, two and one (as many as the model takes
     fused). On CPU it runs the fused ops' references, which checks the wiring: slices, orders,
     the residual stream, the KV cache; the Triton kernels are checked against the same
     references."""
     save_tiny(kind, tmp_path, **({"layers_block_type": DENSE_HYBRID} if kind == "nemotron_h" else {}))
-    model = Model.from_pretrained(tmp_path, dtype=torch.float32)
-    fused_steps = []
-    real = Model._decode_fused
-    monkeypatch.setattr(Model, "_decode_fused", lambda self, *a: fused_steps.append(1) or real(self, *a))
+    fused = Model.from_pretrained(tmp_path, dtype=torch.float32, options=DecodeOptions(fused=True))
+    layered = Model.from_pretrained(tmp_path, dtype=torch.float32)
+    assert fused.options.max_rows == 4 and layered.options.max_rows == 0  # CPU: layered unless asked
     ps = prompts([5, 12, 7, 9], seed=7)
-    widths = [w for w in (4, 2, 1) if w <= model.fused_max_rows]
     runs = []
-    for fused in (False, True):
-        model.fused_decode = fused
+    for model in (layered, fused):
         runner = new_runner(model, 4)
         step(runner, [(p, slot, 0) for slot, p in enumerate(ps)])
         pos = [len(p) for p in ps]
         logits = []
-        for width in widths:
+        for width in (4, 2, 1):
+            assert model.takes_fused(runner.buffers.inputs(Bucket(width))) == (model is fused)
             for i in range(2):
                 logits.append(step(runner, decode=[(3 + i + s, s, pos[s]) for s in range(width)]))
                 pos[:width] = [n + 1 for n in pos[:width]]
-        runs.append((logits, [t.clone() for t in runner.pool.tensors()]))
-    model.fused_decode = False
-    assert len(fused_steps) == 2 * len(widths)
+        runs.append((logits, state_tensors(runner.pool)))
     (a, states_a), (b, states_b) = runs
     for x, y in zip(a + states_a, b + states_b):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
@@ -160,9 +156,20 @@ def test_fused_decode_equals_layer_by_layer(kind, tmp_path, monkeypatch):
 
 def test_fused_rows_follow_the_projection_shapes():
     """The fused decode path takes 1-4 rows where every projection's K fits one register tile
-    (Mamba2-130M), 1 row where the projections stream K (Nemotron-H-8B): docs/BENCHMARKS.md."""
-    assert fused_max_rows(preset_config("mamba2-130m")) == 4
-    assert fused_max_rows(preset_config("nemotron-h-8b")) == 1
+    (Mamba2-130M), 1 row where the projections stream K (Nemotron-H-8B); none where a mixer
+    has no fused decode (MoE) or the options turn it off."""
+    def resolve(name, **kw):
+        return DecodeOptions(fused=True, **kw).resolve(preset_config(name), torch.device("cpu"), True)
+
+    assert resolve("mamba2-130m").max_rows == 4
+    assert resolve("nemotron-h-8b").max_rows == 1
+    assert resolve("mamba2-130m", tile_k=64).max_rows == 1
+    assert resolve("mamba2-130m", max_rows=2).max_rows == 2
+    cfg = preset_config("tiny-hybrid")
+    assert DecodeOptions(fused=True).resolve(cfg, torch.device("cpu"), False).max_rows == 0
+    assert DecodeOptions().resolve(cfg, torch.device("cpu"), True).max_rows == 0  # CPU default: layered
+    with pytest.raises(ValueError, match="tile_k"):
+        DecodeOptions(tile_k=24)
 
 
 def test_missing_tensor_is_named(tmp_path):
@@ -233,7 +240,7 @@ def test_bf16_on_gpu_matches_hf(kind, tmp_path):
         ref = torch.stack([f[len(p) + i] for f, p in zip(full, ps)])
         assert_close(got.cpu(), ref, torch.bfloat16, factor=2)
     # one request alone: batch-1 decode steps take the fused decode path
-    assert ours.fused_decode
+    assert ours.options.fused
     runner = new_runner(ours)
     p, t, f = ps[1], ref_tokens[1], full[1]
     step(runner, [(p, 0, 0)])

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hf_models import VOCAB, save_tiny
-from mambastep.graphs.buckets import BucketSet
+from mambastep.graphs import BucketSet
 from mambastep.runtime.engine import Engine, SamplingParams
 
 # A small prefill budget (16 tokens a step) forces chunked prefill, and 3 slots force queueing.

@@ -4,14 +4,7 @@ import torch.nn.functional as F
 from transformers.models.mamba2.modeling_mamba2 import causal_conv1d_fn, causal_conv1d_update
 
 from mambastep.kernels import PAD_SLOT_ID, PrefillMetadata
-from mambastep.kernels.conv1d import (
-    conv1d_update,
-    conv1d_update_ref,
-    conv1d_update_triton,
-    conv1d_varlen,
-    conv1d_varlen_ref,
-    conv1d_varlen_triton,
-)
+from mambastep.kernels.conv1d import conv1d_update, conv1d_update_ref, conv1d_varlen, conv1d_varlen_ref
 
 from support import assert_close, poisoned
 
@@ -70,7 +63,7 @@ def test_update_triton_matches_ref(device, dtype, transposed, K, D, bias, activa
     pool_ref = pool.clone()
     ref = conv1d_update_ref(x, pool_ref, w, b, slots, activation=activation)
     out, wide = poisoned_out(B, D, dtype, device)
-    got = conv1d_update_triton(x, pool, w, b, slots, out=out, activation=activation)
+    got = conv1d_update.triton(x, pool, w, b, slots, out=out, activation=activation)
 
     assert got is out
     assert_close(out, ref, dtype)
@@ -115,7 +108,7 @@ def run_varlen_case(device, dtype, transposed, K, D, bias, activation, S=11):
     pool_ref = pool.clone()
     ref = conv1d_varlen_ref(x, w, b, pool_ref, meta, activation=activation)
     out, wide = poisoned_out(T, D, dtype, device)
-    got = conv1d_varlen_triton(x, w, b, pool, meta, out=out, activation=activation)
+    got = conv1d_varlen.triton(x, w, b, pool, meta, out=out, activation=activation)
 
     assert got is out
     assert_close(out, ref, dtype)
@@ -181,7 +174,7 @@ def test_varlen_equals_token_by_token_update(device):
     pool = make_pool(S, D, K, torch.float32, device)
 
     pool_steps = pool.clone()
-    out = conv1d_varlen_triton(x, w, b, pool, meta)
+    out = conv1d_varlen.triton(x, w, b, pool, meta)
 
     start = 0
     for n, slot, has_init in zip(lens, slots, init):
@@ -189,7 +182,7 @@ def test_varlen_equals_token_by_token_update(device):
             pool_steps[slot] = 0
         slot_t = torch.tensor([slot], dtype=torch.int32, device=device)
         for t in range(start, start + n):
-            step = conv1d_update_triton(x[t : t + 1], pool_steps, w, b, slot_t)
+            step = conv1d_update.triton(x[t : t + 1], pool_steps, w, b, slot_t)
             assert_close(out[t : t + 1], step, factor=0.1)
         start += n
     assert torch.equal(pool, pool_steps)
@@ -205,7 +198,7 @@ def test_varlen_padding_is_inert(device):
 
     meta = PrefillMetadata.build(lens, slots, init, chunk_size=8, device=device)
     pool_a = pool.clone()
-    out_a = conv1d_varlen_triton(x, w, b, pool_a, meta)
+    out_a = conv1d_varlen.triton(x, w, b, pool_a, meta)
 
     # the same step padded: a sequence without a slot, unused sequences, padding tokens
     T = total + 4 + 9
@@ -216,7 +209,7 @@ def test_varlen_padding_is_inert(device):
         lens + [4], slots + [P], init + [1], chunk_size=8, max_tokens=T, max_seqs=6, device=device
     )
     pool_b = pool.clone()
-    out_b = conv1d_varlen_triton(x_pad, w, b, pool_b, meta_pad, out=poisoned((T, D), dtype, device))
+    out_b = conv1d_varlen.triton(x_pad, w, b, pool_b, meta_pad, out=poisoned((T, D), dtype, device))
 
     assert torch.equal(pool_a, pool_b)
     assert torch.equal(out_b[:total], out_a)
@@ -231,14 +224,14 @@ def test_update_padding_is_inert(device):
     slots = torch.tensor([5, 0, 2], dtype=torch.int32, device=device)
 
     pool_a = pool.clone()
-    out_a = conv1d_update_triton(x, pool_a, w, b, slots)
+    out_a = conv1d_update.triton(x, pool_a, w, b, slots)
 
     x_pad = poisoned((6, D), dtype, device)
     x_pad[[0, 2, 3]] = x
     slots_pad = torch.tensor([5, P, 0, 2, P, P], dtype=torch.int32, device=device)
     pool_b = pool.clone()
     out_b = poisoned((6, D), dtype, device)
-    conv1d_update_triton(x_pad, pool_b, w, b, slots_pad, out=out_b)
+    conv1d_update.triton(x_pad, pool_b, w, b, slots_pad, out=out_b)
 
     assert torch.equal(pool_a, pool_b)
     assert torch.equal(out_b[[0, 2, 3]], out_a)
@@ -269,12 +262,12 @@ def test_rejects_bad_shapes(device):
     x = torch.zeros(2, D, device=device)
     slots = torch.zeros(2, dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match="conv_state"):
-        conv1d_update_triton(x, torch.zeros(3, D, K, device=device), w, b, slots)
+        conv1d_update.triton(x, torch.zeros(3, D, K, device=device), w, b, slots)
     pool = torch.zeros(3, D, K - 1, device=device)
     with pytest.raises(ValueError, match="activation"):
-        conv1d_update_triton(x, pool, w, b, slots, activation="gelu")
+        conv1d_update.triton(x, pool, w, b, slots, activation="gelu")
     with pytest.raises(ValueError, match="slot_idx"):
-        conv1d_update_triton(x, pool, w, b, slots[:1])
+        conv1d_update.triton(x, pool, w, b, slots[:1])
 
 
 @pytest.mark.gpu

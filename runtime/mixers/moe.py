@@ -1,43 +1,18 @@
-"""NemotronH's feed-forward layers: a relu2 MLP, and a mixture of relu2 experts."""
+"""NemotronH's mixture of relu2 experts with a shared expert (no fused decode)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from ...kernels.activation import relu2
-from ...kernels.decode_linear import norm_linear
 from ..config import ModelConfig
+from .base import Mixer, StepContext
+from .mlp import relu2_mlp
 
-__all__ = ["MLPLayer", "MoELayer"]
-
-
-def _relu2_mlp(x, up, down, up_bias=None, down_bias=None):
-    h = F.linear(x, up, up_bias)
-    return F.linear(relu2(h, out=h), down, down_bias)
+__all__ = ["MoEMixer"]
 
 
-class MLPLayer:
-    def __init__(self, cfg: ModelConfig, idx: int, w: dict[str, torch.Tensor]):
-        p = f"layers.{idx}.mixer."
-        self.eps = cfg.norm_eps
-        self.up, self.down = w[p + "up_proj.weight"], w[p + "down_proj.weight"]
-        self.up_bias, self.down_bias = w.get(p + "up_proj.bias"), w.get(p + "down_proj.bias")
-
-    def forward(self, x, inputs=None, state=None, aux_stream=None):
-        return _relu2_mlp(x, self.up, self.down, self.up_bias, self.down_bias)
-
-    def decode_fused(self, residual: torch.Tensor, norm_w: torch.Tensor, round_first: bool,
-                     inputs=None, state=None, pdl: bool = False) -> None:
-        """``residual += mlp(norm(residual))`` for a small decode step in two kernels: block norm
-        + up_proj + relu2; down_proj + residual add (``kernels.decode_linear``)."""
-        h = torch.empty(residual.shape[0], self.up.shape[0], dtype=self.up.dtype, device=residual.device)
-        norm_linear(residual, norm_w, self.eps, self.up, bias=self.up_bias, round_first=round_first, relu2=True,
-                    out=h, pdl=pdl)
-        norm_linear(h, None, self.eps, self.down, bias=self.down_bias, residual=residual, pdl=pdl)
-
-
-class MoELayer:
+class MoEMixer(Mixer):
     """Sigmoid router with a score-correction bias and group-limited top-k, as HF's NemotronH.
 
     Every expert runs over every token and is weighted by the token's routing weight (zero when
@@ -74,12 +49,12 @@ class MoELayer:
         top_w = top_w * self.scale
         return torch.zeros_like(scores).scatter_(1, top_idx, top_w)
 
-    def forward(self, x, inputs=None, state=None, aux_stream=None):
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         weights = self.routing(x)  # [T, E] fp32
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in range(self.E):
-            h = _relu2_mlp(x, self.up[e], self.down[e])
+            h = relu2_mlp(x, self.up[e], self.down[e])
             out += h.float() * weights[:, e : e + 1]
         if self.shared is not None:
-            out += _relu2_mlp(x, *self.shared).float()
+            out += relu2_mlp(x, *self.shared).float()
         return out.to(x.dtype)

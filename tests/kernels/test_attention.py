@@ -5,8 +5,7 @@ from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHAttentio
 
 from mambastep.kernels import PAD_SLOT_ID, PrefillMetadata
 from mambastep.kernels.attention import (
-    decode_attention, decode_attention_ref, decode_attention_triton, decode_workspace, prefill_attention,
-    prefill_attention_ref, prefill_attention_triton, write_kv, write_kv_triton,
+    decode_attention, decode_attention_ref, decode_workspace, prefill_attention, prefill_attention_ref, write_kv,
 )
 from support import assert_close, poisoned
 
@@ -58,7 +57,7 @@ def test_decode_matches_reference(device, dtype, h, kvh):
     out = poisoned((B, h, DH), dtype, device)
     # stale NaN partials: splits past a row's length must be neither written nor read
     ws = poisoned(decode_workspace(B, h, DH, MAX_CTX).shape, torch.float32, device)
-    decode_attention_triton(q, k, v, kc, vc, slots, lens, scale=DH**-0.5, out=out, workspace=ws)
+    decode_attention.triton(q, k, v, kc, vc, slots, lens, scale=DH**-0.5, out=out, workspace=ws)
 
     kr, vr = kc0.clone(), vc0.clone()
     ref = decode_attention_ref(q.cpu(), k.cpu(), v.cpu(), kr, vr, slots.cpu(), lens.cpu(), scale=DH**-0.5)
@@ -82,7 +81,7 @@ def test_decode_odd_head_dim_and_sliced_workspace(device):
     lens = torch.tensor([150, 3, 33], dtype=torch.int32, device=device)
     ws = poisoned(decode_workspace(8, h, dh, MAX_CTX).shape, torch.float32, device)
     out = poisoned((B, h, dh), torch.float32, device)
-    decode_attention_triton(q, k, v, kc, vc, slots, lens, scale=dh**-0.5, out=out, workspace=ws[:B])
+    decode_attention.triton(q, k, v, kc, vc, slots, lens, scale=dh**-0.5, out=out, workspace=ws[:B])
     ref = decode_attention_ref(q.cpu(), k.cpu(), v.cpu(), kr, vr, slots.cpu(), lens.cpu(), scale=dh**-0.5)
     assert_close(out.cpu(), ref)
     assert torch.equal(kc.cpu(), kr) and torch.equal(vc.cpu(), vr)
@@ -111,7 +110,7 @@ def test_prefill_matches_reference(device, dtype, h, kvh):
     kc, vc = _pool(kvh, dtype, device)
     kc0, vc0 = kc.cpu().clone(), vc.cpu().clone()
     out = poisoned((T, h, DH), dtype, device)
-    prefill_attention_triton(q, k, v, kc, vc, meta, scale=DH**-0.5, out=out)
+    prefill_attention.triton(q, k, v, kc, vc, meta, scale=DH**-0.5, out=out)
 
     kr, vr = kc0.clone(), vc0.clone()
     ref = prefill_attention_ref(q.cpu(), k.cpu(), v.cpu(), kr, vr, meta.to("cpu"), scale=DH**-0.5)
@@ -136,7 +135,7 @@ def test_write_kv_skips_padding(device):
     _, k, v = _qkv(8, 2, 2, torch.float32, device)
     kc, vc = _pool(2, torch.float32, device)
     kc0, vc0 = kc.cpu().clone(), vc.cpu().clone()
-    write_kv_triton(k, v, kc, vc, meta)
+    write_kv.triton(k, v, kc, vc, meta)
     _assert_cache(kc, kc0, {(2, 5 + j): k[j].cpu() for j in range(3)})
     _assert_cache(vc, vc0, {(2, 5 + j): v[j].cpu() for j in range(3)})
 
@@ -148,14 +147,14 @@ def test_chunked_prefill_equals_one_prefill(device, dtype):
     h, kvh, L, cut = 4, 2, 90, 50
     q, k, v = _qkv(L, h, kvh, dtype, device)
     kc, vc = _pool(kvh, dtype, device)
-    whole = prefill_attention_triton(q, k, v, kc, vc, _prefill_meta([(L, 1, 0)], device, L, 1), scale=DH**-0.5)
-    first = prefill_attention_triton(q[:cut], k[:cut], v[:cut], kc, vc, _prefill_meta([(cut, 3, 0)], device, cut, 1),
+    whole = prefill_attention.triton(q, k, v, kc, vc, _prefill_meta([(L, 1, 0)], device, L, 1), scale=DH**-0.5)
+    first = prefill_attention.triton(q[:cut], k[:cut], v[:cut], kc, vc, _prefill_meta([(cut, 3, 0)], device, cut, 1),
                                      scale=DH**-0.5)
     # the second chunk is packed after a short unrelated sequence, with padding behind it
     meta = _prefill_meta([(3, 0, 0), (L - cut, 3, cut)], device, max_tokens=L - cut + 8, max_seqs=3)
     q2, k2, v2 = _qkv(L - cut + 8, h, kvh, dtype, device)
     q2[3 : 3 + L - cut], k2[3 : 3 + L - cut], v2[3 : 3 + L - cut] = q[cut:], k[cut:], v[cut:]
-    second = prefill_attention_triton(q2, k2, v2, kc, vc, meta, scale=DH**-0.5)
+    second = prefill_attention.triton(q2, k2, v2, kc, vc, meta, scale=DH**-0.5)
     chunked = torch.cat([first, second[3 : 3 + L - cut]])
     # the same math on the same operands, split at other places: far inside the tolerance
     assert_close(chunked.cpu(), whole.cpu(), dtype, factor=0.25)
@@ -168,15 +167,15 @@ def test_prefill_then_decode_equals_longer_prefill(device, dtype):
     h, kvh, L, steps = 4, 2, 66, 3
     q, k, v = _qkv(L + steps, h, kvh, dtype, device)
     kc, vc = _pool(kvh, dtype, device)
-    full = prefill_attention_triton(q, k, v, kc, vc, _prefill_meta([(L + steps, 0, 0)], device, L + steps, 1),
+    full = prefill_attention.triton(q, k, v, kc, vc, _prefill_meta([(L + steps, 0, 0)], device, L + steps, 1),
                                     scale=DH**-0.5)
-    prefill_attention_triton(q[:L], k[:L], v[:L], kc, vc, _prefill_meta([(L, 2, 0)], device, L, 1), scale=DH**-0.5)
+    prefill_attention.triton(q[:L], k[:L], v[:L], kc, vc, _prefill_meta([(L, 2, 0)], device, L, 1), scale=DH**-0.5)
     slots = torch.tensor([PAD_SLOT_ID, 2], dtype=torch.int32, device=device)
     for i in range(steps):
         t = L + i
         lens = torch.tensor([5, t + 1], dtype=torch.int32, device=device)
         rows = torch.tensor([0, t], device=device)  # row 0 is a pad row: its inputs are ignored
-        out = decode_attention_triton(q[rows], k[rows], v[rows], kc, vc, slots, lens, scale=DH**-0.5)
+        out = decode_attention.triton(q[rows], k[rows], v[rows], kc, vc, slots, lens, scale=DH**-0.5)
         assert_close(out[1].cpu(), full[t].cpu(), dtype, factor=0.25)
         assert (out[0] == 0).all()
     assert torch.equal(kc[2, : L + steps], kc[0, : L + steps])
@@ -254,7 +253,7 @@ def test_decode_full_shape_gpu(B):
         lens[1], slots[-1] = 1, PAD_SLOT_ID
     out = poisoned((B, h, dh), torch.bfloat16, "cuda")
     ws = poisoned(decode_workspace(B, h, dh, ctx).shape, torch.float32, "cuda")
-    decode_attention_triton(q, k, v, kc, vc, slots, lens, scale=dh**-0.5, out=out, workspace=ws)
+    decode_attention.triton(q, k, v, kc, vc, slots, lens, scale=dh**-0.5, out=out, workspace=ws)
     ref = decode_attention_ref(q, k, v, kr, vr, slots, lens, scale=dh**-0.5)
     assert_close(out, ref, torch.bfloat16)
     assert torch.equal(kc, kr) and torch.equal(vc, vr)
@@ -270,7 +269,7 @@ def test_prefill_full_shape_gpu():
     kc, vc = _pool(kvh, torch.bfloat16, "cuda", slots=5, max_ctx=ctx, dh=dh)
     kr, vr = kc.clone(), vc.clone()
     out = poisoned((2048, h, dh), torch.bfloat16, "cuda")
-    prefill_attention_triton(q, k, v, kc, vc, meta, scale=dh**-0.5, out=out)
+    prefill_attention.triton(q, k, v, kc, vc, meta, scale=dh**-0.5, out=out)
     ref = prefill_attention_ref(q, k, v, kr, vr, meta, scale=dh**-0.5)
     assert_close(out, ref, torch.bfloat16)
     assert (out[2000:] == 0).all()

@@ -7,13 +7,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from mambastep.graphs import Bucket, BucketSet
 from mambastep.kernels.varlen import PAD_SLOT_ID
 from mambastep.runtime.model import Model
 from mambastep.runtime.plan import StepPlan
 from mambastep.runtime.state_pool import StatePool
-from mambastep.runtime.step_buffers import Bucket, StepBuffers
-from mambastep.graphs.buckets import BucketSet
-from mambastep.graphs.runner import Runner
+from mambastep.runtime.step_buffers import StepBuffers
+from mambastep.runtime.step_runner import StepRunner
+from support import state_tensors
 
 MAX_DECODE, MAX_TOKENS, MAX_SEQS, CHUNK, SLOTS = 12, 64, 4, 8, 16
 
@@ -107,11 +108,11 @@ def test_padded_step_equals_unpadded(tiny, plan):
     results = []
     for bucket in (exact, padded):
         pool = StatePool(tiny.cfg, SLOTS, max_context=128, dtype=torch.float32)
-        for i, t in enumerate(pool.tensors()):
+        for i, t in enumerate(state_tensors(pool)):
             t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(i)))
-        runner = Runner(tiny, pool, BucketSet(decode=(8,), mixed_decode=(8,), prefill=(48,), max_prefill_seqs=MAX_SEQS),
-                        max_decode=MAX_DECODE, max_prefill_tokens=MAX_TOKENS)
-        results.append((runner.run(plan, bucket).clone(), [t.clone() for t in pool.tensors()]))
+        buckets = BucketSet(decode=(8,), mixed_decode=(8,), prefill=(48,), max_prefill_seqs=MAX_SEQS)
+        runner = StepRunner(tiny, pool, buckets, max_decode=MAX_DECODE, max_prefill_tokens=MAX_TOKENS)
+        results.append((runner.logits(plan, bucket).clone(), [t.clone() for t in state_tensors(pool)]))
     (a, pool_a), (b, pool_b) = results
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     for x, y in zip(pool_a, pool_b):

@@ -1,19 +1,18 @@
-"""Step buffers, buckets and the runner: padding is inert, graphs equal eager, no allocation or
-sync in steady state, one host-to-device copy per step."""
+"""The step runner over the model: padding is inert, graphs equal eager, drawn tokens feed the
+next step on the device, no allocation or sync in steady state, one host-to-device copy per
+step, and the fused decode path equals the layered one."""
 
 import numpy as np
 import pytest
 import torch
 
-from mambastep.graphs.buckets import BucketSet
-from mambastep.graphs.runner import Runner
-from mambastep.kernels import decode_linear
-from mambastep.runtime.model import Model, fused_max_rows
+from mambastep.graphs import Bucket, BucketSet
+from mambastep.runtime.decode_options import DecodeOptions
+from mambastep.runtime.model import Model
 from mambastep.runtime.plan import StepPlan
-from mambastep.runtime.presets import preset_config
 from mambastep.runtime.state_pool import StatePool
-from mambastep.runtime.step_buffers import Bucket
-from support import stream_every_projection
+from mambastep.runtime.step_runner import StepRunner
+from support import state_tensors
 
 BUCKETS = BucketSet(decode=(1, 4, 8), mixed_decode=(0, 4, 8), prefill=(32, 64), max_prefill_seqs=4)
 SLOTS = 8
@@ -21,7 +20,7 @@ SLOTS = 8
 
 def make_runner(model, **kw):
     pool = StatePool(model.cfg, SLOTS, max_context=128, dtype=model.dtype, device=model.device)
-    return Runner(model, pool, kw.pop("buckets", BUCKETS), max_prefill_tokens=128, **kw)
+    return StepRunner(model, pool, kw.pop("buckets", BUCKETS), max_prefill_tokens=128, **kw)
 
 
 def tokens(n, seed):
@@ -41,7 +40,7 @@ def script():
 
 
 def run_script(runner, plans):
-    return [runner.run(p).clone() for p in plans]
+    return [runner.logits(p).clone() for p in plans]
 
 
 UNUSED_SLOTS = [1, 2, 4, 6, 7]
@@ -50,9 +49,9 @@ UNUSED_SLOTS = [1, 2, 4, 6, 7]
 def poison(runner):
     """Leave the buffers as a larger earlier step would, then garbage in every host arena byte
     and NaN in every slot the script does not use."""
-    runner.run(StepPlan.make([(tokens(60, 9), 6, 0)], [(1, s, 0) for s in (1, 2, 4, 7)]))
+    runner.logits(StepPlan.make([(tokens(60, 9), 6, 0)], [(1, s, 0) for s in (1, 2, 4, 7)]))
     runner.buffers.arena.host.fill_(0xAB)
-    for t in runner.pool.tensors():
+    for t in state_tensors(runner.pool):
         t[UNUSED_SLOTS] = float("nan")
 
 
@@ -73,44 +72,25 @@ def test_poisoned_buffers_change_nothing_cpu(cpu_model):
 def test_plans_above_every_bucket_run_eagerly(cpu_model):
     runner = make_runner(cpu_model)
     big = StepPlan.make([(tokens(100, 5), 0, 0)])
-    assert BUCKETS.choose(big) is None
+    assert BUCKETS.choose(big.num_decode, big.num_prefill_tokens, big.num_prefill) is None
     assert runner.bucket_for(big) == Bucket(0, 100)
-    assert runner.run(big).shape == (1, cpu_model.cfg.vocab_size)
-
-
-def test_bucket_choice():
-    plan = StepPlan.make([(tokens(33, 1), 0, 0)], [(1, 1, 3)] * 5)
-    assert BUCKETS.choose(plan) == Bucket(8, 64)
-    assert BUCKETS.choose(StepPlan.make(decode=[(1, 1, 3)] * 3)) == Bucket(4)
-    assert BUCKETS.choose(StepPlan.make(decode=[(1, 1, 3)] * 9)) is None
-    assert BUCKETS.choose(StepPlan.make(decode=[(1, 1, 3)] * 8)) == Bucket(8)  # sizes are inclusive
-    assert BUCKETS.choose(StepPlan.make([(tokens(32, 1), 0, 0)], [(1, 1, 3)] * 4)) == Bucket(4, 32)
-    assert BUCKETS.choose(StepPlan.make([(tokens(2, 1), s, 0) for s in range(5)])) is None  # > 4 seqs
-    order = BUCKETS.all()
-    assert order[0] == Bucket(8, 64) and sorted(order, reverse=True, key=lambda b: b.decode + b.prefill) == order
-
-
-def test_bucket_set_round_trips(tmp_path):
-    BUCKETS.save(tmp_path / "b.json")
-    assert BucketSet.load(tmp_path / "b.json") == BUCKETS
-    with pytest.raises(ValueError, match="decode"):
-        BucketSet(decode=(0, 4))
+    assert runner.logits(big).shape == (1, cpu_model.cfg.vocab_size)
 
 
 def check_drawn_tokens_feed_the_next_step(runner):
     """Decode rows whose token is -1 take the tokens their slots drew in the last step (kept on
     the device): the same logits as rows fed those tokens from the host."""
-    snapshot = [t.clone() for t in runner.pool.tensors()]
+    snapshot = [t.clone() for t in state_tensors(runner.pool)]
     prompts = StepPlan.make([(tokens(9, 1), 0, 0), (tokens(5, 2), 3, 0)])
     prompts.temperature, prompts.top_k = np.zeros(2, np.float32), np.zeros(2, np.int32)  # greedy
     prompts.top_p, prompts.seed, prompts.position = np.ones(2, np.float32), np.zeros(2, np.int64), np.zeros(2, np.int64)
     prompts.sample_slots = np.array([0, 3], np.int32)
     drawn = runner.launch(prompts).get()
-    fed_on_device = runner.run(StepPlan.make(decode=[(-1, 0, 9), (-1, 3, 5)])).clone()
-    for t, s in zip(runner.pool.tensors(), snapshot):
+    fed_on_device = runner.logits(StepPlan.make(decode=[(-1, 0, 9), (-1, 3, 5)])).clone()
+    for t, s in zip(state_tensors(runner.pool), snapshot):
         t.copy_(s)
-    runner.run(prompts)
-    given = runner.run(StepPlan.make(decode=[(int(drawn[0]), 0, 9), (int(drawn[1]), 3, 5)]))
+    runner.logits(prompts)
+    given = runner.logits(StepPlan.make(decode=[(int(drawn[0]), 0, 9), (int(drawn[1]), 3, 5)]))
     assert torch.equal(fed_on_device, given)
 
 
@@ -140,8 +120,8 @@ def test_graph_replay_equals_eager(gpu_model, overlap):
 
 @pytest.mark.gpu
 def test_drawn_tokens_feed_the_next_step_gpu(gpu_model):
-    """On the fused decode path (Mamba2, Nemotron-H) the embedding kernel reads them; layer by
-    layer (the hybrid with experts), fill_decode_ids."""
+    """On both decode paths (fused: Mamba2, Nemotron-H; layer by layer: the hybrid with experts)
+    the embedding kernel reads them."""
     runner = make_runner(gpu_model)
     runner.capture(progress=False)
     check_drawn_tokens_feed_the_next_step(runner)
@@ -180,7 +160,7 @@ def test_steady_state_allocates_nothing_and_never_syncs(gpu_model):
     try:
         for _ in range(20):
             for p in plans:
-                runner.run(p)
+                runner.logits(p)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
@@ -196,33 +176,30 @@ def test_one_host_to_device_copy_per_step(gpu_model):
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for p in plans:
-            runner.run(p)
+            runner.logits(p)
         torch.cuda.synchronize()
     h2d = [e for e in prof.events() if "HtoD" in e.name]
     assert len(h2d) == len(plans)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("streamed", [False, True], ids=["one-tile", "streamed"])
+@pytest.mark.parametrize("tile_k", [None, 16], ids=["one-tile", "streamed"])
 @pytest.mark.parametrize("preset", ["tiny-mamba2", "tiny-nemotron-h"])
-def test_fused_decode_equals_layer_by_layer_gpu(preset, streamed, monkeypatch):
+def test_fused_decode_equals_layer_by_layer_gpu(preset, tile_k):
     """Graphs of the fused decode path (Triton skinny projections chained by programmatic
     dependent launch) against graphs of the layer-by-layer path: the same tokens and close
     logits over a script whose decode steps take the fused path; with K in one tile, and
-    streamed as on Nemotron-H-8B (every projection, the gated norm then a kernel of its own)."""
-    if streamed:
-        monkeypatch.setattr(decode_linear, "_config", stream_every_projection)
-    model = Model.from_preset(preset, dtype=torch.bfloat16, device="cuda")
-    assert model.fused_decode
-    if streamed:  # the rows Nemotron-H-8B, whose projections stream K, takes fused
-        model.fused_max_rows = fused_max_rows(preset_config("nemotron-h-8b"))
+    streamed as on Nemotron-H-8B (every projection, the gated norm then a kernel of its own, at
+    the one row Nemotron-H-8B takes fused)."""
+    fused = Model.from_preset(preset, dtype=torch.bfloat16, device="cuda", options=DecodeOptions(tile_k=tile_k))
+    assert fused.options.fused and fused.options.max_rows == (4 if tile_k is None else 1)
+    layered = fused.with_options(DecodeOptions(fused=False))
+    assert not layered.options.fused
     results = []
-    for fused in (True, False):
-        model.fused_decode = fused
+    for model in (fused, layered):
         runner = make_runner(model)
         runner.capture(progress=False)
         results.append(run_script(runner, script()))
-    model.fused_decode = True
     for a, b in zip(*results):
         assert torch.equal(a.argmax(-1), b.argmax(-1))
         torch.testing.assert_close(a, b, atol=3e-2, rtol=3e-2)

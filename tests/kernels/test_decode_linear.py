@@ -5,15 +5,10 @@ import torch
 
 from mambastep.kernels import decode_linear
 from mambastep.kernels.decode_linear import (
-    MAX_ROWS,
-    ConvTail,
-    gated_norm_linear_ref,
-    gated_norm_linear_triton,
-    norm_linear_ref,
-    norm_linear_triton,
+    MAX_ROWS, ConvTail, gated_norm_linear_ref, gated_norm_linear, norm_linear_ref, norm_linear,
 )
 from mambastep.kernels.varlen import PAD_SLOT_ID
-from support import assert_close, poisoned, stream_every_projection
+from support import assert_close, poisoned
 
 BF16 = torch.bfloat16
 
@@ -24,12 +19,11 @@ def _weights(N, K, device, bias):
     return w, b
 
 
-@pytest.fixture(params=["tile", "loop"])
-def mode(request, monkeypatch):
-    """Both ways through K at test sizes: the whole K as one tile, or K streamed in tiles of 16
-    columns (several of them, the last one ragged), as the large models' projections take it."""
-    if request.param == "loop":
-        monkeypatch.setattr(decode_linear, "_config", stream_every_projection)
+@pytest.fixture(params=[None, 16], ids=["tile", "loop"])
+def tile_k(request):
+    """Both ways through K at test sizes: the whole K as one tile (the table's choice), or K
+    streamed in tiles of 16 columns (several of them, the last one ragged), as the large models'
+    projections take it."""
     return request.param
 
 
@@ -40,19 +34,19 @@ def _cpu(t):
 @pytest.mark.parametrize("M,K", [(1, 40), (3, 40)])
 @pytest.mark.parametrize("round_first", [True, False])
 @pytest.mark.parametrize("bias", [False, True])
-def test_norm_linear_matches_reference(device, mode, M, K, round_first, bias):
+def test_norm_linear_matches_reference(device, tile_k, M, K, round_first, bias):
     torch.manual_seed(M * K + bias)
     N = 37
     x = torch.randn(M + 2, K + 3, device=device)[:M, 1:1 + K]  # an fp32 residual, row-strided
     norm_w = torch.randn(K, device=device).to(BF16)
     w, b = _weights(N, K, device, bias)
     out = poisoned((M, N), BF16, device)
-    norm_linear_triton(x, norm_w, 1e-5, w, bias=b, round_first=round_first, out=out)
+    norm_linear.triton(x, norm_w, 1e-5, w, bias=b, round_first=round_first, out=out, tile_k=tile_k)
     ref = norm_linear_ref(x.cpu(), norm_w.cpu(), 1e-5, w.cpu(), bias=_cpu(b), round_first=round_first)
     assert_close(out.cpu(), ref, BF16, factor=0.25)
 
 
-def test_logit_rows_and_fp32_out(device, mode):
+def test_logit_rows_and_fp32_out(device, tile_k):
     """Rows picked by index (the LM head over logit rows) and an fp32 destination."""
     torch.manual_seed(1)
     K, N = 48, 70
@@ -61,39 +55,39 @@ def test_logit_rows_and_fp32_out(device, mode):
     w, _ = _weights(N, K, device, False)
     rows = torch.tensor([4, 0, 5], device=device)
     out = poisoned((3, N), torch.float32, device)
-    norm_linear_triton(x, norm_w, 1e-5, w, rows=rows, out=out)
+    norm_linear.triton(x, norm_w, 1e-5, w, rows=rows, out=out, tile_k=tile_k)
     ref = norm_linear_ref(x.cpu(), norm_w.cpu(), 1e-5, w.cpu(), rows=rows.cpu(), out=torch.empty(3, N))
     assert_close(out.cpu(), ref, BF16, factor=0.25)
 
 
 @pytest.mark.parametrize("res_dtype", [torch.float32, BF16])
-def test_residual_epilogue_adds_in_place(device, mode, res_dtype):
+def test_residual_epilogue_adds_in_place(device, tile_k, res_dtype):
     torch.manual_seed(2)
     M, K, N = 4, 64, 24
     x = torch.randn(M, K, device=device).to(BF16)
     w, b = _weights(N, K, device, True)
     residual = torch.randn(M, N, device=device).to(res_dtype)
     res_ref = residual.cpu().clone()
-    norm_linear_triton(x, None, 1e-5, w, bias=b, residual=residual)
+    norm_linear.triton(x, None, 1e-5, w, bias=b, residual=residual, tile_k=tile_k)
     norm_linear_ref(x.cpu(), None, 1e-5, w.cpu(), bias=b.cpu(), residual=res_ref)
     assert_close(residual.cpu(), res_ref, res_dtype if res_dtype == BF16 else BF16, factor=0.25)
 
 
-def test_relu2_epilogue(device, mode):
+def test_relu2_epilogue(device, tile_k):
     torch.manual_seed(3)
     M, K, N = 2, 32, 40
     x = torch.randn(M, K, device=device).to(BF16)
     norm_w = torch.randn(K, device=device).to(BF16)
     w, _ = _weights(N, K, device, False)
     out = poisoned((M, N), BF16, device)
-    norm_linear_triton(x, norm_w, 1e-5, w, relu2=True, out=out, round_first=False)
+    norm_linear.triton(x, norm_w, 1e-5, w, relu2=True, out=out, round_first=False, tile_k=tile_k)
     ref = norm_linear_ref(x.cpu(), norm_w.cpu(), 1e-5, w.cpu(), relu2=True, round_first=False)
     assert (out.cpu() >= 0).all()
     assert_close(out.cpu(), ref, BF16, factor=0.25)
 
 
 @pytest.mark.parametrize("M", [1, 4])
-def test_conv_epilogue_updates_state_and_skips_pad_rows(device, mode, M):
+def test_conv_epilogue_updates_state_and_skips_pad_rows(device, tile_k, M):
     """in_proj with the conv decode update on the xBC columns: outputs and the mutated state."""
     torch.manual_seed(4 + M)
     K, lo, D, rest, S, W = 32, 20, 44, 6, 5, 4
@@ -108,7 +102,8 @@ def test_conv_epilogue_updates_state_and_skips_pad_rows(device, mode, M):
     slots = torch.tensor([3, PAD_SLOT_ID, 0, 4][:M], dtype=torch.int32, device=device)
     state_ref = state.cpu().clone()
     out = poisoned((M, N), BF16, device)
-    norm_linear_triton(x, norm_w, 1e-5, w, conv=ConvTail(state, conv_w, conv_b, slots, lo), out=out)
+    norm_linear.triton(x, norm_w, 1e-5, w, conv=ConvTail(state, conv_w, conv_b, slots, lo), out=out,
+                       tile_k=tile_k)
     ref = norm_linear_ref(x.cpu(), norm_w.cpu(), 1e-5, w.cpu(),
                           conv=ConvTail(state_ref, conv_w.cpu(), conv_b.cpu(), slots.cpu(), lo))
     assert_close(out.cpu(), ref, BF16, factor=0.25)
@@ -120,7 +115,7 @@ def test_conv_epilogue_updates_state_and_skips_pad_rows(device, mode, M):
 @pytest.mark.parametrize("early", [False, True])
 @pytest.mark.parametrize("G", [1, 2, 3])
 @pytest.mark.parametrize("M", [1, 3])
-def test_gated_norm_linear_into_residual(device, mode, G, M, early):
+def test_gated_norm_linear_into_residual(device, tile_k, G, M, early):
     """early: z and the residual read before the (programmatic launch) wait; same result."""
     torch.manual_seed(10 * G + M)
     K, N = 24 * G, 33
@@ -130,7 +125,7 @@ def test_gated_norm_linear_into_residual(device, mode, G, M, early):
     w, _ = _weights(N, K, device, False)
     residual = torch.randn(M, N, device=device)
     res_ref = residual.cpu().clone()
-    gated_norm_linear_triton(y, z, norm_w, K // G, 1e-5, w, residual=residual, early=early)
+    gated_norm_linear.triton(y, z, norm_w, K // G, 1e-5, w, residual=residual, early=early, tile_k=tile_k)
     gated_norm_linear_ref(y.cpu(), z.cpu(), norm_w.cpu(), K // G, 1e-5, w.cpu(), residual=res_ref)
     assert_close(residual.cpu(), res_ref, BF16, factor=0.25)
 
@@ -145,7 +140,7 @@ def test_default_config_at_large_k(device, M, K, N):
     norm_w = torch.randn(K, device=device).to(BF16)
     w, _ = _weights(N, K, device, False)
     out = poisoned((M, N), BF16, device)
-    norm_linear_triton(x, norm_w, 1e-5, w, out=out)
+    norm_linear.triton(x, norm_w, 1e-5, w, out=out)
     ref = norm_linear_ref(x.cpu(), norm_w.cpu(), 1e-5, w.cpu())
     assert_close(out.cpu(), ref, BF16, factor=0.25)
 
@@ -154,17 +149,17 @@ def test_bad_inputs_raise(device):
     w, _ = _weights(8, 16, device, False)
     x = torch.randn(MAX_ROWS + 1, 16, device=device)
     with pytest.raises(ValueError, match="at most"):
-        norm_linear_triton(x, None, 1e-5, w)
+        norm_linear.triton(x, None, 1e-5, w)
     with pytest.raises(ValueError, match="weight"):
-        norm_linear_triton(x[:2, :8], None, 1e-5, w)
+        norm_linear.triton(x[:2, :8], None, 1e-5, w)
     with pytest.raises(ValueError, match="one epilogue"):
-        norm_linear_triton(x[:2], None, 1e-5, w, relu2=True, residual=torch.zeros(2, 8, device=device))
+        norm_linear.triton(x[:2], None, 1e-5, w, relu2=True, residual=torch.zeros(2, 8, device=device))
     with pytest.raises(ValueError, match="divide"):
-        gated_norm_linear_triton(x[:2], x[:2], w[0], 5, 1e-5, w)
+        gated_norm_linear.triton(x[:2], x[:2], w[0], 5, 1e-5, w)
 
 
 @pytest.mark.gpu
-def test_pdl_chain_in_a_graph_equals_plain_launches(mode):
+def test_pdl_chain_in_a_graph_equals_plain_launches(tile_k):
     """A block-like chain (norm + projection, projection + residual add, norm + projection +
     relu2, gated norm + projection + residual add, norm + projection), each kernel reading its
     predecessor's output, captured in a CUDA graph with programmatic dependent launch as the
@@ -187,11 +182,12 @@ def test_pdl_chain_in_a_graph_equals_plain_launches(mode):
         residual = start.clone()
 
         def block():
-            norm_linear_triton(residual, norm_w, 1e-5, w[0], out=h, pdl=pdl)
-            norm_linear_triton(h, None, 1e-5, w[1], residual=residual, pdl=pdl)
-            norm_linear_triton(residual, norm_w, 1e-5, w[2], relu2=True, out=h, pdl=pdl)
-            gated_norm_linear_triton(h, z, norm_w, K // 2, 1e-5, w[3], residual=residual, pdl=pdl)
-            norm_linear_triton(residual, norm_w, 1e-5, w[4], out=h, pdl=pdl)
+            norm_linear.triton(residual, norm_w, 1e-5, w[0], out=h, pdl=pdl, tile_k=tile_k)
+            norm_linear.triton(h, None, 1e-5, w[1], residual=residual, pdl=pdl, tile_k=tile_k)
+            norm_linear.triton(residual, norm_w, 1e-5, w[2], relu2=True, out=h, pdl=pdl, tile_k=tile_k)
+            gated_norm_linear.triton(h, z, norm_w, K // 2, 1e-5, w[3], residual=residual, pdl=pdl,
+                                     tile_k=tile_k)
+            norm_linear.triton(residual, norm_w, 1e-5, w[4], out=h, pdl=pdl, tile_k=tile_k)
 
         block()  # compiles outside the capture
         graph = torch.cuda.CUDAGraph()

@@ -4,12 +4,7 @@ import triton
 from support import assert_close, poisoned
 from transformers.models.mamba2.modeling_mamba2 import mamba2_selective_state_update as hf_update
 
-from mambastep.kernels.state_update import (
-    _block_config,
-    selective_state_update,
-    selective_state_update_ref,
-    selective_state_update_triton,
-)
+from mambastep.kernels.state_update import _block_config, selective_state_update, selective_state_update_ref
 from mambastep.kernels.varlen import PAD_SLOT_ID
 
 
@@ -72,7 +67,7 @@ def check_against_reference(pool, inp, slots, out_dtype, **flags):
     batch, H, P = inp["x"].shape
     state_k, state_r = pool.clone(), pool.clone()
     out = poisoned((batch, H, P), out_dtype, pool.device)
-    got = call(selective_state_update_triton, state_k, inp, slots, out=out, **flags)
+    got = call(selective_state_update.triton, state_k, inp, slots, out=out, **flags)
     want = call(selective_state_update_ref, state_r, inp, slots, **flags)
     assert got is out
 
@@ -140,13 +135,13 @@ def test_pad_rows_are_inert(device, state_dtype):
         inp[k][pad_rows] = float("nan")
 
     padded = pool.clone()
-    out_padded = call(selective_state_update_triton, padded, inp, slots)
+    out_padded = call(selective_state_update.triton, padded, inp, slots)
     assert (out_padded[pad_rows] == 0).all()
 
     plain = pool.clone()
     per_row = ("x", "z", "B", "C", "dt")
     sub = {k: v[live_rows] if k in per_row else v for k, v in inp.items()}
-    out_plain = call(selective_state_update_triton, plain, sub, slots[live_rows])
+    out_plain = call(selective_state_update.triton, plain, sub, slots[live_rows])
 
     assert torch.equal(padded, plain)
     assert torch.equal(out_padded[live_rows], out_plain)
@@ -159,7 +154,7 @@ def test_all_pad_rows_touch_nothing(device):
     slots = torch.full((batch,), PAD_SLOT_ID, dtype=torch.int32, device=device)
     out = poisoned((batch, H, P), device=device)
     inp = make_inputs(batch, H, P, N, G, device=device)
-    call(selective_state_update_triton, state, inp, slots, out=out)
+    call(selective_state_update.triton, state, inp, slots, out=out)
     assert torch.equal(state, pool)
     assert (out == 0).all()
 
@@ -177,7 +172,7 @@ def test_public_op_runs_reference_on_cpu():
     assert torch.equal(state, state_ref)
 
 
-@pytest.mark.parametrize("fn", [selective_state_update_triton, selective_state_update_ref])
+@pytest.mark.parametrize("fn", [selective_state_update.triton, selective_state_update_ref])
 def test_rejects_bad_arguments(fn):
     batch, H, P, N, G, S = 2, 4, 8, 8, 2, 4
     inp = make_inputs(batch, H, P, N, G)
@@ -200,7 +195,7 @@ def test_triton_rejects_strided_last_dim():
     x = torch.randn(batch, H, P, 2)[..., 0]
     pool, slots = make_pool(S, H, P, N, torch.float32), make_slots(batch, S)
     with pytest.raises(ValueError, match="last dim"):
-        call(selective_state_update_triton, pool, {**inp, "x": x}, slots)
+        call(selective_state_update.triton, pool, {**inp, "x": x}, slots)
 
 
 @pytest.mark.parametrize("P,N", [(64, 128), (80, 128), (64, 64), (10, 16)])
@@ -239,7 +234,7 @@ def test_graph_replay_matches_eager_without_sync(state_dtype):
     slots = make_slots(batch, S, pad_rows=[5, 40], device="cuda")
 
     eager_state = pool.clone()
-    eager_out = call(selective_state_update_triton, eager_state, inp, slots)
+    eager_out = call(selective_state_update.triton, eager_state, inp, slots)
 
     state = pool.clone()
     out = poisoned((batch, H, P), torch.bfloat16, "cuda")
@@ -248,7 +243,7 @@ def test_graph_replay_matches_eager_without_sync(state_dtype):
         # only the launch is checked: entering the capture context syncs by itself
         torch.cuda.set_sync_debug_mode("error")
         try:
-            call(selective_state_update_triton, state, inp, slots, out=out)
+            call(selective_state_update.triton, state, inp, slots, out=out)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     # capture does not run the kernel: the state is still the pool's

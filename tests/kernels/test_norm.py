@@ -5,7 +5,7 @@ from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHRMSNorm
 
 from hf_models import HF_5_23
 
-from mambastep.kernels.norm import gated_rms_norm_ref, gated_rms_norm_triton, rms_norm_ref, rms_norm_triton
+from mambastep.kernels.norm import gated_rms_norm_ref, gated_rms_norm, rms_norm_ref, rms_norm
 from support import assert_close, poisoned
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -25,7 +25,7 @@ def test_rms_norm_matches_reference(device, dtype, D, res_dtype):
         res = torch.randn(T, D, device=device).to(dtype if res_dtype == "same" else res_dtype)
     res_ref = None if res is None else res.cpu().clone()
     out = poisoned((T, D), dtype, device)
-    rms_norm_triton(x, w, 1e-5, residual=res, out=out)
+    rms_norm.triton(x, w, 1e-5, residual=res, out=out)
     ref = rms_norm_ref(x.cpu(), w.cpu(), 1e-5, residual=res_ref)
     assert_close(out.cpu(), ref, dtype)
     if res is not None:
@@ -47,7 +47,7 @@ def test_round_first_chooses_the_hf_variant(device):
         assert torch.equal(rms_norm_ref(x, w, 1e-5, round_first=False), hf_n(x))
     for round_first in (True, False):
         out = poisoned((5, D), torch.bfloat16, device)
-        rms_norm_triton(x.to(device), w.to(device), 1e-5, out=out, round_first=round_first)
+        rms_norm.triton(x.to(device), w.to(device), 1e-5, out=out, round_first=round_first)
         assert_close(out.cpu(), rms_norm_ref(x, w, 1e-5, round_first=round_first), torch.bfloat16)
 
 
@@ -60,7 +60,7 @@ def test_gated_rms_norm_matches_reference(device, dtype, D, groups):
     z, x = zx[:, :D], zx[:, D + 3 :]
     w = torch.randn(D, device=device).to(dtype)
     out = poisoned((T, D), dtype, device)
-    gated_rms_norm_triton(x, z, w, D // groups, 1e-6, out=out)
+    gated_rms_norm.triton(x, z, w, D // groups, 1e-6, out=out)
     ref = gated_rms_norm_ref(x.cpu(), z.cpu(), w.cpu(), D // groups, 1e-6)
     assert_close(out.cpu(), ref, dtype)
 
@@ -90,10 +90,10 @@ def test_norms_full_shape_gpu(dtype):
     res = torch.randn(T, D, device="cuda", dtype=torch.float32)
     res_ref = res.clone()
     w = torch.randn(D, device="cuda", dtype=dtype)
-    out = rms_norm_triton(x, w, 1e-5, residual=res)
+    out = rms_norm.triton(x, w, 1e-5, residual=res)
     assert_close(out, rms_norm_ref(x, w, 1e-5, residual=res_ref), dtype)
     assert torch.equal(res, res_ref)
     xz = torch.randn(T, 2 * inner, device="cuda", dtype=dtype)
     wg = torch.randn(inner, device="cuda", dtype=dtype)
-    out = gated_rms_norm_triton(xz[:, inner:], xz[:, :inner], wg, inner // 8, 1e-5)
+    out = gated_rms_norm.triton(xz[:, inner:], xz[:, :inner], wg, inner // 8, 1e-5)
     assert_close(out, gated_rms_norm_ref(xz[:, inner:], xz[:, :inner], wg, inner // 8, 1e-5), dtype)

@@ -3,7 +3,7 @@ import json
 
 from hypothesis import given, settings, strategies as st
 
-from mambastep.graphs.buckets import BucketSet
+from mambastep.graphs import BucketSet
 from mambastep.tools import cli
 from mambastep.tools.tune import optimal_sizes, padding
 

@@ -1,0 +1,76 @@
+"""Causal GQA attention (NemotronH: no rotary embedding) over packed ``[prefill | decode]`` tokens.
+
+Keys and values live in the state pool's per-slot KV cache; prefill rows write their keys at
+positions ``context_lens + j`` and attend to everything before them in the slot (so chunked
+prefill sees its earlier chunks), decode rows write one key at ``kv_len - 1``. Fused, a small
+decode step is block norm + QKV projection; the decode attention kernels; o_proj + residual add.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ...kernels.attention import decode_attention, prefill_attention
+from ...kernels.decode_linear import norm_linear
+from ..config import ModelConfig
+from .base import Mixer, Norm, StepContext
+
+__all__ = ["AttentionMixer"]
+
+
+class AttentionMixer(Mixer):
+    fuses_decode = True
+
+    def __init__(self, cfg: ModelConfig, idx: int, w: dict[str, torch.Tensor]):
+        p = f"layers.{idx}.mixer."
+        self.idx = idx
+        self.H, self.KVH, self.Dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.attention_head_dim
+        self.scale = self.Dh**-0.5
+        # one GEMM for q, k and v
+        self.qkv = torch.cat([w[p + n + ".weight"] for n in ("q_proj", "k_proj", "v_proj")])
+        self.qkv_bias = None
+        if cfg.attention_bias:
+            self.qkv_bias = torch.cat([w[p + n + ".bias"] for n in ("q_proj", "k_proj", "v_proj")])
+        self.o_proj, self.o_bias = w[p + "o_proj.weight"], w.get(p + "o_proj.bias")
+
+    def project(self, h: torch.Tensor):
+        return self._split(F.linear(h, self.qkv, self.qkv_bias))
+
+    def _split(self, qkv: torch.Tensor):
+        """q, k, v views of the packed projection, and the attention output buffer."""
+        T = qkv.shape[0]
+        q_end, k_end = self.H * self.Dh, (self.H + self.KVH) * self.Dh
+        q = qkv[:, :q_end].view(T, self.H, self.Dh)
+        k = qkv[:, q_end:k_end].view(T, self.KVH, self.Dh)
+        v = qkv[:, k_end:].view(T, self.KVH, self.Dh)
+        out = torch.empty(T, self.H, self.Dh, dtype=qkv.dtype, device=qkv.device)
+        return (q, k, v), out
+
+    def prefill(self, work, ctx: StepContext, passed=None) -> None:
+        (q, k, v), out = work
+        tp = ctx.inputs.num_prefill_tokens
+        prefill_attention(q[:tp], k[:tp], v[:tp], ctx.pool.k[self.idx], ctx.pool.v[self.idx], ctx.inputs.prefill,
+                          scale=self.scale, out=out[:tp])
+
+    def decode(self, work, ctx: StepContext) -> None:
+        (q, k, v), out = work
+        tp = ctx.inputs.num_prefill_tokens
+        rows = slice(tp, tp + ctx.inputs.num_decode)
+        decode_attention(q[rows], k[rows], v[rows], ctx.pool.k[self.idx], ctx.pool.v[self.idx],
+                         ctx.inputs.decode_slots, ctx.inputs.decode_kv_lens, scale=self.scale, out=out[rows])
+
+    def finish(self, work) -> torch.Tensor:
+        _, out = work
+        return F.linear(out.view(out.shape[0], -1), self.o_proj, self.o_bias)
+
+    def fused_decode(self, residual: torch.Tensor, norm: Norm, ctx: StepContext) -> None:
+        opts = ctx.options
+        qkv = torch.empty(residual.shape[0], self.qkv.shape[0], dtype=self.qkv.dtype, device=residual.device)
+        norm_linear(residual, norm.weight, norm.eps, self.qkv, bias=self.qkv_bias, round_first=norm.round_first,
+                    out=qkv, pdl=opts.pdl, tile_k=opts.tile_k)
+        work = self._split(qkv)
+        self.decode(work, ctx)
+        out = work[1]
+        norm_linear(out.view(out.shape[0], -1), None, norm.eps, self.o_proj, bias=self.o_bias, residual=residual,
+                    pdl=opts.pdl, tile_k=opts.tile_k)

@@ -1,0 +1,118 @@
+"""The Mamba2 mixer over packed ``[prefill | decode]`` tokens.
+
+One in_proj GEMM over all tokens, then two branches that touch disjoint rows and disjoint slots:
+prefill rows go through the varlen conv and the chunked SSD scan, decode rows through the conv
+update and the selective state update. Both write into one output buffer, then the gated norm
+and out_proj run over all tokens again. Fused, a small decode step is three kernels: block norm +
+in_proj + conv update; state update; gated norm + out_proj + residual add.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ...kernels.conv1d import conv1d_update, conv1d_varlen
+from ...kernels.decode_linear import ConvTail, gated_norm_linear, norm_linear
+from ...kernels.norm import gated_rms_norm
+from ...kernels.ssd import ssd_scan
+from ...kernels.state_update import selective_state_update
+from ..config import ModelConfig
+from .base import Mixer, Norm, StepContext
+
+__all__ = ["Mamba2Mixer"]
+
+
+class Mamba2Mixer(Mixer):
+    fuses_decode = True
+    # Forked, the decode branch waits until the scan's chunk states are passed: its state update
+    # streams the decode rows' whole state, and beside the scan's first, short, latency-bound
+    # kernels it slows them down; beside the chunk scan it costs less.
+    staggered = True
+
+    def __init__(self, cfg: ModelConfig, idx: int, w: dict[str, torch.Tensor]):
+        p = f"layers.{idx}.mixer."
+        self.idx = idx
+        self.H, self.P, self.N, self.G = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size, cfg.n_groups
+        self.inner, self.conv_dim = cfg.mamba_inner, cfg.conv_dim
+        self.eps, self.dt_limit = cfg.norm_eps, cfg.dt_limit
+        self.in_proj = w[p + "in_proj.weight"]
+        self.in_proj_bias = w.get(p + "in_proj.bias")
+        self.conv_w = w[p + "conv1d.weight"].squeeze(1)  # [conv_dim, K]
+        self.conv_b = w.get(p + "conv1d.bias")
+        self.A = -torch.exp(w[p + "A_log"].float())
+        self.D = w[p + "D"]
+        self.dt_bias = w[p + "dt_bias"]
+        self.norm_w = w[p + "norm.weight"]
+        self.out_proj = w[p + "out_proj.weight"]
+        self.out_proj_bias = w.get(p + "out_proj.bias")
+
+    # in_proj's columns: z [inner] | xBC [conv_dim] | dt [H]
+    def _z(self, proj):
+        return proj[:, : self.inner]
+
+    def _xbc(self, proj):
+        return proj[:, self.inner : self.inner + self.conv_dim]
+
+    def _dt(self, proj):
+        return proj[:, self.inner + self.conv_dim :]
+
+    def _ssm_operands(self, xbc: torch.Tensor):
+        """x [T, H, P], B and C [T, G, N]: views of the conv's output columns."""
+        T, GN = xbc.shape[0], self.G * self.N
+        x = xbc[:, : self.inner].view(T, self.H, self.P)
+        B = xbc[:, self.inner : self.inner + GN].view(T, self.G, self.N)
+        C = xbc[:, self.inner + GN :].view(T, self.G, self.N)
+        return x, B, C
+
+    def project(self, h: torch.Tensor):
+        """in_proj over all tokens, and the empty buffers both branches write into."""
+        proj = F.linear(h, self.in_proj, self.in_proj_bias)  # [T, inner + conv_dim + H]
+        T = h.shape[0]
+        xbc = torch.empty(T, self.conv_dim, dtype=h.dtype, device=h.device)
+        y = torch.empty(T, self.H, self.P, dtype=h.dtype, device=h.device)
+        return proj, xbc, y
+
+    def prefill(self, work, ctx: StepContext, passed=None) -> None:
+        """``passed``: an event the scan records once its chunk states are passed."""
+        proj, xbc, y = work
+        tp = ctx.inputs.num_prefill_tokens
+        conv_state, ssm_state = ctx.pool.conv[self.idx], ctx.pool.ssm[self.idx]
+        conv1d_varlen(self._xbc(proj[:tp]), self.conv_w, self.conv_b, conv_state, ctx.inputs.prefill, out=xbc[:tp])
+        x, B, C = self._ssm_operands(xbc[:tp])
+        ssd_scan(x, self._dt(proj[:tp]), self.A, B, C, self.D, ssm_state, ctx.inputs.prefill, dt_bias=self.dt_bias,
+                 dt_softplus=True, dt_limit=self.dt_limit, out=y[:tp], passed=passed)
+
+    def decode(self, work, ctx: StepContext) -> None:
+        proj, xbc, y = work
+        tp = ctx.inputs.num_prefill_tokens
+        rows = slice(tp, tp + ctx.inputs.num_decode)
+        slots = ctx.inputs.decode_slots
+        conv1d_update(self._xbc(proj[rows]), ctx.pool.conv[self.idx], self.conv_w, self.conv_b, slots, out=xbc[rows])
+        x, B, C = self._ssm_operands(xbc[rows])
+        selective_state_update(ctx.pool.ssm[self.idx], x, self._dt(proj[rows]), self.A, B, C, self.D, slots,
+                               dt_bias=self.dt_bias, dt_softplus=True, out=y[rows])
+
+    def finish(self, work) -> torch.Tensor:
+        """Gated norm with z, then out_proj, over all tokens."""
+        proj, _, y = work
+        T = y.shape[0]
+        normed = gated_rms_norm(y.view(T, self.inner), self._z(proj), self.norm_w, self.inner // self.G, self.eps)
+        return F.linear(normed, self.out_proj, self.out_proj_bias)
+
+    def fused_decode(self, residual: torch.Tensor, norm: Norm, ctx: StepContext) -> None:
+        T, opts, slots = residual.shape[0], ctx.options, ctx.inputs.decode_slots
+        proj = torch.empty(T, self.in_proj.shape[0], dtype=self.in_proj.dtype, device=residual.device)
+        # the conv update of the xBC columns rides in in_proj's epilogue: proj's xBC columns
+        # come out already convolved, as ``decode`` writes them into xbc
+        conv = ConvTail(ctx.pool.conv[self.idx], self.conv_w, self.conv_b, slots, self.inner)
+        norm_linear(residual, norm.weight, norm.eps, self.in_proj, bias=self.in_proj_bias,
+                    round_first=norm.round_first, conv=conv, out=proj, pdl=opts.pdl, tile_k=opts.tile_k)
+        x, B, C = self._ssm_operands(self._xbc(proj))
+        y = torch.empty(T, self.H, self.P, dtype=proj.dtype, device=proj.device)
+        selective_state_update(ctx.pool.ssm[self.idx], x, self._dt(proj), self.A, B, C, self.D, slots,
+                               dt_bias=self.dt_bias, dt_softplus=True, out=y, pdl=opts.pdl)
+        # z (from in_proj) and the residual (from the previous block) are two or more kernels back
+        gated_norm_linear(y.view(T, self.inner), self._z(proj), self.norm_w, self.inner // self.G, self.eps,
+                          self.out_proj, bias=self.out_proj_bias, residual=residual, pdl=opts.pdl, early=True,
+                          tile_k=opts.tile_k)

@@ -1,0 +1,121 @@
+"""Run step plans: refill the step buffers, then run the model and sampling per bucket.
+
+The stages handed to the graph runner (``graphs.GraphRunner``) are the model's forward over the
+step buffers' views for a bucket, and a draw of one token per logit row in a sampling mode. A
+step picks the smallest bucket that holds its plan (an exact-size one above every bucket, run
+eagerly), writes the plan into the host arena, runs the forward (on a captured bucket, one graph
+launch whose first node is the arena's copy), runs the draw, and copies the drawn tokens to
+pinned host memory asynchronously. Without CUDA everything runs eagerly over the same padded
+buffers.
+
+Drawn tokens also land in ``slot_tokens`` on the device, indexed by slot: a decode row whose plan
+token is -1 reads its input from there, so consecutive steps need no host round trip.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..graphs import Bucket, BucketSet, CaptureReport, GraphRunner
+from ..kernels.sample import MODES, sample, sampling_mode
+from .model import Model
+from .plan import StepPlan
+from .state_pool import StatePool
+from .step_buffers import StepBuffers
+
+__all__ = ["PendingTokens", "StepRunner"]
+
+
+class PendingTokens:
+    """The tokens of a launched step, on their way to pinned host memory."""
+
+    def __init__(self, host: np.ndarray, event: torch.cuda.Event | None):
+        self._host, self._event = host, event
+
+    def get(self) -> np.ndarray:
+        """Wait for the step, then its drawn tokens [n_rows] (a copy)."""
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.copy()
+
+
+class StepRunner:
+    def __init__(self, model: Model, pool: StatePool, buckets: BucketSet, *, max_decode: int | None = None,
+                 max_prefill_tokens: int | None = None, overlap: bool = True):
+        """buckets: the graph buckets; max_decode / max_prefill_tokens: the largest step, run
+        eagerly above the buckets (default: the largest bucket); overlap: fork the prefill
+        branch onto an auxiliary stream."""
+        self.model, self.pool, self.buckets = model, pool, buckets
+        self.cuda = model.device.type == "cuda"
+        self.buffers = StepBuffers(
+            max_decode=max(max_decode or 0, buckets.max_decode),
+            max_prefill_tokens=max(max_prefill_tokens or 0, buckets.max_prefill_tokens),
+            max_prefill_seqs=buckets.max_prefill_seqs,
+            chunk_size=model.cfg.chunk_size if "mamba" in model.cfg.layer_types else 64,
+            device=model.device,
+        )
+        # High priority: when both branches queue kernels, the prefill branch's (short grids, on
+        # the critical path) take SMs first and the decode branch fills around them.
+        self.aux_stream = torch.cuda.Stream(model.device, priority=-1) if (overlap and self.cuda) else None
+        # the token drawn for each slot, the next decode input; the extra last entry takes the
+        # tokens of rows that keep none
+        self.slot_tokens = torch.zeros(pool.num_slots + 1, dtype=torch.int64, device=model.device)
+        self.graphs = GraphRunner(self._forward, self._draw, MODES, self.buffers.upload, model.device)
+        rows = self.buffers.rows(Bucket(self.buffers.max_decode, self.buffers.max_prefill_tokens))
+        # two host buffers (and their events), so a pipelined step's copy never overwrites
+        # tokens not yet read
+        self._host_tokens = [torch.zeros(rows, dtype=torch.int64, pin_memory=self.cuda) for _ in range(2)]
+        self._token_events = [torch.cuda.Event() for _ in range(2)] if self.cuda else None
+        self._flip = 0
+
+    def bucket_for(self, plan: StepPlan) -> Bucket:
+        """The graph bucket for ``plan``, or an exact-size bucket when none holds it."""
+        return (self.buckets.choose(plan.num_decode, plan.num_prefill_tokens, plan.num_prefill)
+                or Bucket(plan.num_decode, plan.num_prefill_tokens))
+
+    def capture(self, buckets: list[Bucket] | None = None, progress: bool = True) -> CaptureReport:
+        """Capture ``buckets`` (default: all), largest first: a forward graph each and a
+        sampling graph per mode. Padding-only plans warm them up, touching no slot."""
+        empty = StepPlan()
+        return self.graphs.capture(buckets or self.buckets.all(), lambda b: self.buffers.fill(empty, b), progress)
+
+    def logits(self, plan: StepPlan, bucket: Bucket | None = None) -> torch.Tensor:
+        """Run the plan's forward without drawing: logits [n_rows, vocab] fp32 for its rows (the
+        last token of each prefill sequence, then each decode row); ``bucket`` overrides the
+        choice. The tensor is the forward's output buffer, which the next step overwrites: copy
+        what you keep."""
+        bucket = bucket or self.bucket_for(plan)
+        self.buffers.fill(plan, bucket)
+        return self.graphs.forward(bucket)[: plan.num_rows]
+
+    def launch(self, plan: StepPlan) -> PendingTokens:
+        """Run the step and draw a token per row; returns without waiting for the device."""
+        bucket = self.bucket_for(plan)
+        self.buffers.fill(plan, bucket)
+        logits = self.graphs.forward(bucket)
+        mode = sampling_mode(plan.temperature, plan.top_k, plan.top_p, self.model.cfg.vocab_size) \
+            if plan.sampled else "greedy"
+        tokens = self.graphs.tail(bucket, logits, mode)
+        host = self._host_tokens[self._flip][: plan.num_rows]
+        host.copy_(tokens[: plan.num_rows], non_blocking=self.cuda)
+        event = None
+        if self.cuda:
+            event = self._token_events[self._flip]
+            event.record()
+        self._flip ^= 1
+        return PendingTokens(host.numpy(), event)
+
+    def _forward(self, bucket: Bucket) -> torch.Tensor:
+        """The model over the buffers' views for ``bucket``: logits [rows, vocab] fp32."""
+        return self.model.forward(self.buffers.inputs(bucket), self.pool, self.aux_stream, drawn=self.slot_tokens)
+
+    def _draw(self, bucket: Bucket, logits: torch.Tensor, mode: str) -> torch.Tensor:
+        """Sample every logit row of ``bucket`` and store kept tokens in ``slot_tokens``."""
+        *params, sample_slots = self.buffers.sampling(bucket)
+        tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+        sample(logits, *params, mode=mode, out=tokens)
+        trash = self.slot_tokens.shape[0] - 1
+        where = torch.where(sample_slots >= 0, sample_slots, trash).long()
+        self.slot_tokens.index_copy_(0, where, tokens)
+        return tokens

@@ -84,6 +84,9 @@ class GraphRunner:
         if self.device.type != "cuda":
             raise RuntimeError("CUDA graphs need a CUDA device; the runner runs eagerly without one")
         buckets = largest_first(buckets)
+        # the pool's size is what capture reserves: cached blocks freed by others must not count
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
         start, before = time.perf_counter(), torch.cuda.memory_reserved(self.device)
         self._pool = self._pool or torch.cuda.graph_pool_handle()
         # Warm-up on a side stream, as torch recommends before capture: every kernel compiles and

@@ -32,8 +32,7 @@ only after its own wait returned, i.e. after its predecessor completed: so when 
 everything two or more launches back in the stream is complete. A one-tile kernel (one wave; or
 an LM head, the step's last kernel) signals right after its wait; a streamed one, whose programs
 run in several waves, only after its K loop, so that dependents take SM slots as its last wave
-drains rather than idle in them through it (on Nemotron-H-8B the early signal made the step
-slower, the late one faster: docs/BENCHMARKS.md). Every kernel calls ``gdc_wait`` before reading
+drains rather than idle in them through it (docs/experiments.md). Every kernel calls ``gdc_wait`` before reading
 its direct predecessor's output, so the chain stays ordered end to end.
 
 Kernels launched without PDL in between (the decode attention) complete before their successor
@@ -419,13 +418,12 @@ def _config(M: int, N: int, K: int, device: torch.device, tile_k: int | None = N
     barriers): 2 columns a program at one row while that is about a wave of resident programs
     (in_proj), else 4 (each thread holds 64-128 weights). Wider (the gated out_proj, whose
     prologue works through two 1536-wide rows, better spread over warps): 8 columns, 4 warps at
-    one row, 8 at more. Measured in the whole Mamba2-130M decode step (docs/BENCHMARKS.md).
+    one row, 8 at more. Chosen by sweeps in the whole Mamba2-130M decode step.
 
     Otherwise K is streamed (Nemotron-H-8B's projections, the LM heads) in tiles of 512 columns
     from K = 4096, else 256, 3 pipeline stages, 4 warps; 8 columns a program, 16 for
     vocabulary-wide grids. One row through a tall projection from K = 4096 (N >= 4K: the 8B's
-    in_proj and up_proj) takes 16 x 1024 tiles in 2 stages (in_proj 39.7 against 43.5 us, up_proj
-    ties; at two rows they lose). The tile narrows as the rows grow, so that the per-row partial
+    in_proj and up_proj) takes 16 x 1024 tiles in 2 stages, which win there and lose at two rows. The tile narrows as the rows grow, so that the per-row partial
     sums keep their register footprint.
     """
     if tile_k is not None:

@@ -132,7 +132,7 @@ def _block_config(headdim: int, dstate: int, state_dtype: torch.dtype, one_row: 
     Static per model (and whether the batch is one row), so each model compiles a variant or two;
     never autotuned, since the kernel mutates the state. At one row, where the step waits on each
     kernel's latency rather than its bandwidth, half the tile in one warp: twice the programs,
-    each a shorter chain (Mamba2-130M's batch-1 step 2-5% faster, docs/BENCHMARKS.md).
+    each a shorter chain, which the batch-1 step waits on less (docs/experiments.md).
     """
     elem = state_dtype.itemsize
     tile_bytes = _TILE_BYTES // 2 if one_row else _TILE_BYTES

@@ -18,3 +18,43 @@ def test_every_subpackage_is_declared():
         for init in (ROOT / top).rglob("__init__.py"):
             found.add(".".join(("mambastep",) + init.parent.relative_to(ROOT).parts))
     assert found == declared
+
+
+# The floors, top down: a module may import its own floor or one below, never one above;
+# graphs and kernels stand beside each other and import nothing of each other.
+FLOORS = {"tools": 3, "runtime": 2, "graphs": 1, "kernels": 1}
+
+
+def _imported_floors(path: Path):
+    """(line, floor) of every mambastep module a source file imports, relative or absolute."""
+    import ast
+
+    parts = path.relative_to(ROOT).parts
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: climb from the module's package
+                package = parts[:-1][: len(parts) - node.level]
+                target = package + tuple((node.module or "").split(".")) if node.module else package
+            elif node.module and node.module.startswith("mambastep."):
+                target = tuple(node.module.split(".")[1:])
+            else:
+                continue
+            if target and target[0] in FLOORS:
+                yield node.lineno, target[0]
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                name = alias.name.split(".")
+                if name[0] == "mambastep" and len(name) > 1 and name[1] in FLOORS:
+                    yield node.lineno, name[1]
+
+
+def test_imports_run_one_way():
+    """tools -> runtime -> graphs, kernels: no module imports a folder above it, and graphs and
+    kernels import nothing of each other."""
+    wrong = []
+    for top, floor in FLOORS.items():
+        for path in (ROOT / top).rglob("*.py"):
+            for line, target in _imported_floors(path):
+                if target != top and FLOORS[target] >= floor:
+                    wrong.append(f"{path.relative_to(ROOT)}:{line} imports {target}")
+    assert not wrong, wrong

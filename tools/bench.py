@@ -8,6 +8,9 @@
     mambastep bench profile --preset P --batch B [--prefill T]
                                             per-kernel time of one eager step: B decode rows
                                             (and a prefill chunk of T tokens)
+    mambastep bench markdown [--steps S.json] [--kernels K.json] [--run R.json ...] [--out PATH]
+                                            docs/BENCHMARKS.md from those commands' --json
+                                            (no GPU needed); --readme: the README's table
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import sys
 
 import torch
 
-from . import bench_kernels, bench_steps
+from . import bench_kernels, bench_markdown, bench_steps
 
 SUITES = {"kernels": bench_kernels, "steps": bench_steps}
 
@@ -26,12 +29,28 @@ SUITES = {"kernels": bench_kernels, "steps": bench_steps}
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="mambastep bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=sorted(SUITES) + ["profile"], help="which benchmark to run")
+    parser.add_argument("what", choices=sorted(SUITES) + ["profile", "markdown"], help="which benchmark to run")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument("--preset", action="append", help="steps: preset(s) to run (default: both)")
     parser.add_argument("--batch", type=int, default=1, help="profile: decode batch")
     parser.add_argument("--prefill", type=int, default=0, help="profile: tokens of one prefill chunk (0: none)")
+    parser.add_argument("--steps", metavar="JSON", help="markdown: the JSON of `bench steps`")
+    parser.add_argument("--kernels", metavar="JSON", help="markdown: the JSON of `bench kernels`")
+    parser.add_argument("--run", metavar="JSON", nargs="*", default=[], help="markdown: JSONs of `mambastep run`")
+    parser.add_argument("--out", metavar="PATH", help="markdown: write here instead of standard output")
+    parser.add_argument("--readme", action="store_true", help="markdown: the README's summary table instead")
     args = parser.parse_args(argv)
+    if args.what == "markdown":
+        if args.readme and not args.steps:
+            parser.error("--readme needs --steps")
+        text = (bench_markdown.readme_table(args.steps, args.run, args.kernels) if args.readme
+                else bench_markdown.render(args.steps, args.kernels, args.run))
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text)
+        else:
+            print(text)
+        return 0
     if not torch.cuda.is_available():
         parser.error("benchmarks need a CUDA device")
     if args.what == "profile":

@@ -213,19 +213,15 @@ def run() -> dict:
     }
 
 
-def _table(columns: list[str], rows, line) -> None:
+def _table(columns: list[str], rows, line) -> list[str]:
     """A markdown table: the header, then ``line(r)``'s cells for each of ``rows``."""
-    print("| " + " | ".join(columns) + " |")
-    print("|" + " --- |" * len(columns))
-    for r in rows:
-        print("| " + " | ".join(line(r)) + " |")
+    out = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+    return out + ["| " + " | ".join(line(r)) + " |" for r in rows]
 
 
-def print_table(result: dict) -> None:
+def tables(result: dict) -> str:
+    """The result's three tables in markdown, each under a line saying what it measures."""
     rows = result["rows"]
-    print(f"\n{result['device']}, {result['date']}, torch {result['torch']}, "
-          f"copy bandwidth {result['copy_GB/s']:.0f} GB/s (read + write)")
-    print(f"shapes: H={H} P={P} N={N} G={G} chunk={CHUNK}, bf16 inputs")
 
     def scan_line(r):
         if r["op"] == "state_update":
@@ -234,14 +230,23 @@ def print_table(result: dict) -> None:
         return ["SSD scan", f"{r['shape']} tokens", f"{r['ms']:.3f}", f"{r['TFLOP/s']:.1f} TFLOP/s",
                 f"{r['torch_ms']:.2f} ms", f"{r['speedup']:.1f}x"]
 
-    _table(["op", "case", "time (ms)", "achieved", "baseline (torch)", "speed-up"],
-           [r for r in rows if r["op"] in ("state_update", "ssd_scan")], scan_line)
-    print("\nDecode projections with their norms, per call in a CUDA graph of back-to-back calls (us)")
-    _table(["projection", "rows", "norm + cuBLAS", "fused", "fused, PDL", "speed-up"],
-           [r for r in rows if r["op"] == "skinny"],
-           lambda r: [f"{r['name']} {r['N']}x{r['K']}", str(r["rows"]), f"{r['unfused_us']:.2f}",
-                      f"{r['fused_us']:.2f}", f"{r['fused_pdl_us']:.2f}", f"{r['unfused_us'] / r['fused_pdl_us']:.2f}x"])
-    print("\nSampling, one call over 50288 logits a row, in a CUDA graph (us); filtered: top-p 0.95")
-    _table(["rows", "mode", "torch ops", "mambastep", "speed-up"], [r for r in rows if r["op"] == "sampling"],
-           lambda r: [str(r["rows"]), r["mode"], f"{r['torch_us']:.1f}", f"{r['us']:.1f}",
-                      f"{r['torch_us'] / r['us']:.1f}x"])
+    out = [f"{result['device']}, {result['date']}, torch {result['torch']}, "
+           f"copy bandwidth {result['copy_GB/s']:.0f} GB/s (read + write)", "",
+           f"Mamba2 kernels at Nemotron-H-8B shapes: H={H} P={P} N={N} G={G} chunk={CHUNK}, bf16 inputs", ""]
+    out += _table(["op", "case", "time (ms)", "achieved", "baseline (torch)", "speed-up"],
+                  [r for r in rows if r["op"] in ("state_update", "ssd_scan")], scan_line)
+    out += ["", "Decode projections with their norms, per call in a CUDA graph of back-to-back calls (us)", ""]
+    out += _table(["projection", "rows", "norm + cuBLAS", "fused", "fused, PDL", "speed-up"],
+                  [r for r in rows if r["op"] == "skinny"],
+                  lambda r: [f"{r['name']} {r['N']}x{r['K']}", str(r["rows"]), f"{r['unfused_us']:.2f}",
+                             f"{r['fused_us']:.2f}", f"{r['fused_pdl_us']:.2f}",
+                             f"{r['unfused_us'] / r['fused_pdl_us']:.2f}x"])
+    out += ["", "Sampling, one call over 50288 logits a row, in a CUDA graph (us); filtered: top-p 0.95", ""]
+    out += _table(["rows", "mode", "torch ops", "mambastep", "speed-up"], [r for r in rows if r["op"] == "sampling"],
+                  lambda r: [str(r["rows"]), r["mode"], f"{r['torch_us']:.1f}", f"{r['us']:.1f}",
+                             f"{r['torch_us'] / r['us']:.1f}x"])
+    return "\n".join(out)
+
+
+def print_table(result: dict) -> None:
+    print("\n" + tables(result))

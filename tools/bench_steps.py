@@ -190,37 +190,44 @@ def run(presets=("mamba2-130m", "nemotron-h-8b"), progress: bool = True) -> dict
     }
 
 
-def print_table(result: dict) -> None:
-    print(f"\n{result['device']}, {result['date']}, torch {result['torch']}, "
-          f"copy bandwidth {result['copy_GB/s']:.0f} GB/s; bf16 weights, fp32 SSM state, context {CONTEXT}")
+def tables(result: dict) -> str:
+    """The result's tables in markdown, per preset: decode steps, the fused path's variants, and
+    mixed steps."""
+    out = [f"{result['device']}, {result['date']}, torch {result['torch']}, "
+           f"copy bandwidth {result['copy_GB/s']:.0f} GB/s; bf16 weights, fp32 SSM state, context {CONTEXT}"]
     for p in result["presets"]:
-        print(f"\n{p['preset']}: " + "; ".join(p["capture"]))
-        print("| decode batch | eager (ms) | graph (ms) | eager/graph | graph, back to back (ms) "
-              "| replay on device (ms) | HBM floor (ms) | graph/floor |")
-        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        out += ["", f"{p['preset']}: " + "; ".join(p["capture"]), ""]
+        out += ["| decode batch | eager (ms) | graph (ms) | eager/graph | graph, back to back (ms) "
+                "| replay on device (ms) | HBM floor (ms) | graph/floor |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in p["rows"]:
             if r["kind"] == "decode":
-                print(f"| {r['batch']} | {r['eager_ms']:.3f} | {r['graph_ms']:.3f} | "
-                      f"{r['eager_ms'] / r['graph_ms']:.1f}x | {r['back_to_back_ms']:.3f} | {r['replay_ms']:.3f} | "
-                      f"{r['floor_ms']:.3f} | {r['graph_ms'] / r['floor_ms']:.2f}x |")
+                out.append(f"| {r['batch']} | {r['eager_ms']:.3f} | {r['graph_ms']:.3f} | "
+                           f"{r['eager_ms'] / r['graph_ms']:.1f}x | {r['back_to_back_ms']:.3f} | {r['replay_ms']:.3f} | "
+                           f"{r['floor_ms']:.3f} | {r['graph_ms'] / r['floor_ms']:.2f}x |")
         fused = [r for r in p["rows"] if "layered_ms" in r]
         if fused:
             # graph_ms is the model's default launch mode; the other one is timed where supported
-            print("| decode batch | fused, PDL (ms) | fused, no PDL (ms) | layer by layer (ms) | layered/fused |")
-            print("| --- | --- | --- | --- | --- |")
+            out += ["", "| decode batch | fused, PDL (ms) | fused, no PDL (ms) | layer by layer (ms) | layered/fused |",
+                    "| --- | --- | --- | --- | --- |"]
             for r in fused:
                 times = {"pdl_ms": r.get("pdl_ms"), "no_pdl_ms": r.get("no_pdl_ms")}
                 times["pdl_ms" if "no_pdl_ms" in r else "no_pdl_ms"] = r["graph_ms"]
                 cells = [f"{t:.3f}" if t is not None else "n/a" for t in times.values()]
-                print(f"| {r['batch']} | {cells[0]} | {cells[1]} | {r['layered_ms']:.3f} | "
-                      f"{r['layered_ms'] / r['graph_ms']:.2f}x |")
-        print("| decode + prefill chunk | forked (ms) | unforked (ms) | fork gain | separate steps (ms) |")
-        print("| --- | --- | --- | --- | --- |")
+                out.append(f"| {r['batch']} | {cells[0]} | {cells[1]} | {r['layered_ms']:.3f} | "
+                           f"{r['layered_ms'] / r['graph_ms']:.2f}x |")
+        out += ["", "| decode + prefill chunk | forked (ms) | unforked (ms) | fork gain | separate steps (ms) |",
+                "| --- | --- | --- | --- | --- |"]
         for r in p["rows"]:
             if r["kind"] == "mixed":
                 gain = 1 - r["forked_ms"] / r["unforked_ms"]
-                print(f"| {r['decode']} + {r['prefill']} | {r['forked_ms']:.3f} | {r['unforked_ms']:.3f} | "
-                      f"{100 * gain:.0f}% | {r['separate_ms']:.3f} |")
+                out.append(f"| {r['decode']} + {r['prefill']} | {r['forked_ms']:.3f} | {r['unforked_ms']:.3f} | "
+                           f"{100 * gain:.0f}% | {r['separate_ms']:.3f} |")
+    return "\n".join(out)
+
+
+def print_table(result: dict) -> None:
+    print("\n" + tables(result))
 
 
 def profile(preset: str, batch: int, prefill: int = 0, top: int = 25) -> str:

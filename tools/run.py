@@ -9,6 +9,7 @@ latency; and over the run: output tokens/s and requests/s.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import sys
 import time
@@ -153,8 +154,9 @@ def main(argv=None) -> int:
                        f"{requests} requests, concurrency {concurrency}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": name, "device": device, "mode": mode, "requests": requests,
-                       "concurrency": concurrency, "sampling": sampling, **stats}, f, indent=1)
+            json.dump({"model": name, "device": device, "device_name": torch.cuda.get_device_name() if gpu else "CPU",
+                       "date": datetime.date.today().isoformat(), "mode": mode, "pipelined": args.pipelined,
+                       "requests": requests, "concurrency": concurrency, "sampling": sampling, **stats}, f, indent=1)
     return 0
 
 

@@ -33,3 +33,26 @@ def test_step_tables_print_every_row(capsys):
                   "| 1 | 0.250 | 0.300 | 0.500 | 2.00x |", "| 64 + 512 | 1.800 | 2.000 | 10% | 2.200 |"):
         assert cells in out
     assert sum(line.startswith("| --- |") for line in out.splitlines()) == 3  # three tables
+
+
+def test_markdown_writes_every_table_under_its_command(tmp_path):
+    """docs/BENCHMARKS.md and the README's table come from the benchmarks' JSON alone."""
+    import json
+
+    from mambastep.tools import bench_markdown
+
+    rows = [{"kind": "decode", "batch": b, "eager_ms": 5.0, "graph_ms": 0.25, "floor_ms": 0.07,
+             "back_to_back_ms": 0.21, "replay_ms": 0.2} for b in (1, 256)]
+    rows.append({"kind": "mixed", "decode": 64, "prefill": 512, "forked_ms": 1.8, "unforked_ms": 2.0,
+                 "separate_ms": 2.2})
+    steps = {"device": "GPU", "date": "2026-12-01", "torch": "2", "copy_GB/s": 4274.0,
+             "presets": [{"preset": "mamba2-130m", "capture": ["captured 3 graphs"], "rows": rows}]}
+    run = {"model": "mamba2-130m", "mode": "CUDA graphs", "pipelined": True, "requests": 16, "concurrency": 1,
+           "ttft_ms": {"p50": 1.5}, "itl_ms": {"p50": 0.23, "p99": 0.25}, "output_tokens_per_s": 4000.0}
+    (tmp_path / "steps.json").write_text(json.dumps(steps))
+    (tmp_path / "runs.json").write_text(json.dumps({"a": run, "b": {**run, "pipelined": False, "itl_ms": {"p50": 0.3, "p99": 0.31}}}))
+    page = bench_markdown.render(tmp_path / "steps.json", runs=[tmp_path / "runs.json"])
+    assert "mambastep bench steps --json steps.json" in page and "| 64 + 512 | 1.800 | 2.000 | 10% | 2.200 |" in page
+    assert "`mambastep run --preset mamba2-130m --concurrency 1 --requests 16 --pipelined --json PATH`" in page
+    table = bench_markdown.readme_table(tmp_path / "steps.json", [tmp_path / "runs.json"])
+    assert "2026-12-01" in table and "| 1.50 ms / 0.300 ms (0.230 ms pipelined) |" in table

@@ -1,0 +1,120 @@
+"""docs/BENCHMARKS.md from the JSON the benchmarks wrote: each table under the command that
+printed it, with the date and device the JSON records.
+
+    mambastep bench markdown --steps steps.json --kernels kernels.json --run r1.json r2.json > docs/BENCHMARKS.md
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from . import bench_kernels, bench_steps
+
+__all__ = ["readme_table", "render", "run_command", "run_table"]
+
+
+def run_command(r: dict) -> str:
+    """The `mambastep run` command line that wrote the result ``r``."""
+    flags = [f"--preset {r['model']}", f"--concurrency {r['concurrency']}", f"--requests {r['requests']}"]
+    if r.get("pipelined"):
+        flags.append("--pipelined")
+    if r.get("mode") == "eager":
+        flags.append("--eager")
+    return "mambastep run " + " ".join(flags) + " --json PATH"
+
+
+def run_table(runs: list[dict]) -> str:
+    lines = ["| command | TTFT p50 (ms) | inter-token p50 (ms) | inter-token p99 (ms) | output tokens/s |",
+             "| --- | --- | --- | --- | --- |"]
+    for r in runs:
+        lines.append(f"| `{run_command(r)}` | {r['ttft_ms']['p50']:.2f} | {r['itl_ms']['p50']:.3f} | "
+                     f"{r['itl_ms']['p99']:.3f} | {r['output_tokens_per_s']:.0f} |")
+    return "\n".join(lines)
+
+
+def _load_runs(paths) -> list[dict]:
+    """Run results from files each holding one result, or a mapping of them."""
+    runs = []
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        runs += list(data.values()) if "model" not in data else [data]
+    return runs
+
+
+def render(steps: str | None = None, kernels: str | None = None, runs=()) -> str:
+    out = ["# Benchmarks", "",
+           "Current numbers only, each table under the command that printed it; the whole page is written by",
+           "`mambastep bench markdown` from those commands' `--json` output (`.ci/gpu-bench` runs them all).",
+           "What was tried and dropped is in docs/experiments.md. Presets have random bf16 weights.", ""]
+    if steps:
+        out += ["## Decode and mixed steps", "", "```", "mambastep bench steps --json steps.json", "```", "",
+                bench_steps.__doc__.strip(), "", bench_steps.tables(json.loads(Path(steps).read_text())), ""]
+    if runs:
+        results = _load_runs(runs)
+        out += ["## The main job", "", "```", "mambastep run --preset P --concurrency C --requests N [--pipelined]",
+                "```", "",
+                "A synthetic chat workload (prompts ~223, outputs ~140 tokens, greedy) through the Engine; the "
+                f"device and date are those of the step tables above. {len(results)} runs:", "",
+                run_table(results), ""]
+    if kernels:
+        out += ["## Kernels", "", "```", "mambastep bench kernels --json kernels.json", "```", "",
+                bench_kernels.tables(json.loads(Path(kernels).read_text())), ""]
+    return "\n".join(out)
+
+
+def _row(table, **match):
+    return next(r for r in table if all(r.get(k) == v for k, v in match.items()))
+
+
+def readme_table(steps: str, runs=(), kernels: str | None = None) -> str:
+    """The README's summary: Mamba2-130M beside Nemotron-H-8B, every cell from one set of JSON."""
+    s = json.loads(Path(steps).read_text())
+    presets = {p["preset"]: p["rows"] for p in s["presets"]}
+    names = [n for n in ("mamba2-130m", "nemotron-h-8b") if n in presets]
+    results = _load_runs(runs)
+
+    def run(name, concurrency, pipelined=False):
+        return next((r for r in results if r["model"] == name and r["concurrency"] == concurrency
+                     and bool(r.get("pipelined")) == pipelined), None)
+
+    def cell(name, what):
+        rows = presets[name]
+        if what == "b1":
+            r = _row(rows, kind="decode", batch=1)
+            return (f"{r['graph_ms']:.3f} ms ({r['eager_ms']:.1f} ms), {r['back_to_back_ms']:.3f} back to back; "
+                    f"{r['graph_ms'] / r['floor_ms']:.2f}x the HBM floor")
+        if what == "b256":
+            return f"{_row(rows, kind='decode', batch=256)['graph_ms']:.2f} ms"
+        if what == "mixed":
+            r = _row(rows, kind="mixed", decode=64, prefill=512)
+            return f"{r['forked_ms']:.2f} ms ({r['unforked_ms']:.2f} ms), {100 * (1 - r['forked_ms'] / r['unforked_ms']):.0f}%"
+        if what == "c1":
+            a, b = run(name, 1), run(name, 1, True)
+            if a is None:
+                return ""
+            text = f"{a['ttft_ms']['p50']:.2f} ms / {a['itl_ms']['p50']:.3f} ms"
+            return text + (f" ({b['itl_ms']['p50']:.3f} ms pipelined)" if b else "")
+        if what == "c64":
+            r = run(name, 64)
+            return f"{r['output_tokens_per_s']:,.0f}".replace(",", " ") if r else ""
+
+    lines = [f"Measured {s['date']} on an {s['device']} (bf16, random weights), all in one run of "
+             "`.ci/gpu-bench`; the tables in docs/BENCHMARKS.md.", "",
+             "| | " + " | ".join(names) + " |",
+             "|" + " --- |" * (len(names) + 1)]
+    labels = (("decode step, batch 1, CUDA graph (eager)", "b1"), ("decode step, batch 256, CUDA graph", "b256"),
+              ("mixed step, 64 decode rows + a 512-token chunk: forked (unforked), gain", "mixed"),
+              ("`mambastep run`, concurrency 1: TTFT p50 / inter-token p50", "c1"),
+              ("`mambastep run`, concurrency 64: output tokens/s", "c64"))
+    for label, what in labels:
+        lines.append(f"| {label} | " + " | ".join(cell(n, what) for n in names) + " |")
+    if kernels:
+        rows = json.loads(Path(kernels).read_text())["rows"]
+        su = _row(rows, op="state_update", batch=256, state_dtype="float32")
+        scan = _row(rows, op="ssd_scan", shape="8x2048")
+        draw = _row(rows, op="sampling", rows=1, mode="sample")
+        lines.append(f"| kernels | state update {100 * su['of_copy_bw']:.0f}% of copy bandwidth at B = 256; SSD scan "
+                     f"{scan['speedup']:.1f}x torch at 8 x 2048; a sampled draw over 50k logits {draw['us']:.1f} µs "
+                     f"(torch ops: {draw['torch_us']:.0f} µs) | |")
+    return "\n".join(lines)

@@ -31,7 +31,8 @@ from .dispatch import with_reference
 from .varlen import PAD_SLOT_ID, PrefillMetadata
 
 __all__ = [
-    "decode_attention", "decode_attention_ref", "decode_workspace", "prefill_attention", "prefill_attention_ref", "write_kv", "write_kv_ref",
+    "decode_attention", "decode_attention_ref", "decode_workspace", "prefill_attention", "prefill_attention_ref",
+    "write_kv", "write_kv_ref",
 ]
 
 # Scores are carried in log2 units (scale * log2(e) folded into one multiply) so kernels use exp2.

@@ -423,8 +423,9 @@ def _config(M: int, N: int, K: int, device: torch.device, tile_k: int | None = N
     Otherwise K is streamed (Nemotron-H-8B's projections, the LM heads) in tiles of 512 columns
     from K = 4096, else 256, 3 pipeline stages, 4 warps; 8 columns a program, 16 for
     vocabulary-wide grids. One row through a tall projection from K = 4096 (N >= 4K: the 8B's
-    in_proj and up_proj) takes 16 x 1024 tiles in 2 stages, which win there and lose at two rows. The tile narrows as the rows grow, so that the per-row partial
-    sums keep their register footprint.
+    in_proj and up_proj) takes 16 x 1024 tiles in 2 stages, which win there and lose at two rows.
+    The tile narrows as the rows grow, so that the per-row partial sums keep their register
+    footprint.
     """
     if tile_k is not None:
         return _Config(True, 16, tile_k, 4, 2)

@@ -47,7 +47,8 @@ def _check(ids, table, out, slots, drawn):
     if (slots is None) != (drawn is None):
         raise ValueError("embed_rows: slots and drawn come together")
     if slots is not None and (slots.dim() != 1 or slots.shape[0] > ids.shape[0]):
-        raise ValueError(f"embed_rows: slots [B <= T] for the last B rows; got {list(slots.shape)} for T={ids.shape[0]}")
+        raise ValueError(f"embed_rows: slots [B <= T] for the last B rows; got {list(slots.shape)} "
+                         f"for T={ids.shape[0]}")
 
 
 def embed_rows_ref(ids, table, out, pdl=False, slots=None, drawn=None):

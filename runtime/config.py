@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 __all__ = ["ModelConfig", "LAYER_KINDS", "ConfigError"]
@@ -70,6 +70,8 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
 
     def __post_init__(self):
+        for f in fields(self):
+            _check_type(f.name, f.type, getattr(self, f.name))
         if self.architecture not in ("mamba2", "nemotron_h"):
             raise ConfigError(f"architecture: unsupported {self.architecture!r}")
         bad = [t for t in self.layer_types if t not in LAYER_KINDS]
@@ -131,11 +133,21 @@ class ModelConfig:
         path = path / "config.json" if path.is_dir() else path
         if not path.exists():
             raise ConfigError(f"config.json: not found at {path}")
-        with open(path) as f:
-            return cls.from_hf_dict(json.load(f))
+        try:
+            hf = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path}: unreadable ({e})") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+        try:
+            return cls.from_hf_dict(hf)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
 
     @classmethod
     def from_hf_dict(cls, hf: dict) -> "ModelConfig":
+        if not isinstance(hf, dict):
+            raise ConfigError(f"expected a JSON object of config fields, got a {type(hf).__name__}")
         model_type = hf.get("model_type")
         archs = hf.get("architectures") or []
         if model_type == "mamba2" or "Mamba2ForCausalLM" in archs:
@@ -175,7 +187,7 @@ class ModelConfig:
             chunk_size=hf.get("chunk_size", 256),
             use_conv_bias=hf.get("use_conv_bias", True),
             mamba_proj_bias=hf.get("use_bias", False),
-            dt_limit=tuple(_float(v) for v in hf.get("time_step_limit", (0.0, math.inf))),
+            dt_limit=_pair("time_step_limit", hf.get("time_step_limit", (0.0, math.inf))),
         )
 
     @classmethod
@@ -230,6 +242,33 @@ class ModelConfig:
             routed_scaling_factor=hf.get("routed_scaling_factor", 1.0),
         )
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and not (isinstance(v, float) and math.isnan(v))
+
+
+# a field's annotation -> (what a value must be, in words)
+_TYPE_CHECKS = {
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "int": (_is_int, "an integer"),
+    "int | None": (lambda v: v is None or _is_int(v), "an integer or null"),
+    "float": (_is_real, "a number"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "tuple[str, ...]": (lambda v: isinstance(v, tuple) and all(isinstance(t, str) for t in v), "a list of names"),
+    "tuple[float, float]": (lambda v: isinstance(v, tuple) and len(v) == 2 and all(map(_is_real, v)),
+                            "a pair of numbers"),
+}
+
+
+def _check_type(name: str, annotation: str, value) -> None:
+    ok, expected = _TYPE_CHECKS[annotation]
+    if not ok(value):
+        raise ConfigError(f"{name}: expected {expected}, got {value!r}")
+
+
 def _nemotron_layer_types(hf: dict) -> tuple[str, ...]:
     if hf.get("layers_block_type"):
         types = hf["layers_block_type"]
@@ -258,11 +297,20 @@ def _positive(cfg: ModelConfig, name: str) -> None:
         raise ConfigError(f"{name}: must be a positive integer, got {value!r}")
 
 
-def _float(value) -> float:
+def _float(name: str, value) -> float:
     """A float from config.json, where HF writes infinity as {"__float__": "Infinity"}."""
     if isinstance(value, dict) and "__float__" in value:
         value = value["__float__"]
-    return float(value)
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}: expected a number, got {value!r}") from None
+
+
+def _pair(name: str, value) -> tuple[float, float]:
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise ConfigError(f"{name}: expected [low, high], got {value!r}")
+    return _float(name, value[0]), _float(name, value[1])
 
 
 def _first(token_id):

@@ -19,12 +19,13 @@ launched when the stop is seen, and its token is dropped.
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ..graphs import BucketSet
+from ..graphs import Bucket, BucketSet
 from .decode_options import DecodeOptions
 from .model import Model
 from .request import Request, RequestOutput, SamplingParams
@@ -32,7 +33,17 @@ from .scheduler import Scheduler
 from .state_pool import StatePool
 from .step_runner import PendingTokens, StepRunner
 
-__all__ = ["Engine", "SamplingParams", "RequestOutput"]
+__all__ = ["Engine", "SamplingParams", "RequestOutput", "StepShape"]
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """One launched step: its decode rows, prefill tokens and sequences, and the bucket it ran in."""
+
+    decode: int
+    prefill_tokens: int
+    prefill_seqs: int
+    bucket: Bucket
 
 
 class Engine:
@@ -48,12 +59,14 @@ class Engine:
         pipelined: bool = False,
         memory_fraction: float = 0.4,
         progress: bool = True,
+        trace: bool = False,
     ):
         """model: a loaded Model; num_slots: concurrent requests (default: what
         ``memory_fraction`` of free device memory holds, at most the largest decode bucket);
         max_context: prompt plus output tokens per request; buckets: a BucketSet or a tuned bucket
         file (``mambastep tune``); use_graphs: capture CUDA graphs (default: on CUDA);
-        overlap: fork prefill onto a second stream in mixed steps; pipelined: see the module doc."""
+        overlap: fork prefill onto a second stream in mixed steps; pipelined: see the module doc;
+        trace: record every launched step's shape and bucket in ``self.trace``."""
         self.model, self.cfg = model, model.cfg
         cuda = model.device.type == "cuda"
         if isinstance(buckets, (str, Path)):
@@ -78,6 +91,9 @@ class Engine:
         self._seeds = itertools.count(1 << 32)
         self.requests: dict[int, Request] = {}
         self._in_flight: tuple[PendingTokens, list[Request | None]] | None = None
+        # outputs of requests a generate() call stepped past, by request id, for the next step()
+        self._held: dict[int, RequestOutput] = {}
+        self.trace: list[StepShape] | None = [] if trace else None
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype=torch.bfloat16, device=None,
@@ -100,8 +116,13 @@ class Engine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
-        prompt = np.asarray(prompt_ids)
-        if prompt.ndim != 1 or prompt.size == 0:
+        try:
+            prompt = np.asarray(prompt_ids)
+        except ValueError:  # numpy refuses ragged nesting
+            raise ValueError("prompt_ids: expected a flat list of token ids, got a nested, ragged one") from None
+        if prompt.ndim != 1:
+            raise ValueError(f"prompt_ids: expected a flat list of token ids, got shape {list(prompt.shape)}")
+        if prompt.size == 0:
             raise ValueError("prompt_ids: expected a non-empty list of token ids")
         if not np.issubdtype(prompt.dtype, np.integer):
             raise ValueError(f"prompt_ids: expected integer token ids, got {prompt.dtype}")
@@ -110,7 +131,7 @@ class Engine:
             raise ValueError(f"prompt_ids: {bad[:5].tolist()} outside the vocabulary [0, {self.cfg.vocab_size})")
         if prompt.size >= self.max_context:
             raise ValueError(f"prompt_ids: {prompt.size} tokens leave no room to generate within "
-                             f"max_context={self.max_context}")
+                             f"max_context={self.max_context} (prompt plus output tokens)")
         seed = params.seed if params.seed is not None else next(self._seeds)
         req = Request(next(self._ids), prompt.astype(np.int64), params, seed)
         self.requests[req.id] = req
@@ -118,38 +139,62 @@ class Engine:
         return req.id
 
     def abort(self, request_id: int) -> None:
-        """Drop a request wherever it is (queued, in prefill, decoding); its slot is freed."""
+        """Drop a request wherever it is (queued, in prefill, decoding); its slot is freed, and
+        no output of it comes out after this, held ones (``generate``) included."""
         req = self.requests.get(request_id)
         if req is None:
-            raise KeyError(f"unknown request id {request_id}")
+            raise KeyError(f"unknown request id {request_id} (never added, or already finished)")
         req.finish_reason = "abort"
+        self._held.pop(request_id, None)
         self._retire(req)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or self._in_flight is not None
+        """Whether a request is queued or running, or outputs wait for the next ``step()``."""
+        return self.scheduler.has_work() or self._in_flight is not None or bool(self._held)
 
     def step(self) -> list[RequestOutput]:
         """Run one step; returns the new token of each request that got one (in pipelined mode,
-        those of the previous step) and which finished."""
+        those of the previous step) and which finished. Outputs that a ``generate`` call
+        stepped past come first, one per request."""
+        outputs = self._step()
+        if self._held:
+            held, self._held = self._held, {}
+            for out in outputs:
+                _hold(held, out)
+            outputs = list(held.values())
+        return outputs
+
+    def generate(self, prompts, params: SamplingParams | None = None) -> list[list[int]]:
+        """Generate for each prompt to completion; returns the output token ids in prompt order.
+
+        It steps the whole engine: requests added before the call go on too, and their outputs
+        are kept and returned by the next ``step()``; none is lost."""
+        ids = [self.add_request(p, params) for p in prompts]
+        outputs = {i: [] for i in ids}
+        running = set(ids)
+        while running:
+            for out in self._step():
+                if out.id not in outputs:
+                    _hold(self._held, out)
+                    continue
+                outputs[out.id] += out.new_tokens
+                if out.finished:
+                    running.discard(out.id)
+        return [outputs[i] for i in ids]
+
+    def _step(self) -> list[RequestOutput]:
         launched = None
         if self.scheduler.has_work():
             plan, rows = self.scheduler.schedule()
             if plan.num_rows:
                 launched = (self.runner.launch(plan), rows)
+                if self.trace is not None:
+                    self.trace.append(StepShape(plan.num_decode, plan.num_prefill_tokens, plan.num_prefill,
+                                                launched[0].bucket))
         if not self.pipelined:
             return self._collect(launched) if launched else []
         done, self._in_flight = self._in_flight, launched
         return self._collect(done) if done else []
-
-    def generate(self, prompts, params: SamplingParams | None = None) -> list[list[int]]:
-        """Generate for each prompt to completion; returns the output token ids in prompt order."""
-        ids = [self.add_request(p, params) for p in prompts]
-        outputs = {i: [] for i in ids}
-        while self.has_unfinished():
-            for out in self.step():
-                if out.id in outputs:
-                    outputs[out.id] += out.new_tokens
-        return [outputs[i] for i in ids]
 
     def _collect(self, launched) -> list[RequestOutput]:
         pending, rows = launched
@@ -169,8 +214,9 @@ class Engine:
         p = req.params
         if token in p.stop_token_ids or (not p.ignore_eos and token == self.cfg.eos_token_id):
             return "stop"
-        # the next decode would write its token at position ``computed``
-        if len(req.output) >= p.max_tokens or req.computed >= self.max_context:
+        # counted from the tokens collected, never from ``computed``, which a pipelined step in
+        # flight has already advanced
+        if len(req.output) >= p.max_tokens or len(req.prompt) + len(req.output) >= self.max_context:
             return "length"
         return None
 
@@ -179,3 +225,13 @@ class Engine:
         slot, but the device runs steps in order, so a new owner's prefill comes after it."""
         self.scheduler.release(req)
         self.requests.pop(req.id, None)
+
+
+def _hold(held: dict[int, RequestOutput], out: RequestOutput) -> None:
+    """Add ``out`` to ``held``, merged into what its request already has there."""
+    prev = held.get(out.id)
+    if prev is None:
+        held[out.id] = RequestOutput(out.id, list(out.new_tokens), out.finished, out.finish_reason)
+    else:
+        prev.new_tokens += out.new_tokens
+        prev.finished, prev.finish_reason = out.finished, out.finish_reason

@@ -73,6 +73,7 @@ class Request:
     seed: int
     slot: int = -1
     computed: int = 0  # tokens already in the slot (prompt chunks and decoded tokens)
+    drawn: int = 0  # draws scheduled so far: the next one's position (ahead of output when pipelined)
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None
 

@@ -40,7 +40,8 @@ class Scheduler:
 
     def schedule(self) -> tuple[StepPlan, list[Request | None]]:
         """The next step's plan and, per logit row, the request whose token it draws (None for a
-        prompt chunk that does not end its prompt). Advances each request's ``computed``."""
+        prompt chunk that does not end its prompt). Advances each request's ``computed`` and
+        ``drawn``."""
         decodes = [r for r in self.running if r.prompt_done and not r.finished][: self.max_decode]
         budget = self.token_budget
         chunks: list[tuple[Request, int]] = []
@@ -73,6 +74,13 @@ class Scheduler:
             rows.append(r)
         i32 = lambda v: np.asarray(v, dtype=np.int32)  # noqa: E731
         params = [r.params if r is not None else None for r in rows]
+        # a draw's position counts the draws scheduled before it, not the tokens collected: in
+        # pipelined mode the previous step's token is still on its way
+        positions = []
+        for r in rows:
+            positions.append(r.drawn if r is not None else 0)
+            if r is not None:
+                r.drawn += 1
         plan = StepPlan(
             prefill_tokens=np.concatenate(pre_tokens) if pre_tokens else np.zeros(0, np.int64),
             prefill_lens=i32([n for _, n in chunks]),
@@ -86,7 +94,7 @@ class Scheduler:
             top_k=i32([p.top_k if p else 0 for p in params]),
             top_p=np.array([p.top_p if p else 1.0 for p in params], dtype=np.float32),
             seed=np.array([r.seed if r else 0 for r in rows], dtype=np.int64),
-            position=np.array([len(r.output) if r else 0 for r in rows], dtype=np.int64),
+            position=np.array(positions, dtype=np.int64),
             sample_slots=i32([r.slot if r is not None else -1 for r in rows]),
         )
         return plan, rows

@@ -28,10 +28,11 @@ __all__ = ["PendingTokens", "StepRunner"]
 
 
 class PendingTokens:
-    """The tokens of a launched step, on their way to pinned host memory."""
+    """The tokens of a launched step, on their way to pinned host memory; ``bucket``: the
+    static shape the step ran in."""
 
-    def __init__(self, host: np.ndarray, event: torch.cuda.Event | None):
-        self._host, self._event = host, event
+    def __init__(self, host: np.ndarray, event: torch.cuda.Event | None, bucket: Bucket):
+        self._host, self._event, self.bucket = host, event, bucket
 
     def get(self) -> np.ndarray:
         """Wait for the step, then its drawn tokens [n_rows] (a copy)."""
@@ -104,7 +105,7 @@ class StepRunner:
             event = self._token_events[self._flip]
             event.record()
         self._flip ^= 1
-        return PendingTokens(host.numpy(), event)
+        return PendingTokens(host.numpy(), event, bucket)
 
     def _forward(self, bucket: Bucket) -> torch.Tensor:
         """The model over the buffers' views for ``bucket``: logits [rows, vocab] fp32."""

@@ -81,6 +81,26 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _open_shard(path: Path):
+    """A safetensors file opened for reading; a WeightError naming it if it is not one."""
+    try:
+        return safe_open(path, framework="pt")
+    except FileNotFoundError:
+        raise WeightError(f"{path}: missing") from None
+    except Exception as e:  # safetensors raises its own SafetensorError (and OSError) on bad files
+        raise WeightError(f"{path}: not a readable safetensors file ({e})") from None
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise WeightError(f"{index}: not a safetensors index with a weight_map ({type(e).__name__}: {e})") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise WeightError(f"{index}: weight_map must map tensor names to shard file names")
+    return weight_map
+
+
 class _Checkpoint:
     """Name -> file lookup over a single safetensors file or an indexed set of shards."""
 
@@ -88,11 +108,9 @@ class _Checkpoint:
         index = path / "model.safetensors.index.json"
         single = path / "model.safetensors"
         if index.exists():
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-            self.files = {name: path / shard for name, shard in weight_map.items()}
+            self.files = {name: path / shard for name, shard in _read_index(index).items()}
         elif single.exists():
-            with safe_open(single, framework="pt") as f:
+            with _open_shard(single) as f:
                 self.files = {name: single for name in f.keys()}
         else:
             shards = sorted(path.glob("*.safetensors"))
@@ -100,7 +118,7 @@ class _Checkpoint:
                 raise WeightError(f"no safetensors checkpoint in {path}")
             self.files = {}
             for shard in shards:
-                with safe_open(shard, framework="pt") as f:
+                with _open_shard(shard) as f:
                     self.files.update({name: shard for name in f.keys()})
         self._open: dict[Path, object] = {}
 
@@ -115,8 +133,11 @@ class _Checkpoint:
         if path not in self._open:
             if not path.exists():
                 raise WeightError(f"{full_name}: shard {path.name} listed in the index is missing")
-            self._open[path] = safe_open(path, framework="pt")
-        return self._open[path].get_tensor(full_name)
+            self._open[path] = _open_shard(path)
+        try:
+            return self._open[path].get_tensor(full_name)
+        except Exception as e:  # a truncated file fails only when its tensor is read
+            raise WeightError(f"{path}: cannot read {full_name} ({e})") from None
 
 
 def _stacked_experts(ckpt: _Checkpoint, name: str, n_experts: int) -> torch.Tensor | None:

@@ -15,20 +15,19 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
 import torch
 
 from . import bench_kernels, bench_markdown, bench_steps
+from .args import Parser, writable_path
 
 SUITES = {"kernels": bench_kernels, "steps": bench_steps}
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="mambastep bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog="mambastep bench", description=__doc__)
     parser.add_argument("what", choices=sorted(SUITES) + ["profile", "markdown"], help="which benchmark to run")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument("--preset", action="append", help="steps: preset(s) to run (default: both)")
@@ -40,6 +39,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", metavar="PATH", help="markdown: write here instead of standard output")
     parser.add_argument("--readme", action="store_true", help="markdown: the README's summary table instead")
     args = parser.parse_args(argv)
+    writable_path(parser, "--json", args.json)
+    writable_path(parser, "--out", args.out)
     if args.what == "markdown":
         if args.readme and not args.steps:
             parser.error("--readme needs --steps")

@@ -88,7 +88,8 @@ def readme_table(steps: str, runs=(), kernels: str | None = None) -> str:
             return f"{_row(rows, kind='decode', batch=256)['graph_ms']:.2f} ms"
         if what == "mixed":
             r = _row(rows, kind="mixed", decode=64, prefill=512)
-            return f"{r['forked_ms']:.2f} ms ({r['unforked_ms']:.2f} ms), {100 * (1 - r['forked_ms'] / r['unforked_ms']):.0f}%"
+            gain = 100 * (1 - r["forked_ms"] / r["unforked_ms"])
+            return f"{r['forked_ms']:.2f} ms ({r['unforked_ms']:.2f} ms), {gain:.0f}%"
         if what == "c1":
             a, b = run(name, 1), run(name, 1, True)
             if a is None:

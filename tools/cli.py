@@ -13,13 +13,16 @@ COMMANDS = {
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+    if argv and argv[0] not in COMMANDS and argv[0] not in ("-h", "--help"):
+        print(f"mambastep: error: unknown command {argv[0]!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    if not argv or argv[0] in ("-h", "--help"):
         print("usage: mambastep {" + ",".join(COMMANDS) + "} [options]\n")
         print("Decode runtime for Mamba2 and hybrid Mamba2/attention models.\n")
         for name, (_, text) in COMMANDS.items():
             print(f"  {name:8s} {text}")
         print("\n`mambastep COMMAND --help` explains each command's options.")
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+        return 0 if argv else 2
     import importlib
 
     return importlib.import_module(COMMANDS[argv[0]][0]).main(argv[1:])

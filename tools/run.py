@@ -8,7 +8,6 @@ latency; and over the run: output tokens/s and requests/s.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import sys
@@ -23,6 +22,10 @@ from ..runtime.engine import Engine
 from ..runtime.presets import PRESETS
 from ..runtime.request import SamplingParams
 from ..runtime.weights import WeightError
+from .args import Parser, bucket_file, writable_path
+
+# the workload's shortest prompt plus its shortest output
+MIN_CONTEXT = 8
 
 
 def workload(n: int, vocab: int, seed: int, prompt_mean=223, output_mean=140, max_context=4096):
@@ -94,8 +97,7 @@ def print_table(stats: dict, header: str) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="mambastep run", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog="mambastep run", description=__doc__)
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", metavar="PATH", help="HF checkpoint directory (config.json + safetensors)")
     source.add_argument("--preset", choices=sorted(PRESETS),
@@ -117,23 +119,29 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device != "cpu" and not device.startswith("cuda"):
+        parser.error(f"--device: expected cpu or cuda, got {device!r}")
     gpu = device.startswith("cuda")
     if gpu and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
-    requests = args.requests or (256 if gpu else 16)
-    concurrency = args.concurrency or (64 if gpu else 8)
-    if requests < 1 or concurrency < 1:
-        parser.error("--requests and --concurrency must be at least 1")
+    requests = args.requests if args.requests is not None else (256 if gpu else 16)
+    concurrency = args.concurrency if args.concurrency is not None else (64 if gpu else 8)
+    for flag, value in (("--requests", requests), ("--concurrency", concurrency)):
+        if value < 1:
+            parser.error(f"{flag}: must be at least 1, got {value}")
+    if args.max_context < MIN_CONTEXT:
+        parser.error(f"--max-context: must be at least {MIN_CONTEXT} (the workload's shortest prompt and "
+                     f"output), got {args.max_context}")
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     try:
         SamplingParams(**sampling)
     except ValueError as e:
         parser.error(str(e))
+    buckets = bucket_file(parser, "--buckets", args.buckets)
+    writable_path(parser, "--json", args.json)
     dtype = torch.bfloat16 if gpu else torch.float32
     common = dict(dtype=dtype, device=device, max_context=args.max_context, use_graphs=gpu and not args.eager,
-                  pipelined=args.pipelined, progress=not args.quiet)
-    if args.buckets:
-        common["buckets"] = args.buckets
+                  pipelined=args.pipelined, progress=not args.quiet, buckets=buckets)
     if args.model:
         try:
             engine = Engine.from_pretrained(args.model, **common)

@@ -9,17 +9,18 @@ observed sizes). Writes a BucketSet JSON that ``mambastep run --buckets`` and
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections import Counter
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from ..graphs import BucketSet
 from ..runtime.engine import Engine
 from ..runtime.presets import PRESETS
 from ..runtime.request import SamplingParams
+from .args import Parser, writable_path
 from .run import workload
 
 
@@ -71,22 +72,11 @@ def padding(counts: dict[int, int], sizes: tuple[int, ...]) -> tuple[int, int]:
     return pad, miss
 
 
-def record(engine: Engine, jobs, concurrency: int) -> tuple[Counter, Counter, Counter]:
-    """Counts of decode-only batch sizes, and of mixed steps' decode rows and prefill tokens."""
-    decode_only, mixed_decode, mixed_prefill = Counter(), Counter(), Counter()
-    runner_launch = engine.runner.launch
-
-    def launch(plan):
-        if plan.num_prefill:
-            mixed_decode[plan.num_decode] += 1
-            mixed_prefill[plan.num_prefill_tokens] += 1
-        else:
-            decode_only[plan.num_decode] += 1
-        return runner_launch(plan)
-
-    # count each plan on its way to the runner
-    engine.runner.launch = launch
+def record(engine: Engine, jobs, concurrency: int, progress: bool = True) -> tuple[Counter, Counter, Counter]:
+    """Run ``jobs`` at ``concurrency`` on a tracing engine; counts of decode-only batch sizes,
+    and of mixed steps' decode rows and prefill tokens."""
     pending, live = list(reversed(jobs)), set()
+    bar = tqdm(total=len(jobs), desc="recording steps", disable=not progress, file=sys.stderr)
     while pending or engine.has_unfinished():
         while pending and len(live) < concurrency:
             prompt, n_out = pending.pop()
@@ -94,13 +84,20 @@ def record(engine: Engine, jobs, concurrency: int) -> tuple[Counter, Counter, Co
         for out in engine.step():
             if out.finished:
                 live.discard(out.id)
-    engine.runner.launch = runner_launch
+                bar.update()
+    bar.close()
+    decode_only, mixed_decode, mixed_prefill = Counter(), Counter(), Counter()
+    for s in engine.trace:
+        if s.prefill_seqs:
+            mixed_decode[s.decode] += 1
+            mixed_prefill[s.prefill_tokens] += 1
+        else:
+            decode_only[s.decode] += 1
     return decode_only, mixed_decode, mixed_prefill
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="mambastep tune", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog="mambastep tune", description=__doc__)
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
                         help="model shape to record with (default: mamba2-130m on a GPU, tiny-hybrid on CPU)")
     parser.add_argument("--requests", type=int, default=64, help="requests in the recorded workload")
@@ -111,17 +108,27 @@ def main(argv=None) -> int:
     parser.add_argument("--max-prefill-seqs", type=int, default=None, help="prefill sequences per mixed step")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", metavar="PATH", default="buckets.json", help="where to write the BucketSet")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
+    for flag in ("requests", "concurrency", "decode_graphs", "mixed_decode", "prefill"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')}: must be at least 1, got {getattr(args, flag)}")
+    if args.max_prefill_seqs is not None and args.max_prefill_seqs < 1:
+        parser.error(f"--max-prefill-seqs: must be at least 1, got {args.max_prefill_seqs}")
+    writable_path(parser, "--out", args.out)
 
     gpu = torch.cuda.is_available()
     base = BucketSet.default(gpu)
     seqs = args.max_prefill_seqs or base.max_prefill_seqs
     preset = args.preset or ("mamba2-130m" if gpu else "tiny-hybrid")
+    if not args.quiet:
+        print(f"recording {args.requests} requests of {preset} at concurrency {args.concurrency}, eagerly",
+              file=sys.stderr)
     engine = Engine.from_preset(preset, dtype=torch.bfloat16 if gpu else torch.float32, use_graphs=False,
                                 buckets=BucketSet(base.decode, base.mixed_decode, base.prefill, seqs),
-                                progress=False)
+                                progress=False, trace=True)
     jobs = workload(args.requests, engine.cfg.vocab_size, args.seed)
-    decode_only, mixed_decode, mixed_prefill = record(engine, jobs, args.concurrency)
+    decode_only, mixed_decode, mixed_prefill = record(engine, jobs, args.concurrency, progress=not args.quiet)
 
     tuned = BucketSet(
         decode=optimal_sizes(decode_only, args.decode_graphs, cover=args.concurrency),

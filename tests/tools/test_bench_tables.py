@@ -50,7 +50,8 @@ def test_markdown_writes_every_table_under_its_command(tmp_path):
     run = {"model": "mamba2-130m", "mode": "CUDA graphs", "pipelined": True, "requests": 16, "concurrency": 1,
            "ttft_ms": {"p50": 1.5}, "itl_ms": {"p50": 0.23, "p99": 0.25}, "output_tokens_per_s": 4000.0}
     (tmp_path / "steps.json").write_text(json.dumps(steps))
-    (tmp_path / "runs.json").write_text(json.dumps({"a": run, "b": {**run, "pipelined": False, "itl_ms": {"p50": 0.3, "p99": 0.31}}}))
+    default = {**run, "pipelined": False, "itl_ms": {"p50": 0.3, "p99": 0.31}}
+    (tmp_path / "runs.json").write_text(json.dumps({"a": run, "b": default}))
     page = bench_markdown.render(tmp_path / "steps.json", runs=[tmp_path / "runs.json"])
     assert "mambastep bench steps --json steps.json" in page and "| 64 + 512 | 1.800 | 2.000 | 10% | 2.200 |" in page
     assert "`mambastep run --preset mamba2-130m --concurrency 1 --requests 16 --pipelined --json PATH`" in page

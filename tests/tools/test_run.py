@@ -48,3 +48,44 @@ def test_run_reports_a_bad_checkpoint(capsys, tmp_path):
 def test_cli_help_lists_commands(capsys):
     assert cli.main(["--help"]) == 0
     assert "run" in capsys.readouterr().out
+
+
+def _fails_in_one_line(capsys, argv, match):
+    """The command exits 2 with one line of error naming what is wrong, before any engine starts."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and match in err, err
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--requests", "0"], "--requests: must be at least 1, got 0"),
+    (["--concurrency", "-1"], "--concurrency: must be at least 1"),
+    (["--max-context", "3"], "--max-context: must be at least"),
+    (["--buckets", "/nonexistent/b.json"], "no such file"),
+    (["--json", "/nonexistent/dir/r.json"], "no directory"),
+    (["--device", "tpu"], "expected cpu or cuda"),
+    (["--requests", "x"], "invalid int value"),
+])
+def test_run_checks_its_arguments_first(capsys, argv, match):
+    _fails_in_one_line(capsys, ["run", "--device", "cpu", "--quiet", *argv], match)
+
+
+def test_run_refuses_a_bad_bucket_file(capsys, tmp_path):
+    (tmp_path / "b.json").write_text("{ not json")
+    _fails_in_one_line(capsys, ["run", "--device", "cpu", "--buckets", str(tmp_path / "b.json")], "not valid JSON")
+    (tmp_path / "b.json").write_text('{"decode": [0]}')
+    _fails_in_one_line(capsys, ["run", "--device", "cpu", "--buckets", str(tmp_path / "b.json")], "not a bucket file")
+
+
+def test_unknown_command_is_named(capsys):
+    assert cli.main(["foo"]) == 2
+    assert "unknown command 'foo'" in capsys.readouterr().err
+
+
+def test_run_at_a_short_max_context(capsys, tmp_path):
+    """The shortest context the workload fits: every request stops at it, latencies still reported."""
+    assert run.main(["--device", "cpu", "--quiet", "--requests", "3", "--concurrency", "2", "--max-context", "8",
+                     "--json", str(tmp_path / "r.json")]) == 0
+    assert json.loads((tmp_path / "r.json").read_text())["itl_ms"]["p50"] > 0

@@ -1,6 +1,7 @@
 import itertools
 import json
 
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from mambastep.graphs import BucketSet
@@ -29,3 +30,14 @@ def test_tune_writes_a_bucket_file_run_accepts(tmp_path, capsys):
     assert cli.main(["run", "--device", "cpu", "--quiet", "--requests", "4", "--concurrency", "4",
                      "--buckets", str(out)]) == 0
     assert json.loads(out.read_text())["max_prefill_seqs"] >= 1
+
+
+def test_tune_shows_progress_and_checks_its_arguments(tmp_path, capsys):
+    assert cli.main(["tune", "--requests", "4", "--concurrency", "2", "--out", str(tmp_path / "b.json")]) == 0
+    err = capsys.readouterr().err
+    assert "recording 4 requests" in err and "recording steps" in err  # the message, then the bar
+    for argv, match in ((["--requests", "0"], "--requests: must be at least 1"),
+                        (["--out", "/nonexistent/dir/b.json"], "no directory")):
+        with pytest.raises(SystemExit):
+            cli.main(["tune", *argv])
+        assert match in capsys.readouterr().err

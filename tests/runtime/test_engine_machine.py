@@ -1,0 +1,223 @@
+"""A Hypothesis state machine over the public Engine: requests added (prompts that chunk, at the
+SSD chunk and conv-width edges; greedy or seeded sampling with top-k / top-p; stop tokens;
+short max_tokens), steps, aborts in every state, and every buffer region a step does not own
+poisoned between steps.
+
+After every rule: no slot is held twice and free plus held slots are the pool; every step ran
+in the smallest bucket that holds it; every request is either live in the engine or ended, none
+lost. A request that finishes has exactly the tokens it gets run alone on a fresh engine. At the
+end every request has ended.
+
+CPU (CI): the tiny hybrid, eager, a fixed derandomised budget. GPU (``gpu`` marker): the tiny
+Nemotron-H (fused decode steps too) in CUDA graphs, fp32, and a larger budget.
+``MAMBASTEP_FUZZ_EXAMPLES`` scales the budget for long runs.
+"""
+
+import dataclasses
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from mambastep.graphs import Bucket, BucketSet
+from mambastep.runtime.engine import Engine
+from mambastep.runtime.model import Model
+from mambastep.runtime.request import SamplingParams
+from support import state_tensors
+
+# A 40-token prefill budget in at most two sequences a step: long prompts chunk; 4 slots: queueing.
+BUCKETS = BucketSet(decode=(1, 2, 4), mixed_decode=(0, 2, 4), prefill=(16, 40), max_prefill_seqs=2)
+SLOTS, MAX_CONTEXT = 4, 96
+BUDGET = BUCKETS.max_prefill_tokens
+# the conv width and SSD chunk edges, the prefill budget's, and prompts whose output meets max_context
+PROMPT_LENS = [1, 2, 3, 4, 5, 31, 32, 33, BUDGET - 1, BUDGET, BUDGET + 1, 2 * BUDGET + 3, MAX_CONTEXT - 3,
+               MAX_CONTEXT - 1]
+EXAMPLES = int(os.environ.get("MAMBASTEP_FUZZ_EXAMPLES", "0"))
+
+_models: dict[tuple[str, str], Model] = {}
+_alone: dict[tuple, list[int]] = {}
+
+
+def new_engine(preset: str, device: str, **kw) -> Engine:
+    if (preset, device) not in _models:
+        _models[preset, device] = Model.from_preset(preset, dtype=torch.float32, device=device)
+    return Engine(_models[preset, device], num_slots=SLOTS, max_context=MAX_CONTEXT, buckets=BUCKETS,
+                  progress=False, **kw)
+
+
+def alone(preset: str, device: str, prompt: list[int], params: SamplingParams) -> list[int]:
+    """The request's tokens run alone on a fresh eager engine (cached)."""
+    key = (preset, device, tuple(prompt), params)
+    if key not in _alone:
+        _alone[key] = new_engine(preset, device, use_graphs=False).generate([prompt], params)[0]
+    return _alone[key]
+
+
+@st.composite
+def prompts(draw):
+    n = draw(st.sampled_from(PROMPT_LENS))
+    return draw(st.lists(st.integers(0, 511), min_size=n, max_size=n))
+
+
+@st.composite
+def sampling(draw):
+    common = dict(max_tokens=draw(st.integers(1, 8)), ignore_eos=draw(st.booleans()),
+                  stop_token_ids=draw(st.lists(st.integers(0, 511), max_size=2)))
+    if draw(st.booleans()):
+        return SamplingParams(temperature=0, **common)
+    return SamplingParams(temperature=draw(st.sampled_from([0.7, 1.0])), top_k=draw(st.sampled_from([0, 5, 50])),
+                          top_p=draw(st.sampled_from([1.0, 0.9, 0.5])), seed=draw(st.integers(0, 2**40)), **common)
+
+
+class EngineMachine(RuleBasedStateMachine):
+    # every mixer kind (chunk_size 32, conv_kernel 4, eos 2); its MoE layers keep every step layered
+    preset = "tiny-hybrid"
+    device = "cpu"
+    pipelined = False
+    graphs = False
+
+    def __init__(self):
+        super().__init__()
+        self.engine = new_engine(self.preset, self.device, pipelined=self.pipelined, use_graphs=self.graphs,
+                                 trace=True)
+        self.added: dict[int, tuple[list[int], SamplingParams]] = {}
+        self.tokens: dict[int, list[int]] = {}
+        self.ended: dict[int, str] = {}
+        self.checked_steps = 0
+        self.poison = torch.Generator().manual_seed(0)
+
+    @rule(prompt=prompts(), params=sampling(), data=st.data())
+    def add(self, prompt, params, data):
+        if data.draw(st.booleans(), label="stop on a token it draws"):
+            # random stop ids rarely come up: stop on one the request draws when run alone
+            drawn = self._alone(prompt, params)
+            stop = data.draw(st.sampled_from(drawn), label="stop token")
+            params = dataclasses.replace(params, stop_token_ids=(*params.stop_token_ids, stop))
+        rid = self.engine.add_request(prompt, params)
+        assert rid == len(self.added)  # ids count up from 0, generate()'s included
+        self.added[rid], self.tokens[rid] = (prompt, params), []
+
+    @rule(prompt=prompts(), params=sampling())
+    def generate(self, prompt, params):
+        """generate() steps the whole engine: its own request comes back whole, the others'
+        outputs wait for the next step()."""
+        rid = len(self.added)
+        self.added[rid], self.tokens[rid] = (prompt, params), []
+        self.tokens[rid] = self.engine.generate([prompt], params)[0]
+        self.ended[rid] = "generate"
+        assert self.tokens[rid] == self._alone(prompt, params), f"generate({rid}) differs from alone"
+        self._poison_what_no_step_owns()
+
+    @rule()
+    def step(self):
+        for out in self.engine.step():
+            self._take(out)
+        self._poison_what_no_step_owns()
+
+    @precondition(lambda self: self.added)
+    @rule(data=st.data())
+    def abort(self, data):
+        """Any request: queued, in prefill, decoding, finished, or an id never handed out."""
+        rid = data.draw(st.sampled_from(sorted(self.added) + [max(self.added) + 7]), label="abort")
+        if rid in self.engine.requests:
+            assert rid not in self.ended
+            self.engine.abort(rid)
+            self.ended[rid] = "abort"
+        else:
+            with pytest.raises(KeyError, match="unknown"):
+                self.engine.abort(rid)
+
+    def _alone(self, prompt, params):
+        return alone(self.preset, self.device, prompt, params)
+
+    def _take(self, out):
+        assert out.id in self.added and out.id not in self.ended, f"output for request {out.id} after it ended"
+        self.tokens[out.id] += out.new_tokens
+        prompt, params = self.added[out.id]
+        assert len(self.tokens[out.id]) <= params.max_tokens and len(prompt) + len(self.tokens[out.id]) <= MAX_CONTEXT
+        if out.finished:
+            assert out.finish_reason in ("stop", "length")
+            self.ended[out.id] = out.finish_reason
+            assert self.tokens[out.id] == self._alone(prompt, params), f"request {out.id} differs from alone"
+
+    def _poison_what_no_step_owns(self):
+        """Garbage in the whole host arena (a refill must rewrite what a step reads); NaN in the
+        state of every slot no request holds, and a wrong token in its drawn-token entry."""
+        if self.device == "cuda":
+            torch.cuda.synchronize()  # a pipelined step's copy of the arena may still be in flight
+        runner = self.engine.runner
+        runner.buffers.arena.host.fill_(0xA5)
+        free = list(self.engine.scheduler.free_slots)
+        if free:
+            for t in state_tensors(runner.pool):
+                t[free] = float("nan")
+            junk = torch.randint(0, 512, (len(free),), generator=self.poison)
+            runner.slot_tokens[free] = junk.to(runner.slot_tokens.device)
+
+    @invariant()
+    def slots_are_held_once(self):
+        sched = self.engine.scheduler
+        held = [r.slot for r in sched.running]
+        assert len(set(held)) == len(held), held
+        assert sorted(held + sched.free_slots) == list(range(SLOTS))
+
+    @invariant()
+    def steps_ran_in_their_bucket(self):
+        for s in self.engine.trace[self.checked_steps:]:
+            want = BUCKETS.choose(s.decode, s.prefill_tokens, s.prefill_seqs) or Bucket(s.decode, s.prefill_tokens)
+            assert s.bucket == want and s.bucket.fits(s.decode, s.prefill_tokens, s.prefill_seqs,
+                                                      BUCKETS.max_prefill_seqs)
+        self.checked_steps = len(self.engine.trace)
+
+    @invariant()
+    def no_request_is_lost(self):
+        """Live in the engine, or ended here; or finished inside a generate() call, its last
+        output waiting for the next step()."""
+        live = set(self.engine.requests)
+        for rid in self.added:
+            assert not (rid in live and rid in self.ended), f"request {rid} ended here but is live in the engine"
+            if rid not in live and rid not in self.ended:
+                assert self.engine.has_unfinished(), f"request {rid} is gone with its output undelivered"
+
+    def teardown(self):
+        for _ in range(400):
+            if not self.engine.has_unfinished():
+                break
+            for out in self.engine.step():
+                self._take(out)
+        assert not self.engine.has_unfinished()
+        assert set(self.ended) == set(self.added), f"never ended: {set(self.added) - set(self.ended)}"
+
+
+class PipelinedMachine(EngineMachine):
+    pipelined = True
+
+
+def _settings(examples: int, steps: int):
+    return settings(max_examples=EXAMPLES or examples, stateful_step_count=steps, deadline=None,
+                    derandomize=not EXAMPLES, suppress_health_check=[HealthCheck.too_slow])
+
+
+TestEngine = EngineMachine.TestCase
+TestEngine.settings = _settings(12, 25)
+TestPipelinedEngine = PipelinedMachine.TestCase
+TestPipelinedEngine.settings = _settings(12, 25)
+
+
+class GPUMachine(EngineMachine):
+    # no MoE: decode steps of up to 4 rows take the fused path, the rest layered, all in graphs
+    preset, device, graphs = "tiny-nemotron-h", "cuda", True
+
+
+class GPUPipelinedMachine(GPUMachine):
+    pipelined = True
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("machine", [GPUMachine, GPUPipelinedMachine], ids=["default", "pipelined"])
+def test_engine_machine_on_gpu(machine):
+    from hypothesis.stateful import run_state_machine_as_test
+
+    run_state_machine_as_test(machine, settings=_settings(30, 30))

@@ -15,6 +15,7 @@ variant. A step replays them; a bucket that was not captured runs the same funct
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass
 from typing import Callable, Hashable
@@ -78,12 +79,24 @@ class GraphRunner:
             return self._tail_fn(bucket, x, variant)
 
     @torch.inference_mode()
-    def capture(self, buckets: list[Bucket], prepare: Callable[[Bucket], None], progress: bool = True) -> CaptureReport:
+    def capture(self, buckets: list[Bucket], prepare: Callable[[Bucket], None],
+                progress: bool = True) -> CaptureReport:
         """Warm up and capture ``buckets``, largest first, into one pool. ``prepare(bucket)``
         refills the host buffers with a step that touches no state (padding only)."""
         if self.device.type != "cuda":
             raise RuntimeError("CUDA graphs need a CUDA device; the runner runs eagerly without one")
-        buckets = largest_first(buckets)
+        # No garbage collection while capturing: a collected CUDA graph (another engine's, freed
+        # only by the collector) would be reset mid-capture, which invalidates the capture.
+        gc_was_enabled = gc.isenabled()
+        gc.collect()
+        gc.disable()
+        try:
+            return self._capture(largest_first(buckets), prepare, progress)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+
+    def _capture(self, buckets: list[Bucket], prepare, progress: bool) -> CaptureReport:
         # the pool's size is what capture reserves: cached blocks freed by others must not count
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()

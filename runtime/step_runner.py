@@ -14,6 +14,8 @@ token is -1 reads its input from there, so consecutive steps need no host round 
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -62,7 +64,12 @@ class StepRunner:
         # the token drawn for each slot, the next decode input; the extra last entry takes the
         # tokens of rows that keep none
         self.slot_tokens = torch.zeros(pool.num_slots + 1, dtype=torch.int64, device=model.device)
-        self.graphs = GraphRunner(self._forward, self._draw, MODES, self.buffers.upload, model.device)
+        # The stages close over the step's parts, not over the runner: a runner that held its graph
+        # runner through its own bound methods would be a reference cycle, freed only by the
+        # garbage collector, whose run inside another engine's capture breaks that capture.
+        forward = functools.partial(_run_model, model, self.buffers, pool, self.aux_stream, self.slot_tokens)
+        draw = functools.partial(_draw, self.buffers, self.slot_tokens)
+        self.graphs = GraphRunner(forward, draw, MODES, self.buffers.upload, model.device)
         rows = self.buffers.rows(Bucket(self.buffers.max_decode, self.buffers.max_prefill_tokens))
         # two host buffers (and their events), so a pipelined step's copy never overwrites
         # tokens not yet read
@@ -107,16 +114,21 @@ class StepRunner:
         self._flip ^= 1
         return PendingTokens(host.numpy(), event, bucket)
 
-    def _forward(self, bucket: Bucket) -> torch.Tensor:
-        """The model over the buffers' views for ``bucket``: logits [rows, vocab] fp32."""
-        return self.model.forward(self.buffers.inputs(bucket), self.pool, self.aux_stream, drawn=self.slot_tokens)
 
-    def _draw(self, bucket: Bucket, logits: torch.Tensor, mode: str) -> torch.Tensor:
-        """Sample every logit row of ``bucket`` and store kept tokens in ``slot_tokens``."""
-        *params, sample_slots = self.buffers.sampling(bucket)
-        tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-        sample(logits, *params, mode=mode, out=tokens)
-        trash = self.slot_tokens.shape[0] - 1
-        where = torch.where(sample_slots >= 0, sample_slots, trash).long()
-        self.slot_tokens.index_copy_(0, where, tokens)
-        return tokens
+def _run_model(model: Model, buffers: StepBuffers, pool: StatePool, aux_stream, slot_tokens: torch.Tensor,
+               bucket: Bucket) -> torch.Tensor:
+    """The model over the buffers' views for ``bucket``: logits [rows, vocab] fp32."""
+    return model.forward(buffers.inputs(bucket), pool, aux_stream, drawn=slot_tokens)
+
+
+def _draw(buffers: StepBuffers, slot_tokens: torch.Tensor, bucket: Bucket, logits: torch.Tensor,
+          mode: str) -> torch.Tensor:
+    """Sample every logit row of ``bucket`` and store kept tokens in ``slot_tokens`` (its last
+    entry takes the tokens of rows that feed no slot)."""
+    *params, sample_slots = buffers.sampling(bucket)
+    tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    sample(logits, *params, mode=mode, out=tokens)
+    trash = slot_tokens.shape[0] - 1
+    where = torch.where(sample_slots >= 0, sample_slots, trash).long()
+    slot_tokens.index_copy_(0, where, tokens)
+    return tokens

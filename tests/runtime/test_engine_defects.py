@@ -17,7 +17,7 @@ from mambastep.runtime.weights import WeightError
 
 
 def tiny_engine(**kw):
-    return Engine.from_preset("tiny-hybrid", dtype=torch.float32, **kw)
+    return Engine.from_preset("tiny-hybrid", dtype=torch.float32, device="cpu", **kw)
 
 
 def test_pipelined_draws_with_the_default_modes_positions():

@@ -220,4 +220,4 @@ class GPUPipelinedMachine(GPUMachine):
 def test_engine_machine_on_gpu(machine):
     from hypothesis.stateful import run_state_machine_as_test
 
-    run_state_machine_as_test(machine, settings=_settings(30, 30))
+    run_state_machine_as_test(machine, settings=_settings(20, 30))

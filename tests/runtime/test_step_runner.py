@@ -2,12 +2,16 @@
 next step on the device, no allocation or sync in steady state, one host-to-device copy per
 step, and the fused decode path equals the layered one."""
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 import torch
 
 from mambastep.graphs import Bucket, BucketSet
 from mambastep.runtime.decode_options import DecodeOptions
+from mambastep.runtime.engine import Engine, SamplingParams
 from mambastep.runtime.model import Model
 from mambastep.runtime.plan import StepPlan
 from mambastep.runtime.state_pool import StatePool
@@ -92,6 +96,21 @@ def check_drawn_tokens_feed_the_next_step(runner):
     runner.logits(prompts)
     given = runner.logits(StepPlan.make(decode=[(int(drawn[0]), 0, 9), (int(drawn[1]), 3, 5)]))
     assert torch.equal(fed_on_device, given)
+
+
+def test_a_dropped_engine_is_freed_without_the_collector(cpu_model):
+    """Found on the GPU: a runner whose graph runner held its bound methods was a reference cycle,
+    alive until a garbage collection; one that ran inside another engine's graph capture reset
+    the dead runner's graphs there and broke the capture."""
+    gc.disable()
+    try:
+        engine = Engine(cpu_model, num_slots=2, buckets=BUCKETS, progress=False)
+        engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=2))
+        refs = [weakref.ref(engine), weakref.ref(engine.runner), weakref.ref(engine.runner.graphs)]
+        del engine
+        assert [r() for r in refs] == [None, None, None]
+    finally:
+        gc.enable()
 
 
 def test_drawn_tokens_feed_the_next_step_cpu(cpu_model):

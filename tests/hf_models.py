@@ -1,4 +1,7 @@
-"""Tiny random HF checkpoints of both architectures, saved with save_pretrained."""
+"""Tiny random HF checkpoints of both architectures, saved with save_pretrained, and a tiny
+byte-level BPE tokenizer to save beside one."""
+
+import json
 
 import torch
 import transformers
@@ -56,3 +59,29 @@ def save_tiny(kind: str, path, seed: int = 0, **kw):
     model.eval()
     model.save_pretrained(path)
     return model
+
+
+TEXT_VOCAB = 300  # a byte-level BPE: 256 bytes, 2 special tokens, merges
+CORPUS = ["the cat sat on the mat", "héllo wörld, ça va?", "数据 和 模型", "emoji 🙂 and more 🙂",
+          "the quick brown fox jumps over the lazy dog"] * 20
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}[sys] {{ m['content'] }}\n"
+                 "{% else %}<{{ m['role'] }}> {{ m['content'] | trim }}{{ eos_token }}\n{% endif %}{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant> {% endif %}")
+
+
+def save_tokenizer(path):
+    """A tiny byte-level BPE trained on CORPUS, saved as tokenizer.json with a tokenizer_config.json
+    (bos, eos and a chat template) beside it; returns the tokenizers.Tokenizer."""
+    from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
+
+    tok = Backend(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TEXT_VOCAB, special_tokens=["<|endoftext|>", "<s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": {"content": "<|endoftext|>", "special": True},
+        "chat_template": CHAT_TEMPLATE}))
+    return tok

@@ -8,6 +8,9 @@
     mambastep bench profile --preset P --batch B [--prefill T]
                                             per-kernel time of one eager step: B decode rows
                                             (and a prefill chunk of T tokens)
+    mambastep bench serve --url URL [--concurrency C] [--requests N]
+                                            load generator over HTTP against `mambastep serve`
+                                            (`mambastep bench serve --help`)
     mambastep bench markdown [--steps S.json] [--kernels K.json] [--run R.json ...] [--out PATH]
                                             docs/BENCHMARKS.md from those commands' --json
                                             (no GPU needed); --readme: the README's table
@@ -27,8 +30,13 @@ SUITES = {"kernels": bench_kernels, "steps": bench_steps}
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # its own options: it needs no GPU, only a server
+        from . import bench_serve
+
+        return bench_serve.main(argv[1:])
     parser = Parser(prog="mambastep bench", description=__doc__)
-    parser.add_argument("what", choices=sorted(SUITES) + ["profile", "markdown"], help="which benchmark to run")
+    parser.add_argument("what", choices=sorted(SUITES) + ["profile", "markdown", "serve"], help="which benchmark to run")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument("--preset", action="append", help="steps: preset(s) to run (default: both)")
     parser.add_argument("--batch", type=int, default=1, help="profile: decode batch")

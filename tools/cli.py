@@ -6,6 +6,8 @@ import sys
 
 COMMANDS = {
     "run": ("mambastep.tools.run", "serve a synthetic chat workload and report latencies (the main job)"),
+    "generate": ("mambastep.tools.generate", "text from a checkpoint, streamed as it is drawn"),
+    "serve": ("mambastep.tools.serve", "an OpenAI-compatible HTTP server over the engine"),
     "tune": ("mambastep.tools.tune", "choose graph buckets from a workload's step shapes"),
     "bench": ("mambastep.tools.bench", "kernel and step benchmarks on a CUDA device"),
 }

@@ -1,0 +1,200 @@
+"""An OpenAI-compatible HTTP API over the engine loop, as a Starlette (ASGI) app.
+
+    POST /v1/completions        prompt (text or token ids) -> text; "stream": true for SSE
+    POST /v1/chat/completions   messages -> assistant message; "stream": true for SSE
+    GET  /v1/models             the one model served
+    GET  /health                200 while the engine loop runs
+
+Handlers only validate, submit, await outputs and abort when the client goes away; a bad
+request gets a 400 with an OpenAI-style error body and touches nothing else, and a request past
+the loop's bound a 503.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from .request import SamplingParams
+from .serving import EngineLoop, Overloaded
+from .tokenizer import TokenizerError
+
+__all__ = ["create_app"]
+
+# request fields -> SamplingParams fields (OpenAI's names, plus top_k and ignore_eos)
+_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",
+             "max_tokens": "max_tokens", "ignore_eos": "ignore_eos"}
+
+
+class BadRequest(ValueError):
+    def __init__(self, message: str, param: str | None = None, status: int = 400, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.param, self.status, self.kind = param, status, kind
+
+
+def _error(e: BadRequest) -> JSONResponse:
+    body = {"error": {"message": str(e), "type": e.kind, "param": e.param, "code": None}}
+    return JSONResponse(body, status_code=e.status)
+
+
+def _sampling(body: dict, default_max_tokens: int) -> SamplingParams:
+    kw = {"max_tokens": default_max_tokens, "temperature": 1.0}
+    for name, field in _SAMPLING.items():
+        if body.get(name) is not None:
+            kw[field] = body[name]
+    if "max_completion_tokens" in body and body["max_completion_tokens"] is not None:
+        kw["max_tokens"] = body["max_completion_tokens"]
+    if body.get("n", 1) != 1:
+        raise BadRequest("n: only 1 choice is supported", "n")
+    try:
+        return SamplingParams(**kw)
+    except ValueError as e:
+        raise BadRequest(str(e), str(e).split(":")[0]) from None
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
+        raise BadRequest("stop: expected a string or up to 4 non-empty strings", "stop")
+    return tuple(stop)
+
+
+def create_app(loop: EngineLoop, model_name: str, default_max_tokens: int = 16) -> Starlette:
+    """The API over ``loop``, serving ``model_name``; ``default_max_tokens`` where a request
+    names none."""
+
+    async def read_body(request: Request) -> dict:
+        try:
+            body = json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError):
+            raise BadRequest("the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise BadRequest("the request body must be a JSON object")
+        if body.get("model") not in (None, model_name):
+            raise BadRequest(f"model {body.get('model')!r} is not served here; this server serves {model_name!r}",
+                             "model", kind="model_not_found")
+        return body
+
+    async def submit(prompt, body: dict):
+        params, stop = _sampling(body, default_max_tokens), _stop(body)
+        try:
+            return await loop.submit(prompt, params, stop)
+        except Overloaded as e:
+            raise BadRequest(f"server overloaded: {e}", status=503, kind="server_error") from None
+        except (ValueError, TokenizerError, KeyError) as e:
+            raise BadRequest(str(e), "prompt" if "prompt" in str(e) else None) from None
+
+    async def completions(request: Request):
+        try:
+            body = await read_body(request)
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+                prompt = prompt[0]
+            if isinstance(prompt, list) and not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                raise BadRequest("prompt: expected a string or a list of token ids", "prompt")
+            if not isinstance(prompt, (str, list)):
+                raise BadRequest("prompt: expected a string or a list of token ids", "prompt")
+            stream = await submit(prompt, body)
+        except BadRequest as e:
+            return _error(e)
+        return await respond(request, body, stream, chat=False)
+
+    async def chat(request: Request):
+        try:
+            body = await read_body(request)
+            messages = body.get("messages")
+            if not (isinstance(messages, list) and messages and all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in messages)):
+                raise BadRequest("messages: expected a non-empty list of {role, content} strings", "messages")
+            stream = await submit([{"role": m["role"], "content": m["content"]} for m in messages], body)
+        except BadRequest as e:
+            return _error(e)
+        return await respond(request, body, stream, chat=True)
+
+    async def respond(request: Request, body: dict, stream, chat: bool):
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        created = int(time.time())
+        kind = "chat.completion" if chat else "text_completion"
+
+        def usage(tokens: int) -> dict:
+            return {"prompt_tokens": stream.prompt_tokens, "completion_tokens": tokens,
+                    "total_tokens": stream.prompt_tokens + tokens}
+
+        if not body.get("stream"):
+            pieces, tokens, reason = [], 0, None
+            try:
+                while True:
+                    out = await stream.next()
+                    pieces.append(out.text)
+                    tokens += len(out.token_ids)
+                    if out.finished:
+                        reason = out.finish_reason
+                        break
+            finally:
+                if reason is None:  # cancelled: the client went away
+                    loop.abort(stream.id)
+            text = "".join(pieces)
+            choice = {"index": 0, "finish_reason": reason, "logprobs": None}
+            choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+            return JSONResponse({"id": rid, "object": kind, "created": created, "model": model_name,
+                                 "choices": [choice], "usage": usage(tokens)})
+
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+
+        def chunk(delta_text: str | None, reason=None, role=False) -> str:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if role else {"content": delta_text or ""}
+                choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": delta_text or "", "finish_reason": reason, "logprobs": None}
+            data = {"id": rid, "object": kind + (".chunk" if chat else ""), "created": created, "model": model_name,
+                    "choices": [choice]}
+            return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+        async def events():
+            tokens, finished = 0, False
+            try:
+                if chat:
+                    yield chunk(None, role=True)
+                while not finished:
+                    out = await stream.next()
+                    tokens += len(out.token_ids)
+                    finished = out.finished
+                    # a chunk a step, empty text included (a piece of a character, held back), so
+                    # that clients can time tokens
+                    yield chunk(out.text, out.finish_reason if finished else None)
+                if include_usage:
+                    data = {"id": rid, "object": kind + (".chunk" if chat else ""), "created": created,
+                            "model": model_name, "choices": [], "usage": usage(tokens)}
+                    yield f"data: {json.dumps(data)}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:
+                if not finished:  # the client went away mid-stream: free its slot
+                    loop.abort(stream.id)
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def models(request: Request):
+        return JSONResponse({"object": "list", "data": [
+            {"id": model_name, "object": "model", "created": 0, "owned_by": "mambastep"}]})
+
+    async def health(request: Request):
+        return JSONResponse({"status": "ok", "open_requests": loop.open_requests(), "steps": loop.steps})
+
+    return Starlette(routes=[
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+    ])

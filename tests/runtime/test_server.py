@@ -1,0 +1,227 @@
+"""The OpenAI-compatible server on a free loopback port: the official `openai` client and raw
+HTTP, streaming and not; 32 concurrent streaming clients, some leaving mid-stream; bad requests
+answered with a 400 while the others go on; a bound on requests answered with a 503."""
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+pytest.importorskip("starlette")
+uvicorn = pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+
+from hf_models import TEXT_VOCAB, save_tiny, save_tokenizer  # noqa: E402
+from mambastep.runtime.engine import Engine  # noqa: E402
+from mambastep.runtime.openai_api import create_app  # noqa: E402
+from mambastep.runtime.request import SamplingParams  # noqa: E402
+from mambastep.runtime.serving import EngineLoop  # noqa: E402
+from mambastep.runtime.text import TextEngine  # noqa: E402
+from mambastep.runtime.tokenizer import Tokenizer  # noqa: E402
+
+NAME = "tiny"
+SLOTS = 6
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("serve")
+    save_tiny("nemotron_h", path, vocab_size=TEXT_VOCAB)
+    save_tokenizer(path)
+    return path
+
+
+def text_engine(path, max_context=96):
+    engine = Engine.from_pretrained(path, dtype=torch.float32, device="cpu", num_slots=SLOTS, max_context=max_context)
+    return TextEngine(engine, Tokenizer.from_pretrained(path))
+
+
+class Server:
+    """uvicorn in a thread on a free port, over an EngineLoop."""
+
+    def __init__(self, path, max_requests=None, max_context=96):
+        self.loop = EngineLoop(text_engine(path, max_context), max_requests=max_requests)
+        config = uvicorn.Config(create_app(self.loop, NAME), host="127.0.0.1", port=0, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        for _ in range(500):
+            if self.server.started:
+                break
+            time.sleep(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+
+    def idle(self, timeout=20.0) -> bool:
+        """Wait until no request is open and every slot is free again."""
+        engine = self.loop.text.engine
+        end = time.time() + timeout
+        while time.time() < end:
+            if not self.loop.open_requests() and len(engine.scheduler.free_slots) == SLOTS and not engine.requests:
+                return True
+            time.sleep(0.02)
+        return False
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    s = Server(checkpoint)
+    yield s
+    s.stop()
+
+
+def alone(path, prompt, max_tokens, stop=()):
+    """The text the request gets alone on a fresh engine, greedy."""
+    text = text_engine(path)
+    return text.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), stop)[0]
+
+
+def test_openai_client_completions_and_chat(server, checkpoint):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    assert [m.id for m in client.models.list().data] == [NAME]
+    r = client.completions.create(model=NAME, prompt="the cat", max_tokens=12, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == alone(checkpoint, "the cat", 12)
+    assert r.usage.completion_tokens == 12 and r.usage.prompt_tokens > 0 and r.choices[0].finish_reason == "length"
+    pieces = [c.choices[0].text for c in client.completions.create(
+        model=NAME, prompt="the cat", max_tokens=12, temperature=0, stream=True, extra_body={"ignore_eos": True})]
+    assert "".join(pieces) == r.choices[0].text
+    messages = [{"role": "user", "content": "héllo 数据"}]
+    c = client.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert c.choices[0].message.role == "assistant" and c.choices[0].message.content == alone(checkpoint, messages, 8)
+    chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == c.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 8
+    assert server.idle()
+
+
+def test_raw_http_and_bad_requests(server, checkpoint):
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        assert http.get("/health").json()["status"] == "ok"
+        r = http.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0,
+                                               "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"] == {"prompt_tokens": 3, "completion_tokens": 4,
+                                                             "total_tokens": 7}
+        bad = [
+            (b"{ not json", "not valid JSON"),
+            (json.dumps({"model": "gpt-4", "prompt": "x"}), "not served here"),
+            (json.dumps({"prompt": "x " * 200, "max_tokens": 4}), "max_context"),
+            (json.dumps({"prompt": "x", "temperature": -1}), "temperature"),
+            (json.dumps({"prompt": "x", "top_p": 0}), "top_p"),
+            (json.dumps({"prompt": [1, 99999]}), "vocabulary"),
+            (json.dumps({"prompt": {"a": 1}}), "prompt"),
+            (json.dumps({"prompt": "x", "n": 2}), "n:"),
+            (json.dumps({"prompt": "x", "stop": [""]}), "stop"),
+        ]
+        for body, match in bad:
+            r = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+            assert r.status_code == 400, (body, r.text)
+            assert match in r.json()["error"]["message"] and r.json()["error"]["type"]
+        r = http.post("/v1/chat/completions", json={"messages": [{"role": "user"}]})
+        assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+    assert server.idle()
+
+
+def test_concurrent_streams_with_disconnects(server, checkpoint):
+    """32 clients at once over 6 slots; every third leaves after its first chunks. Survivors get
+    their whole text, nothing is left holding a slot."""
+    prompts = [f"the cat {i}" for i in range(32)]
+
+    async def client(i, http):
+        body = {"prompt": prompts[i], "max_tokens": 10, "temperature": 0, "stream": True, "ignore_eos": True}
+        text = []
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                text.append(json.loads(line[6:])["choices"][0]["text"])
+                if i % 3 == 0 and len(text) >= 2:
+                    return None  # leave mid-stream
+        return "".join(text)
+
+    async def bad(http, body):
+        r = await http.post("/v1/completions", json=body)
+        return r.status_code
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+            bad_requests = [bad(http, b) for b in ({"prompt": "x", "top_p": 2}, {"model": "other", "prompt": "x"},
+                                                   {"prompt": [1, 10**6]}, {"prompt": "x " * 200})]
+            return await asyncio.gather(*(client(i, http) for i in range(32)), *bad_requests)
+
+    *got, = asyncio.run(main())
+    got, statuses = got[:32], got[32:]
+    assert statuses == [400] * 4
+    for i, text in enumerate(got):
+        if i % 3:
+            assert text == alone(checkpoint, prompts[i], 10), i
+    assert server.idle()
+
+
+def test_past_the_bound_a_503(checkpoint):
+    s = Server(checkpoint, max_requests=1, max_context=8192)
+    try:
+        with httpx.Client(base_url=s.url, timeout=30) as http:
+            # thousands of steps: in flight for seconds, and the stream is left when the check is done
+            body = {"prompt": "the cat", "max_tokens": 8000, "temperature": 0, "stream": True, "ignore_eos": True}
+            with http.stream("POST", "/v1/completions", json=body) as first:
+                lines = first.iter_lines()  # kept: a dropped iterator closes the response
+                next(lines)  # the first request is in flight
+                r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+                assert r.status_code == 503 and "overloaded" in r.json()["error"]["message"]
+        assert s.idle()
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200  # the bound counts only requests in flight
+    finally:
+        s.stop()
+
+
+def test_bench_serve_measures_a_running_server(server, tmp_path, capsys):
+    from mambastep.tools import cli
+
+    out = tmp_path / "serve.json"
+    assert cli.main(["bench", "serve", "--url", server.url, "--requests", "6", "--concurrency", "3", "--vocab", "256",
+                     "--max-context", "64", "--quiet", "--json", str(out)]) == 0
+    stats = json.loads(out.read_text())
+    assert stats["requests"] == 6 and stats["output_tokens_per_s"] > 0 and stats["itl_ms"]["p50"] > 0
+    assert "inter-token latency" in capsys.readouterr().out
+    assert server.idle()
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "serve", "--url", "http://127.0.0.1:9", "--quiet"])
+    assert "no server answers" in capsys.readouterr().err
+
+
+def test_closing_the_loop_ends_every_stream(checkpoint):
+    """Shutdown aborts what is in flight: each open stream ends with finish_reason "abort"."""
+    loop = EngineLoop(text_engine(checkpoint, max_context=8192))
+
+    async def main():
+        greedy = SamplingParams(temperature=0, max_tokens=8000, ignore_eos=True)
+        streams = [await loop.submit("the cat", greedy) for _ in range(3)]
+        await streams[0].next()
+        loop.close()
+        ends = []
+        for st in streams:
+            out = await st.next()
+            while not out.finished:
+                out = await st.next()
+            ends.append(out.finish_reason)
+        return ends
+
+    assert asyncio.run(main()) == ["abort"] * 3
+    assert not loop.text.engine.requests
+    with pytest.raises(RuntimeError, match="closed"):
+        asyncio.run(loop.submit("x", SamplingParams()))

@@ -1,0 +1,120 @@
+"""Text in, text out: a tiny byte-level BPE tokenizer trained here, saved beside a tiny HF
+checkpoint; generation equals HF generate decoded by the same tokenizer, streamed pieces join to
+the whole text (multi-byte characters too), chat templates render as HF renders them."""
+
+import pytest
+import torch
+from hf_models import CHAT_TEMPLATE, TEXT_VOCAB as VOCAB, save_tiny, save_tokenizer
+from mambastep.runtime.detokenizer import IncrementalDetokenizer
+from mambastep.runtime.engine import Engine
+from mambastep.runtime.request import SamplingParams
+from mambastep.runtime.text import TextEngine
+from mambastep.runtime.tokenizer import ByteTokenizer, Tokenizer, TokenizerError
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("text")
+    hf = save_tiny("nemotron_h", path, vocab_size=VOCAB)
+    hf.generation_config.eos_token_id = None
+    save_tokenizer(path)
+    return hf, path
+
+
+def text_engine(path, **kw):
+    engine = Engine.from_pretrained(path, dtype=torch.float32, device="cpu", max_context=128, **kw)
+    return TextEngine(engine, Tokenizer.from_pretrained(path))
+
+
+@pytest.mark.parametrize("prompt", ["the cat", "héllo 数据 🙂"])
+def test_generation_equals_hf_generate_decoded(checkpoint, prompt):
+    hf, path = checkpoint
+    tok = Tokenizer.from_pretrained(path)
+    ids = tok.encode(prompt)
+    ref = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids):].tolist()
+    text = text_engine(path)
+    rid = text.add(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    pieces, tokens = [], []
+    while text.has_unfinished():
+        for out in text.step():
+            assert out.id == rid
+            pieces.append(out.text)
+            tokens += out.token_ids
+    assert tokens == ref
+    assert "".join(pieces) == tok.decode(ref)
+
+
+def test_streamed_pieces_are_whole_characters_and_join_to_the_text(checkpoint):
+    _, path = checkpoint
+    tok = Tokenizer.from_pretrained(path)
+    for text in ("héllo wörld 数据 和 模型 🙂🙂 ça va?", " leading space and   runs  ", "🙂"):
+        ids = tok.encode(text)
+        assert any(len(tok.decode([i])) == 0 or "\ufffd" in tok.decode([i]) for i in ids) or text.isascii()
+        detok = IncrementalDetokenizer(tok)
+        pieces = [detok.push([i]) for i in ids] + [detok.flush()]
+        assert "".join(pieces) == text
+        assert not any("\ufffd" in p for p in pieces)
+
+
+def test_chat_template_renders_as_hf(checkpoint):
+    from transformers import PreTrainedTokenizerFast
+
+    _, path = checkpoint
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "  héllo  "},
+                {"role": "assistant", "content": "hi"}, {"role": "user", "content": "数据?"}]
+    hf_tok = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), bos_token="<s>",
+                                     eos_token="<|endoftext|>", chat_template=CHAT_TEMPLATE)
+    ours = Tokenizer.from_pretrained(path)
+    for gen in (True, False):
+        want = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+        assert ours.apply_chat_template(messages, add_generation_prompt=gen) == want
+    ids = hf_tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    assert ours.encode_chat(messages) == list(getattr(ids, "input_ids", ids))  # a BatchEncoding in transformers 5
+
+
+def test_stop_strings_cut_the_text_and_end_the_request(checkpoint):
+    _, path = checkpoint
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    full = text_engine(path).generate(["the cat"], greedy)[0]
+    assert len(full) > 6
+    stop = full[3:6]
+    text = text_engine(path)
+    rid = text.add("the cat", greedy, stop=[stop, "never seen \x00"])
+    outs = []
+    while text.has_unfinished():
+        outs += text.step()
+    assert "".join(o.text for o in outs) == full[: full.find(stop)]
+    assert outs[-1].finished and outs[-1].finish_reason == "stop" and outs[-1].id == rid
+    assert not text.engine.requests  # the request's slot is free
+
+
+def test_eos_from_the_tokenizer_stops_generation(checkpoint):
+    _, path = checkpoint
+    text = text_engine(path)
+    rid = text.add("the cat", SamplingParams(temperature=0, max_tokens=4))
+    assert text.tokenizer.eos_token_ids == (0,)
+    assert 0 in text.engine.requests[rid].params.stop_token_ids
+
+
+def test_bad_inputs_are_named(checkpoint, tmp_path):
+    _, path = checkpoint
+    text = text_engine(path)
+    with pytest.raises(ValueError, match="prompt"):
+        text.add(42)
+    with pytest.raises(ValueError, match="stop"):
+        text.add("x", stop=[""])
+    with pytest.raises(TokenizerError, match="tokenizer.json: missing"):
+        Tokenizer.from_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{ nope")
+    with pytest.raises(TokenizerError, match="not a readable tokenizer"):
+        Tokenizer.from_pretrained(tmp_path)
+    assert not text.engine.has_unfinished()
+
+
+def test_byte_fallback_round_trips_utf8():
+    tok = ByteTokenizer(512)
+    s = "héllo 数据 🙂"
+    assert tok.decode(tok.encode(s)) == s and max(tok.encode(s)) < 256
+    detok = IncrementalDetokenizer(tok)
+    assert "".join([detok.push([i]) for i in tok.encode(s)] + [detok.flush()]) == s
+    with pytest.raises(TokenizerError, match="256"):
+        ByteTokenizer(100)

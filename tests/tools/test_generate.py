@@ -1,0 +1,51 @@
+"""`mambastep generate`: a checkpoint's text streamed to standard output."""
+
+import pytest
+
+from hf_models import TEXT_VOCAB, save_tiny, save_tokenizer
+from mambastep.tools import cli
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("generate")
+    save_tiny("nemotron_h", path, vocab_size=TEXT_VOCAB)
+    save_tokenizer(path)
+    return path
+
+
+def test_generate_prints_the_text_the_engine_makes(checkpoint, capsys):
+    import torch
+
+    from mambastep.runtime.engine import Engine
+    from mambastep.runtime.request import SamplingParams
+    from mambastep.runtime.text import TextEngine
+    from mambastep.runtime.tokenizer import Tokenizer
+
+    assert cli.main(["generate", "--model", str(checkpoint), "--device", "cpu", "--max-tokens", "12", "héllo"]) == 0
+    out, err = capsys.readouterr()
+    engine = Engine.from_pretrained(checkpoint, dtype=torch.float32, device="cpu", max_context=4096)
+    want = TextEngine(engine, Tokenizer.from_pretrained(checkpoint)).generate(
+        ["héllo"], SamplingParams(temperature=0, max_tokens=12))[0]
+    assert out == want + "\n"
+    assert "tokens/s" in err
+
+
+def test_generate_chat_and_errors(checkpoint, capsys):
+    assert cli.main(["generate", "--model", str(checkpoint), "--device", "cpu", "--chat", "--system", "be brief",
+                     "--max-tokens", "4", "hi"]) == 0
+    assert "finished" in capsys.readouterr().err
+    for argv, match in ((["--system", "x", "hi"], "--system: goes with --chat"),
+                        (["--max-tokens", "0", "hi"], "max_tokens"),
+                        (["--stop", "", "hi"], "--stop")):
+        with pytest.raises(SystemExit):
+            cli.main(["generate", "--model", str(checkpoint), "--device", "cpu", *argv])
+        assert match in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--model", str(checkpoint / "missing"), "--device", "cpu", "hi"])
+    assert "config.json: not found" in capsys.readouterr().err
+
+
+def test_generate_on_a_preset_uses_bytes(capsys):
+    assert cli.main(["generate", "--preset", "tiny-hybrid", "--device", "cpu", "--max-tokens", "3", "hi"]) == 0
+    assert "3 tokens" in capsys.readouterr().err

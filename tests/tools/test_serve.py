@@ -1,0 +1,58 @@
+"""`mambastep serve`: the command starts a server a stock client talks to, and checks its
+arguments first."""
+
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("uvicorn")
+
+from mambastep.tools import cli  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_a_preset_over_http():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "mambastep.tools.cli", "serve", "--preset", "tiny-hybrid",
+                             "--device", "cpu", "--port", str(port), "--name", "tiny"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        else:
+            pytest.fail("the server did not come up: " + proc.stdout.read1().decode(errors="replace"))
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 3,
+                                                      "temperature": 0}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "héllo"}],
+                                                           "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
+    finally:
+        proc.terminate()
+        proc.wait(20)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--preset", "tiny-hybrid", "--port", "70000"], "--port"),
+    (["--preset", "tiny-hybrid", "--max-requests", "0"], "--max-requests"),
+    (["--model", "/nonexistent"], "config.json: not found"),
+    ([], "one of the arguments --model --preset is required"),
+])
+def test_serve_checks_its_arguments(capsys, argv, match):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["serve", "--device", "cpu", *argv])
+    assert exit_.value.code == 2 and match in capsys.readouterr().err

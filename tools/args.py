@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["Parser", "bucket_file", "writable_path"]
+__all__ = ["Parser", "bucket_file", "device", "writable_path"]
 
 
 class Parser(argparse.ArgumentParser):
@@ -22,6 +22,18 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str):
         sys.stderr.write(f"{self.prog}: error: {message}\n")
         sys.exit(2)
+
+
+def device(parser: Parser, value: str | None) -> str:
+    """The --device to run on: cpu or cuda[:N], by default cuda where there is one."""
+    import torch
+
+    name = value or ("cuda" if torch.cuda.is_available() else "cpu")
+    if name != "cpu" and not name.startswith("cuda"):
+        parser.error(f"--device: expected cpu or cuda, got {name!r}")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {name}: no CUDA device is available")
+    return name
 
 
 def writable_path(parser: Parser, flag: str, path: str | None) -> None:

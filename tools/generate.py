@@ -23,7 +23,7 @@ from ..runtime.request import SamplingParams
 from ..runtime.text import TextEngine
 from ..runtime.tokenizer import TokenizerError, load_tokenizer
 from ..runtime.weights import WeightError
-from .args import Parser
+from .args import Parser, device as device_arg
 
 # one request: a decode graph of one row and prompt chunks of up to 512 tokens
 BUCKETS = BucketSet(decode=(1,), mixed_decode=(0,), prefill=(512,), max_prefill_seqs=1)
@@ -48,11 +48,7 @@ def main(argv=None) -> int:
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
     args = parser.parse_args(argv)
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device != "cpu" and not device.startswith("cuda"):
-        parser.error(f"--device: expected cpu or cuda, got {device!r}")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device is available")
+    device = device_arg(parser, args.device)
     if args.system is not None and not args.chat:
         parser.error("--system: goes with --chat")
     if any(not s for s in args.stop):

@@ -22,7 +22,7 @@ from ..runtime.engine import Engine
 from ..runtime.presets import PRESETS
 from ..runtime.request import SamplingParams
 from ..runtime.weights import WeightError
-from .args import Parser, bucket_file, writable_path
+from .args import Parser, bucket_file, device as device_arg, writable_path
 
 # the workload's shortest prompt plus its shortest output
 MIN_CONTEXT = 8
@@ -118,12 +118,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device != "cpu" and not device.startswith("cuda"):
-        parser.error(f"--device: expected cpu or cuda, got {device!r}")
+    device = device_arg(parser, args.device)
     gpu = device.startswith("cuda")
-    if gpu and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device is available")
     requests = args.requests if args.requests is not None else (256 if gpu else 16)
     concurrency = args.concurrency if args.concurrency is not None else (64 if gpu else 8)
     for flag, value in (("--requests", requests), ("--concurrency", concurrency)):

@@ -21,7 +21,7 @@ from ..runtime.engine import Engine
 from ..runtime.presets import PRESETS
 from ..runtime.tokenizer import TokenizerError, load_tokenizer
 from ..runtime.weights import WeightError
-from .args import Parser, bucket_file
+from .args import Parser, bucket_file, device as device_arg
 
 
 def main(argv=None) -> int:
@@ -49,9 +49,7 @@ def main(argv=None) -> int:
         from ..runtime.text import TextEngine
     except ImportError as e:
         parser.error(f"the server needs its extra: pip install -e \".[serve]\" ({e})")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device != "cpu" and not device.startswith("cuda"):
-        parser.error(f"--device: expected cpu or cuda, got {device!r}")
+    device = device_arg(parser, args.device)
     if not 0 <= args.port < 65536:
         parser.error(f"--port: expected 0..65535, got {args.port}")
     for flag, value in (("--max-requests", args.max_requests), ("--max-tokens", args.max_tokens)):

@@ -19,6 +19,7 @@ launched when the stop is seen, and its token is dropped.
 from __future__ import annotations
 
 import itertools
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -181,6 +182,17 @@ class Engine:
                 if out.finished:
                     running.discard(out.id)
         return [outputs[i] for i in ids]
+
+    def write_trace(self, path: str | Path) -> None:
+        """The recorded steps as JSON lines: decode rows, prefill tokens and sequences, and the
+        bucket's decode rows and prefill tokens (``Engine(trace=True)``)."""
+        if self.trace is None:
+            raise ValueError("no trace: build the engine with trace=True")
+        with open(path, "w") as f:
+            for s in self.trace:
+                f.write(json.dumps({"decode": s.decode, "prefill_tokens": s.prefill_tokens,
+                                    "prefill_seqs": s.prefill_seqs, "bucket": [s.bucket.decode, s.bucket.prefill]})
+                        + "\n")
 
     def _step(self) -> list[RequestOutput]:
         launched = None

@@ -115,6 +115,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--seed", type=int, default=0, help="workload and weight seed")
     parser.add_argument("--json", metavar="PATH", help="also write the statistics as JSON to PATH")
+    parser.add_argument("--trace", metavar="PATH", help="write every step's shape and bucket as JSON lines to PATH "
+                        "(`mambastep tune` reads such traces)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
 
@@ -135,9 +137,10 @@ def main(argv=None) -> int:
         parser.error(str(e))
     buckets = bucket_file(parser, "--buckets", args.buckets)
     writable_path(parser, "--json", args.json)
+    writable_path(parser, "--trace", args.trace)
     dtype = torch.bfloat16 if gpu else torch.float32
     common = dict(dtype=dtype, device=device, max_context=args.max_context, use_graphs=gpu and not args.eager,
-                  pipelined=args.pipelined, progress=not args.quiet, buckets=buckets)
+                  pipelined=args.pipelined, progress=not args.quiet, buckets=buckets, trace=args.trace is not None)
     if args.model:
         try:
             engine = Engine.from_pretrained(args.model, **common)
@@ -152,6 +155,8 @@ def main(argv=None) -> int:
 
     jobs = workload(requests, engine.cfg.vocab_size, args.seed, max_context=args.max_context)
     timings = serve(engine, jobs, concurrency, sampling, progress=not args.quiet)
+    if args.trace:
+        engine.write_trace(args.trace)
     stats = summarize(timings, requests)
     mode = "eager" if (args.eager or not gpu) else "CUDA graphs"
     print_table(stats, f"\n{name} on {torch.cuda.get_device_name() if gpu else 'CPU'} ({mode}), "

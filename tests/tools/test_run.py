@@ -89,3 +89,17 @@ def test_run_at_a_short_max_context(capsys, tmp_path):
     assert run.main(["--device", "cpu", "--quiet", "--requests", "3", "--concurrency", "2", "--max-context", "8",
                      "--json", str(tmp_path / "r.json")]) == 0
     assert json.loads((tmp_path / "r.json").read_text())["itl_ms"]["p50"] > 0
+
+
+def test_run_writes_the_step_trace(tmp_path):
+    """Every step the engine ran, one JSON line each, each in the smallest bucket that holds it."""
+    from mambastep.graphs import BucketSet
+
+    trace = tmp_path / "trace.jsonl"
+    assert run.main(["--device", "cpu", "--quiet", "--requests", "4", "--concurrency", "2", "--trace", str(trace)]) == 0
+    steps = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert steps and sum(s["prefill_seqs"] for s in steps) >= 4
+    buckets = BucketSet.default(cuda=False)
+    for s in steps:
+        b = buckets.choose(s["decode"], s["prefill_tokens"], s["prefill_seqs"])
+        assert s["bucket"] == [b.decode, b.prefill]

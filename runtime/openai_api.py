@@ -90,6 +90,8 @@ def create_app(loop: EngineLoop, model_name: str, default_max_tokens: int = 16) 
             return await loop.submit(prompt, params, stop)
         except Overloaded as e:
             raise BadRequest(f"server overloaded: {e}", status=503, kind="server_error") from None
+        except RuntimeError as e:  # the loop has stopped
+            raise BadRequest(f"server unavailable: {e}", status=503, kind="server_error") from None
         except (ValueError, TokenizerError, KeyError) as e:
             raise BadRequest(str(e), "prompt" if "prompt" in str(e) else None) from None
 
@@ -190,6 +192,8 @@ def create_app(loop: EngineLoop, model_name: str, default_max_tokens: int = 16) 
             {"id": model_name, "object": "model", "created": 0, "owned_by": "mambastep"}]})
 
     async def health(request: Request):
+        if loop.closed:
+            return JSONResponse({"status": "stopped"}, status_code=503)
         return JSONResponse({"status": "ok", "open_requests": loop.open_requests(), "steps": loop.steps})
 
     return Starlette(routes=[

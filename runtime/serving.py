@@ -65,6 +65,11 @@ class EngineLoop:
     def open_requests(self) -> int:
         return len(self._streams)
 
+    @property
+    def closed(self) -> bool:
+        """Whether the loop has stopped (closed, or its engine failed): nothing more is served."""
+        return self._closed.is_set()
+
     def close(self, timeout: float = 10.0) -> None:
         """Abort every request in flight, end their streams, and stop the thread."""
         self._inbox.put(("close", None))

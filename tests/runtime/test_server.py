@@ -222,6 +222,15 @@ def test_closing_the_loop_ends_every_stream(checkpoint):
         return ends
 
     assert asyncio.run(main()) == ["abort"] * 3
-    assert not loop.text.engine.requests
+    assert not loop.text.engine.requests and loop.closed
+    app = create_app(loop, NAME)  # a stopped loop: 503s, not tracebacks
+    transport = httpx.ASGITransport(app=app)
+
+    async def ask():
+        async with httpx.AsyncClient(transport=transport, base_url="http://x") as http:
+            return (await http.get("/health")).status_code, (await http.post("/v1/completions", json={"prompt": "x"}))
+
+    health, r = asyncio.run(ask())
+    assert health == 503 and r.status_code == 503 and "unavailable" in r.json()["error"]["message"]
     with pytest.raises(RuntimeError, match="closed"):
         asyncio.run(loop.submit("x", SamplingParams()))

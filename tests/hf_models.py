@@ -85,3 +85,11 @@ def save_tokenizer(path):
         "bos_token": "<s>", "eos_token": {"content": "<|endoftext|>", "special": True},
         "chat_template": CHAT_TEMPLATE}))
     return tok
+
+
+def save_text_checkpoint(path):
+    """A tiny NemotronH checkpoint of TEXT_VOCAB tokens with the tiny tokenizer beside it; returns
+    the HF model."""
+    hf = save_tiny("nemotron_h", path, vocab_size=TEXT_VOCAB)
+    save_tokenizer(path)
+    return hf

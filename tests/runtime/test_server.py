@@ -15,7 +15,7 @@ pytest.importorskip("starlette")
 uvicorn = pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
-from hf_models import TEXT_VOCAB, save_tiny, save_tokenizer  # noqa: E402
+from hf_models import save_text_checkpoint  # noqa: E402
 from mambastep.runtime.engine import Engine  # noqa: E402
 from mambastep.runtime.openai_api import create_app  # noqa: E402
 from mambastep.runtime.request import SamplingParams  # noqa: E402
@@ -30,8 +30,7 @@ SLOTS = 6
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("serve")
-    save_tiny("nemotron_h", path, vocab_size=TEXT_VOCAB)
-    save_tokenizer(path)
+    save_text_checkpoint(path)
     return path
 
 

@@ -4,7 +4,7 @@ the whole text (multi-byte characters too), chat templates render as HF renders 
 
 import pytest
 import torch
-from hf_models import CHAT_TEMPLATE, TEXT_VOCAB as VOCAB, save_tiny, save_tokenizer
+from hf_models import CHAT_TEMPLATE, save_text_checkpoint
 from mambastep.runtime.detokenizer import IncrementalDetokenizer
 from mambastep.runtime.engine import Engine
 from mambastep.runtime.request import SamplingParams
@@ -14,9 +14,8 @@ from mambastep.runtime.tokenizer import ByteTokenizer, Tokenizer, TokenizerError
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("text")
-    hf = save_tiny("nemotron_h", path, vocab_size=VOCAB)
+    hf = save_text_checkpoint(path)
     hf.generation_config.eos_token_id = None
-    save_tokenizer(path)
     return hf, path
 
 

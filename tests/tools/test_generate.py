@@ -2,15 +2,14 @@
 
 import pytest
 
-from hf_models import TEXT_VOCAB, save_tiny, save_tokenizer
+from hf_models import save_text_checkpoint
 from mambastep.tools import cli
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("generate")
-    save_tiny("nemotron_h", path, vocab_size=TEXT_VOCAB)
-    save_tokenizer(path)
+    save_text_checkpoint(path)
     return path
 
 

@@ -27,9 +27,8 @@ from .tokenizer import TokenizerError
 
 __all__ = ["create_app"]
 
-# request fields -> SamplingParams fields (OpenAI's names, plus top_k and ignore_eos)
-_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",
-             "max_tokens": "max_tokens", "ignore_eos": "ignore_eos"}
+# request fields that are SamplingParams fields of the same name (OpenAI's, plus top_k and ignore_eos)
+_SAMPLING = ("temperature", "top_p", "top_k", "seed", "max_tokens", "ignore_eos")
 
 
 class BadRequest(ValueError):
@@ -45,9 +44,9 @@ def _error(e: BadRequest) -> JSONResponse:
 
 def _sampling(body: dict, default_max_tokens: int) -> SamplingParams:
     kw = {"max_tokens": default_max_tokens, "temperature": 1.0}
-    for name, field in _SAMPLING.items():
+    for name in _SAMPLING:
         if body.get(name) is not None:
-            kw[field] = body[name]
+            kw[name] = body[name]
     if "max_completion_tokens" in body and body["max_completion_tokens"] is not None:
         kw["max_tokens"] = body["max_completion_tokens"]
     if body.get("n", 1) != 1:

@@ -12,7 +12,7 @@ request (the text is cut before them, and text that may begin one is held back u
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .detokenizer import IncrementalDetokenizer
 from .engine import Engine
@@ -39,7 +39,6 @@ class _Stream:
     stop: tuple[str, ...]
     prompt_tokens: int
     pending: str = ""  # text held back: it may be the start of a stop string
-    tokens: list[int] = field(default_factory=list)
 
 
 class TextEngine:
@@ -106,7 +105,6 @@ class TextEngine:
         return ["".join(texts[i]) for i in ids]
 
     def _text(self, rid: int, stream: _Stream, tokens: list[int], finished: bool, reason) -> TextOutput:
-        stream.tokens += tokens
         text = stream.pending + stream.detok.push(tokens)
         if finished:
             text += stream.detok.flush()

@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["Parser", "bucket_file", "device", "writable_path"]
+__all__ = ["Parser", "add_sampling", "bucket_file", "device", "sampling", "text_engine", "writable_path"]
 
 
 class Parser(argparse.ArgumentParser):
@@ -22,6 +22,27 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str):
         sys.stderr.write(f"{self.prog}: error: {message}\n")
         sys.exit(2)
+
+
+def add_sampling(parser: Parser) -> None:
+    """--temperature, --top-k and --top-p, greedy by default."""
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    parser.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: off)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of tokens whose "
+                        "probability reaches p (1: off)")
+
+
+def sampling(parser: Parser, args, **fields) -> dict:
+    """The SamplingParams fields of ``add_sampling``'s options (and ``fields``), checked: a bad
+    value is a one-line error."""
+    from ..runtime.request import SamplingParams
+
+    kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, **fields)
+    try:
+        SamplingParams(**kw)
+    except ValueError as e:
+        parser.error(str(e))
+    return kw
 
 
 def device(parser: Parser, value: str | None) -> str:
@@ -64,3 +85,19 @@ def bucket_file(parser: Parser, flag: str, path: str | None):
         parser.error(f"{flag} {path}: not valid JSON ({e.msg} at line {e.lineno})")
     except (OSError, TypeError, ValueError) as e:
         parser.error(f"{flag} {path}: not a bucket file ({e})")
+
+
+def text_engine(parser: Parser, model: str | None, preset: str | None, **engine_kw):
+    """A TextEngine over ``--model PATH`` (its tokenizer) or ``--preset NAME`` (text as bytes);
+    a bad checkpoint is a one-line error naming what is wrong."""
+    from ..runtime.config import ConfigError
+    from ..runtime.engine import Engine
+    from ..runtime.text import TextEngine
+    from ..runtime.tokenizer import TokenizerError, load_tokenizer
+    from ..runtime.weights import WeightError
+
+    try:
+        engine = Engine.from_pretrained(model, **engine_kw) if model else Engine.from_preset(preset, **engine_kw)
+        return TextEngine(engine, load_tokenizer(model, engine.cfg.vocab_size))
+    except (ConfigError, WeightError, TokenizerError) as e:
+        parser.error(str(e))

@@ -36,7 +36,8 @@ def main(argv=None) -> int:
 
         return bench_serve.main(argv[1:])
     parser = Parser(prog="mambastep bench", description=__doc__)
-    parser.add_argument("what", choices=sorted(SUITES) + ["profile", "markdown", "serve"], help="which benchmark to run")
+    parser.add_argument("what", choices=sorted(SUITES) + ["profile", "markdown", "serve"],
+                        help="which benchmark to run")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument("--preset", action="append", help="steps: preset(s) to run (default: both)")
     parser.add_argument("--batch", type=int, default=1, help="profile: decode batch")

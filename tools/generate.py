@@ -16,14 +16,10 @@ import time
 import torch
 
 from ..graphs import BucketSet
-from ..runtime.config import ConfigError
-from ..runtime.engine import Engine
 from ..runtime.presets import PRESETS
 from ..runtime.request import SamplingParams
-from ..runtime.text import TextEngine
-from ..runtime.tokenizer import TokenizerError, load_tokenizer
-from ..runtime.weights import WeightError
-from .args import Parser, device as device_arg
+from ..runtime.tokenizer import TokenizerError
+from .args import Parser, add_sampling, device as device_arg, sampling, text_engine
 
 # one request: a decode graph of one row and prompt chunks of up to 512 tokens
 BUCKETS = BucketSet(decode=(1,), mixed_decode=(0,), prefill=(512,), max_prefill_seqs=1)
@@ -35,12 +31,11 @@ def main(argv=None) -> int:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", metavar="PATH", help="HF checkpoint directory with tokenizer.json")
     source.add_argument("--preset", choices=sorted(PRESETS), help="built-in shape with random weights (text as bytes)")
-    parser.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
+    parser.add_argument("--chat", action="store_true",
+                        help="send the prompt as a user message through the chat template")
     parser.add_argument("--system", help="with --chat: a system message before it")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
-    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
-    parser.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: off)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
+    add_sampling(parser)
     parser.add_argument("--seed", type=int, default=None, help="sampling seed")
     parser.add_argument("--stop", action="append", default=[], help="a string that ends the text (repeatable)")
     parser.add_argument("--max-context", type=int, default=4096, help="prompt + output tokens")
@@ -53,23 +48,11 @@ def main(argv=None) -> int:
         parser.error("--system: goes with --chat")
     if any(not s for s in args.stop):
         parser.error("--stop: expected a non-empty string")
-    try:
-        params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                                max_tokens=args.max_tokens)
-    except ValueError as e:
-        parser.error(str(e))
+    params = SamplingParams(**sampling(parser, args, seed=args.seed, max_tokens=args.max_tokens))
     gpu = device.startswith("cuda")
     common = dict(dtype=torch.bfloat16 if gpu else torch.float32, device=device, num_slots=1,
                   max_context=args.max_context, buckets=BUCKETS, use_graphs=gpu and not args.eager, progress=False)
-    try:
-        if args.model:
-            engine = Engine.from_pretrained(args.model, **common)
-        else:
-            engine = Engine.from_preset(args.preset, **common)
-        tokenizer = load_tokenizer(args.model, engine.cfg.vocab_size)
-    except (ConfigError, WeightError, TokenizerError) as e:
-        parser.error(str(e))
-    text = TextEngine(engine, tokenizer)
+    text = text_engine(parser, args.model, args.preset, **common)
     messages = [{"role": "user", "content": args.prompt}]
     if args.system is not None:
         messages.insert(0, {"role": "system", "content": args.system})

@@ -22,7 +22,8 @@ from ..runtime.engine import Engine
 from ..runtime.presets import PRESETS
 from ..runtime.request import SamplingParams
 from ..runtime.weights import WeightError
-from .args import Parser, bucket_file, device as device_arg, writable_path
+from .args import Parser, add_sampling, bucket_file, device as device_arg, sampling as sampling_fields
+from .args import writable_path
 
 # the workload's shortest prompt plus its shortest output
 MIN_CONTEXT = 8
@@ -103,14 +104,12 @@ def main(argv=None) -> int:
     source.add_argument("--preset", choices=sorted(PRESETS),
                         help="built-in shape with random weights (default: mamba2-130m on a GPU, tiny-hybrid on CPU)")
     parser.add_argument("--requests", type=int, default=None, help="requests to serve (default: 256 on GPU, 16 on CPU)")
-    parser.add_argument("--concurrency", type=int, default=None, help="requests in flight (default: 64 on GPU, 8 on CPU)")
+    parser.add_argument("--concurrency", type=int, default=None,
+                        help="requests in flight (default: 64 on GPU, 8 on CPU)")
     parser.add_argument("--eager", action="store_true", help="run without CUDA graphs (for comparison)")
     parser.add_argument("--pipelined", action="store_true", help="launch step N+1 before reading step N's tokens")
     parser.add_argument("--buckets", metavar="PATH", help="graph buckets from `mambastep tune` (default: built in)")
-    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
-    parser.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: off)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of tokens whose "
-                        "probability reaches p (1: off)")
+    add_sampling(parser)
     parser.add_argument("--max-context", type=int, default=4096, help="prompt + output tokens per request")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--seed", type=int, default=0, help="workload and weight seed")
@@ -130,11 +129,7 @@ def main(argv=None) -> int:
     if args.max_context < MIN_CONTEXT:
         parser.error(f"--max-context: must be at least {MIN_CONTEXT} (the workload's shortest prompt and "
                      f"output), got {args.max_context}")
-    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    try:
-        SamplingParams(**sampling)
-    except ValueError as e:
-        parser.error(str(e))
+    sampling = sampling_fields(parser, args)
     buckets = bucket_file(parser, "--buckets", args.buckets)
     writable_path(parser, "--json", args.json)
     writable_path(parser, "--trace", args.trace)

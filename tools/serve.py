@@ -16,12 +16,8 @@ import sys
 
 import torch
 
-from ..runtime.config import ConfigError
-from ..runtime.engine import Engine
 from ..runtime.presets import PRESETS
-from ..runtime.tokenizer import TokenizerError, load_tokenizer
-from ..runtime.weights import WeightError
-from .args import Parser, bucket_file, device as device_arg
+from .args import Parser, bucket_file, device as device_arg, text_engine
 
 
 def main(argv=None) -> int:
@@ -46,7 +42,6 @@ def main(argv=None) -> int:
 
         from ..runtime.openai_api import create_app
         from ..runtime.serving import EngineLoop
-        from ..runtime.text import TextEngine
     except ImportError as e:
         parser.error(f"the server needs its extra: pip install -e \".[serve]\" ({e})")
     device = device_arg(parser, args.device)
@@ -59,12 +54,7 @@ def main(argv=None) -> int:
     common = dict(dtype=torch.bfloat16 if gpu else torch.float32, device=device, max_context=args.max_context,
                   buckets=bucket_file(parser, "--buckets", args.buckets), use_graphs=gpu and not args.eager,
                   pipelined=args.pipelined)
-    try:
-        engine = Engine.from_pretrained(args.model, **common) if args.model else Engine.from_preset(args.preset, **common)
-        tokenizer = load_tokenizer(args.model, engine.cfg.vocab_size)
-    except (ConfigError, WeightError, TokenizerError) as e:
-        parser.error(str(e))
-    loop = EngineLoop(TextEngine(engine, tokenizer), max_requests=args.max_requests)
+    loop = EngineLoop(text_engine(parser, args.model, args.preset, **common), max_requests=args.max_requests)
     name = args.name or args.model or args.preset
     try:
         uvicorn.run(create_app(loop, name, default_max_tokens=args.max_tokens), host=args.host, port=args.port,

@@ -4,10 +4,8 @@
 
 import json
 
-import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from hf_models import save_tiny
 from mambastep.runtime.config import ConfigError

@@ -168,12 +168,12 @@ def create_app(loop: EngineLoop, model_name: str, default_max_tokens: int = 16) 
                 if chat:
                     yield chunk(None, role=True)
                 while not finished:
-                    out = await stream.next()
-                    tokens += len(out.token_ids)
-                    finished = out.finished
-                    # a chunk a step, empty text included (a piece of a character, held back), so
-                    # that clients can time tokens
-                    yield chunk(out.text, out.finish_reason if finished else None)
+                    # a chunk a step (empty text included: a piece of a character, held back), or
+                    # every step's output waiting since the last chunk when this stream fell behind
+                    outs = await stream.next_all()
+                    tokens += sum(len(o.token_ids) for o in outs)
+                    finished = outs[-1].finished
+                    yield chunk("".join(o.text for o in outs), outs[-1].finish_reason if finished else None)
                 if include_usage:
                     data = {"id": rid, "object": kind + (".chunk" if chat else ""), "created": created,
                             "model": model_name, "choices": [], "usage": usage(tokens)}

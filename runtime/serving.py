@@ -36,6 +36,19 @@ class Stream:
     async def next(self) -> TextOutput:
         return await self._outputs.get()
 
+    async def next_all(self) -> list[TextOutput]:
+        """The next output and every one already waiting behind it (a reader that fell behind
+        the engine catches up in one go); the last may be finished."""
+        outs = [await self._outputs.get()]
+        while not outs[-1].finished and not self._outputs.empty():
+            outs.append(self._outputs.get_nowait())
+        return outs
+
+
+def _put_all(items) -> None:
+    for outputs, out in items:
+        outputs.put_nowait(out)
+
 
 class EngineLoop:
     def __init__(self, text: TextEngine, max_requests: int | None = None):
@@ -87,8 +100,7 @@ class EngineLoop:
                 except queue.Empty:
                     pass
                 self.steps += 1
-                for out in self.text.step():
-                    self._deliver(out)
+                self._deliver(self.text.step())
         finally:
             self._closed.set()
             for rid in list(self._streams):
@@ -114,11 +126,16 @@ class EngineLoop:
         elif kind == "close":
             self._closed.set()
 
-    def _deliver(self, out: TextOutput) -> None:
-        loop, outputs = self._streams[out.id]
-        loop.call_soon_threadsafe(outputs.put_nowait, out)
-        if out.finished:
-            del self._streams[out.id]
+    def _deliver(self, outs: list[TextOutput]) -> None:
+        """Hand a step's outputs over: one wake-up per event loop a step, however many streams."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outs:
+            loop, outputs = self._streams[out.id]
+            by_loop.setdefault(loop, []).append((outputs, out))
+            if out.finished:
+                del self._streams[out.id]
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     def _end(self, rid: int) -> None:
         """Close a stream that will get no more outputs (aborted, or the loop closing)."""

@@ -11,7 +11,8 @@
     mambastep bench serve --url URL [--concurrency C] [--requests N]
                                             load generator over HTTP against `mambastep serve`
                                             (`mambastep bench serve --help`)
-    mambastep bench markdown [--steps S.json] [--kernels K.json] [--run R.json ...] [--out PATH]
+    mambastep bench markdown [--steps S.json] [--kernels K.json] [--run R.json ...]
+                             [--serve H.json ...] [--out PATH]
                                             docs/BENCHMARKS.md from those commands' --json
                                             (no GPU needed); --readme: the README's table
 """
@@ -45,6 +46,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", metavar="JSON", help="markdown: the JSON of `bench steps`")
     parser.add_argument("--kernels", metavar="JSON", help="markdown: the JSON of `bench kernels`")
     parser.add_argument("--run", metavar="JSON", nargs="*", default=[], help="markdown: JSONs of `mambastep run`")
+    parser.add_argument("--serve", metavar="JSON", nargs="*", default=[],
+                        help="markdown: JSONs of `bench serve` (set beside the --run of the same model)")
     parser.add_argument("--out", metavar="PATH", help="markdown: write here instead of standard output")
     parser.add_argument("--readme", action="store_true", help="markdown: the README's summary table instead")
     args = parser.parse_args(argv)
@@ -54,7 +57,7 @@ def main(argv=None) -> int:
         if args.readme and not args.steps:
             parser.error("--readme needs --steps")
         text = (bench_markdown.readme_table(args.steps, args.run, args.kernels) if args.readme
-                else bench_markdown.render(args.steps, args.kernels, args.run))
+                else bench_markdown.render(args.steps, args.kernels, args.run, args.serve))
         if args.out:
             with open(args.out, "w") as f:
                 f.write(text)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from . import bench_kernels, bench_steps
 
-__all__ = ["readme_table", "render", "run_command", "run_table"]
+__all__ = ["readme_table", "render", "run_command", "run_table", "serve_table"]
 
 
 def run_command(r: dict) -> str:
@@ -33,6 +33,22 @@ def run_table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def serve_table(served: list[dict], runs: list[dict]) -> str:
+    """Each `bench serve` result beside the in-process `mambastep run` of its model and concurrency."""
+    lines = ["| model | concurrency | inter-token mean (ms): in-process / HTTP / added | TTFT p50 (ms): in-process / "
+             "HTTP | output tokens/s: in-process / HTTP / kept |", "| --- | --- | --- | --- | --- |"]
+    for h in served:
+        r = next((r for r in runs if r["model"] == h["model"] and r["concurrency"] == h["concurrency"]
+                  and not r.get("pipelined") and r.get("mode") != "eager"), None)
+        if r is None:
+            continue
+        a, b = r["itl_ms"]["mean"], h["itl_ms"]["mean"]
+        x, y = r["output_tokens_per_s"], h["output_tokens_per_s"]
+        lines.append(f"| {h['model']} | {h['concurrency']} | {a:.3f} / {b:.3f} / {b - a:+.3f} | "
+                     f"{r['ttft_ms']['p50']:.2f} / {h['ttft_ms']['p50']:.2f} | {x:.0f} / {y:.0f} / {100 * y / x:.0f}% |")
+    return "\n".join(lines)
+
+
 def _load_runs(paths) -> list[dict]:
     """Run results from files each holding one result, or a mapping of them."""
     runs = []
@@ -42,7 +58,7 @@ def _load_runs(paths) -> list[dict]:
     return runs
 
 
-def render(steps: str | None = None, kernels: str | None = None, runs=()) -> str:
+def render(steps: str | None = None, kernels: str | None = None, runs=(), serve=()) -> str:
     out = ["# Benchmarks", "",
            "Current numbers only, each table under the command that printed it; the whole page is written by",
            "`mambastep bench markdown` from those commands' `--json` output (`.ci/gpu-bench` runs them all).",
@@ -57,6 +73,13 @@ def render(steps: str | None = None, kernels: str | None = None, runs=()) -> str
                 "A synthetic chat workload (prompts ~223, outputs ~140 tokens, greedy) through the Engine; the "
                 f"device and date are those of the step tables above. {len(results)} runs:", "",
                 run_table(results), ""]
+    if serve:
+        out += ["## Over HTTP", "", "```", "mambastep serve --preset P --port 8000 &",
+                "mambastep bench serve --url http://127.0.0.1:8000 --vocab V --concurrency C --requests N --json PATH",
+                "```", "",
+                "The same workload as the main job (same seed, lengths and prompt ids), streamed through the "
+                "OpenAI-compatible server by a client process on the same machine, beside the in-process run above:",
+                "", serve_table(_load_runs(serve), _load_runs(runs)), ""]
     if kernels:
         out += ["## Kernels", "", "```", "mambastep bench kernels --json kernels.json", "```", "",
                 bench_kernels.tables(json.loads(Path(kernels).read_text())), ""]

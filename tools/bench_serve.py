@@ -1,7 +1,9 @@
 """mambastep bench serve: a load generator against a running `mambastep serve`, in genai-perf's
 terms: time to first token, inter-token latency, request latency (mean, p50, p90, p99) and
 output tokens/s, at a given concurrency, with the same synthetic workload as `mambastep run`
-(prompts ~223 and outputs ~140 tokens, sent as token ids, streamed).
+(prompts ~223 and outputs ~140 tokens, sent as token ids, streamed; with --vocab the model's
+vocabulary size, the very prompts `mambastep run --seed` draws). Inter-token latency is
+genai-perf's: (last token - first token) / (tokens - 1) per request, as a chunk may carry several.
 
     mambastep serve --preset mamba2-130m --port 8000 &
     mambastep bench serve --url http://127.0.0.1:8000 --concurrency 64 --requests 256
@@ -12,10 +14,12 @@ from __future__ import annotations
 import asyncio
 import datetime
 import json
+import multiprocessing
+import os
+import queue as queue_module
 import sys
 import time
 
-import numpy as np
 from tqdm import tqdm
 
 from .args import Parser, writable_path
@@ -35,39 +39,92 @@ async def _one(http, prompt, n_out: int, model: str | None, stats: dict) -> None
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            chunk = json.loads(line[6:])
-            if chunk["choices"]:  # a step's tokens
+            # parse only what may be the closing usage chunk: the client must keep up with the server
+            chunk = json.loads(line[6:]) if '"usage"' in line else None
+            if chunk is None or chunk["choices"]:  # a step's tokens
                 times.append(time.perf_counter())
-            else:  # the closing usage chunk
+            else:
                 tokens = chunk["usage"]["completion_tokens"]
     stats["ttft"].append(times[0] - start)
-    if len(times) > 1:
-        stats["itl"].append(float(np.mean(np.diff(times))))
+    if tokens > 1:  # genai-perf's inter-token latency: a chunk may carry several tokens
+        stats["itl"].append((times[-1] - times[0]) / (tokens - 1))
     stats["latency"].append(times[-1] - start)
     stats["output_tokens"] += tokens
 
 
-async def load(url: str, jobs, concurrency: int, model: str | None = None, progress: bool = True) -> dict:
-    """Run ``jobs`` against ``url`` with ``concurrency`` requests in flight; timings in seconds."""
+async def _load(url: str, take, concurrency: int, model: str | None, done) -> dict:
+    """``concurrency`` streams that each send the jobs ``take()`` hands out until it returns None;
+    ``done()`` after each request. Timings in seconds."""
     import httpx
 
     stats = {"ttft": [], "itl": [], "latency": [], "output_tokens": 0}
-    queue = list(reversed(jobs))
-    bar = tqdm(total=len(jobs), desc="requests", disable=not progress, file=sys.stderr)
 
     async def worker(http):
-        while queue:
-            prompt, n_out = queue.pop()
-            await _one(http, prompt, n_out, model, stats)
-            bar.update()
+        while (job := take()) is not None:
+            await _one(http, *job, model, stats)
+            done()
 
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(http) for _ in range(concurrency)))
-        wall = time.perf_counter() - t0
+        stats["wall"] = time.perf_counter() - t0
+    return stats
+
+
+def _client(url, jobs, concurrency, model, ready, finished, results) -> None:
+    """One client process: its share of the streams, taking jobs from the shared queue."""
+
+    def take():
+        return jobs.get(timeout=60)
+
+    def done():
+        with finished.get_lock():
+            finished.value += 1
+
+    ready.wait()
+    results.put(asyncio.run(_load(url, take, concurrency, model, done)))
+
+
+def load(url: str, jobs, concurrency: int, model: str | None = None, progress: bool = True,
+         processes: int = 1) -> dict:
+    """Run ``jobs`` against ``url`` with ``concurrency`` requests in flight, spread over
+    ``processes`` client processes (one Python process cannot read tens of thousands of chunks a
+    second); per-request timings in seconds and the wall time."""
+    bar = tqdm(total=len(jobs), desc="requests", disable=not progress, file=sys.stderr)
+    if processes == 1:
+        queue = list(reversed(jobs))
+        stats = asyncio.run(_load(url, lambda: queue.pop() if queue else None, concurrency, model, bar.update))
+        bar.close()
+        return stats
+    ctx = multiprocessing.get_context("spawn")
+    shared, finished, ready, results = ctx.Queue(), ctx.Value("i", 0), ctx.Barrier(processes + 1), ctx.Queue()
+    for job in jobs:
+        shared.put(job)
+    for _ in range(concurrency):  # one end marker a stream
+        shared.put(None)
+    shares = [concurrency // processes + (i < concurrency % processes) for i in range(processes)]
+    procs = [ctx.Process(target=_client, args=(url, shared, c, model, ready, finished, results), daemon=True)
+             for c in shares]
+    for p in procs:
+        p.start()
+    ready.wait()  # every client process is up: the clock starts
+    t0 = time.perf_counter()
+    parts = []
+    while len(parts) < processes:
+        try:
+            parts.append(results.get(timeout=0.2))
+        except queue_module.Empty:
+            if not all(p.is_alive() for p in procs) and results.empty():
+                raise RuntimeError("a client process failed (its traceback is above)") from None
+        bar.update(finished.value - bar.n)
+    wall = time.perf_counter() - t0
     bar.close()
-    return {**stats, "wall": wall}
+    for p in procs:
+        p.join()
+    return {"ttft": sum((s["ttft"] for s in parts), []), "itl": sum((s["itl"] for s in parts), []),
+            "latency": sum((s["latency"] for s in parts), []),
+            "output_tokens": sum(s["output_tokens"] for s in parts), "wall": wall}
 
 
 def main(argv=None) -> int:
@@ -79,27 +136,38 @@ def main(argv=None) -> int:
     parser.add_argument("--vocab", type=int, default=256, help="prompt token ids are drawn below this")
     parser.add_argument("--max-context", type=int, default=4096, help="the server's prompt + output bound")
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
+    parser.add_argument("--processes", type=int, default=None,
+                        help="client processes the streams are spread over (default: up to 8, half the CPUs)")
     parser.add_argument("--json", metavar="PATH", help="also write the statistics as JSON to PATH")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     for flag, value in (("--requests", args.requests), ("--concurrency", args.concurrency), ("--vocab", args.vocab)):
         if value < 1:
             parser.error(f"{flag}: must be at least 1, got {value}")
+    processes = args.processes or min(args.concurrency, 8, max(1, (os.cpu_count() or 2) // 2))
+    if not 1 <= processes <= args.concurrency:
+        parser.error(f"--processes: expected 1..{args.concurrency} (the concurrency), got {processes}")
     writable_path(parser, "--json", args.json)
     import httpx
 
     try:
         httpx.get(args.url + "/health", timeout=10).raise_for_status()
-    except httpx.HTTPError as e:
+        served = httpx.get(args.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
         parser.error(f"--url {args.url}: no server answers ({e})")
     jobs = workload(args.requests, args.vocab, args.seed, max_context=args.max_context)
-    timings = asyncio.run(load(args.url, jobs, args.concurrency, args.model, progress=not args.quiet))
+    before = httpx.get(args.url + "/health", timeout=10).json().get("steps")
+    timings = load(args.url, jobs, args.concurrency, args.model, progress=not args.quiet, processes=processes)
+    after = httpx.get(args.url + "/health", timeout=10).json().get("steps")
     stats = summarize(timings, args.requests)
     print_table(stats, f"\n{args.url}: {args.requests} requests, concurrency {args.concurrency} (HTTP, streamed)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"url": args.url, "date": datetime.date.today().isoformat(), "requests": args.requests,
-                       "concurrency": args.concurrency, **stats}, f, indent=1)
+            json.dump({"url": args.url, "model": args.model or served, "date": datetime.date.today().isoformat(),
+                       "requests": args.requests, "concurrency": args.concurrency, "vocab": args.vocab,
+                       "seed": args.seed, "processes": processes,
+                       "server_steps_per_s": (after - before) / timings["wall"] if before is not None else None,
+                       **stats}, f, indent=1)
     return 0
 
 

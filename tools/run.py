@@ -79,6 +79,7 @@ def summarize(t: dict, n_requests: int) -> dict:
     for key in ("ttft", "itl", "latency"):
         v = np.asarray(t[key]) * 1e3
         stats[key + "_ms"] = {"mean": float(v.mean()), **{f"p{q}": float(np.percentile(v, q)) for q in (50, 90, 99)}}
+    stats["output_tokens"] = t["output_tokens"]
     stats["output_tokens_per_s"] = t["output_tokens"] / t["wall"]
     stats["requests_per_s"] = n_requests / t["wall"]
     stats["wall_s"] = t["wall"]

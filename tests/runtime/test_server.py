@@ -233,3 +233,17 @@ def test_closing_the_loop_ends_every_stream(checkpoint):
     assert health == 503 and r.status_code == 503 and "unavailable" in r.json()["error"]["message"]
     with pytest.raises(RuntimeError, match="closed"):
         asyncio.run(loop.submit("x", SamplingParams()))
+
+
+def test_bench_serve_spreads_its_streams_over_client_processes(server, tmp_path):
+    from mambastep.tools import cli
+
+    out = tmp_path / "serve.json"
+    assert cli.main(["bench", "serve", "--url", server.url, "--requests", "5", "--concurrency", "3", "--processes", "2",
+                     "--vocab", "256", "--max-context", "64", "--quiet", "--json", str(out)]) == 0
+    stats = json.loads(out.read_text())
+    from mambastep.tools.run import workload
+
+    assert stats["processes"] == 2 and stats["server_steps_per_s"] > 0
+    assert stats["output_tokens"] == sum(n for _, n in workload(5, 256, 0, max_context=64))  # every request, whole
+    assert server.idle()

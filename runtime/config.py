@@ -68,6 +68,8 @@ class ModelConfig:
     topk_group: int = 1
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
+    # routed experts in a smaller latent space (None: the hidden size), as the larger Nemotron 3
+    moe_latent_size: int | None = None
 
     def __post_init__(self):
         for f in fields(self):
@@ -103,9 +105,12 @@ class ModelConfig:
                 _positive(self, name)
             if self.num_experts_per_tok > self.n_routed_experts:
                 raise ConfigError("num_experts_per_tok: exceeds n_routed_experts")
-            if self.n_routed_experts % self.n_group or self.topk_group > self.n_group:
-                raise ConfigError(f"n_group/topk_group: {self.n_group}/{self.topk_group} do not fit "
-                                  f"{self.n_routed_experts} experts")
+            if (self.n_routed_experts % self.n_group or not 1 <= self.topk_group <= self.n_group
+                    or self.num_experts_per_tok > self.topk_group * (self.n_routed_experts // self.n_group)):
+                raise ConfigError(f"n_group/topk_group: {self.num_experts_per_tok} of {self.n_routed_experts} "
+                                  f"experts in {self.topk_group} of {self.n_group} groups do not fit")
+            if self.moe_latent_size is not None and self.moe_latent_size < 1:
+                raise ConfigError(f"moe_latent_size: must be positive or null, got {self.moe_latent_size}")
 
     @property
     def num_layers(self) -> int:
@@ -197,8 +202,6 @@ class ModelConfig:
         for key, want in (("mamba_hidden_act", "silu"), ("mlp_hidden_act", "relu2")):
             if hf.get(key, want) != want:
                 raise ConfigError(f"{key}: only {want} is supported, got {hf[key]!r}")
-        if hf.get("moe_latent_size"):
-            raise ConfigError("moe_latent_size: latent MoE projections are not supported")
         if hf.get("sliding_window"):
             raise ConfigError("sliding_window: sliding-window attention is not supported")
         mamba_heads = hf.get("mamba_num_heads", 128)
@@ -240,6 +243,7 @@ class ModelConfig:
             topk_group=hf.get("topk_group", 1),
             norm_topk_prob=hf.get("norm_topk_prob", True),
             routed_scaling_factor=hf.get("routed_scaling_factor", 1.0),
+            moe_latent_size=hf.get("moe_latent_size"),
         )
 
 def _is_int(v) -> bool:

@@ -22,6 +22,8 @@ def one_tile(cfg: ModelConfig) -> bool:
         widest = max(widest, cfg.intermediate_size)
     if "attention" in cfg.layer_types:
         widest = max(widest, cfg.num_attention_heads * cfg.attention_head_dim)
+    if "moe" in cfg.layer_types:  # the shared expert's down projection
+        widest = max(widest, cfg.moe_shared_expert_intermediate_size * cfg.n_shared_experts)
     return widest <= ONE_TILE_MAX_K
 
 

@@ -10,6 +10,9 @@ from .config import ModelConfig
 __all__ = ["PRESETS", "preset_config"]
 
 _NEMOTRON_H_8B_PATTERN = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
+# the hybrid_override_pattern of NVIDIA-Nemotron-3-Nano-30B-A3B and of NVIDIA-Nemotron-Nano-9B-v2
+_NEMOTRON_3_NANO_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
+_NEMOTRON_NANO_9B_V2_PATTERN = "M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-"
 _KIND = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 
 PRESETS: dict[str, dict] = {
@@ -53,6 +56,27 @@ PRESETS: dict[str, dict] = {
         chunk_size=128, dt_limit=(1e-3, float("inf")),
         num_attention_heads=32, num_key_value_heads=8, attention_head_dim=128,
         intermediate_size=21504, max_position_embeddings=8192, eos_token_id=2,
+    ),
+    # 52 layers: 23 Mamba2, 23 MoE (128 routed relu2 experts, top-6, sigmoid router scaled by
+    # 2.5, one shared expert of twice the width), 6 attention (32 query, 2 KV heads)
+    "nemotron-3-nano-30b-a3b": dict(
+        architecture="nemotron_h", vocab_size=131072, hidden_size=2688,
+        layer_types=tuple(_KIND[c] for c in _NEMOTRON_3_NANO_PATTERN),
+        mamba_num_heads=64, mamba_head_dim=64, ssm_state_size=128, n_groups=8, conv_kernel=4,
+        chunk_size=128, dt_limit=(1e-3, float("inf")),
+        num_attention_heads=32, num_key_value_heads=2, attention_head_dim=128,
+        n_routed_experts=128, n_shared_experts=1, num_experts_per_tok=6, moe_intermediate_size=1856,
+        moe_shared_expert_intermediate_size=3712, n_group=1, topk_group=1, norm_topk_prob=True,
+        routed_scaling_factor=2.5, max_position_embeddings=262144, eos_token_id=2,
+    ),
+    # 56 layers: 27 Mamba2 (128 heads of 80), 25 MLP, 4 attention (40 query, 8 KV heads)
+    "nemotron-nano-9b-v2": dict(
+        architecture="nemotron_h", vocab_size=131072, hidden_size=4480,
+        layer_types=tuple(_KIND[c] for c in _NEMOTRON_NANO_9B_V2_PATTERN),
+        mamba_num_heads=128, mamba_head_dim=80, ssm_state_size=128, n_groups=8, conv_kernel=4,
+        chunk_size=128, dt_limit=(1e-3, float("inf")),
+        num_attention_heads=40, num_key_value_heads=8, attention_head_dim=128,
+        intermediate_size=15680, max_position_embeddings=131072, eos_token_id=2,
     ),
 }
 

@@ -68,16 +68,23 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                 shapes[m + "down_proj.bias"] = (D,)
         elif kind == "moe":
             E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
+            L = cfg.moe_latent_size or D  # the routed experts' width
             shapes.update({
                 m + "gate.weight": (E, D),
                 m + "gate.e_score_correction_bias": (E,),
-                m + "experts.up_proj": (E, I, D),
-                m + "experts.down_proj": (E, D, I),
+                m + "experts.up_proj": (E, I, L),
+                m + "experts.down_proj": (E, L, I),
             })
+            linears = []
+            if cfg.moe_latent_size:
+                linears += [("fc1_latent_proj", L, D), ("fc2_latent_proj", D, L)]
             if cfg.n_shared_experts:
                 S = cfg.moe_shared_expert_intermediate_size * cfg.n_shared_experts
-                shapes[m + "shared_experts.up_proj.weight"] = (S, D)
-                shapes[m + "shared_experts.down_proj.weight"] = (D, S)
+                linears += [("shared_experts.up_proj", S, D), ("shared_experts.down_proj", D, S)]
+            for name, rows, cols in linears:
+                shapes[m + name + ".weight"] = (rows, cols)
+                if cfg.mlp_bias:
+                    shapes[m + name + ".bias"] = (rows,)
     return shapes
 
 

@@ -1,6 +1,7 @@
 """Tiny random HF checkpoints of both architectures, saved with save_pretrained, and a tiny
 byte-level BPE tokenizer to save beside one."""
 
+import inspect
 import json
 
 import torch
@@ -14,6 +15,8 @@ VOCAB = 96
 # groups everywhere. Tests that drive HF's layer-level APIs directly need 5.23 too.
 HF_5_23 = Version(transformers.__version__) >= Version("5.23")
 MAMBA2_GROUPS = 2 if HF_5_23 else 1
+# routed experts in a latent space (moe_latent_size), where the installed NemotronH has them
+HF_LATENT_MOE = "fc1_latent_proj" in inspect.getsource(transformers.models.nemotron_h.modeling_nemotron_h.NemotronHMoE)
 
 
 def mamba2_config(**kw):

@@ -30,6 +30,14 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3)
 
 
+def matmul_rate(n: int = 8192) -> float:
+    """bf16 matrix-multiply rate in FLOP/s (cuBLAS, n x n x n): the yardstick of compute floors."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = median_ms(lambda: a @ b)
+    return 2 * n**3 / (ms * 1e-3)
+
+
 def bench_state_update(batch: int, state_dtype: torch.dtype, bandwidth: float) -> dict:
     from mambastep.kernels.state_update import selective_state_update
 

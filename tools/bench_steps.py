@@ -1,7 +1,9 @@
-"""Step benchmarks: decode steps eager vs CUDA graph beside the HBM floor, and mixed
-prefill/decode steps with and without the forked stream beside separate steps. Where the model
-has a fused decode path, small decode batches are also timed layer by layer and fused without
-programmatic dependent launch, each captured in its own graphs.
+"""Step benchmarks: decode steps eager vs CUDA graph beside the HBM floor, a long prefill chunk
+beside its FLOP floor, and mixed prefill/decode steps with and without the forked stream beside
+separate steps. Where the model has a fused decode path, small decode batches are also timed
+layer by layer and fused without programmatic dependent launch, each captured in its own graphs.
+A mixture-of-experts model's decode floor counts the experts the step's routing reads, layer by
+layer (the bench counts them on an eager run of the same step).
 
 Every number is a median of per-step wall times, each step synchronised (the latency a caller
 that waits for its tokens sees), on presets with random weights; beside them, decode steps
@@ -22,13 +24,14 @@ from tqdm import tqdm
 from ..graphs import BucketSet
 from ..kernels.decode_linear import pdl_supported
 from ..runtime.decode_options import DecodeOptions
+from ..runtime.mixers.moe import MoEMixer
 from ..runtime.model import Model
 from ..runtime.plan import StepPlan
 from ..runtime.state_pool import StatePool
 from ..runtime.step_runner import StepRunner
-from .bench_kernels import copy_bandwidth
+from .bench_kernels import copy_bandwidth, matmul_rate
 
-DECODE_BATCHES = (1, 2, 4, 8, 32, 128, 256)
+DECODE_BATCHES = (1, 2, 4, 8, 32, 64, 128, 256)
 MIXED_DECODE = (16, 64)
 PREFILL_CHUNKS = (223, 512, 2048)
 CONTEXT = 256  # tokens already in each decode row's slot
@@ -82,10 +85,26 @@ def prefill_plan(tokens: int, slot: int) -> StepPlan:
     return StepPlan.make([(ids, slot, 0)])
 
 
-def hbm_floor_bytes(model: Model, pool: StatePool, batch: int) -> int:
+def _moe_mixers(model: Model):
+    return [b.mixer for b in model.blocks if isinstance(b.mixer, MoEMixer)]
+
+
+def routed_experts(runner: StepRunner, plan: StepPlan) -> dict[int, int]:
+    """Distinct experts each MoE layer routes the step's rows to (an eager run of the step)."""
+    bucket = runner.bucket_for(plan)
+    runner.buffers.fill(plan, bucket)
+    runner.buffers.upload()
+    seen: dict[int, int] = {}
+    runner.model.forward(runner.buffers.inputs(bucket), runner.pool,
+                         observe=lambda layer, idx: seen.__setitem__(layer, int(idx.unique().numel())))
+    return seen
+
+
+def hbm_floor_bytes(model: Model, pool: StatePool, batch: int, routed: dict[int, int] | None = None) -> int:
     """Bytes a decode step must move: every weight once (the embedding table only for the LM
-    head, when tied; else only the gathered rows), each row's states read and written, and each
-    attention row's KV read (plus the new key and value written)."""
+    head, when tied; else only the gathered rows) but of the routed experts only those
+    ``routed`` counts per MoE layer, each row's states read and written, and each attention
+    row's KV read (plus the new key and value written)."""
     cfg = model.cfg
     seen, weights = set(), 0
     for t in _weights(model):
@@ -94,6 +113,9 @@ def hbm_floor_bytes(model: Model, pool: StatePool, batch: int) -> int:
             weights += t.numel() * t.element_size()
     if not cfg.tie_word_embeddings:
         weights -= model.embed.numel() * model.embed.element_size()
+    for m in _moe_mixers(model):
+        per_expert = (m.up[0].numel() + m.down[0].numel()) * m.up.element_size()
+        weights -= per_expert * (m.up.shape[0] - (routed or {}).get(m.layer, m.up.shape[0]))
     state = 0
     for i in cfg.layers_of("mamba"):
         conv, ssm = pool.conv[i], pool.ssm[i]
@@ -102,6 +124,28 @@ def hbm_floor_bytes(model: Model, pool: StatePool, batch: int) -> int:
         per_pos = pool.k[i][0, 0].numel() * pool.k[i].element_size() * 2
         state += per_pos * (CONTEXT + 2)
     return weights + batch * state
+
+
+def prefill_flops(model: Model, tokens: int) -> float:
+    """The matrix products of a prefill chunk alone, a lower bound on its work: every block
+    projection over every token (of the routed experts, the k each token takes), and the LM head
+    over the one row whose logits the step returns. The SSD scan and attention scores come on top."""
+    flops = 2.0 * model.lm_head.shape[0] * model.lm_head.shape[1]
+    for block in model.blocks:
+        m = block.mixer
+        params = sum(t.numel() for t in _mixer_tensors(m) if t.dim() == 2 or (t.dim() == 3 and t.shape[1] == 1))
+        if isinstance(m, MoEMixer):
+            params += m.route["top_k"] * (m.up[0].numel() + m.down[0].numel())
+        flops += 2.0 * tokens * params
+    return flops
+
+
+def _mixer_tensors(mixer):
+    fields = vars(mixer).values()
+    yield from (v for v in fields if isinstance(v, torch.Tensor) and not (isinstance(mixer, MoEMixer) and v.dim() == 3))
+    for v in fields:
+        if isinstance(v, tuple):
+            yield from (t for t in v if isinstance(t, torch.Tensor))
 
 
 def _weights(model: Model):
@@ -130,7 +174,7 @@ def captured_with(model: Model, pool: StatePool, buckets: list, progress: bool, 
     return runner
 
 
-def bench_preset(name: str, bandwidth: float, progress: bool) -> dict:
+def bench_preset(name: str, bandwidth: float, rate: float, progress: bool) -> dict:
     torch.manual_seed(0)
     model = Model.from_preset(name, dtype=torch.bfloat16, device="cuda")
     slots = max(DECODE_BATCHES) + max(MIXED_DECODE) + 1
@@ -154,16 +198,23 @@ def bench_preset(name: str, bandwidth: float, progress: bool) -> dict:
             other = "no_pdl_ms" if opts.pdl else "pdl_ms"
             variants[other] = captured_with(model, pool, small, progress, pdl=not opts.pdl)
     rows = []
+    moe = bool(_moe_mixers(model))
     for batch in tqdm(DECODE_BATCHES, desc=f"{name} decode", disable=not progress):
         plan = decode_plan(batch)
+        routed = routed_experts(eager, plan) if moe else None
         e, g = step_ms(eager, plan), step_ms(forked, plan)
-        floor = hbm_floor_bytes(model, pool, batch) / bandwidth * 1e3
+        floor = hbm_floor_bytes(model, pool, batch, routed) / bandwidth * 1e3
         row = {"kind": "decode", "batch": batch, "eager_ms": e, "graph_ms": g, "floor_ms": floor,
                "back_to_back_ms": step_ms(forked, plan, steps=50, rounds=5), "replay_ms": replay_ms(forked, plan)}
+        if moe:
+            row["experts_per_layer"] = sum(routed.values()) / len(routed)
         if batch <= opts.max_rows:
             row.update({k: step_ms(r, plan) for k, r in variants.items()})
         rows.append(row)
     prefill_slot = slots - 1
+    tokens = max(PREFILL_CHUNKS)
+    rows.append({"kind": "prefill", "tokens": tokens, "graph_ms": step_ms(forked, prefill_plan(tokens, prefill_slot)),
+                 "floor_ms": prefill_flops(model, tokens) / rate * 1e3})
     for d in tqdm(MIXED_DECODE, desc=f"{name} mixed", disable=not progress):
         for c in PREFILL_CHUNKS:
             pre = prefill_plan(c, prefill_slot)
@@ -182,29 +233,39 @@ def bench_preset(name: str, bandwidth: float, progress: bool) -> dict:
 
 
 def run(presets=("mamba2-130m", "nemotron-h-8b"), progress: bool = True) -> dict:
-    bandwidth = copy_bandwidth()
+    bandwidth, rate = copy_bandwidth(), matmul_rate()
     return {
         "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__, "copy_GB/s": bandwidth / 1e9,
-        "presets": [bench_preset(p, bandwidth, progress) for p in presets],
+        "torch": torch.__version__, "copy_GB/s": bandwidth / 1e9, "matmul_TFLOP/s": rate / 1e12,
+        "presets": [bench_preset(p, bandwidth, rate, progress) for p in presets],
     }
 
 
 def tables(result: dict) -> str:
     """The result's tables in markdown, per preset: decode steps, the fused path's variants, and
     mixed steps."""
+    rate = result.get("matmul_TFLOP/s")
     out = [f"{result['device']}, {result['date']}, torch {result['torch']}, "
-           f"copy bandwidth {result['copy_GB/s']:.0f} GB/s; bf16 weights, fp32 SSM state, context {CONTEXT}"]
+           f"copy bandwidth {result['copy_GB/s']:.0f} GB/s" + (f", bf16 matmul {rate:.0f} TFLOP/s" if rate else "")
+           + f"; bf16 weights, fp32 SSM state, context {CONTEXT}"]
     for p in result["presets"]:
         out += ["", f"{p['preset']}: " + "; ".join(p["capture"]), ""]
+        moe = any("experts_per_layer" in r for r in p["rows"])
         out += ["| decode batch | eager (ms) | graph (ms) | eager/graph | graph, back to back (ms) "
-                "| replay on device (ms) | HBM floor (ms) | graph/floor |",
-                "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+                "| replay on device (ms) | HBM floor (ms) | graph/floor |" + (" experts read a layer |" if moe else ""),
+                "| --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if moe else "")]
         for r in p["rows"]:
             if r["kind"] == "decode":
                 out.append(f"| {r['batch']} | {r['eager_ms']:.3f} | {r['graph_ms']:.3f} | "
                            f"{r['eager_ms'] / r['graph_ms']:.1f}x | {r['back_to_back_ms']:.3f} | "
-                           f"{r['replay_ms']:.3f} | {r['floor_ms']:.3f} | {r['graph_ms'] / r['floor_ms']:.2f}x |")
+                           f"{r['replay_ms']:.3f} | {r['floor_ms']:.3f} | {r['graph_ms'] / r['floor_ms']:.2f}x |"
+                           + (f" {r['experts_per_layer']:.1f} |" if moe else ""))
+        for r in p["rows"]:
+            if r["kind"] == "prefill":
+                out += ["", "| prefill chunk (tokens) | graph (ms) | FLOP floor of its matrix products (ms) | "
+                        "graph/floor |", "| --- | --- | --- | --- |",
+                        f"| {r['tokens']} | {r['graph_ms']:.2f} | {r['floor_ms']:.2f} | "
+                        f"{r['graph_ms'] / r['floor_ms']:.2f}x |"]
         fused = [r for r in p["rows"] if "layered_ms" in r]
         if fused:
             # graph_ms is the model's default launch mode; the other one is timed where supported

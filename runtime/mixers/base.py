@@ -50,12 +50,15 @@ class Norm:
 @dataclass(frozen=True)
 class StepContext:
     """What a mixer reads besides its input: the step's metadata (shared by every layer), the
-    state pool, the auxiliary stream of a forked step (or None) and the model's decode options."""
+    state pool, the auxiliary stream of a forked step (or None) and the model's decode options.
+    ``observe``: None, or a callable that MoE layers hand ``(layer, expert ids)`` (benchmarks
+    count the experts a step reads; an eager step only)."""
 
     inputs: StepInputs
     pool: StatePool
     aux_stream: torch.cuda.Stream | None
     options: DecodeOptions
+    observe: Callable[[int, torch.Tensor], None] | None = None
 
 
 class Mixer:

@@ -1,60 +1,71 @@
-"""NemotronH's mixture of relu2 experts with a shared expert (no fused decode)."""
+"""NemotronH's mixture of relu2 experts with a shared expert, over the routed pairs only
+(``kernels.moe``): route, the routed experts, the shared expert beside them, combine.
+
+With ``moe_latent_size`` (the larger Nemotron 3 models) the routed experts work in a smaller
+latent space: the input is projected down before them and their sum back up after; the router
+and the shared expert see the full-width input, as in HF's NemotronHMoE.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from ...kernels.decode_linear import norm_linear
+from ...kernels.moe import moe_experts, moe_route
 from ..config import ModelConfig
-from .base import Mixer, StepContext
+from .base import Mixer, Norm, StepContext
 from .mlp import relu2_mlp
 
 __all__ = ["MoEMixer"]
 
 
 class MoEMixer(Mixer):
-    """Sigmoid router with a score-correction bias and group-limited top-k, as HF's NemotronH.
-
-    Every expert runs over every token and is weighted by the token's routing weight (zero when
-    not chosen): no token gather, so no data-dependent shapes and no host sync, at E/k times the
-    FLOPs of a grouped GEMM. Right for the small MoE models this runtime meets today.
-    """
+    fuses_decode = True
 
     def __init__(self, cfg: ModelConfig, idx: int, w: dict[str, torch.Tensor]):
+        self.layer = idx
         p = f"layers.{idx}.mixer."
         self.gate = w[p + "gate.weight"].float()
         self.bias = w[p + "gate.e_score_correction_bias"].float()
-        self.up, self.down = w[p + "experts.up_proj"], w[p + "experts.down_proj"]  # [E, I, D], [E, D, I]
+        self.up, self.down = w[p + "experts.up_proj"], w[p + "experts.down_proj"]  # [E, I, L], [E, L, I]
         self.shared = None
         if cfg.n_shared_experts:
-            self.shared = (w[p + "shared_experts.up_proj.weight"], w[p + "shared_experts.down_proj.weight"])
-        self.E, self.k = cfg.n_routed_experts, cfg.num_experts_per_tok
-        self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
-        self.norm_topk, self.scale = cfg.norm_topk_prob, cfg.routed_scaling_factor
+            s = p + "shared_experts."
+            self.shared = (w[s + "up_proj.weight"], w[s + "down_proj.weight"],
+                           w.get(s + "up_proj.bias"), w.get(s + "down_proj.bias"))
+        self.latent = None
+        if cfg.moe_latent_size:
+            self.latent = tuple(w.get(p + name) for name in ("fc1_latent_proj.weight", "fc1_latent_proj.bias",
+                                                            "fc2_latent_proj.weight", "fc2_latent_proj.bias"))
+        self.route = dict(top_k=cfg.num_experts_per_tok, n_group=cfg.n_group, topk_group=cfg.topk_group,
+                          norm_topk=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor)
 
-    def routing(self, x: torch.Tensor) -> torch.Tensor:
-        """Dense routing weights [T, E] (zero for experts a token does not use)."""
-        scores = F.linear(x.float(), self.gate).sigmoid()
-        choice = scores + self.bias
-        T = x.shape[0]
-        per_group = self.E // self.n_group
-        group_scores = choice.view(T, self.n_group, per_group).topk(min(2, per_group), dim=-1)[0].sum(-1)
-        group_idx = group_scores.topk(self.topk_group, dim=-1)[1]
-        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
-        allowed = group_mask.repeat_interleave(per_group, dim=1).bool()
-        top_idx = choice.masked_fill(~allowed, float("-inf")).topk(self.k, dim=-1)[1]
-        top_w = scores.gather(1, top_idx)
-        if self.norm_topk:
-            top_w = top_w / (top_w.sum(-1, keepdim=True) + 1e-20)
-        top_w = top_w * self.scale
-        return torch.zeros_like(scores).scatter_(1, top_idx, top_w)
+    def forward(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        shared = relu2_mlp(h, *self.shared) if self.shared is not None else None
+        return self._experts(h, shared, ctx)
 
-    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        weights = self.routing(x)  # [T, E] fp32
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for e in range(self.E):
-            h = relu2_mlp(x, self.up[e], self.down[e])
-            out += h.float() * weights[:, e : e + 1]
+    def fused_decode(self, residual: torch.Tensor, norm: Norm, ctx: StepContext) -> None:
+        h = norm(residual, out=torch.empty(residual.shape, dtype=self.up.dtype, device=residual.device))
+        shared = None
         if self.shared is not None:
-            out += relu2_mlp(x, *self.shared).float()
-        return out.to(x.dtype)
+            up, down, up_bias, down_bias = self.shared
+            pdl, tile_k = ctx.options.pdl, ctx.options.tile_k
+            a = torch.empty(h.shape[0], up.shape[0], dtype=h.dtype, device=h.device)
+            norm_linear(h, None, norm.eps, up, bias=up_bias, relu2=True, out=a, pdl=pdl, tile_k=tile_k)
+            shared = norm_linear(a, None, norm.eps, down, bias=down_bias, out=torch.empty_like(h), pdl=pdl,
+                                 tile_k=tile_k)
+        self._experts(h, shared, ctx, residual=residual)
+
+    def _experts(self, h: torch.Tensor, shared: torch.Tensor | None, ctx: StepContext,
+                 residual: torch.Tensor | None = None):
+        """The routed experts' weighted sum plus ``shared``: returned, or added into ``residual``."""
+        idx, w = moe_route(h, self.gate, self.bias, **self.route)
+        if ctx.observe is not None:
+            ctx.observe(self.layer, idx)
+        if self.latent is None:
+            return moe_experts(h, idx, w, self.up, self.down, shared=shared, residual=residual)
+        down_w, down_b, up_w, up_b = self.latent
+        routed = F.linear(moe_experts(F.linear(h, down_w, down_b), idx, w, self.up, self.down), up_w, up_b)
+        out = routed if shared is None else routed + shared
+        return out if residual is None else residual.add_(out)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hf_models import VOCAB, save_tiny
+from hf_models import HF_LATENT_MOE, VOCAB, save_tiny
 from mambastep.graphs import Bucket, BucketSet
 from mambastep.runtime.config import ConfigError, ModelConfig
 from mambastep.runtime.decode_options import DecodeOptions
@@ -28,12 +28,28 @@ def prompts(lens=PROMPT_LENS, seed=0):
     return [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in lens]
 
 
-@pytest.fixture(scope="module", params=KINDS)
+# Checkpoints beside the two architectures' defaults: many experts (empty ones at every step,
+# group-limited choice), and experts in a latent space, where the installed HF implements it.
+MOE = dict(layers_block_type=["mamba", "moe", "attention", "moe", "mamba", "moe"], n_routed_experts=16,
+           num_experts_per_tok=3, n_group=4, topk_group=2, routed_scaling_factor=2.5)
+VARIANTS = {"mamba2": ("mamba2", {}), "nemotron_h": ("nemotron_h", {}), "moe": ("nemotron_h", MOE),
+            "latent_moe": ("nemotron_h", {**MOE, "moe_latent_size": 16})}
+_gpu = pytest.mark.gpu
+_latent = pytest.mark.skipif(not HF_LATENT_MOE, reason="the installed transformers has no latent MoE")
+
+
+@pytest.fixture(scope="module", params=[
+    "mamba2", "nemotron_h", "moe", pytest.param("latent_moe", marks=_latent),
+    # on a GPU, fp32 through the Triton kernels (the grouped experts among them)
+    pytest.param("moe@cuda", marks=_gpu), pytest.param("latent_moe@cuda", marks=[_gpu, _latent]),
+])
 def pair(request, tmp_path_factory):
-    """(HF model, our model loaded from the HF checkpoint) for each architecture."""
-    path = tmp_path_factory.mktemp(request.param)
-    hf = save_tiny(request.param, path)
-    return hf, Model.from_pretrained(path, dtype=torch.float32)
+    """(HF model, our model loaded from the HF checkpoint) for each checkpoint variant."""
+    name, _, device = request.param.partition("@")
+    kind, kw = VARIANTS[name]
+    path = tmp_path_factory.mktemp(name)
+    hf = save_tiny(kind, path, **kw)
+    return hf, Model.from_pretrained(path, dtype=torch.float32, device=device or "cpu")
 
 
 # Small buckets, so steps are padded (rows, tokens and sequences) as they are on a GPU.
@@ -74,10 +90,11 @@ def test_prefill_logits_match_hf(pair):
     runner.buffers.fill(plan, bucket)
     runner.buffers.upload()
     # logits at every position of every prompt, not just the last
-    inputs = dataclasses.replace(runner.buffers.inputs(bucket), logit_rows=torch.arange(plan.num_prefill_tokens))
+    inputs = dataclasses.replace(runner.buffers.inputs(bucket),
+                                 logit_rows=torch.arange(plan.num_prefill_tokens, device=ours.device))
     logits = ours.forward(inputs, runner.pool)
     ref = torch.cat([hf(torch.tensor([p])).logits[0] for p in ps])
-    assert_close(logits, ref)
+    assert_close(logits.cpu(), ref)
 
 
 @torch.no_grad()
@@ -120,7 +137,7 @@ def test_mixed_step_equals_separate_steps(pair):
         assert_close(x, y)
 
 
-# Nemotron-H without experts: every layer kind with a fused decode path (MoE layers have none)
+# Nemotron-H without experts (for bf16 comparisons, where near-tied expert choices may flip)
 DENSE_HYBRID = ["mamba", "attention", "mlp", "mamba", "mlp", "attention", "mamba"]
 
 
@@ -132,7 +149,7 @@ def test_fused_decode_equals_layer_by_layer(kind, tmp_path):
     fused). On CPU it runs the fused ops' references, which checks the wiring: slices, orders,
     the residual stream, the KV cache; the Triton kernels are checked against the same
     references."""
-    save_tiny(kind, tmp_path, **({"layers_block_type": DENSE_HYBRID} if kind == "nemotron_h" else {}))
+    save_tiny(kind, tmp_path)  # Nemotron-H with every layer kind, experts included
     fused = Model.from_pretrained(tmp_path, dtype=torch.float32, options=DecodeOptions(fused=True))
     layered = Model.from_pretrained(tmp_path, dtype=torch.float32)
     assert fused.options.max_rows == 4 and layered.options.max_rows == 0  # CPU: layered unless asked
@@ -157,7 +174,7 @@ def test_fused_decode_equals_layer_by_layer(kind, tmp_path):
 def test_fused_rows_follow_the_projection_shapes():
     """The fused decode path takes 1-4 rows where every projection's K fits one register tile
     (Mamba2-130M), 1 row where the projections stream K (Nemotron-H-8B); none where a mixer
-    has no fused decode (MoE) or the options turn it off."""
+    has no fused decode or the options turn it off."""
     def resolve(name, **kw):
         return DecodeOptions(fused=True, **kw).resolve(preset_config(name), torch.device("cpu"), True)
 
@@ -165,6 +182,7 @@ def test_fused_rows_follow_the_projection_shapes():
     assert resolve("nemotron-h-8b").max_rows == 1
     assert resolve("mamba2-130m", tile_k=64).max_rows == 1
     assert resolve("mamba2-130m", max_rows=2).max_rows == 2
+    assert resolve("nemotron-3-nano-30b-a3b").max_rows == 1
     cfg = preset_config("tiny-hybrid")
     assert DecodeOptions(fused=True).resolve(cfg, torch.device("cpu"), False).max_rows == 0
     assert DecodeOptions().resolve(cfg, torch.device("cpu"), True).max_rows == 0  # CPU default: layered
@@ -209,6 +227,33 @@ def test_sharded_checkpoint_loads_the_same(tmp_path):
     sharded = Model.from_pretrained(tmp_path / "sharded", dtype=torch.float32)
     plan = [(p, slot, 0) for slot, p in enumerate(prompts([5, 9]))]
     assert torch.equal(step(new_runner(one), plan), step(new_runner(sharded), plan))
+
+
+def test_mtp_layers_load_and_leave_the_model_alone(tmp_path):
+    """A checkpoint with multi-token-prediction layers (num_nextn_predict_layers, mtp.* tensors,
+    as NVIDIA's Nemotron 3 ship) loads; the layers serve speculative decoding, which this
+    runtime does not do, so they are not read and the logits are the model's."""
+    save_tiny("nemotron_h", tmp_path / "base", **MOE)
+    plain = Model.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    mtp = tmp_path / "mtp"
+    mtp.mkdir()
+    cfg = json.loads((tmp_path / "base" / "config.json").read_text())
+    cfg.update(num_nextn_predict_layers=1, mtp_layers_block_type=["attention", "moe"])
+    (mtp / "config.json").write_text(json.dumps(cfg))
+    tensors = load_file(tmp_path / "base" / "model.safetensors")
+    tensors["mtp.layers.0.mixer.q_proj.weight"] = torch.randn(32, 32)
+    save_file(tensors, mtp / "model.safetensors", metadata={"format": "pt"})
+    plan = [(p, slot, 0) for slot, p in enumerate(prompts([5, 9]))]
+    with_mtp = Model.from_pretrained(mtp, dtype=torch.float32)
+    assert torch.equal(step(new_runner(plain), plan), step(new_runner(with_mtp), plan))
+
+
+def test_an_expert_choice_that_cannot_be_made_names_its_fields():
+    base = preset_config("tiny-hybrid")
+    with pytest.raises(ConfigError, match="n_group/topk_group: 3 of 4 experts in 1 of 2 groups"):
+        dataclasses.replace(base, num_experts_per_tok=3, n_group=2, topk_group=1)
+    with pytest.raises(ConfigError, match="moe_latent_size"):
+        dataclasses.replace(base, moe_latent_size=0)
 
 
 def test_inconsistent_config_names_the_field():

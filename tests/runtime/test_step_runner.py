@@ -203,7 +203,7 @@ def test_one_host_to_device_copy_per_step(gpu_model):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile_k", [None, 16], ids=["one-tile", "streamed"])
-@pytest.mark.parametrize("preset", ["tiny-mamba2", "tiny-nemotron-h"])
+@pytest.mark.parametrize("preset", ["tiny-mamba2", "tiny-nemotron-h", "tiny-hybrid"])
 def test_fused_decode_equals_layer_by_layer_gpu(preset, tile_k):
     """Graphs of the fused decode path (Triton skinny projections chained by programmatic
     dependent launch) against graphs of the layer-by-layer path: the same tokens and close

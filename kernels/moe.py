@@ -1,0 +1,414 @@
+"""Mixture of experts at the cost of the experts a step routes to: routing, the (token, expert)
+pairs sorted by expert, two grouped GEMMs over those pairs only, and a weighted combine.
+
+Static shapes throughout, so a step is captured once per bucket and replays with no host sync:
+
+1. ``moe_route``: router logits in fp32, sigmoid scores, the score-correction bias for the
+   choice, group-limited top-k, normalisation and routed scaling, exactly as HF's NemotronH.
+   A token's k experts come out in ascending expert order, the order HF's loop adds them in.
+2. ``moe_experts`` (align): one program counts the pairs per expert, pads each expert's run to
+   the GEMM tile height ``block_m`` and gives every pair its slot, tokens in order within an
+   expert. Buffers are sized by the bucket: P = tokens x k pairs take at most
+   P + min(E, P) x (block_m - 1) slots, whatever the routing.
+3. Grouped GEMMs: a program per (tile of slots, block of columns) finds its tile's expert from
+   the device counts and exits when the tile lies past the last expert's run, so the grid is
+   fixed by the bucket and only routed experts' weights are read. Up projection with relu2
+   (each rounded to the activations' dtype, as HF's two ops), then down projection.
+4. Combine: a token's k rows weighted and summed in fp32 in expert order, rounded, plus the
+   shared expert's output, optionally added into the residual stream. No atomics anywhere, so a
+   step is deterministic run to run.
+
+``moe_experts_ref`` is the dense math every test compares against: every expert over every
+token, weighted by the token's routing weight (zero where not chosen).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .activation import relu2_ref
+from .dispatch import with_reference
+
+__all__ = ["block_m", "moe_experts", "moe_experts_ref", "moe_route", "moe_route_ref", "slot_count"]
+
+
+# ---------------------------------------------------------------------------------------------
+# routing
+
+
+@triton.jit
+def _logits_kernel(x_ptr, gate_ptr, out_ptr, T, D, E, stride_x,
+                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
+    """logits[T, E] = x.float() @ gate.T in fp32 (IEEE products, as torch's fp32 GEMM)."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    row_ok, col_ok = rows < T, cols < E
+    acc = tl.zeros((BLOCK_T, BLOCK_E), tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        ds = d0 + tl.arange(0, BLOCK_D)
+        d_ok = ds < D
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + ds[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        g = tl.load(gate_ptr + cols[:, None].to(tl.int64) * D + ds[None, :],
+                    mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(g), acc, input_precision="ieee")
+    tl.store(out_ptr + rows[:, None] * E + cols[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _topk_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, T, E, scale,
+                 TOP_K: tl.constexpr, N_GROUP: tl.constexpr, PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                 NORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    row_ok, col_ok = rows < T, cols < E
+    logits = tl.load(logits_ptr + rows[:, None] * E + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
+                     other=0.0)
+    scores = tl.sigmoid(logits)
+    bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0)
+    choice = tl.where(col_ok[None, :], scores + bias[None, :], float("-inf"))
+    if N_GROUP > 1:
+        # a group's score is the sum of its two best choices; keep the TOPK_GROUP best groups
+        group = cols // PER_GROUP
+        gcols = tl.arange(0, BLOCK_G)
+        gscore = tl.full((BLOCK_T, BLOCK_G), float("-inf"), tl.float32)
+        for g in tl.static_range(N_GROUP):
+            v = tl.where((group == g)[None, :], choice, float("-inf"))
+            best = tl.argmax(v, axis=1)
+            s = tl.max(v, axis=1)
+            if PER_GROUP > 1:
+                s += tl.max(tl.where(cols[None, :] == best[:, None], float("-inf"), v), axis=1)
+            gscore = tl.where(gcols[None, :] == g, s[:, None], gscore)
+        keep = tl.zeros((BLOCK_T, BLOCK_E), tl.int32)
+        for _ in tl.static_range(TOPK_GROUP):
+            g = tl.argmax(gscore, axis=1)
+            keep = tl.where(group[None, :] == g[:, None], 1, keep)
+            gscore = tl.where(gcols[None, :] == g[:, None], float("-inf"), gscore)
+        choice = tl.where(keep > 0, choice, float("-inf"))
+    chosen = tl.zeros((BLOCK_T, BLOCK_E), tl.int32)
+    for _ in tl.static_range(TOP_K):
+        best = tl.argmax(choice, axis=1)
+        hit = cols[None, :] == best[:, None]
+        chosen = tl.where(hit, 1, chosen)
+        choice = tl.where(hit, float("-inf"), choice)
+    w = tl.where(chosen > 0, scores, 0.0)
+    if NORM:
+        w = w / (tl.sum(w, axis=1)[:, None] + 1e-20)
+    w = w * scale
+    for j in tl.static_range(TOP_K):  # ascending expert order
+        e = tl.min(tl.where(chosen > 0, cols[None, :], BLOCK_E), axis=1)
+        hit = cols[None, :] == e[:, None]
+        tl.store(idx_ptr + rows * TOP_K + j, e, mask=row_ok)
+        tl.store(w_ptr + rows * TOP_K + j, tl.sum(tl.where(hit, w, 0.0), axis=1), mask=row_ok)
+        chosen = tl.where(hit, 0, chosen)
+
+
+def moe_route_ref(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 1, norm_topk: bool = True,
+                  scale: float = 1.0):
+    scores = F.linear(x.float(), gate.float()).sigmoid()
+    choice = scores + bias
+    T, E = scores.shape
+    if n_group > 1:
+        per_group = E // n_group
+        group_scores = choice.view(T, n_group, per_group).topk(min(2, per_group), dim=-1)[0].sum(-1)
+        group_idx = group_scores.topk(topk_group, dim=-1)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
+        allowed = group_mask.repeat_interleave(per_group, dim=1).bool()
+        choice = choice.masked_fill(~allowed, float("-inf"))
+    idx = choice.topk(top_k, dim=-1)[1].sort(dim=-1)[0]
+    w = scores.gather(1, idx)
+    if norm_topk:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return idx.to(torch.int32), w * scale
+
+
+@with_reference(moe_route_ref)
+def moe_route(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 1, norm_topk: bool = True,
+              scale: float = 1.0):
+    """A token's experts and weights, as HF's NemotronH router.
+
+    x [T, D] (any float dtype), gate [E, D] fp32, bias [E] fp32 (the score-correction bias, which
+    steers the choice but not the weights) -> (idx [T, top_k] int32 in ascending order, weights
+    [T, top_k] fp32). ``n_group``/``topk_group``: the choice is limited to the ``topk_group``
+    groups (of E / n_group experts) with the best two-expert sums.
+    """
+    T, D = x.shape
+    E = gate.shape[0]
+    if gate.shape != (E, D) or bias.shape != (E,) or x.stride(1) != 1:
+        raise ValueError(f"moe_route: x [T, D] with contiguous rows, gate [E, D] and bias [E]; got "
+                         f"{list(x.shape)}, {list(gate.shape)}, {list(bias.shape)}")
+    if E % n_group or not 1 <= topk_group <= n_group or top_k > topk_group * (E // n_group):
+        raise ValueError(f"moe_route: {top_k} of {E} experts in {topk_group} of {n_group} groups do not fit")
+    logits = torch.empty(T, E, dtype=torch.float32, device=x.device)
+    idx = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
+    w = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
+    block_t = 16
+    _logits_kernel[(triton.cdiv(T, block_t), triton.cdiv(E, 16))](
+        x, gate, logits, T, D, E, x.stride(0), BLOCK_T=block_t, BLOCK_E=16, BLOCK_D=128, num_warps=4)
+    _topk_kernel[(triton.cdiv(T, block_t),)](
+        logits, bias, idx, w, T, E, float(scale), TOP_K=top_k, N_GROUP=n_group, PER_GROUP=E // n_group,
+        TOPK_GROUP=topk_group, NORM=norm_topk, BLOCK_T=block_t, BLOCK_E=max(16, triton.next_power_of_2(E)),
+        BLOCK_G=max(2, triton.next_power_of_2(n_group)), num_warps=4)
+    return idx, w
+
+
+# ---------------------------------------------------------------------------------------------
+# the routed experts
+
+
+def block_m(tokens: int, top_k: int, n_experts: int) -> int:
+    """The grouped GEMMs' tile height for a bucket of ``tokens``: about the mean pairs per expert
+    (16 at decode sizes, up to 64 for long prefill chunks), so padding stays a fraction of a tile."""
+    mean = tokens * top_k / n_experts
+    return 16 if mean <= 16 else 32 if mean <= 48 else 64
+
+
+def slot_count(tokens: int, top_k: int, n_experts: int, bm: int) -> int:
+    """Slots the sorted pairs may take: P pairs, each used expert's run padded to ``bm``."""
+    pairs = tokens * top_k
+    return pairs + min(n_experts, pairs) * (bm - 1)
+
+
+@triton.jit
+def _align_kernel(idx_ptr, slot_of_pair_ptr, token_of_slot_ptr, starts_ptr, counts_ptr, P, E,
+                  TOP_K: tl.constexpr, BM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+    """One program: pairs per expert, each expert's run padded to BM, and every pair's slot
+    (pairs in order within an expert, so the layout is a function of the routing alone)."""
+    cols = tl.arange(0, BLOCK_E)
+    counts = tl.zeros((BLOCK_E,), tl.int32)
+    for p0 in range(0, P, BLOCK_P):
+        ps = p0 + tl.arange(0, BLOCK_P)
+        e = tl.load(idx_ptr + ps, mask=ps < P, other=BLOCK_E)
+        counts += tl.sum((e[:, None] == cols[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BM - 1) // BM * BM
+    starts = tl.cumsum(padded, axis=0) - padded
+    tl.store(starts_ptr + cols, starts, mask=cols < E)
+    tl.store(counts_ptr + cols, counts, mask=cols < E)
+    base = starts
+    for p0 in range(0, P, BLOCK_P):
+        ps = p0 + tl.arange(0, BLOCK_P)
+        ok = ps < P
+        e = tl.load(idx_ptr + ps, mask=ok, other=BLOCK_E)
+        hit = (e[:, None] == cols[None, :]).to(tl.int32)
+        slot = tl.sum(hit * (tl.cumsum(hit, axis=0) - 1 + base[None, :]), axis=1)
+        tl.store(slot_of_pair_ptr + ps, slot, mask=ok)
+        tl.store(token_of_slot_ptr + slot, ps // TOP_K, mask=ok)
+        base += tl.sum(hit, axis=0)
+
+
+@triton.jit
+def _count_kernel(idx_ptr, block_counts_ptr, P, E, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Many programs, for many pairs: block b's pairs per expert, block_counts[b, e]."""
+    b = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_E)
+    ps = b * BLOCK_P + tl.arange(0, BLOCK_P)
+    e = tl.load(idx_ptr + ps, mask=ps < P, other=BLOCK_E)
+    tl.store(block_counts_ptr + b * E + cols, tl.sum((e[:, None] == cols[None, :]).to(tl.int32), axis=0),
+             mask=cols < E)
+
+
+@triton.jit
+def _offsets_kernel(block_counts_ptr, prefix_ptr, starts_ptr, counts_ptr, NB, E,
+                    BM: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_E: tl.constexpr):
+    """One program: each block's first rank within every expert (prefix[b, e]), the pairs per
+    expert and each expert's padded run."""
+    cols = tl.arange(0, BLOCK_E)
+    carry = tl.zeros((BLOCK_E,), tl.int32)
+    for b0 in range(0, NB, BLOCK_B):
+        bs = b0 + tl.arange(0, BLOCK_B)
+        mask = (bs < NB)[:, None] & (cols < E)[None, :]
+        c = tl.load(block_counts_ptr + bs[:, None] * E + cols[None, :], mask=mask, other=0)
+        tl.store(prefix_ptr + bs[:, None] * E + cols[None, :], tl.cumsum(c, axis=0) - c + carry[None, :], mask=mask)
+        carry += tl.sum(c, axis=0)
+    padded = (carry + BM - 1) // BM * BM
+    tl.store(starts_ptr + cols, tl.cumsum(padded, axis=0) - padded, mask=cols < E)
+    tl.store(counts_ptr + cols, carry, mask=cols < E)
+
+
+@triton.jit
+def _assign_kernel(idx_ptr, prefix_ptr, starts_ptr, slot_of_pair_ptr, token_of_slot_ptr, P, E,
+                   TOP_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Many programs: the slots of block b's pairs (the layout ``_align_kernel`` makes)."""
+    b = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_E)
+    ps = b * BLOCK_P + tl.arange(0, BLOCK_P)
+    ok = ps < P
+    e = tl.load(idx_ptr + ps, mask=ok, other=BLOCK_E)
+    base = tl.load(starts_ptr + cols, mask=cols < E, other=0) + tl.load(prefix_ptr + b * E + cols, mask=cols < E,
+                                                                         other=0)
+    hit = (e[:, None] == cols[None, :]).to(tl.int32)
+    slot = tl.sum(hit * (tl.cumsum(hit, axis=0) - 1 + base[None, :]), axis=1)
+    tl.store(slot_of_pair_ptr + ps, slot, mask=ok)
+    tl.store(token_of_slot_ptr + slot, ps // TOP_K, mask=ok)
+
+
+# pairs up to which one program aligns them (a decode step's), beyond which three passes do
+ALIGN_ONE_PROGRAM = 1024
+
+
+def _align(idx, E: int, bm: int, S: int):
+    """(slot_of_pair [P], token_of_slot [S], starts [E], counts [E]) on the device: one program
+    for a decode step's few pairs, three parallel passes (count, offsets, assign) for a prefill
+    chunk's many. Both make the same layout."""
+    P, k, dev = idx.numel(), idx.shape[1], idx.device
+    slot_of_pair = torch.empty(P, dtype=torch.int32, device=dev)
+    token_of_slot = torch.empty(S, dtype=torch.int32, device=dev)
+    starts = torch.empty(E, dtype=torch.int32, device=dev)
+    counts = torch.empty(E, dtype=torch.int32, device=dev)
+    block_e = max(16, triton.next_power_of_2(E))
+    block_p = max(16, min(256, 8192 // block_e))
+    if P <= ALIGN_ONE_PROGRAM:
+        _align_kernel[(1,)](idx, slot_of_pair, token_of_slot, starts, counts, P, E, TOP_K=k, BM=bm,
+                            BLOCK_P=block_p, BLOCK_E=block_e, num_warps=8)
+        return slot_of_pair, token_of_slot, starts, counts
+    nb = triton.cdiv(P, block_p)
+    block_counts = torch.empty(nb, E, dtype=torch.int32, device=dev)
+    prefix = torch.empty(nb, E, dtype=torch.int32, device=dev)
+    _count_kernel[(nb,)](idx, block_counts, P, E, BLOCK_P=block_p, BLOCK_E=block_e, num_warps=4)
+    _offsets_kernel[(1,)](block_counts, prefix, starts, counts, nb, E, BM=bm, BLOCK_B=max(16, 4096 // block_e),
+                          BLOCK_E=block_e, num_warps=8)
+    _assign_kernel[(nb,)](idx, prefix, starts, slot_of_pair, token_of_slot, P, E, TOP_K=k, BLOCK_P=block_p,
+                          BLOCK_E=block_e, num_warps=4)
+    return slot_of_pair, token_of_slot, starts, counts
+
+
+@triton.jit
+def _grouped_kernel(a_ptr, token_ptr, w_ptr, out_ptr, starts_ptr, counts_ptr, N, K, E,
+                    stride_a, stride_we, stride_wn, stride_out,
+                    GATHER: tl.constexpr, RELU2: tl.constexpr, PRECISION: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_E: tl.constexpr):
+    """out[slot] = a[row] @ w[expert].T for a tile of BM slots (row: the slot's token when
+    GATHER, else the slot itself); relu2 after, when RELU2."""
+    slot0 = tl.program_id(0) * BM
+    cols = tl.arange(0, BLOCK_E)
+    starts = tl.load(starts_ptr + cols, mask=cols < E, other=0)
+    counts = tl.load(counts_ptr + cols, mask=cols < E, other=0)
+    ends = tl.where(cols < E, starts + (counts + BM - 1) // BM * BM, 1 << 30)
+    e = tl.sum((ends <= slot0).to(tl.int32), axis=0)  # runs are in expert order; empty ones are skipped
+    if e < E:
+        start = tl.sum(tl.where(cols == e, starts, 0), axis=0)
+        count = tl.sum(tl.where(cols == e, counts, 0), axis=0)
+        slots = slot0 + tl.arange(0, BM)
+        ok = slots - start < count
+        src = tl.load(token_ptr + slots, mask=ok, other=0) if GATHER else slots
+        ns = tl.program_id(1) * BN + tl.arange(0, BN)
+        n_ok = ns < N
+        a_rows = a_ptr + src[:, None].to(tl.int64) * stride_a
+        w_rows = w_ptr + e.to(tl.int64) * stride_we + ns[:, None].to(tl.int64) * stride_wn
+        acc = tl.zeros((BM, BN), tl.float32)
+        for k0 in range(0, K, BK):
+            ks = k0 + tl.arange(0, BK)
+            k_ok = ks < K
+            a = tl.load(a_rows + ks[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+        y = acc.to(out_ptr.dtype.element_ty)
+        if RELU2:
+            y = tl.maximum(y.to(tl.float32), 0.0)
+            y = (y * y).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + slots[:, None].to(tl.int64) * stride_out + ns[None, :], y, mask=ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _combine_kernel(y_ptr, slot_ptr, w_ptr, shared_ptr, out_ptr, D, stride_y, stride_shared, stride_out,
+                    TOP_K: tl.constexpr, SHARED: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[t] (+)= round(sum_j w[t, j] * y[slot[t, j]]) (+ shared[t]), rounding as HF's ops."""
+    t = tl.program_id(0)
+    ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    ok = ds < D
+    acc = tl.zeros((BLOCK_D,), tl.float32)
+    for j in tl.static_range(TOP_K):
+        slot = tl.load(slot_ptr + t * TOP_K + j).to(tl.int64)
+        acc += tl.load(w_ptr + t * TOP_K + j) * tl.load(y_ptr + slot * stride_y + ds, mask=ok, other=0.0).to(tl.float32)
+    dtype = y_ptr.dtype.element_ty
+    r = acc.to(dtype)
+    if SHARED:
+        r = (r.to(tl.float32) + tl.load(shared_ptr + t * stride_shared + ds, mask=ok, other=0.0).to(tl.float32)).to(dtype)
+    out = out_ptr + t * stride_out + ds
+    if ACCUMULATE:
+        r = (tl.load(out, mask=ok, other=0.0).to(tl.float32) + r.to(tl.float32))
+    tl.store(out, r.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _finish_ref(r, shared, residual, out):
+    if shared is not None:
+        r = r + shared
+    if residual is not None:
+        return residual.copy_((residual.float() + r.float()).to(residual.dtype))
+    return r if out is None else out.copy_(r)
+
+
+def moe_experts_ref(x, idx, w, up, down, *, shared=None, residual=None, out=None):
+    """The dense math: every expert over every token, weighted by its routing weight (zero where
+    the token did not choose it), summed in fp32 in expert order."""
+    T, E = x.shape[0], up.shape[0]
+    dense = torch.zeros(T, E, dtype=torch.float32, device=x.device).scatter_(1, idx.long(), w.float())
+    acc = torch.zeros(T, down.shape[1], dtype=torch.float32, device=x.device)
+    for e in range(E):
+        h = relu2_ref(F.linear(x, up[e]))
+        acc += F.linear(h, down[e]).float() * dense[:, e : e + 1]
+    return _finish_ref(acc.to(x.dtype), shared, residual, out)
+
+
+@with_reference(moe_experts_ref)
+def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None):
+    """sum_j w[t, j] * down_e(relu2(up_e(x[t]))) over each token's experts e = idx[t, j], over the
+    routed pairs only.
+
+    x [T, K] (the activations' dtype), idx [T, k] int32 and w [T, k] fp32 from ``moe_route``,
+    up [E, I, K], down [E, D, I]. The routed sum is rounded to x's dtype; then ``shared`` [T, D]
+    (the shared expert's output) is added, and the result is written to ``out`` [T, D], or added
+    into ``residual`` [T, D] in place. Returns what it wrote.
+    """
+    T, K = x.shape
+    E, I, _ = up.shape
+    D = down.shape[1]
+    k = idx.shape[1]
+    if up.shape[2] != K or down.shape != (E, D, I) or idx.shape != (T, k) or w.shape != (T, k):
+        raise ValueError(f"moe_experts: x [T, K], idx and w [T, k], up [E, I, K], down [E, D, I]; got {list(x.shape)}, "
+                         f"{list(idx.shape)}, {list(w.shape)}, {list(up.shape)}, {list(down.shape)}")
+    if not (x.is_contiguous() and up.is_contiguous() and down.is_contiguous() and idx.is_contiguous()
+            and w.is_contiguous()):
+        raise ValueError("moe_experts: x, idx, w and the expert weights must be contiguous")
+    if residual is None and out is None:
+        out = torch.empty(T, D, dtype=x.dtype, device=x.device)
+    target = residual if residual is not None else out
+    if target.shape != (T, D) or target.stride(1) != 1 or (shared is not None and shared.shape != (T, D)):
+        raise ValueError(f"moe_experts: out, residual and shared must be [{T}, {D}]")
+    bm = block_m(T, k, E)
+    S = slot_count(T, k, E, bm)
+    dev = x.device
+    slot_of_pair, token_of_slot, starts, counts = _align(idx, E, bm, S)
+    block_e = max(16, triton.next_power_of_2(E))
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    h = torch.empty(S, I, dtype=x.dtype, device=dev)
+    y = torch.empty(S, D, dtype=x.dtype, device=dev)
+    tiles = triton.cdiv(S, bm)
+    for a, rows, weight, result, relu in ((x, token_of_slot, up, h, True), (h, None, down, y, False)):
+        n, kk = weight.shape[1], weight.shape[2]
+        bn, bk, warps, stages = _gemm_config(bm, n, kk, x.dtype)
+        _grouped_kernel[(tiles, triton.cdiv(n, bn))](
+            a, token_of_slot if rows is not None else a, weight, result, starts, counts, n, kk, E,
+            a.stride(0), weight.stride(0), weight.stride(1), result.stride(0),
+            GATHER=rows is not None, RELU2=relu, PRECISION=precision, BM=bm, BN=bn, BK=bk, BLOCK_E=block_e,
+            num_warps=warps, num_stages=stages)
+    block_d = min(1024, triton.next_power_of_2(D))
+    _combine_kernel[(T, triton.cdiv(D, block_d))](
+        y, slot_of_pair, w, shared if shared is not None else y, target, D, y.stride(0),
+        shared.stride(0) if shared is not None else 0, target.stride(0),
+        TOP_K=k, SHARED=shared is not None, ACCUMULATE=residual is not None, BLOCK_D=block_d, num_warps=4)
+    return target
+
+
+def _gemm_config(bm: int, n: int, k: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(block_n, block_k, warps, stages) for tiles of ``bm`` slots: at decode sizes a tile is a
+    few rows against a weight slab (bandwidth-bound: narrow columns, long K tiles, deep
+    pipelining); for prefill chunks, wider square-ish tiles."""
+    if dtype == torch.float32:
+        return 32, 32, 4, 2
+    if bm <= 16:
+        return 64, 128, 4, 4
+    return 128, 64, 8 if bm == 64 else 4, 3

@@ -1,0 +1,154 @@
+"""The grouped-experts path (routing, sorted pairs, grouped GEMMs, combine) against the dense
+all-experts reference, in Triton's interpreter on CPU and compiled on a GPU."""
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from mambastep.kernels.moe import block_m, moe_experts, moe_experts_ref, moe_route, moe_route_ref, slot_count
+from support import assert_close, poisoned
+
+
+def experts(E, I, K, D, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    up = (torch.randn(E, I, K, generator=g) * K**-0.5).to(dtype).to(device)
+    down = (torch.randn(E, D, I, generator=g) * I**-0.5).to(dtype).to(device)
+    return up, down
+
+
+def routing(T, E, k, seed=0, experts_used=None):
+    """k distinct experts a token (ascending), drawn from ``experts_used`` (default: all), and
+    positive weights."""
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.arange(E) if experts_used is None else torch.tensor(experts_used)
+    idx = torch.stack([pool[torch.randperm(len(pool), generator=g)[:k]].sort()[0] for _ in range(T)])
+    return idx.to(torch.int32), torch.rand(T, k, generator=g) + 0.1
+
+
+@pytest.mark.parametrize("E,k,n_group,topk_group", [(8, 2, 1, 1), (16, 3, 4, 2), (128, 6, 1, 1)])
+@pytest.mark.parametrize("T", [1, 5, 33])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_route_matches_hf_math(device, E, k, n_group, topk_group, T, dtype):
+    g = torch.Generator().manual_seed(T + E)
+    D = 40
+    x = torch.randn(T, D, generator=g).to(dtype).to(device)
+    gate = (torch.randn(E, D, generator=g) * 0.3).to(device)
+    bias = (torch.randn(E, generator=g) * 0.05).to(device)
+    kw = dict(top_k=k, n_group=n_group, topk_group=topk_group, norm_topk=True, scale=2.5)
+    idx, w = moe_route.triton(x, gate, bias, **kw)
+    ref_idx, ref_w = moe_route_ref(x.cpu(), gate.cpu(), bias.cpu(), **kw)
+    assert torch.equal(idx.cpu(), ref_idx)  # the same experts, in ascending order
+    torch.testing.assert_close(w.cpu(), ref_w, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(w.sum(-1).cpu(), torch.full((T,), 2.5), rtol=1e-5)
+
+
+def test_route_without_normalisation_keeps_the_scores(device):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 24, generator=g).to(device)
+    gate, bias = (0.1 * torch.randn(8, 24, generator=g)).to(device), torch.zeros(8, device=device)
+    _, w = moe_route.triton(x, gate, bias, top_k=2, norm_topk=False, scale=1.0)
+    _, ref = moe_route_ref(x.cpu(), gate.cpu(), bias.cpu(), top_k=2, norm_topk=False)
+    torch.testing.assert_close(w.cpu(), ref)
+    assert (w < 1).all() and not torch.allclose(w.sum(-1), torch.ones(4, device=device))  # scores as they are
+
+
+CASES = {
+    "spread": dict(T=9, E=8, k=2),
+    "every token to the same experts": dict(T=12, E=8, k=2, experts_used=[5, 2]),
+    "experts with no token": dict(T=7, E=16, k=2, experts_used=[0, 3, 9, 15]),
+    "one token": dict(T=1, E=8, k=3),
+    "tall tiles (prefill-sized)": dict(T=200, E=4, k=2),
+    "many pairs (aligned in three passes)": dict(T=600, E=4, k=2),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_experts_equal_the_dense_reference(device, case, dtype):
+    c = CASES[case]
+    T, E, k = c["T"], c["E"], c["k"]
+    K, I, D = 32, 24, 32
+    idx, w = routing(T, E, k, experts_used=c.get("experts_used"))
+    x = torch.randn(T, K).to(dtype)
+    up, down = experts(E, I, K, D, dtype, "cpu")
+    shared = torch.randn(T, D).to(dtype)
+    ref = moe_experts_ref(x, idx, w, up, down, shared=shared)
+    dev = [t.to(device) for t in (x, idx, w, up, down, shared)]
+    out = poisoned((T, D), dtype, device)
+    moe_experts.triton(*dev[:5], shared=dev[5], out=out)
+    assert_close(out.cpu(), ref, dtype)
+    # added into a residual stream in place
+    residual = torch.randn(T, D).to(dtype)
+    expect = moe_experts_ref(x, idx, w, up, down, shared=shared, residual=residual.clone())
+    got = residual.to(device)
+    moe_experts.triton(*dev[:5], shared=dev[5], residual=got)
+    assert_close(got.cpu(), expect, dtype)
+
+
+@pytest.mark.parametrize("T", [5, 600], ids=["one program", "three passes"])
+def test_pairs_take_their_expert_run_in_token_order(device, T):
+    """The layout is a function of the routing: expert runs in expert order, each padded to the
+    tile height, a run's pairs in token order; the slot table and its inverse agree."""
+    from mambastep.kernels import moe as kernels
+
+    E, k = 8, 2
+    idx, _ = routing(T, E, k, seed=T, experts_used=[1, 2, 6])
+    bm = block_m(T, k, E)
+    slot_of_pair, token_of_slot, starts, counts = (t.cpu() for t in kernels._align(idx.to(device), E, bm,
+                                                                                     slot_count(T, k, E, bm)))
+    flat = idx.flatten().long()
+    assert counts.tolist() == torch.bincount(flat, minlength=E).tolist()
+    padded = (counts + bm - 1) // bm * bm
+    assert starts.tolist() == (torch.cumsum(padded, 0) - padded).tolist()
+    order = torch.sort(flat, stable=True)[1]  # pairs by expert, then token
+    rank = torch.arange(len(flat)) - (torch.cumsum(counts, 0) - counts)[flat[order]]
+    expect = torch.empty_like(slot_of_pair)
+    expect[order] = (starts.long()[flat[order]] + rank).int()
+    assert torch.equal(slot_of_pair, expect)
+    assert torch.equal(token_of_slot[slot_of_pair.long()], torch.arange(len(flat)).int() // k)
+
+
+def test_tile_height_follows_the_bucket():
+    assert block_m(1, 6, 128) == 16 and block_m(256, 6, 128) == 16
+    assert block_m(2048, 6, 128) == 64 and block_m(1024, 6, 128) == 32
+    # P pairs, each used expert padded: the bound holds whatever the routing
+    assert slot_count(1, 6, 128, 16) == 6 + 6 * 15
+    assert slot_count(256, 6, 128, 16) == 1536 + 128 * 15
+
+
+@settings(max_examples=12, deadline=None)
+@given(T=st.integers(1, 24), E=st.sampled_from([4, 8, 16]), k=st.integers(1, 3), seed=st.integers(0, 1000),
+       concentrated=st.booleans())
+def test_random_routings_equal_the_dense_reference(T, E, k, seed, concentrated):
+    """Any routing: spread, or piled on a few experts (leaving the rest empty)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    used = list(range(k)) if concentrated else None
+    idx, w = routing(T, E, k, seed, experts_used=used)
+    x = torch.randn(T, 16, generator=torch.Generator().manual_seed(seed))
+    up, down = experts(E, 16, 16, 16, torch.float32, "cpu", seed)
+    ref = moe_experts_ref(x, idx, w, up, down)
+    out = moe_experts.triton(*(t.to(device) for t in (x, idx, w, up, down)))
+    assert_close(out.cpu(), ref)
+
+
+def test_runs_are_bit_identical(device):
+    """No atomics: the same step gives the same bits."""
+    T, E, k = 40, 16, 3
+    idx, w = routing(T, E, k, seed=3)
+    x = torch.randn(T, 32).to(torch.bfloat16)
+    up, down = experts(E, 32, 32, 32, torch.bfloat16, "cpu")
+    args = [t.to(device) for t in (x, idx, w, up, down)]
+    first = moe_experts.triton(*args).clone()
+    for _ in range(3):
+        assert torch.equal(moe_experts.triton(*args), first)
+
+
+def test_ops_dispatch_on_the_device():
+    x = torch.randn(3, 16)
+    gate, bias = torch.randn(4, 16), torch.zeros(4)
+    idx, w = moe_route(x, gate, bias, top_k=2)
+    assert torch.equal(idx, moe_route_ref(x, gate, bias, top_k=2)[0])
+    up, down = experts(4, 8, 16, 16, torch.float32, "cpu")
+    assert torch.equal(moe_experts(x, idx, w, up, down), moe_experts_ref(x, idx, w, up, down))
+    with pytest.raises(ValueError, match="do not fit"):
+        moe_route.triton(x, gate, bias, top_k=3, n_group=2, topk_group=1)

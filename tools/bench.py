@@ -11,7 +11,7 @@
     mambastep bench serve --url URL [--concurrency C] [--requests N]
                                             load generator over HTTP against `mambastep serve`
                                             (`mambastep bench serve --help`)
-    mambastep bench markdown [--steps S.json] [--kernels K.json] [--run R.json ...]
+    mambastep bench markdown [--steps S.json ...] [--kernels K.json] [--run R.json ...]
                              [--serve H.json ...] [--out PATH]
                                             docs/BENCHMARKS.md from those commands' --json
                                             (no GPU needed); --readme: the README's table
@@ -43,11 +43,11 @@ def main(argv=None) -> int:
     parser.add_argument("--preset", action="append", help="steps: preset(s) to run (default: both)")
     parser.add_argument("--batch", type=int, default=1, help="profile: decode batch")
     parser.add_argument("--prefill", type=int, default=0, help="profile: tokens of one prefill chunk (0: none)")
-    parser.add_argument("--steps", metavar="JSON", help="markdown: the JSON of `bench steps`")
+    parser.add_argument("--steps", metavar="JSON", nargs="*", default=[], help="markdown: JSONs of `bench steps`")
     parser.add_argument("--kernels", metavar="JSON", help="markdown: the JSON of `bench kernels`")
     parser.add_argument("--run", metavar="JSON", nargs="*", default=[], help="markdown: JSONs of `mambastep run`")
     parser.add_argument("--serve", metavar="JSON", nargs="*", default=[],
-                        help="markdown: JSONs of `bench serve` (set beside the --run of the same model)")
+                        help="markdown: JSONs of `bench serve` and of the in-process runs beside them (.ci/gpu-serve)")
     parser.add_argument("--out", metavar="PATH", help="markdown: write here instead of standard output")
     parser.add_argument("--readme", action="store_true", help="markdown: the README's summary table instead")
     args = parser.parse_args(argv)

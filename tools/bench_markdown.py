@@ -1,7 +1,7 @@
 """docs/BENCHMARKS.md from the JSON the benchmarks wrote: each table under the command that
 printed it, with the date and device the JSON records.
 
-    mambastep bench markdown --steps steps.json --kernels kernels.json --run r1.json r2.json > docs/BENCHMARKS.md
+    mambastep bench markdown --steps s1.json s2.json --kernels kernels.json --run r1.json r2.json > docs/BENCHMARKS.md
 """
 
 from __future__ import annotations
@@ -33,8 +33,11 @@ def run_table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def serve_table(served: list[dict], runs: list[dict]) -> str:
-    """Each `bench serve` result beside the in-process `mambastep run` of its model and concurrency."""
+def serve_table(results: list[dict]) -> str:
+    """Each `bench serve` result (it has a "url") beside the in-process `mambastep run` of its
+    model and concurrency measured with it."""
+    served = [r for r in results if "url" in r]
+    runs = [r for r in results if "url" not in r]
     lines = ["| model | concurrency | inter-token mean (ms): in-process / HTTP / added | TTFT p50 (ms): in-process / "
              "HTTP | output tokens/s: in-process / HTTP / kept |", "| --- | --- | --- | --- | --- |"]
     for h in served:
@@ -58,14 +61,19 @@ def _load_runs(paths) -> list[dict]:
     return runs
 
 
-def render(steps: str | None = None, kernels: str | None = None, runs=(), serve=()) -> str:
+def render(steps=(), kernels: str | None = None, runs=(), serve=()) -> str:
+    """The page: ``steps`` one or more JSONs of `bench steps`, ``runs`` and ``serve`` JSONs of
+    `mambastep run` and of .ci/gpu-serve, ``kernels`` the JSON of `bench kernels`."""
     out = ["# Benchmarks", "",
            "Current numbers only, each table under the command that printed it; the whole page is written by",
            "`mambastep bench markdown` from those commands' `--json` output (`.ci/gpu-bench` runs them all).",
            "What was tried and dropped is in docs/experiments.md. Presets have random bf16 weights.", ""]
+    steps = [steps] if isinstance(steps, (str, Path)) else list(steps or ())
     if steps:
-        out += ["## Decode and mixed steps", "", "```", "mambastep bench steps --json steps.json", "```", "",
-                bench_steps.__doc__.strip(), "", bench_steps.tables(json.loads(Path(steps).read_text())), ""]
+        out += ["## Decode and mixed steps", "", "```", "mambastep bench steps [--preset P ...] --json steps.json",
+                "```", "", bench_steps.__doc__.strip(), ""]
+        for path in steps:  # one run of the command each, with its own date and device
+            out += [bench_steps.tables(json.loads(Path(path).read_text())), ""]
     if runs:
         results = _load_runs(runs)
         out += ["## The main job", "", "```", "mambastep run --preset P --concurrency C --requests N [--pipelined]",
@@ -78,8 +86,9 @@ def render(steps: str | None = None, kernels: str | None = None, runs=(), serve=
                 "mambastep bench serve --url http://127.0.0.1:8000 --vocab V --concurrency C --requests N --json PATH",
                 "```", "",
                 "The same workload as the main job (same seed, lengths and prompt ids), streamed through the "
-                "OpenAI-compatible server by a client process on the same machine, beside the in-process run above:",
-                "", serve_table(_load_runs(serve), _load_runs(runs)), ""]
+                "OpenAI-compatible server by client processes on the same machine, beside `mambastep run` "
+                "in-process on it, measured one after the other (`.ci/gpu-serve`):",
+                "", serve_table(_load_runs(serve)), ""]
     if kernels:
         out += ["## Kernels", "", "```", "mambastep bench kernels --json kernels.json", "```", "",
                 bench_kernels.tables(json.loads(Path(kernels).read_text())), ""]
@@ -90,11 +99,13 @@ def _row(table, **match):
     return next(r for r in table if all(r.get(k) == v for k, v in match.items()))
 
 
-def readme_table(steps: str, runs=(), kernels: str | None = None) -> str:
-    """The README's summary: Mamba2-130M beside Nemotron-H-8B, every cell from one set of JSON."""
-    s = json.loads(Path(steps).read_text())
-    presets = {p["preset"]: p["rows"] for p in s["presets"]}
-    names = [n for n in ("mamba2-130m", "nemotron-h-8b") if n in presets]
+def readme_table(steps, runs=(), kernels: str | None = None) -> str:
+    """The README's summary: Mamba2-130M, Nemotron-H-8B and Nemotron-3-Nano side by side, every cell
+    from the benchmarks' JSON."""
+    steps = [steps] if isinstance(steps, (str, Path)) else list(steps)
+    s = json.loads(Path(steps[0]).read_text())  # the date and device of the first
+    presets = {p["preset"]: p["rows"] for path in steps for p in json.loads(Path(path).read_text())["presets"]}
+    names = [n for n in ("mamba2-130m", "nemotron-h-8b", "nemotron-3-nano-30b-a3b") if n in presets]
     results = _load_runs(runs)
 
     def run(name, concurrency, pipelined=False):
@@ -123,8 +134,8 @@ def readme_table(steps: str, runs=(), kernels: str | None = None) -> str:
             r = run(name, 64)
             return f"{r['output_tokens_per_s']:,.0f}".replace(",", " ") if r else ""
 
-    lines = [f"Measured {s['date']} on an {s['device']} (bf16, random weights), all in one run of "
-             "`.ci/gpu-bench`; the tables in docs/BENCHMARKS.md.", "",
+    lines = [f"Measured {s['date']} on an {s['device']} (bf16, random weights) by `.ci/gpu-bench` (one run per "
+             "preset); the tables in docs/BENCHMARKS.md.", "",
              "| | " + " | ".join(names) + " |",
              "|" + " --- |" * (len(names) + 1)]
     labels = (("decode step, batch 1, CUDA graph (eager)", "b1"), ("decode step, batch 256, CUDA graph", "b256"),
@@ -140,5 +151,5 @@ def readme_table(steps: str, runs=(), kernels: str | None = None) -> str:
         draw = _row(rows, op="sampling", rows=1, mode="sample")
         lines.append(f"| kernels | state update {100 * su['of_copy_bw']:.0f}% of copy bandwidth at B = 256; SSD scan "
                      f"{scan['speedup']:.1f}x torch at 8 x 2048; a sampled draw over 50k logits {draw['us']:.1f} µs "
-                     f"(torch ops: {draw['torch_us']:.0f} µs) | |")
+                     f"(torch ops: {draw['torch_us']:.0f} µs) |" + " |" * (len(names) - 1))
     return "\n".join(lines)

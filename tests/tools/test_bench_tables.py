@@ -53,7 +53,7 @@ def test_markdown_writes_every_table_under_its_command(tmp_path):
     default = {**run, "pipelined": False, "itl_ms": {"p50": 0.3, "p99": 0.31}}
     (tmp_path / "runs.json").write_text(json.dumps({"a": run, "b": default}))
     page = bench_markdown.render(tmp_path / "steps.json", runs=[tmp_path / "runs.json"])
-    assert "mambastep bench steps --json steps.json" in page and "| 64 + 512 | 1.800 | 2.000 | 10% | 2.200 |" in page
+    assert "mambastep bench steps [--preset P ...] --json steps.json" in page and "| 64 + 512 | 1.800 | 2.000 | 10% | 2.200 |" in page
     assert "`mambastep run --preset mamba2-130m --concurrency 1 --requests 16 --pipelined --json PATH`" in page
     table = bench_markdown.readme_table(tmp_path / "steps.json", [tmp_path / "runs.json"])
     assert "2026-12-01" in table and "| 1.50 ms / 0.300 ms (0.230 ms pipelined) |" in table
@@ -70,8 +70,7 @@ def test_the_http_table_sets_each_server_run_beside_its_in_process_run(tmp_path)
     served = {"model": "mamba2-130m", "url": "http://127.0.0.1:8000", "requests": 16, "concurrency": 1,
               "ttft_ms": {"p50": 2.5}, "itl_ms": {"mean": 0.4}, "output_tokens_per_s": 3800.0}
     other = {**served, "concurrency": 64}  # no in-process run at 64: left out
-    (tmp_path / "runs.json").write_text(json.dumps({"a": pipelined, "b": run}))
-    (tmp_path / "serve.json").write_text(json.dumps({"c1": served, "c64": other}))
-    page = bench_markdown.render(runs=[tmp_path / "runs.json"], serve=[tmp_path / "serve.json"])
+    (tmp_path / "serve.json").write_text(json.dumps({"a": pipelined, "b": run, "c1": served, "c64": other}))
+    page = bench_markdown.render(serve=[tmp_path / "serve.json"])
     assert "| mamba2-130m | 1 | 0.250 / 0.400 / +0.150 | 1.50 / 2.50 | 4000 / 3800 / 95% |" in page
     assert "| mamba2-130m | 64 |" not in page

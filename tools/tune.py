@@ -1,152 +1,229 @@
-"""mambastep tune: choose graph buckets from the step shapes a workload actually produces.
+"""mambastep tune: choose graph buckets from measured step times under a graph and a memory budget.
 
-Runs a synthetic workload (as ``mambastep run`` does) through an eager engine, records every
-step's decode rows and prefill tokens, and picks, for a given number of graphs, the bucket sizes
-that minimise the padded rows and tokens those steps would run (an exact dynamic program over the
-observed sizes). Writes a BucketSet JSON that ``mambastep run --buckets`` and
-``Engine(buckets=...)`` read, and prints the padding each choice costs against the defaults.
+    mambastep tune --preset mamba2-130m --trace steps.jsonl --max-graphs 32 --out buckets.json
+    mambastep run --preset mamba2-130m --buckets buckets.json
+
+1. Measure (cached): the step time of candidate buckets on this model and device, as graph
+   replays, the eager time of steps of those sizes, each graph's pool and capture time
+   (`tools/tune_measure.py`). --measurements names the cache; a cache of another model, dtype,
+   device or code version is measured anew.
+2. Workload: a step-shape trace (`mambastep run --trace PATH`, or `Engine(trace=True)` and
+   `write_trace` from your own loop), or a synthetic chat workload recorded eagerly.
+3. Choose: the bucket set of least expected step time over the workload with at most
+   --max-graphs graphs, none needing more than --pool-mib of graph pool (graphs share one pool,
+   sized by its largest member), exactly (`graphs/tuning.py`).
+4. Report the tuned set beside the defaults (expected mean step time, graphs, pool, steps run
+   eagerly), write the bucket file; --plot PNG draws step time against batch size with the
+   chosen buckets marked (needs matplotlib); --validate runs the workload with both sets and
+   prints measured step time, inter-token latency and output tokens/s side by side.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from collections import Counter
+from pathlib import Path
 
-import numpy as np
 import torch
-from tqdm import tqdm
 
 from ..graphs import BucketSet
+from ..graphs.tuning import Choice, StepCosts, choose, expected_ms
+from ..runtime.config import ConfigError
 from ..runtime.engine import Engine
+from ..runtime.model import Model
 from ..runtime.presets import PRESETS
-from ..runtime.request import SamplingParams
-from .args import Parser, writable_path
-from .run import workload
+from ..runtime.weights import WeightError
+from . import tune_measure
+from .args import Parser, device as device_arg, writable_path
+from .run import serve, summarize, workload
+
+__all__ = ["main", "read_trace", "workload_steps"]
 
 
-def optimal_sizes(counts: dict[int, int], k: int, cover: int | None = None) -> tuple[int, ...]:
-    """At most ``k`` sizes minimising sum(count * (bucket(size) - size)) over the observed sizes,
-    where bucket(size) is the smallest chosen size >= size; the largest observed size (or
-    ``cover``, if larger) is always a bucket so every observed step fits."""
-    sizes = sorted(s for s in counts if s > 0)
-    if cover is not None and (not sizes or cover > sizes[-1]):
-        sizes.append(cover)
-    if not sizes:
-        return (cover or 1,)
-    n, w = len(sizes), np.array([counts.get(s, 0) for s in sizes], dtype=float)
-    x = np.array(sizes, dtype=float)
-    # cost(i, j): sizes[i..j] all padded up to sizes[j]
-    cw, cwx = np.concatenate([[0], np.cumsum(w)]), np.concatenate([[0], np.cumsum(w * x)])
-
-    def cost(i, j):
-        return x[j] * (cw[j + 1] - cw[i]) - (cwx[j + 1] - cwx[i])
-
-    k = min(k, n)
-    best = np.full((k + 1, n), np.inf)
-    back = np.zeros((k + 1, n), dtype=int)
-    for j in range(n):
-        best[1, j] = cost(0, j)
-    for b in range(2, k + 1):
-        for j in range(n):
-            for i in range(1, j + 1):
-                c = best[b - 1, i - 1] + cost(i, j)
-                if c < best[b, j]:
-                    best[b, j], back[b, j] = c, i - 1
-    # walk back from the best count of buckets: each step's bucket closes the group that ends at j
-    chosen, j = [], n - 1
-    for b in range(int(np.argmin(best[1:, n - 1])) + 1, 0, -1):
-        chosen.append(sizes[j])
-        j = back[b, j]
-    return tuple(sorted(chosen))
-
-
-def padding(counts: dict[int, int], sizes: tuple[int, ...]) -> tuple[int, int]:
-    """(padded units, steps that fit no bucket) if ``counts`` ran over buckets ``sizes``."""
-    pad, miss = 0, 0
-    for s, c in counts.items():
-        fit = [b for b in sizes if b >= s]
-        if fit:
-            pad += (fit[0] - s) * c
-        elif s:
-            miss += c
-    return pad, miss
-
-
-def record(engine: Engine, jobs, concurrency: int, progress: bool = True) -> tuple[Counter, Counter, Counter]:
-    """Run ``jobs`` at ``concurrency`` on a tracing engine; counts of decode-only batch sizes,
-    and of mixed steps' decode rows and prefill tokens."""
-    pending, live = list(reversed(jobs)), set()
-    bar = tqdm(total=len(jobs), desc="recording steps", disable=not progress, file=sys.stderr)
-    while pending or engine.has_unfinished():
-        while pending and len(live) < concurrency:
-            prompt, n_out = pending.pop()
-            live.add(engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True)))
-        for out in engine.step():
-            if out.finished:
-                live.discard(out.id)
-                bar.update()
-    bar.close()
-    decode_only, mixed_decode, mixed_prefill = Counter(), Counter(), Counter()
-    for s in engine.trace:
-        if s.prefill_seqs:
-            mixed_decode[s.decode] += 1
-            mixed_prefill[s.prefill_tokens] += 1
+def workload_steps(shapes) -> tuple[Counter, Counter]:
+    """(decode-only steps by rows, mixed steps by (rows, prefill tokens)) of step shapes (objects
+    or dicts with decode, prefill_tokens, prefill_seqs)."""
+    decode, mixed = Counter(), Counter()
+    for s in shapes:
+        get = s.get if isinstance(s, dict) else lambda k, s=s: getattr(s, k)
+        if get("prefill_seqs"):
+            mixed[get("decode"), get("prefill_tokens")] += 1
         else:
-            decode_only[s.decode] += 1
-    return decode_only, mixed_decode, mixed_prefill
+            decode[get("decode")] += 1
+    return decode, mixed
+
+
+def read_trace(path: str | Path) -> list[dict]:
+    """The steps of a JSONL trace; ValueError naming the line that is not one."""
+    steps = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            s = json.loads(line)
+            if not all(isinstance(s.get(k), int) and s[k] >= 0 for k in ("decode", "prefill_tokens", "prefill_seqs")):
+                raise ValueError
+        except (ValueError, AttributeError):
+            raise ValueError(f"{path}:{n}: expected a JSON object with decode, prefill_tokens and prefill_seqs "
+                             f"counts, got {line[:80]!r}") from None
+        steps.append(s)
+    if not steps:
+        raise ValueError(f"{path}: no steps")
+    return steps
+
+
+def record(engine: Engine, jobs, concurrency: int, progress: bool) -> list:
+    """Run ``jobs`` at ``concurrency`` through a tracing engine; the steps it ran."""
+    serve(engine, jobs, concurrency, {"temperature": 0.0}, progress)
+    return engine.trace
+
+
+def _report(rows: list[tuple[str, Choice]]) -> str:
+    lines = ["| buckets | graphs | largest graph pool (MiB) | expected mean step (ms) | steps run eagerly |",
+             "| --- | --- | --- | --- | --- |"]
+    for name, c in rows:
+        lines.append(f"| {name} | {c.graphs} | {c.pool_mib:.0f} | {c.mean_ms:.3f} | {c.eager_steps} of {c.steps} |")
+    return "\n".join(lines)
+
+
+def _plot(path: str, costs: StepCosts, tuned: BucketSet, default: BucketSet) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(costs.decode, costs.decode_graph_ms, "o-", ms=3, label="decode step, CUDA graph")
+    ax.plot(costs.decode, costs.decode_eager_ms, "s--", ms=3, label="decode step, eager")
+    for s in tuned.decode:
+        ax.axvline(s, color="tab:green", alpha=0.4, lw=1)
+    ax.plot([], [], color="tab:green", alpha=0.4, label="tuned decode buckets")
+    ax.plot(default.decode, [0] * len(default.decode), "k|", ms=12, label="default decode buckets")
+    ax.set(xlabel="decode rows", ylabel="step time (ms)", title="measured step time and the chosen buckets")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _validate(make_engine, jobs, concurrency: int, sets: dict, progress: bool) -> str:
+    lines = ["| buckets | mean step (ms) | inter-token p50 (ms) | output tokens/s |", "| --- | --- | --- | --- |"]
+    for name, buckets in sets.items():
+        engine = make_engine(buckets)
+        t = serve(engine, jobs, concurrency, {"temperature": 0.0}, progress)
+        stats = summarize(t, len(jobs))
+        lines.append(f"| {name} | {1e3 * t['wall'] / len(engine.trace):.3f} | {stats['itl_ms']['p50']:.3f} | "
+                     f"{stats['output_tokens_per_s']:.0f} |")
+        del engine
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     parser = Parser(prog="mambastep tune", description=__doc__)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                        help="model shape to record with (default: mamba2-130m on a GPU, tiny-hybrid on CPU)")
-    parser.add_argument("--requests", type=int, default=64, help="requests in the recorded workload")
-    parser.add_argument("--concurrency", type=int, default=16, help="requests in flight while recording")
-    parser.add_argument("--decode-graphs", type=int, default=12, help="decode-only buckets to choose")
-    parser.add_argument("--mixed-decode", type=int, default=4, help="decode sizes of mixed buckets")
-    parser.add_argument("--prefill", type=int, default=4, help="prefill-token sizes of mixed buckets")
-    parser.add_argument("--max-prefill-seqs", type=int, default=None, help="prefill sequences per mixed step")
-    parser.add_argument("--seed", type=int, default=0)
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", metavar="PATH", help="HF checkpoint directory")
+    source.add_argument("--preset", choices=sorted(PRESETS),
+                        help="built-in shape with random weights (default: mamba2-130m on a GPU, tiny-hybrid on CPU)")
+    parser.add_argument("--trace", metavar="PATH", help="step shapes as JSON lines (`mambastep run --trace`); "
+                        "default: record a synthetic workload")
+    parser.add_argument("--requests", type=int, default=64, help="synthetic workload: requests")
+    parser.add_argument("--concurrency", type=int, default=16, help="synthetic workload: requests in flight")
+    parser.add_argument("--seed", type=int, default=0, help="synthetic workload seed")
+    parser.add_argument("--max-graphs", type=int, default=None, help="graph budget (default: the defaults' count)")
+    parser.add_argument("--pool-mib", type=float, default=None, help="graph-pool budget in MiB (default: none)")
+    parser.add_argument("--max-decode", type=int, default=None, help="largest decode size to measure")
+    parser.add_argument("--max-prefill", type=int, default=None, help="largest prefill size to measure")
+    parser.add_argument("--measurements", metavar="PATH", default="tune-measurements.json",
+                        help="the measurement cache, read when it matches this model, dtype, device and code")
     parser.add_argument("--out", metavar="PATH", default="buckets.json", help="where to write the BucketSet")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--plot", metavar="PNG", help="draw step time against batch size, buckets marked")
+    parser.add_argument("--validate", action="store_true",
+                        help="run the synthetic workload with the default and the tuned buckets, side by side")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
-    for flag in ("requests", "concurrency", "decode_graphs", "mixed_decode", "prefill"):
-        if getattr(args, flag) < 1:
-            parser.error(f"--{flag.replace('_', '-')}: must be at least 1, got {getattr(args, flag)}")
-    if args.max_prefill_seqs is not None and args.max_prefill_seqs < 1:
-        parser.error(f"--max-prefill-seqs: must be at least 1, got {args.max_prefill_seqs}")
-    writable_path(parser, "--out", args.out)
+    for flag in ("requests", "concurrency", "max_graphs", "max_decode", "max_prefill"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            parser.error(f"--{flag.replace('_', '-')}: must be at least 1, got {value}")
+    if args.max_graphs is not None and args.max_graphs < 2:
+        parser.error("--max-graphs: a bucket set needs at least 2 graphs (a decode size and a mixed one)")
+    for flag, path in (("--out", args.out), ("--measurements", args.measurements), ("--plot", args.plot)):
+        writable_path(parser, flag, path)
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error('--plot: needs matplotlib (pip install -e ".[plot]")')
+    trace = None
+    if args.trace:
+        try:
+            trace = read_trace(args.trace)
+        except OSError as e:
+            parser.error(f"--trace {args.trace}: {e.strerror}")
+        except ValueError as e:
+            parser.error(f"--trace {e}")
+    device = device_arg(parser, args.device)
+    gpu = device.startswith("cuda")
+    dtype = torch.bfloat16 if gpu else torch.float32
+    default = BucketSet.default(gpu)
+    say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))
 
-    gpu = torch.cuda.is_available()
-    base = BucketSet.default(gpu)
-    seqs = args.max_prefill_seqs or base.max_prefill_seqs
-    preset = args.preset or ("mamba2-130m" if gpu else "tiny-hybrid")
-    if not args.quiet:
-        print(f"recording {args.requests} requests of {preset} at concurrency {args.concurrency}, eagerly",
-              file=sys.stderr)
-    engine = Engine.from_preset(preset, dtype=torch.bfloat16 if gpu else torch.float32, use_graphs=False,
-                                buckets=BucketSet(base.decode, base.mixed_decode, base.prefill, seqs),
-                                progress=False, trace=True)
-    jobs = workload(args.requests, engine.cfg.vocab_size, args.seed)
-    decode_only, mixed_decode, mixed_prefill = record(engine, jobs, args.concurrency, progress=not args.quiet)
+    name = args.model or args.preset or ("mamba2-130m" if gpu else "tiny-hybrid")
+    try:
+        model = (Model.from_pretrained(args.model, dtype=dtype, device=device) if args.model
+                 else Model.from_preset(name, dtype=dtype, device=device, seed=args.seed))
+    except (ConfigError, WeightError) as e:
+        parser.error(f"--model {args.model}: {e}")
 
-    tuned = BucketSet(
-        decode=optimal_sizes(decode_only, args.decode_graphs, cover=args.concurrency),
-        mixed_decode=(0,) + optimal_sizes(mixed_decode, args.mixed_decode, cover=args.concurrency),
-        prefill=optimal_sizes(mixed_prefill, args.prefill, cover=base.max_prefill_tokens),
-        max_prefill_seqs=seqs,
-    )
-    tuned.save(args.out)
-    steps = sum(decode_only.values()) + sum(mixed_prefill.values())
-    print(f"recorded {steps} steps of {preset} ({args.requests} requests, concurrency {args.concurrency})")
-    print("| buckets | graphs | padded decode rows | padded prefill tokens | steps above every bucket |")
-    print("| --- | --- | --- | --- | --- |")
-    for name, b in (("default", base), ("tuned", tuned)):
-        d_pad, d_miss = padding(decode_only, b.decode)
-        m_pad, m_miss = padding(mixed_decode, b.mixed_decode)
-        p_pad, p_miss = padding(mixed_prefill, b.prefill)
-        print(f"| {name} | {len(b.all())} | {d_pad + m_pad} | {p_pad} | {d_miss + max(m_miss, p_miss)} |")
-    print(f"wrote {args.out}: decode {tuned.decode}, mixed decode {tuned.mixed_decode}, prefill {tuned.prefill}")
+    def make_engine(buckets, graphs=gpu):
+        return Engine(model, buckets=buckets, use_graphs=graphs, progress=not args.quiet, trace=True)
+
+    key = tune_measure.cache_key(model)
+    cached = tune_measure.load(args.measurements, key) if Path(args.measurements).exists() else None
+    if cached:
+        costs, measured = cached
+        say(f"measurements of {measured['date']} from {args.measurements}")
+    else:
+        if Path(args.measurements).exists():
+            say(f"{args.measurements} holds another model, dtype, device or code version: measuring anew")
+        candidates = tune_measure.Candidates.around(default, args.max_decode, args.max_prefill)
+        say(f"measuring {len(candidates.decode)} decode sizes and {len(candidates.mixed_decode)} x "
+            f"{len(candidates.prefill)} mixed buckets of {name} on {key['device']}")
+        measured = tune_measure.measure(model, candidates, progress=not args.quiet)
+        tune_measure.save(measured, args.measurements)
+        costs = tune_measure.load(args.measurements, key)[0]
+
+    jobs = workload(args.requests, model.cfg.vocab_size, args.seed)
+    if trace is None:
+        say(f"recording {args.requests} requests of {name} at concurrency {args.concurrency}, eagerly")
+        trace = record(make_engine(default, graphs=False), jobs, args.concurrency, progress=not args.quiet)
+    decode_steps, mixed_steps = workload_steps(trace)
+
+    # the defaults, priced over the sizes measured (sizes above them run eagerly)
+    base = BucketSet(tuple(s for s in default.decode if s in costs.decode) or (costs.decode[0],),
+                     tuple(s for s in default.mixed_decode if s in costs.mixed_decode),
+                     tuple(s for s in default.prefill if s in costs.prefill), default.max_prefill_seqs)
+    base_cost = expected_ms(costs, base, decode_steps, mixed_steps)
+    budget = args.max_graphs or base_cost.graphs
+    try:
+        tuned = choose(costs, decode_steps, mixed_steps, budget, args.pool_mib or float("inf"),
+                       default.max_prefill_seqs)
+    except ValueError as e:
+        parser.error(str(e))
+    tuned.buckets.save(args.out)
+    print(f"{len(trace)} steps ({sum(decode_steps.values())} decode-only, {sum(mixed_steps.values())} mixed) of "
+          f"{name}; budget {budget} graphs" + (f", {args.pool_mib:.0f} MiB of pool" if args.pool_mib else ""))
+    print(_report([("default", base_cost), ("tuned", tuned)]))
+    b = tuned.buckets
+    print(f"wrote {args.out}: decode {b.decode}, mixed decode {b.mixed_decode}, prefill {b.prefill}")
+    if tuned.eager_steps:
+        print(f"{tuned.eager_steps} steps fit no tuned bucket and run eagerly (a larger budget would cover them)")
+    if args.plot:
+        _plot(args.plot, costs, b, base)
+        print(f"wrote {args.plot}")
+    if args.validate:
+        print(_validate(make_engine, jobs, args.concurrency, {"default": base, "tuned": b}, not args.quiet))
     return 0
 
 

@@ -1,43 +1,112 @@
-import itertools
+"""`mambastep tune` on the CPU: measured costs (eager) cached and reused, traces read, the
+bucket file written and used by the engine."""
+
 import json
 
 import pytest
-from hypothesis import given, settings, strategies as st
+import torch
 
 from mambastep.graphs import BucketSet
-from mambastep.tools import cli
-from mambastep.tools.tune import optimal_sizes, padding
+from mambastep.graphs.tuning import StepCosts
+from mambastep.runtime.engine import Engine
+from mambastep.runtime.model import Model
+from mambastep.tools import cli, tune_measure
+from mambastep.tools.tune import read_trace, workload_steps
+
+SMALL = ["--device", "cpu", "--quiet", "--max-decode", "4", "--max-prefill", "32"]
 
 
-@settings(max_examples=60, deadline=None)
-@given(counts=st.dictionaries(st.integers(1, 40), st.integers(1, 20), min_size=1, max_size=7), k=st.integers(1, 4))
-def test_optimal_sizes_is_optimal(counts, k):
-    chosen = optimal_sizes(counts, k)
-    top = max(counts)
-    assert len(chosen) <= k and top in chosen
-    below = sorted(s for s in counts if s < top)
-    brute = min(padding(counts, tuple(sorted(set(c) | {top})))[0]
-                for r in range(k) for c in itertools.combinations(below, r))
-    assert padding(counts, chosen) == (brute, 0)
+@pytest.fixture(scope="module")
+def model():
+    return Model.from_preset("tiny-hybrid", dtype=torch.float32)
 
 
-def test_tune_writes_a_bucket_file_run_accepts(tmp_path, capsys):
+def test_measurements_round_trip_and_are_keyed(model, tmp_path):
+    candidates = tune_measure.Candidates((1, 2), (0, 2), (16, 32))
+    measured = tune_measure.measure(model, candidates, rounds=1, progress=False)
+    path = tmp_path / "m.json"
+    tune_measure.save(measured, path)
+    costs, again = tune_measure.load(path, tune_measure.cache_key(model))
+    assert isinstance(costs, StepCosts) and costs.decode == (1, 2) and costs.prefill == (16, 32)
+    assert len(costs.mixed_graph_ms) == 2 and all(t > 0 for row in costs.mixed_eager_ms for t in row)
+    assert again == json.loads(path.read_text())
+    other = dict(tune_measure.cache_key(model), dtype="bfloat16")
+    assert tune_measure.load(path, other) is None  # another dtype (or model, device, code): not reused
+
+
+def test_candidates_hold_the_defaults_sizes():
+    base = BucketSet.default(cuda=True)
+    c = tune_measure.Candidates.around(base)
+    assert set(base.decode) <= set(c.decode) and set(base.mixed_decode) <= set(c.mixed_decode)
+    assert set(base.prefill) <= set(c.prefill) and c.decode[:16] == tuple(range(1, 17))
+
+
+def test_an_engine_trace_is_the_steps_it_ran_and_the_engine_uses_the_tuned_file(model, tmp_path, capsys):
+    engine = Engine(model, buckets=BucketSet.default(False), use_graphs=False, progress=False, trace=True)
+    from mambastep.runtime.request import SamplingParams
+
+    for n in (5, 9, 40):
+        engine.add_request(list(range(1, n + 1)), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    trace = tmp_path / "t.jsonl"
+    engine.write_trace(trace)
+    steps = read_trace(trace)
+    assert [(s["decode"], s["prefill_tokens"], s["prefill_seqs"]) for s in steps] == [
+        (s.decode, s.prefill_tokens, s.prefill_seqs) for s in engine.trace]
+    decode, mixed = workload_steps(steps)
+    assert sum(decode.values()) + sum(mixed.values()) == len(engine.trace)
+
     out = tmp_path / "b.json"
-    assert cli.main(["tune", "--requests", "12", "--concurrency", "4", "--decode-graphs", "3", "--out", str(out)]) == 0
+    assert cli.main(["tune", *SMALL, "--trace", str(trace), "--measurements", str(tmp_path / "m.json"),
+                     "--max-graphs", "4", "--out", str(out)]) == 0
+    report = capsys.readouterr().out
+    assert "| tuned |" in report and "| default |" in report
     tuned = BucketSet.load(out)
-    assert len(tuned.decode) <= 3 and tuned.decode[-1] >= 4
-    assert "tuned" in capsys.readouterr().out
-    assert cli.main(["run", "--device", "cpu", "--quiet", "--requests", "4", "--concurrency", "4",
-                     "--buckets", str(out)]) == 0
-    assert json.loads(out.read_text())["max_prefill_seqs"] >= 1
+    assert len(tuned.all()) <= 4
+    # the engine runs in the tuned buckets: each step in the smallest that holds it
+    again = Engine(model, buckets=out, use_graphs=False, progress=False, trace=True)
+    again.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    while again.has_unfinished():
+        again.step()
+    for s in again.trace:
+        assert s.bucket == (tuned.choose(s.decode, s.prefill_tokens, s.prefill_seqs) or s.bucket)
+    assert any(s.bucket.decode in tuned.decode and not s.prefill_seqs for s in again.trace)
 
 
-def test_tune_shows_progress_and_checks_its_arguments(tmp_path, capsys):
-    assert cli.main(["tune", "--requests", "4", "--concurrency", "2", "--out", str(tmp_path / "b.json")]) == 0
-    err = capsys.readouterr().err
-    assert "recording 4 requests" in err and "recording steps" in err  # the message, then the bar
+def test_tune_reuses_its_cache_and_validates(tmp_path, capsys):
+    args = ["tune", *SMALL, "--requests", "4", "--concurrency", "2", "--measurements", str(tmp_path / "m.json"),
+            "--out", str(tmp_path / "b.json")]
+    assert cli.main(args) == 0
+    capsys.readouterr()
+    assert cli.main([a for a in args if a != "--quiet"] + ["--validate"]) == 0
+    captured = capsys.readouterr()
+    assert "measurements of" in captured.err  # the cache, not a second measurement
+    assert "| buckets | mean step (ms) | inter-token p50 (ms) | output tokens/s |" in captured.out
+
+
+def test_tune_checks_its_arguments(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"decode": 1, "prefill_tokens": 0, "prefill_seqs": 0}\n{"decode": "x"}\n')
     for argv, match in ((["--requests", "0"], "--requests: must be at least 1"),
-                        (["--out", "/nonexistent/dir/b.json"], "no directory")):
+                        (["--max-graphs", "1"], "--max-graphs: a bucket set needs at least 2"),
+                        (["--out", "/nonexistent/dir/b.json"], "no directory"),
+                        (["--trace", str(tmp_path / "none.jsonl")], "No such file"),
+                        (["--trace", str(bad)], "bad.jsonl:2: expected a JSON object")):
         with pytest.raises(SystemExit):
-            cli.main(["tune", *argv])
+            cli.main(["tune", "--device", "cpu", *argv])
         assert match in capsys.readouterr().err
+
+
+def test_the_plot_marks_the_buckets_or_names_its_extra(tmp_path, capsys):
+    args = ["tune", *SMALL, "--requests", "3", "--concurrency", "2", "--measurements", str(tmp_path / "m.json"),
+            "--out", str(tmp_path / "b.json"), "--plot", str(tmp_path / "p.png")]
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        with pytest.raises(SystemExit):
+            cli.main(args)
+        assert 'needs matplotlib (pip install -e ".[plot]")' in capsys.readouterr().err
+        return
+    assert cli.main(args) == 0
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

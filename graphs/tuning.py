@@ -96,21 +96,15 @@ class Choice:
         return self.total_ms / max(self.steps, 1)
 
 
-def _best_by_count(sizes, serve, steps: Counter, eager_ms, max_graphs: int, unit: int = 1):
+def _best_by_count(sizes, serve, eager_above, max_graphs: int, unit: int = 1):
     """Exact DP over sorted candidate ``sizes`` (the row axis of one table of graphs).
 
-    ``steps[s]``: steps of size s; ``serve(j, lo)``: the summed graph time of the steps of sizes
-    in (lo, sizes[j]] served by candidate j; a step above the largest chosen size costs
-    ``eager_ms(s)`` each. A chosen size costs ``unit`` graphs. Returns (best[g], picks[g]) for
-    g = 0..max_graphs: the least cost with at least one and at most g graphs (INF where none fits)
-    and the sizes chosen.
+    ``serve(j, lo)``: the summed graph time of the steps of sizes in (lo, sizes[j]] served by
+    candidate j; ``eager_above(lo)``: the eager time of the steps above size lo. A chosen size
+    costs ``unit`` graphs. Returns (best[g], picks[g]) for g = 0..max_graphs: the least cost
+    with at least one and at most g graphs (INF where none fits) and the sizes chosen.
     """
     n, k = len(sizes), max_graphs // unit
-    observed = sorted(steps)
-
-    def eager_above(lo):
-        return sum(steps[s] * eager_ms(s) for s in observed if s > lo)
-
     # dp[c][j]: the least cost of the steps up to sizes[j] with c sizes chosen, the largest sizes[j]
     dp = np.full((k + 1, n), INF)
     back = np.full((k + 1, n), -1, dtype=int)
@@ -139,15 +133,27 @@ def _best_by_count(sizes, serve, steps: Counter, eager_ms, max_graphs: int, unit
     return best, picks
 
 
+def _up_to(keys, values):
+    """x -> the sum of ``values`` whose key is at most x (keys need not be sorted)."""
+    order = np.argsort(keys, kind="stable")
+    k = np.asarray(keys, float)[order]
+    cum = np.concatenate([[0.0], np.cumsum(np.asarray(values, float)[order])])
+    return lambda x: float(cum[np.searchsorted(k, x, side="right")])
+
+
 def _decode_table(costs: StepCosts, steps: Counter, allowed, max_graphs: int):
     """Best decode-only sizes by graph count."""
     ok = [j for j in range(len(costs.decode)) if allowed(j)]
     sizes = [costs.decode[j] for j in ok]
+    rows, counts = list(steps), list(steps.values())
+    count = _up_to(rows, counts)
+    eager = _up_to(rows, [n * costs.decode_eager(d) for d, n in steps.items()])
+    eager_total = eager(float("inf"))
 
     def serve(jj, lo):
-        return costs.decode_graph_ms[ok[jj]] * sum(n for d, n in steps.items() if lo < d <= sizes[jj])
+        return costs.decode_graph_ms[ok[jj]] * (count(sizes[jj]) - count(lo))
 
-    return _best_by_count(sizes, serve, steps, costs.decode_eager, max_graphs)
+    return _best_by_count(sizes, serve, lambda lo: eager_total - eager(lo), max_graphs)
 
 
 def _mixed_table(costs: StepCosts, steps: Counter, allowed, max_graphs: int):
@@ -163,22 +169,21 @@ def _mixed_table(costs: StepCosts, steps: Counter, allowed, max_graphs: int):
                 continue
             # steps with more prefill tokens than the largest chosen run eagerly, whatever their rows
             over = sum(n * costs.mixed_eager(d, t) for (d, t), n in steps.items() if t > ps[-1])
-            fits = Counter()
-            served = {}  # (candidate row, decode rows) -> graph time of those steps there
-            for (d, t), n in steps.items():
-                if t <= ps[-1]:
-                    fits[d] += n
-                    j = subset[int(np.searchsorted(ps, t))]
-                    for i in rows:
-                        served[i, d] = served.get((i, d), 0.0) + n * costs.mixed_graph_ms[i][j]
-            eager = {d: sum(n * costs.mixed_eager(dd, t) for (dd, t), n in steps.items() if dd == d and t <= ps[-1])
-                     / fits[d] for d in fits}
+            under = [(d, t, n) for (d, t), n in steps.items() if t <= ps[-1]]
+            ds = [d for d, _, _ in under]
+            # by candidate row: the graph time of the steps up to a decode size, each step in
+            # its prefill bucket of the subset
+            in_row = [_up_to(ds, [n * costs.mixed_graph_ms[i][subset[int(np.searchsorted(ps, t))]]
+                                  for _, t, n in under]) for i in rows]
+            eager = _up_to(ds, [n * costs.mixed_eager(d, t) for d, t, n in under])
+            eager_total = eager(float("inf"))
             sizes = [costs.mixed_decode[i] for i in rows]
 
-            def serve(jj, lo, rows=rows, sizes=sizes, fits=fits, served=served):
-                return sum(served[rows[jj], d] for d in fits if lo < d <= sizes[jj])
+            def serve(jj, lo, in_row=in_row, sizes=sizes):
+                return in_row[jj](sizes[jj]) - in_row[jj](lo)
 
-            table, chosen = _best_by_count(sizes, serve, fits, eager.__getitem__, max_graphs, unit=r)
+            table, chosen = _best_by_count(sizes, serve, lambda lo, e=eager, tot=eager_total: tot - e(lo),
+                                           max_graphs, unit=r)
             for g in range(1, max_graphs + 1):
                 if table[g] + over < best[g]:
                     best[g], picks[g] = table[g] + over, (chosen[g], tuple(ps))

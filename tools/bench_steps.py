@@ -37,19 +37,20 @@ PREFILL_CHUNKS = (223, 512, 2048)
 CONTEXT = 256  # tokens already in each decode row's slot
 
 
-def step_ms(runner: StepRunner, plan: StepPlan, steps: int = 1, rounds: int = 30) -> float:
+def step_ms(runner: StepRunner, plan: StepPlan, steps: int = 1, rounds: int = 30, warmup: int = 3) -> float:
     """Wall time per step of ``steps`` steps launched without waiting for any, then synchronised
     (median of ``rounds``): one step is the synchronised step; many, steps back to back, each
-    refill waiting only for the previous step's copy of the arena."""
-    for _ in range(3):
+    refill waiting only for the previous step's copy of the arena. (On a CPU: eager steps.)"""
+    sync = torch.cuda.synchronize if runner.cuda else (lambda: None)
+    for _ in range(warmup):
         runner.logits(plan)
     times = []
     for _ in range(rounds):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         for _ in range(steps):
             runner.logits(plan)
-        torch.cuda.synchronize()
+        sync()
         times.append((time.perf_counter() - t0) * 1e3 / steps)
     return statistics.median(times)
 
@@ -133,6 +134,8 @@ def prefill_flops(model: Model, tokens: int) -> float:
     flops = 2.0 * model.lm_head.shape[0] * model.lm_head.shape[1]
     for block in model.blocks:
         m = block.mixer
+        # projections (2-D) and the conv1d's depthwise filters ([C, 1, K]); of the experts'
+        # stacks ([E, ., .]), the k each token takes
         params = sum(t.numel() for t in _mixer_tensors(m) if t.dim() == 2 or (t.dim() == 3 and t.shape[1] == 1))
         if isinstance(m, MoEMixer):
             params += m.route["top_k"] * (m.up[0].numel() + m.down[0].numel())
@@ -141,8 +144,9 @@ def prefill_flops(model: Model, tokens: int) -> float:
 
 
 def _mixer_tensors(mixer):
+    """A mixer's weights: its tensor fields and the tensors of its tuple fields."""
     fields = vars(mixer).values()
-    yield from (v for v in fields if isinstance(v, torch.Tensor) and not (isinstance(mixer, MoEMixer) and v.dim() == 3))
+    yield from (v for v in fields if isinstance(v, torch.Tensor))
     for v in fields:
         if isinstance(v, tuple):
             yield from (t for t in v if isinstance(t, torch.Tensor))
@@ -154,11 +158,7 @@ def _weights(model: Model):
     yield from (block.norm.weight for block in model.blocks)
     yield model.final_norm.weight
     for block in model.blocks:
-        fields = vars(block.mixer).values()
-        yield from (v for v in fields if isinstance(v, torch.Tensor))
-        for v in fields:
-            if isinstance(v, tuple):
-                yield from (t for t in v if isinstance(t, torch.Tensor))
+        yield from _mixer_tensors(block.mixer)
 
 
 def _state_tensors(pool: StatePool):

@@ -14,9 +14,7 @@ import dataclasses
 import datetime
 import hashlib
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -28,6 +26,7 @@ from ..runtime.model import Model
 from ..runtime.plan import StepPlan
 from ..runtime.state_pool import StatePool
 from ..runtime.step_runner import StepRunner
+from .bench_steps import step_ms
 
 __all__ = ["Candidates", "cache_key", "load", "measure", "save"]
 
@@ -72,20 +71,6 @@ def cache_key(model: Model) -> dict:
             "device": device, "code": code_version()}
 
 
-def _time_ms(runner: StepRunner, plan: StepPlan, rounds: int) -> float:
-    runner.logits(plan)
-    times = []
-    for _ in range(rounds):
-        if runner.cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        runner.logits(plan)
-        if runner.cuda:
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def _plan(bucket: Bucket, slot: int) -> StepPlan:
     decode = [(1 + i, i, CONTEXT) for i in range(bucket.decode)]
     prefill = [(list(range(1, bucket.prefill + 1)), slot, 0)] if bucket.prefill else []
@@ -106,13 +91,13 @@ def measure(model: Model, candidates: Candidates, rounds: int | None = None, pro
     def one(bucket: Bucket):
         """(graph ms, eager ms, pool MiB, capture s) of a step that fills ``bucket`` exactly."""
         plan = _plan(bucket, slot)
-        e = _time_ms(eager, plan, rounds)
+        e = step_ms(eager, plan, rounds=rounds, warmup=1)
         if not cuda:
             return e, e, 0.0, 0.0
         alone = StepRunner(model, pool, BucketSet((max(bucket.decode, 1),), (bucket.decode,),
                                                   (max(bucket.prefill, 1),), max_prefill_seqs=1))
         report = alone.capture([bucket], progress=False)
-        g = _time_ms(alone, plan, rounds)
+        g = step_ms(alone, plan, rounds=rounds, warmup=1)
         del alone
         return g, e, report.pool_bytes / 2**20, report.seconds
 

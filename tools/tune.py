@@ -203,7 +203,8 @@ def main(argv=None) -> int:
     # the defaults, priced over the sizes measured (sizes above them run eagerly)
     base = BucketSet(tuple(s for s in default.decode if s in costs.decode) or (costs.decode[0],),
                      tuple(s for s in default.mixed_decode if s in costs.mixed_decode),
-                     tuple(s for s in default.prefill if s in costs.prefill), default.max_prefill_seqs)
+                     tuple(s for s in default.prefill if s in costs.prefill) or (costs.prefill[0],),
+                     default.max_prefill_seqs)
     base_cost = expected_ms(costs, base, decode_steps, mixed_steps)
     budget = args.max_graphs or base_cost.graphs
     try:

@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from .request import SamplingParams
-from .serving import EngineLoop, Overloaded
+from .serving import EngineLoop, EngineProcess, Overloaded
 from .tokenizer import TokenizerError
 
 __all__ = ["create_app"]
@@ -67,7 +67,7 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(stop)
 
 
-def create_app(loop: EngineLoop, model_name: str, default_max_tokens: int = 16) -> Starlette:
+def create_app(loop: EngineLoop | EngineProcess, model_name: str, default_max_tokens: int = 16) -> Starlette:
     """The API over ``loop``, serving ``model_name``; ``default_max_tokens`` where a request
     names none."""
 
@@ -193,7 +193,8 @@ def create_app(loop: EngineLoop, model_name: str, default_max_tokens: int = 16) 
     async def health(request: Request):
         if loop.closed:
             return JSONResponse({"status": "stopped"}, status_code=503)
-        return JSONResponse({"status": "ok", "open_requests": loop.open_requests(), "steps": loop.steps})
+        return JSONResponse({"status": "ok", "open_requests": loop.open_requests(), "steps": loop.steps,
+                             "engine": loop.kind})
 
     return Starlette(routes=[
         Route("/v1/completions", completions, methods=["POST"]),

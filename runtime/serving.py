@@ -1,16 +1,20 @@
-"""One thread owns the engine and steps it while requests arrive; callers in an event loop only
+"""One loop owns the engine and steps it while requests arrive; callers in an event loop only
 submit, await their outputs and abort.
 
-The thread takes submissions (add, abort) between steps from a queue, so nothing a caller does
-waits on a step or makes a step wait, and hands each request's outputs to the event loop that
-submitted it. A bound on the requests in the engine turns away the one past it (``Overloaded``)
-and changes nothing else. ``close`` aborts what is in flight: every open stream ends, with
-finish_reason "abort".
+The loop takes submissions (add, abort) between steps, so nothing a caller does waits on a step
+or makes a step wait, and hands each request's outputs to the event loop that submitted it. A
+bound on the requests in the engine turns away the one past it (``Overloaded``) and changes
+nothing else. ``close`` aborts what is in flight: every open stream ends, with finish_reason
+"abort". Two placements, one interface: ``EngineLoop`` runs the engine in a thread of this
+process, ``EngineProcess`` in a process of its own (a pipe carries submissions one way and each
+step's outputs the other).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import multiprocessing
 import queue
 import threading
 from concurrent.futures import Future
@@ -18,7 +22,7 @@ from dataclasses import dataclass
 
 from .text import TextEngine, TextOutput
 
-__all__ = ["EngineLoop", "Overloaded", "Stream"]
+__all__ = ["EngineLoop", "EngineProcess", "Overloaded", "Stream"]
 
 
 class Overloaded(RuntimeError):
@@ -50,15 +54,66 @@ def _put_all(items) -> None:
         outputs.put_nowait(out)
 
 
-class EngineLoop:
-    def __init__(self, text: TextEngine, max_requests: int | None = None):
-        """max_requests: requests queued or running at once, beyond which ``submit`` raises
-        Overloaded (None: unbounded, the engine queues)."""
-        self.text, self.max_requests = text, max_requests
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+class _Streams:
+    """What both loops keep on the caller's side: each open request's stream, handed its outputs
+    with one wake-up per event loop a step, and ended when the request can get no more."""
+
+    def __init__(self, max_requests: int | None):
+        self.max_requests = max_requests
         self._streams: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._closed = threading.Event()
         self.steps = 0
+
+    def open_requests(self) -> int:
+        return len(self._streams)
+
+    @property
+    def closed(self) -> bool:
+        """Whether the loop has stopped (closed, or its engine failed): nothing more is served."""
+        return self._closed.is_set()
+
+    def _overloaded(self, pending: int = 0) -> Overloaded | None:
+        if self.max_requests is not None and len(self._streams) + pending >= self.max_requests:
+            return Overloaded(f"{len(self._streams) + pending} requests in flight, the bound")
+        return None
+
+    def _open(self, rid: int, prompt_tokens: int, loop: asyncio.AbstractEventLoop) -> Stream:
+        outputs: asyncio.Queue = asyncio.Queue()
+        self._streams[rid] = (loop, outputs)
+        return Stream(rid, prompt_tokens, outputs)
+
+    def _deliver(self, outs: list[TextOutput]) -> None:
+        """Hand a step's outputs over: one wake-up per event loop a step, however many streams."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outs:
+            if out.id not in self._streams:  # ended meanwhile (aborted, the loop closing)
+                continue
+            loop, outputs = self._streams[out.id]
+            by_loop.setdefault(loop, []).append((outputs, out))
+            if out.finished:
+                del self._streams[out.id]
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
+    def _end(self, rid: int) -> None:
+        """Close a stream that will get no more outputs (aborted, or the loop closing)."""
+        if rid in self._streams:
+            loop, outputs = self._streams.pop(rid)
+            loop.call_soon_threadsafe(outputs.put_nowait, TextOutput(rid, "", [], True, "abort"))
+
+
+class EngineLoop(_Streams):
+    """The engine in a thread of this process (embedding, tests). The thread lets go of the GIL
+    while it waits for the GPU, but a busy event loop can hold it up; see EngineProcess."""
+
+    kind = "thread"
+
+    def __init__(self, text: TextEngine, max_requests: int | None = None):
+        """max_requests: requests queued or running at once, beyond which ``submit`` raises
+        Overloaded (None: unbounded, the engine queues)."""
+        super().__init__(max_requests)
+        self.text = text
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="mambastep-engine", daemon=True)
         self._thread.start()
 
@@ -75,13 +130,8 @@ class EngineLoop:
         """Drop a request (a client went away); a no-op for one already finished."""
         self._inbox.put(("abort", request_id))
 
-    def open_requests(self) -> int:
-        return len(self._streams)
-
-    @property
-    def closed(self) -> bool:
-        """Whether the loop has stopped (closed, or its engine failed): nothing more is served."""
-        return self._closed.is_set()
+    def free_slots(self) -> int:
+        return len(self.text.engine.scheduler.free_slots)
 
     def close(self, timeout: float = 10.0) -> None:
         """Abort every request in flight, end their streams, and stop the thread."""
@@ -104,42 +154,159 @@ class EngineLoop:
         finally:
             self._closed.set()
             for rid in list(self._streams):
-                self._end(rid)
+                self._abort(rid)
 
     def _handle(self, kind: str, arg) -> None:
         if kind == "add":
             prompt, params, stop, loop, done = arg
-            if self.max_requests is not None and len(self._streams) >= self.max_requests:
-                done.set_exception(Overloaded(f"{len(self._streams)} requests in flight, the bound"))
+            if (refused := self._overloaded()) is not None:
+                done.set_exception(refused)
                 return
             try:
                 rid = self.text.add(prompt, params, stop)
             except Exception as e:  # bad input: the caller's error, nothing changed here
                 done.set_exception(e)
                 return
-            outputs: asyncio.Queue = asyncio.Queue()
-            self._streams[rid] = (loop, outputs)
-            done.set_result(Stream(rid, self.text.prompt_tokens(rid), outputs))
+            done.set_result(self._open(rid, self.text.prompt_tokens(rid), loop))
         elif kind == "abort":
-            if arg in self._streams:
-                self._end(arg)
+            self._abort(arg)
         elif kind == "close":
             self._closed.set()
 
-    def _deliver(self, outs: list[TextOutput]) -> None:
-        """Hand a step's outputs over: one wake-up per event loop a step, however many streams."""
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for out in outs:
-            loop, outputs = self._streams[out.id]
-            by_loop.setdefault(loop, []).append((outputs, out))
-            if out.finished:
-                del self._streams[out.id]
-        for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, items)
+    def _abort(self, rid: int) -> None:
+        if rid in self._streams:
+            if rid in self.text.engine.requests:
+                self.text.abort(rid)
+            self._end(rid)
 
-    def _end(self, rid: int) -> None:
-        """Close a stream that will get no more outputs (aborted, or the loop closing)."""
-        if rid in self.text.engine.requests:
-            self.text.abort(rid)
-        loop, outputs = self._streams.pop(rid)
-        loop.call_soon_threadsafe(outputs.put_nowait, TextOutput(rid, "", [], True, "abort"))
+
+def _child(build, conn) -> None:
+    """The engine process: build the TextEngine, then serve the parent's messages between steps
+    and send each step's outputs (with the free slots after it)."""
+    try:
+        text = build()
+    except Exception as e:  # a bad checkpoint: the parent reports it
+        conn.send(("failed", str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"))
+        return
+    free = lambda: len(text.engine.scheduler.free_slots)  # noqa: E731
+    conn.send(("ready", free()))
+    while True:
+        if not conn.poll(0 if text.has_unfinished() else None):
+            conn.send(("step", text.step(), free()))
+            continue
+        kind, *arg = conn.recv()
+        if kind == "add":
+            token, prompt, params, stop = arg
+            try:
+                rid = text.add(prompt, params, stop)
+            except Exception as e:  # bad input: the caller's error, nothing changed here
+                conn.send(("refused", token, e))
+                continue
+            conn.send(("added", token, rid, text.prompt_tokens(rid)))
+        elif kind == "abort":
+            if arg[0] in text.engine.requests:
+                text.abort(arg[0])
+            conn.send(("ended", arg[0], free()))
+        elif kind == "close":
+            return
+
+
+class EngineProcess(_Streams):
+    """The engine in a process of its own: this process only parses, submits and streams, so
+    the engine never waits for this side's GIL. ``build``: a picklable callable that returns
+    the TextEngine (it runs in the child; e.g. ``functools.partial(TextEngine.load, ...)``)."""
+
+    kind = "process"
+
+    def __init__(self, build, max_requests: int | None = None, start_timeout: float = 600.0):
+        super().__init__(max_requests)
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: CUDA starts in the child
+        self._conn, child = ctx.Pipe()
+        self._process = ctx.Process(target=_child, args=(build, child), name="mambastep-engine", daemon=True)
+        self._process.start()
+        child.close()
+        if not self._conn.poll(start_timeout):
+            self._process.kill()
+            raise RuntimeError(f"the engine process did not start within {start_timeout:.0f} s")
+        try:
+            kind, arg = self._conn.recv()
+        except EOFError:
+            raise RuntimeError(f"the engine process exited ({self._process.exitcode}) before it was ready") from None
+        if kind == "failed":
+            self._process.join()
+            raise ValueError(arg)
+        self._free = arg
+        self._send_lock = threading.Lock()
+        self._pending: dict[int, tuple[Future, asyncio.AbstractEventLoop]] = {}
+        self._tokens = itertools.count()
+        self._reader = threading.Thread(target=self._read, name="mambastep-engine-reader", daemon=True)
+        self._reader.start()
+
+    def _send(self, *msg) -> None:
+        with self._send_lock:
+            self._conn.send(msg)
+
+    async def submit(self, prompt, params, stop=()) -> Stream:
+        """As EngineLoop.submit."""
+        if self._closed.is_set():
+            raise RuntimeError("the engine loop is closed")
+        if (refused := self._overloaded(len(self._pending))) is not None:
+            raise refused
+        done: Future = Future()
+        token = next(self._tokens)
+        self._pending[token] = (done, asyncio.get_running_loop())
+        try:
+            self._send("add", token, prompt, params, stop)
+        except OSError:
+            self._pending.pop(token, None)
+            raise RuntimeError("the engine loop is closed") from None
+        return await asyncio.wrap_future(done)
+
+    def abort(self, request_id: int) -> None:
+        if request_id in self._streams and not self._closed.is_set():
+            try:
+                self._send("abort", request_id)
+            except OSError:
+                pass
+
+    def free_slots(self) -> int:
+        return self._free
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the engine process; every open stream ends with finish_reason "abort"."""
+        try:
+            self._send("close")
+        except OSError:
+            pass
+        self._process.join(timeout)
+        if self._process.is_alive():
+            self._process.kill()
+        self._reader.join(timeout)
+
+    def _read(self) -> None:
+        try:
+            while True:
+                kind, *arg = self._conn.recv()
+                if kind == "step":
+                    self.steps += 1
+                    outs, self._free = arg
+                    self._deliver(outs)
+                elif kind == "added":
+                    token, rid, prompt_tokens = arg
+                    done, loop = self._pending.pop(token)
+                    done.set_result(self._open(rid, prompt_tokens, loop))
+                elif kind == "refused":
+                    token, error = arg
+                    self._pending.pop(token)[0].set_exception(error)
+                elif kind == "ended":
+                    rid, self._free = arg
+                    self._end(rid)
+        except (EOFError, OSError):
+            pass
+        finally:
+            self._closed.set()
+            for rid in list(self._streams):
+                self._end(rid)
+            for done, _ in self._pending.values():
+                done.set_exception(RuntimeError("the engine loop is closed"))
+            self._pending.clear()

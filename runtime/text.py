@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from .detokenizer import IncrementalDetokenizer
 from .engine import Engine
 from .request import SamplingParams
+from .tokenizer import load_tokenizer
 
 __all__ = ["TextEngine", "TextOutput"]
 
@@ -45,6 +46,14 @@ class TextEngine:
     def __init__(self, engine: Engine, tokenizer):
         self.engine, self.tokenizer = engine, tokenizer
         self._streams: dict[int, _Stream] = {}
+
+
+    @classmethod
+    def load(cls, model: str | None = None, preset: str | None = None, **engine_kw) -> "TextEngine":
+        """Over a checkpoint directory and its tokenizer, or a preset (text as bytes);
+        ``engine_kw`` as ``Engine.from_pretrained`` takes them."""
+        engine = Engine.from_pretrained(model, **engine_kw) if model else Engine.from_preset(preset, **engine_kw)
+        return cls(engine, load_tokenizer(model, engine.cfg.vocab_size))
 
     def add(self, prompt: str | list[dict], params: SamplingParams | None = None, stop=()) -> int:
         """Queue a text prompt, token ids, or chat messages ([{"role", "content"}]) rendered with

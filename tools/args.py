@@ -91,13 +91,11 @@ def text_engine(parser: Parser, model: str | None, preset: str | None, **engine_
     """A TextEngine over ``--model PATH`` (its tokenizer) or ``--preset NAME`` (text as bytes);
     a bad checkpoint is a one-line error naming what is wrong."""
     from ..runtime.config import ConfigError
-    from ..runtime.engine import Engine
     from ..runtime.text import TextEngine
-    from ..runtime.tokenizer import TokenizerError, load_tokenizer
+    from ..runtime.tokenizer import TokenizerError
     from ..runtime.weights import WeightError
 
     try:
-        engine = Engine.from_pretrained(model, **engine_kw) if model else Engine.from_preset(preset, **engine_kw)
-        return TextEngine(engine, load_tokenizer(model, engine.cfg.vocab_size))
+        return TextEngine.load(model, preset, **engine_kw)
     except (ConfigError, WeightError, TokenizerError) as e:
         parser.error(str(e))

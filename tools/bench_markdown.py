@@ -47,7 +47,8 @@ def serve_table(results: list[dict]) -> str:
             continue
         a, b = r["itl_ms"]["mean"], h["itl_ms"]["mean"]
         x, y = r["output_tokens_per_s"], h["output_tokens_per_s"]
-        lines.append(f"| {h['model']} | {h['concurrency']} | {a:.3f} / {b:.3f} / {b - a:+.3f} | "
+        where = f" (engine {h['engine']})" if h.get("engine") else ""
+        lines.append(f"| {h['model']}{where} | {h['concurrency']} | {a:.3f} / {b:.3f} / {b - a:+.3f} | "
                      f"{r['ttft_ms']['p50']:.2f} / {h['ttft_ms']['p50']:.2f} | {x:.0f} / {y:.0f} / {100 * y / x:.0f}% |")
     return "\n".join(lines)
 
@@ -87,7 +88,8 @@ def render(steps=(), kernels: str | None = None, runs=(), serve=()) -> str:
                 "```", "",
                 "The same workload as the main job (same seed, lengths and prompt ids), streamed through the "
                 "OpenAI-compatible server by client processes on the same machine, beside `mambastep run` "
-                "in-process on it, measured one after the other (`.ci/gpu-serve`):",
+                "in-process on it, measured one after the other (`.ci/gpu-serve`). The engine runs in a thread of "
+                "the server, or where marked in a process of its own (`mambastep serve --engine-process`):",
                 "", serve_table(_load_runs(serve)), ""]
     if kernels:
         out += ["## Kernels", "", "```", "mambastep bench kernels --json kernels.json", "```", "",

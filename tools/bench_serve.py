@@ -156,7 +156,8 @@ def main(argv=None) -> int:
     except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
         parser.error(f"--url {args.url}: no server answers ({e})")
     jobs = workload(args.requests, args.vocab, args.seed, max_context=args.max_context)
-    before = httpx.get(args.url + "/health", timeout=10).json().get("steps")
+    health = httpx.get(args.url + "/health", timeout=10).json()
+    before = health.get("steps")
     timings = load(args.url, jobs, args.concurrency, args.model, progress=not args.quiet, processes=processes)
     after = httpx.get(args.url + "/health", timeout=10).json().get("steps")
     stats = summarize(timings, args.requests)
@@ -165,7 +166,7 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({"url": args.url, "model": args.model or served, "date": datetime.date.today().isoformat(),
                        "requests": args.requests, "concurrency": args.concurrency, "vocab": args.vocab,
-                       "seed": args.seed, "processes": processes,
+                       "seed": args.seed, "processes": processes, "engine": health.get("engine"),
                        "server_steps_per_s": (after - before) / timings["wall"] if before is not None else None,
                        **stats}, f, indent=1)
     return 0

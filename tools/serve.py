@@ -12,11 +12,13 @@ text as bytes and token-id prompts, for load tests. Needs `pip install -e ".[ser
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
 
 from ..runtime.presets import PRESETS
+from ..runtime.text import TextEngine
 from .args import Parser, bucket_file, device as device_arg, text_engine
 
 
@@ -36,12 +38,14 @@ def main(argv=None) -> int:
     parser.add_argument("--pipelined", action="store_true", help="launch step N+1 before reading step N's tokens")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--engine-process", action="store_true",
+                        help="run the engine in a process of its own, so that it never waits for the server's GIL")
     args = parser.parse_args(argv)
     try:
         import uvicorn
 
         from ..runtime.openai_api import create_app
-        from ..runtime.serving import EngineLoop
+        from ..runtime.serving import EngineLoop, EngineProcess
     except ImportError as e:
         parser.error(f"the server needs its extra: pip install -e \".[serve]\" ({e})")
     device = device_arg(parser, args.device)
@@ -54,10 +58,18 @@ def main(argv=None) -> int:
     common = dict(dtype=torch.bfloat16 if gpu else torch.float32, device=device, max_context=args.max_context,
                   buckets=bucket_file(parser, "--buckets", args.buckets), use_graphs=gpu and not args.eager,
                   pipelined=args.pipelined)
-    loop = EngineLoop(text_engine(parser, args.model, args.preset, **common), max_requests=args.max_requests)
-    # The engine thread lets go of the GIL while it waits for the GPU; with the default 5 ms switch
-    # interval a busy event loop then keeps it for up to 5 ms, a 130M model's twenty decode steps.
-    sys.setswitchinterval(2e-4)
+    if args.engine_process:
+        try:
+            loop = EngineProcess(functools.partial(TextEngine.load, args.model, args.preset, **common),
+                                 max_requests=args.max_requests)
+        except ValueError as e:
+            parser.error(str(e))
+    else:
+        loop = EngineLoop(text_engine(parser, args.model, args.preset, **common), max_requests=args.max_requests)
+        # The engine thread lets go of the GIL while it waits for the GPU; with the default 5 ms
+        # switch interval a busy event loop then keeps it for up to 5 ms, a 130M model's twenty
+        # decode steps.
+        sys.setswitchinterval(2e-4)
     name = args.name or args.model or args.preset
     try:
         uvicorn.run(create_app(loop, name, default_max_tokens=args.max_tokens), host=args.host, port=args.port,

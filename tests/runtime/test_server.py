@@ -3,6 +3,7 @@ HTTP, streaming and not; 32 concurrent streaming clients, some leaving mid-strea
 answered with a 400 while the others go on; a bound on requests answered with a 503."""
 
 import asyncio
+import functools
 import json
 import threading
 import time
@@ -19,7 +20,7 @@ from hf_models import save_text_checkpoint  # noqa: E402
 from mambastep.runtime.engine import Engine  # noqa: E402
 from mambastep.runtime.openai_api import create_app  # noqa: E402
 from mambastep.runtime.request import SamplingParams  # noqa: E402
-from mambastep.runtime.serving import EngineLoop  # noqa: E402
+from mambastep.runtime.serving import EngineLoop, EngineProcess  # noqa: E402
 from mambastep.runtime.text import TextEngine  # noqa: E402
 from mambastep.runtime.tokenizer import Tokenizer  # noqa: E402
 
@@ -39,11 +40,20 @@ def text_engine(path, max_context=96):
     return TextEngine(engine, Tokenizer.from_pretrained(path))
 
 
-class Server:
-    """uvicorn in a thread on a free port, over an EngineLoop."""
+def engine_loop(kind, path, max_requests=None, max_context=96):
+    """The engine in a thread of this process, or in a process of its own."""
+    if kind == "thread":
+        return EngineLoop(text_engine(path, max_context), max_requests=max_requests)
+    build = functools.partial(TextEngine.load, str(path), dtype=torch.float32, device="cpu", num_slots=SLOTS,
+                              max_context=max_context)
+    return EngineProcess(build, max_requests=max_requests)
 
-    def __init__(self, path, max_requests=None, max_context=96):
-        self.loop = EngineLoop(text_engine(path, max_context), max_requests=max_requests)
+
+class Server:
+    """uvicorn in a thread on a free port, over an engine loop of either kind."""
+
+    def __init__(self, path, max_requests=None, max_context=96, kind="thread"):
+        self.loop = engine_loop(kind, path, max_requests, max_context)
         config = uvicorn.Config(create_app(self.loop, NAME), host="127.0.0.1", port=0, log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -57,10 +67,9 @@ class Server:
 
     def idle(self, timeout=20.0) -> bool:
         """Wait until no request is open and every slot is free again."""
-        engine = self.loop.text.engine
         end = time.time() + timeout
         while time.time() < end:
-            if not self.loop.open_requests() and len(engine.scheduler.free_slots) == SLOTS and not engine.requests:
+            if not self.loop.open_requests() and self.loop.free_slots() == SLOTS:
                 return True
             time.sleep(0.02)
         return False
@@ -71,9 +80,9 @@ class Server:
         self.loop.close()
 
 
-@pytest.fixture(scope="module")
-def server(checkpoint):
-    s = Server(checkpoint)
+@pytest.fixture(scope="module", params=["thread", "process"])
+def server(checkpoint, request):
+    s = Server(checkpoint, kind=request.param)
     yield s
     s.stop()
 
@@ -170,8 +179,9 @@ def test_concurrent_streams_with_disconnects(server, checkpoint):
     assert server.idle()
 
 
-def test_past_the_bound_a_503(checkpoint):
-    s = Server(checkpoint, max_requests=1, max_context=8192)
+@pytest.mark.parametrize("kind", ["thread", "process"])
+def test_past_the_bound_a_503(checkpoint, kind):
+    s = Server(checkpoint, max_requests=1, max_context=8192, kind=kind)
     try:
         with httpx.Client(base_url=s.url, timeout=30) as http:
             # thousands of steps: in flight for seconds, and the stream is left when the check is done
@@ -203,9 +213,10 @@ def test_bench_serve_measures_a_running_server(server, tmp_path, capsys):
     assert "no server answers" in capsys.readouterr().err
 
 
-def test_closing_the_loop_ends_every_stream(checkpoint):
+@pytest.mark.parametrize("kind", ["thread", "process"])
+def test_closing_the_loop_ends_every_stream(checkpoint, kind):
     """Shutdown aborts what is in flight: each open stream ends with finish_reason "abort"."""
-    loop = EngineLoop(text_engine(checkpoint, max_context=8192))
+    loop = engine_loop(kind, checkpoint, max_context=8192)
 
     async def main():
         greedy = SamplingParams(temperature=0, max_tokens=8000, ignore_eos=True)
@@ -221,7 +232,9 @@ def test_closing_the_loop_ends_every_stream(checkpoint):
         return ends
 
     assert asyncio.run(main()) == ["abort"] * 3
-    assert not loop.text.engine.requests and loop.closed
+    assert loop.closed and not loop.open_requests()
+    if kind == "thread":
+        assert not loop.text.engine.requests
     app = create_app(loop, NAME)  # a stopped loop: 503s, not tracebacks
     transport = httpx.ASGITransport(app=app)
 
@@ -247,3 +260,9 @@ def test_bench_serve_spreads_its_streams_over_client_processes(server, tmp_path)
     assert stats["processes"] == 2 and stats["server_steps_per_s"] > 0
     assert stats["output_tokens"] == sum(n for _, n in workload(5, 256, 0, max_context=64))  # every request, whole
     assert server.idle()
+
+
+def test_an_engine_process_that_cannot_start_says_why(tmp_path):
+    build = functools.partial(TextEngine.load, str(tmp_path), dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="config.json"):
+        EngineProcess(build)

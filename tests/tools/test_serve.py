@@ -20,10 +20,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_serve_a_preset_over_http():
+@pytest.mark.parametrize("engine", [[], ["--engine-process"]], ids=["engine-thread", "engine-process"])
+def test_serve_a_preset_over_http(engine):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "mambastep.tools.cli", "serve", "--preset", "tiny-hybrid",
-                             "--device", "cpu", "--port", str(port), "--name", "tiny"],
+                             "--device", "cpu", "--port", str(port), "--name", "tiny", *engine],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -50,6 +51,7 @@ def test_serve_a_preset_over_http():
     (["--preset", "tiny-hybrid", "--port", "70000"], "--port"),
     (["--preset", "tiny-hybrid", "--max-requests", "0"], "--max-requests"),
     (["--model", "/nonexistent"], "config.json: not found"),
+    (["--model", "/nonexistent", "--engine-process"], "config.json: not found"),
     ([], "one of the arguments --model --preset is required"),
 ])
 def test_serve_checks_its_arguments(capsys, argv, match):

@@ -107,13 +107,16 @@ def _plot(path: str, costs: StepCosts, tuned: BucketSet, default: BucketSet) -> 
 
 
 def _validate(make_engine, jobs, concurrency: int, sets: dict, progress: bool) -> str:
-    lines = ["| buckets | mean step (ms) | inter-token p50 (ms) | output tokens/s |", "| --- | --- | --- | --- |"]
+    lines = ["| buckets | graphs | graph pool, measured (MiB) | mean step (ms) | inter-token p50 (ms) | output tokens/s |",
+             "| --- | --- | --- | --- | --- | --- |"]
     for name, buckets in sets.items():
         engine = make_engine(buckets)
+        report = engine.capture_report
+        pool = f"{report.pool_bytes / 2**20:.0f}" if report is not None else "no graphs"
         t = serve(engine, jobs, concurrency, {"temperature": 0.0}, progress)
         stats = summarize(t, len(jobs))
-        lines.append(f"| {name} | {1e3 * t['wall'] / len(engine.trace):.3f} | {stats['itl_ms']['p50']:.3f} | "
-                     f"{stats['output_tokens_per_s']:.0f} |")
+        lines.append(f"| {name} | {len(buckets.all())} | {pool} | {1e3 * t['wall'] / len(engine.trace):.3f} | "
+                     f"{stats['itl_ms']['p50']:.3f} | {stats['output_tokens_per_s']:.0f} |")
         del engine
     return "\n".join(lines)
 

@@ -82,7 +82,7 @@ def test_tune_reuses_its_cache_and_validates(tmp_path, capsys):
     assert cli.main([a for a in args if a != "--quiet"] + ["--validate"]) == 0
     captured = capsys.readouterr()
     assert "measurements of" in captured.err  # the cache, not a second measurement
-    assert "| buckets | mean step (ms) | inter-token p50 (ms) | output tokens/s |" in captured.out
+    assert "| buckets | graphs | graph pool, measured (MiB) | mean step (ms) |" in captured.out
 
 
 def test_tune_checks_its_arguments(tmp_path, capsys):

@@ -136,8 +136,8 @@ def readme_table(steps, runs=(), kernels: str | None = None) -> str:
             r = run(name, 64)
             return f"{r['output_tokens_per_s']:,.0f}".replace(",", " ") if r else ""
 
-    lines = [f"Measured {s['date']} on an {s['device']} (bf16, random weights) by `.ci/gpu-bench` (one run per "
-             "preset); the tables in docs/BENCHMARKS.md.", "",
+    lines = [f"Measured {s['date']} on an {s['device']} (bf16, random weights) by `mambastep bench steps`, "
+             "`bench kernels` and `mambastep run` (`.ci/gpu-bench` runs them); the tables in docs/BENCHMARKS.md.", "",
              "| | " + " | ".join(names) + " |",
              "|" + " --- |" * (len(names) + 1)]
     labels = (("decode step, batch 1, CUDA graph (eager)", "b1"), ("decode step, batch 256, CUDA graph", "b256"),

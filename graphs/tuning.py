@@ -211,15 +211,11 @@ def choose(costs: StepCosts, decode_steps: Counter, mixed_steps: Counter, max_gr
         raise ValueError(f"no bucket set of at most {max_graphs} graphs, each within {pool_mib} MiB of pool, "
                          "has a decode size and a mixed graph")
     decode, (mixed_decode, prefill) = d_picks[split[0]], m_picks[split[1]]
-    return _priced(costs, BucketSet(decode, mixed_decode, prefill, max_prefill_seqs), decode_steps, mixed_steps)
+    return expected_ms(costs, BucketSet(decode, mixed_decode, prefill, max_prefill_seqs), decode_steps, mixed_steps)
 
 
 def expected_ms(costs: StepCosts, buckets: BucketSet, decode_steps: Counter, mixed_steps: Counter) -> Choice:
     """The workload's expected time over ``buckets`` (every size must be a measured candidate)."""
-    return _priced(costs, buckets, decode_steps, mixed_steps)
-
-
-def _priced(costs: StepCosts, buckets: BucketSet, decode_steps: Counter, mixed_steps: Counter) -> Choice:
     di = {s: j for j, s in enumerate(costs.decode)}
     mi = {s: i for i, s in enumerate(costs.mixed_decode)}
     pj = {s: j for j, s in enumerate(costs.prefill)}

@@ -110,3 +110,13 @@ def test_the_plot_marks_the_buckets_or_names_its_extra(tmp_path, capsys):
         return
     assert cli.main(args) == 0
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_each_candidate_is_captured_alone_and_replayed():
+    model = Model.from_preset("tiny-hybrid", dtype=torch.bfloat16, device="cuda")
+    measured = tune_measure.measure(model, tune_measure.Candidates((1, 2), (0, 2), (16,)), rounds=2, progress=False)
+    c = measured["costs"]
+    assert all(p > 0 for p in c["decode_pool_mib"]) and all(p > 0 for row in c["mixed_pool_mib"] for p in row)
+    assert all(t > 0 for t in c["decode_graph_ms"]) and all(s > 0 for s in measured["capture_s"]["decode"])
+    assert measured["key"]["device"] == torch.cuda.get_device_name()

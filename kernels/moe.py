@@ -154,6 +154,25 @@ def slot_count(tokens: int, top_k: int, n_experts: int, bm: int) -> int:
 
 
 @triton.jit
+def _one_hot(e, cols):
+    """[pairs, experts] int32: 1 where a pair's expert is the column's."""
+    return (e[:, None] == cols[None, :]).to(tl.int32)
+
+
+@triton.jit
+def _padded(counts, BM: tl.constexpr):
+    """Each expert's run rounded up to whole tiles of BM slots."""
+    return (counts + BM - 1) // BM * BM
+
+
+@triton.jit
+def _slots(hit, base):
+    """The slot of each pair of a block: its expert's next free slot ``base[e]`` plus its rank
+    among the block's pairs of that expert (pairs in order)."""
+    return tl.sum(hit * (tl.cumsum(hit, axis=0) - 1 + base[None, :]), axis=1)
+
+
+@triton.jit
 def _align_kernel(idx_ptr, slot_of_pair_ptr, token_of_slot_ptr, starts_ptr, counts_ptr, P, E,
                   TOP_K: tl.constexpr, BM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
     """One program: pairs per expert, each expert's run padded to BM, and every pair's slot
@@ -163,8 +182,8 @@ def _align_kernel(idx_ptr, slot_of_pair_ptr, token_of_slot_ptr, starts_ptr, coun
     for p0 in range(0, P, BLOCK_P):
         ps = p0 + tl.arange(0, BLOCK_P)
         e = tl.load(idx_ptr + ps, mask=ps < P, other=BLOCK_E)
-        counts += tl.sum((e[:, None] == cols[None, :]).to(tl.int32), axis=0)
-    padded = (counts + BM - 1) // BM * BM
+        counts += tl.sum(_one_hot(e, cols), axis=0)
+    padded = _padded(counts, BM)
     starts = tl.cumsum(padded, axis=0) - padded
     tl.store(starts_ptr + cols, starts, mask=cols < E)
     tl.store(counts_ptr + cols, counts, mask=cols < E)
@@ -173,8 +192,8 @@ def _align_kernel(idx_ptr, slot_of_pair_ptr, token_of_slot_ptr, starts_ptr, coun
         ps = p0 + tl.arange(0, BLOCK_P)
         ok = ps < P
         e = tl.load(idx_ptr + ps, mask=ok, other=BLOCK_E)
-        hit = (e[:, None] == cols[None, :]).to(tl.int32)
-        slot = tl.sum(hit * (tl.cumsum(hit, axis=0) - 1 + base[None, :]), axis=1)
+        hit = _one_hot(e, cols)
+        slot = _slots(hit, base)
         tl.store(slot_of_pair_ptr + ps, slot, mask=ok)
         tl.store(token_of_slot_ptr + slot, ps // TOP_K, mask=ok)
         base += tl.sum(hit, axis=0)
@@ -187,8 +206,7 @@ def _count_kernel(idx_ptr, block_counts_ptr, P, E, BLOCK_P: tl.constexpr, BLOCK_
     cols = tl.arange(0, BLOCK_E)
     ps = b * BLOCK_P + tl.arange(0, BLOCK_P)
     e = tl.load(idx_ptr + ps, mask=ps < P, other=BLOCK_E)
-    tl.store(block_counts_ptr + b * E + cols, tl.sum((e[:, None] == cols[None, :]).to(tl.int32), axis=0),
-             mask=cols < E)
+    tl.store(block_counts_ptr + b * E + cols, tl.sum(_one_hot(e, cols), axis=0), mask=cols < E)
 
 
 @triton.jit
@@ -204,7 +222,7 @@ def _offsets_kernel(block_counts_ptr, prefix_ptr, starts_ptr, counts_ptr, NB, E,
         c = tl.load(block_counts_ptr + bs[:, None] * E + cols[None, :], mask=mask, other=0)
         tl.store(prefix_ptr + bs[:, None] * E + cols[None, :], tl.cumsum(c, axis=0) - c + carry[None, :], mask=mask)
         carry += tl.sum(c, axis=0)
-    padded = (carry + BM - 1) // BM * BM
+    padded = _padded(carry, BM)
     tl.store(starts_ptr + cols, tl.cumsum(padded, axis=0) - padded, mask=cols < E)
     tl.store(counts_ptr + cols, carry, mask=cols < E)
 
@@ -220,8 +238,7 @@ def _assign_kernel(idx_ptr, prefix_ptr, starts_ptr, slot_of_pair_ptr, token_of_s
     e = tl.load(idx_ptr + ps, mask=ok, other=BLOCK_E)
     base = tl.load(starts_ptr + cols, mask=cols < E, other=0) + tl.load(prefix_ptr + b * E + cols, mask=cols < E,
                                                                          other=0)
-    hit = (e[:, None] == cols[None, :]).to(tl.int32)
-    slot = tl.sum(hit * (tl.cumsum(hit, axis=0) - 1 + base[None, :]), axis=1)
+    slot = _slots(_one_hot(e, cols), base)
     tl.store(slot_of_pair_ptr + ps, slot, mask=ok)
     tl.store(token_of_slot_ptr + slot, ps // TOP_K, mask=ok)
 
@@ -267,7 +284,7 @@ def _grouped_kernel(a_ptr, token_ptr, w_ptr, out_ptr, starts_ptr, counts_ptr, N,
     cols = tl.arange(0, BLOCK_E)
     starts = tl.load(starts_ptr + cols, mask=cols < E, other=0)
     counts = tl.load(counts_ptr + cols, mask=cols < E, other=0)
-    ends = tl.where(cols < E, starts + (counts + BM - 1) // BM * BM, 1 << 30)
+    ends = tl.where(cols < E, starts + _padded(counts, BM), 1 << 30)
     e = tl.sum((ends <= slot0).to(tl.int32), axis=0)  # runs are in expert order; empty ones are skipped
     if e < E:
         start = tl.sum(tl.where(cols == e, starts, 0), axis=0)

@@ -127,7 +127,13 @@ def _best_by_count(sizes, serve, eager_above, max_graphs: int, unit: int = 1):
                     chosen.append(sizes[jj])
                     jj, cc = back[cc, jj], cc - 1
                 best[c * unit], picks[c * unit] = v, tuple(sorted(chosen))
-    for g in range(2, max_graphs + 1):  # at most g graphs: fewer may do as well
+    return _at_most(best, picks)
+
+
+def _at_most(best, picks):
+    """Tables by exact graph count -> by at most that many graphs (fewer may do as well); g = 0
+    (no graph) stays apart, a set always has one."""
+    for g in range(2, len(best)):
         if best[g - 1] <= best[g]:
             best[g], picks[g] = best[g - 1], picks[g - 1]
     return best, picks
@@ -187,10 +193,7 @@ def _mixed_table(costs: StepCosts, steps: Counter, allowed, max_graphs: int):
             for g in range(1, max_graphs + 1):
                 if table[g] + over < best[g]:
                     best[g], picks[g] = table[g] + over, (chosen[g], tuple(ps))
-    for g in range(2, max_graphs + 1):
-        if best[g - 1] <= best[g]:
-            best[g], picks[g] = best[g - 1], picks[g - 1]
-    return best, picks
+    return _at_most(best, picks)
 
 
 def choose(costs: StepCosts, decode_steps: Counter, mixed_steps: Counter, max_graphs: int,

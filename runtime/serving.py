@@ -49,6 +49,23 @@ class Stream:
         return outs
 
 
+def _admit(text: TextEngine, prompt, params, stop) -> tuple[int, int]:
+    """Add a request to the engine: (its id, its prompt's tokens); raises on bad input, having
+    changed nothing."""
+    rid = text.add(prompt, params, stop)
+    return rid, text.prompt_tokens(rid)
+
+
+def _drop(text: TextEngine, rid: int) -> None:
+    """Abort a request the engine still holds (a no-op for one already finished)."""
+    if rid in text.engine.requests:
+        text.abort(rid)
+
+
+def _free_slots(text: TextEngine) -> int:
+    return len(text.engine.scheduler.free_slots)
+
+
 def _put_all(items) -> None:
     for outputs, out in items:
         outputs.put_nowait(out)
@@ -131,7 +148,7 @@ class EngineLoop(_Streams):
         self._inbox.put(("abort", request_id))
 
     def free_slots(self) -> int:
-        return len(self.text.engine.scheduler.free_slots)
+        return _free_slots(self.text)
 
     def close(self, timeout: float = 10.0) -> None:
         """Abort every request in flight, end their streams, and stop the thread."""
@@ -163,11 +180,11 @@ class EngineLoop(_Streams):
                 done.set_exception(refused)
                 return
             try:
-                rid = self.text.add(prompt, params, stop)
+                rid, prompt_tokens = _admit(self.text, prompt, params, stop)
             except Exception as e:  # bad input: the caller's error, nothing changed here
                 done.set_exception(e)
                 return
-            done.set_result(self._open(rid, self.text.prompt_tokens(rid), loop))
+            done.set_result(self._open(rid, prompt_tokens, loop))
         elif kind == "abort":
             self._abort(arg)
         elif kind == "close":
@@ -175,8 +192,7 @@ class EngineLoop(_Streams):
 
     def _abort(self, rid: int) -> None:
         if rid in self._streams:
-            if rid in self.text.engine.requests:
-                self.text.abort(rid)
+            _drop(self.text, rid)
             self._end(rid)
 
 
@@ -188,25 +204,22 @@ def _child(build, conn) -> None:
     except Exception as e:  # a bad checkpoint: the parent reports it
         conn.send(("failed", str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"))
         return
-    free = lambda: len(text.engine.scheduler.free_slots)  # noqa: E731
-    conn.send(("ready", free()))
+    conn.send(("ready", _free_slots(text)))
     while True:
         if not conn.poll(0 if text.has_unfinished() else None):
-            conn.send(("step", text.step(), free()))
+            conn.send(("step", text.step(), _free_slots(text)))
             continue
         kind, *arg = conn.recv()
         if kind == "add":
             token, prompt, params, stop = arg
             try:
-                rid = text.add(prompt, params, stop)
+                reply = ("added", token, *_admit(text, prompt, params, stop))
             except Exception as e:  # bad input: the caller's error, nothing changed here
-                conn.send(("refused", token, e))
-                continue
-            conn.send(("added", token, rid, text.prompt_tokens(rid)))
+                reply = ("refused", token, e)
+            conn.send(reply)
         elif kind == "abort":
-            if arg[0] in text.engine.requests:
-                text.abort(arg[0])
-            conn.send(("ended", arg[0], free()))
+            _drop(text, arg[0])
+            conn.send(("ended", arg[0], _free_slots(text)))
         elif kind == "close":
             return
 

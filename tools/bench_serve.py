@@ -151,12 +151,13 @@ def main(argv=None) -> int:
     import httpx
 
     try:
-        httpx.get(args.url + "/health", timeout=10).raise_for_status()
+        r = httpx.get(args.url + "/health", timeout=10)
+        r.raise_for_status()
+        health = r.json()
         served = httpx.get(args.url + "/v1/models", timeout=10).json()["data"][0]["id"]
     except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
         parser.error(f"--url {args.url}: no server answers ({e})")
     jobs = workload(args.requests, args.vocab, args.seed, max_context=args.max_context)
-    health = httpx.get(args.url + "/health", timeout=10).json()
     before = health.get("steps")
     timings = load(args.url, jobs, args.concurrency, args.model, progress=not args.quiet, processes=processes)
     after = httpx.get(args.url + "/health", timeout=10).json().get("steps")

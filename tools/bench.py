@@ -48,6 +48,8 @@ def main(argv=None) -> int:
     parser.add_argument("--run", metavar="JSON", nargs="*", default=[], help="markdown: JSONs of `mambastep run`")
     parser.add_argument("--serve", metavar="JSON", nargs="*", default=[],
                         help="markdown: JSONs of `bench serve` and of the in-process runs beside them (.ci/gpu-serve)")
+    parser.add_argument("--tune", metavar="JSON", nargs="*", default=[],
+                        help="markdown: JSONs of `mambastep tune --validate --json` (.ci/gpu-tune)")
     parser.add_argument("--out", metavar="PATH", help="markdown: write here instead of standard output")
     parser.add_argument("--readme", action="store_true", help="markdown: the README's summary table instead")
     args = parser.parse_args(argv)
@@ -57,7 +59,7 @@ def main(argv=None) -> int:
         if args.readme and not args.steps:
             parser.error("--readme needs --steps")
         text = (bench_markdown.readme_table(args.steps, args.run, args.kernels) if args.readme
-                else bench_markdown.render(args.steps, args.kernels, args.run, args.serve))
+                else bench_markdown.render(args.steps, args.kernels, args.run, args.serve, args.tune))
         if args.out:
             with open(args.out, "w") as f:
                 f.write(text)

@@ -10,8 +10,9 @@ import json
 from pathlib import Path
 
 from . import bench_kernels, bench_steps
+from .tune import validated_table
 
-__all__ = ["readme_table", "render", "run_command", "run_table", "serve_table"]
+__all__ = ["readme_table", "render", "run_command", "run_table", "serve_table", "tune_tables"]
 
 
 def run_command(r: dict) -> str:
@@ -53,6 +54,19 @@ def serve_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def tune_tables(paths) -> str:
+    """Each `mambastep tune --validate --json` result: its sets, expected and measured."""
+    out = []
+    for path in paths:
+        t = json.loads(Path(path).read_text())
+        out += [f"{t['model']}, {t['requests']} requests at concurrency {t['concurrency']} ({t['steps']} steps), "
+                f"a budget of {t['max_graphs']} graphs; {t['date']}, {t['device']}:", "",
+                validated_table(t["sets"]), ""]
+        if t.get("note"):
+            out[-1:-1] = ["", f"({t['note']}.)"]
+    return "\n".join(out).rstrip()
+
+
 def _load_runs(paths) -> list[dict]:
     """Run results from files each holding one result, or a mapping of them."""
     runs = []
@@ -62,9 +76,10 @@ def _load_runs(paths) -> list[dict]:
     return runs
 
 
-def render(steps=(), kernels: str | None = None, runs=(), serve=()) -> str:
+def render(steps=(), kernels: str | None = None, runs=(), serve=(), tune=()) -> str:
     """The page: ``steps`` one or more JSONs of `bench steps`, ``runs`` and ``serve`` JSONs of
-    `mambastep run` and of .ci/gpu-serve, ``kernels`` the JSON of `bench kernels`."""
+    `mambastep run` and of .ci/gpu-serve, ``tune`` JSONs of `mambastep tune --validate`,
+    ``kernels`` the JSON of `bench kernels`."""
     out = ["# Benchmarks", "",
            "Current numbers only, each table under the command that printed it; the whole page is written by",
            "`mambastep bench markdown` from those commands' `--json` output (`.ci/gpu-bench` runs them all).",
@@ -88,9 +103,17 @@ def render(steps=(), kernels: str | None = None, runs=(), serve=()) -> str:
                 "```", "",
                 "The same workload as the main job (same seed, lengths and prompt ids), streamed through the "
                 "OpenAI-compatible server by client processes on the same machine, beside `mambastep run` "
-                "in-process on it, measured one after the other (`.ci/gpu-serve`). The engine runs in a thread of "
-                "the server, or where marked in a process of its own (`mambastep serve --engine-process`):",
+                "in-process on it, measured one after the other (`.ci/gpu-serve`). The engine runs in a process of "
+                "its own (`mambastep serve`'s default) or in a thread of the server (`--engine thread`), as marked:",
                 "", serve_table(_load_runs(serve)), ""]
+    if tune:
+        out += ["## Bucket tuning", "", "```",
+                "mambastep tune --preset P --requests N --concurrency C --validate --json PATH", "```", "",
+                "`mambastep tune` measures every candidate bucket's step (each graph captured alone: its replay, "
+                "pool and capture time, and the eager step), records the workload's step shapes, and chooses the "
+                "set of least expected step time; then runs the workload with each set of its report "
+                "(`.ci/gpu-tune`). Expected times are the measured replays summed over the trace; measured ones "
+                "include the engine's host work.", "", tune_tables(tune), ""]
     if kernels:
         out += ["## Kernels", "", "```", "mambastep bench kernels --json kernels.json", "```", "",
                 bench_kernels.tables(json.loads(Path(kernels).read_text())), ""]

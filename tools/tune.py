@@ -10,16 +10,20 @@
 2. Workload: a step-shape trace (`mambastep run --trace PATH`, or `Engine(trace=True)` and
    `write_trace` from your own loop), or a synthetic chat workload recorded eagerly.
 3. Choose: the bucket set of least expected step time over the workload with at most
-   --max-graphs graphs, none needing more than --pool-mib of graph pool (graphs share one pool,
-   sized by its largest member), exactly (`graphs/tuning.py`).
+   --max-graphs graphs and at most --pool-mib of graph pool (as `graphs/tuning.py` models it:
+   the largest decode-only graph's pool plus the largest mixed graph's), exactly.
 4. Report the tuned set beside the defaults (expected mean step time, graphs, pool, steps run
-   eagerly), write the bucket file; --plot PNG draws step time against batch size with the
-   chosen buckets marked (needs matplotlib); --validate runs the workload with both sets and
-   prints measured step time, inter-token latency and output tokens/s side by side.
+   eagerly), and beside it two smaller tuned sets: the fewest graphs expected within 2% of the
+   defaults' time, and the best set within half the defaults' pool. Write the tuned set's bucket
+   file; --plot PNG draws step time against batch size with the chosen buckets marked (needs
+   matplotlib); --validate runs the workload with every set of the report and prints measured
+   step time, inter-token latency, output tokens/s and graph pool side by side; --json keeps it all.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import json
 import sys
 from collections import Counter
@@ -38,7 +42,7 @@ from . import tune_measure
 from .args import Parser, device as device_arg, writable_path
 from .run import serve, summarize, workload
 
-__all__ = ["main", "read_trace", "workload_steps"]
+__all__ = ["compare", "main", "read_trace", "validated_table", "workload_steps"]
 
 
 def workload_steps(shapes) -> tuple[Counter, Counter]:
@@ -79,8 +83,29 @@ def record(engine: Engine, jobs, concurrency: int, progress: bool) -> list:
     return engine.trace
 
 
+def compare(costs: StepCosts, decode_steps: Counter, mixed_steps: Counter, base: Choice, max_graphs: int,
+            pool_mib: float, max_prefill_seqs: int) -> list[tuple[str, Choice]]:
+    """The sets of the report: the defaults, the tuned set within the budgets, the fewest graphs
+    expected within 2% of the defaults' time, and the best set within half the defaults' pool."""
+    tuned = choose(costs, decode_steps, mixed_steps, max_graphs, pool_mib, max_prefill_seqs)
+    sets = [("default", base), (f"tuned, at most {max_graphs} graphs", tuned)]
+    for g in range(2, tuned.graphs):
+        fewer = choose(costs, decode_steps, mixed_steps, g, pool_mib, max_prefill_seqs)
+        if fewer.total_ms <= 1.02 * base.total_ms:
+            sets.append(("tuned, fewest graphs within 2%", fewer))
+            break
+    if base.pool_mib <= 0:
+        return sets  # no graph pool to halve (eager steps on a CPU)
+    try:
+        half = choose(costs, decode_steps, mixed_steps, max_graphs, min(pool_mib, base.pool_mib / 2), max_prefill_seqs)
+        sets.append(("tuned, half the defaults' pool", half))
+    except ValueError:
+        pass  # no set of a decode size and a mixed graph fits in half
+    return sets
+
+
 def _report(rows: list[tuple[str, Choice]]) -> str:
-    lines = ["| buckets | graphs | largest graph pool (MiB) | expected mean step (ms) | steps run eagerly |",
+    lines = ["| buckets | graphs | graph pool, modelled (MiB) | expected mean step (ms) | steps run eagerly |",
              "| --- | --- | --- | --- | --- |"]
     for name, c in rows:
         lines.append(f"| {name} | {c.graphs} | {c.pool_mib:.0f} | {c.mean_ms:.3f} | {c.eager_steps} of {c.steps} |")
@@ -106,18 +131,33 @@ def _plot(path: str, costs: StepCosts, tuned: BucketSet, default: BucketSet) -> 
     fig.savefig(path, dpi=120)
 
 
-def _validate(make_engine, jobs, concurrency: int, sets: dict, progress: bool) -> str:
-    lines = ["| buckets | graphs | graph pool, measured (MiB) | mean step (ms) | inter-token p50 (ms) | output tokens/s |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    for name, buckets in sets.items():
-        engine = make_engine(buckets)
+def _validate(make_engine, jobs, concurrency: int, sets: list[tuple[str, Choice]], progress: bool) -> list[dict]:
+    """Run the workload with each set; what each measured."""
+    measured = []
+    for name, choice in sets:
+        engine = make_engine(choice.buckets)
         report = engine.capture_report
-        pool = f"{report.pool_bytes / 2**20:.0f}" if report is not None else "no graphs"
         t = serve(engine, jobs, concurrency, {"temperature": 0.0}, progress)
         stats = summarize(t, len(jobs))
-        lines.append(f"| {name} | {len(buckets.all())} | {pool} | {1e3 * t['wall'] / len(engine.trace):.3f} | "
-                     f"{stats['itl_ms']['p50']:.3f} | {stats['output_tokens_per_s']:.0f} |")
+        measured.append({"pool_mib": report.pool_bytes / 2**20 if report is not None else None,
+                         "capture_s": report.seconds if report is not None else None,
+                         "step_ms": 1e3 * t["wall"] / len(engine.trace), "itl_p50_ms": stats["itl_ms"]["p50"],
+                         "output_tokens_per_s": stats["output_tokens_per_s"]})
         del engine
+    return measured
+
+
+def validated_table(sets: list[dict]) -> str:
+    """Each set's measured run beside the defaults' (the first), from the JSON of --json."""
+    base = sets[0]["measured"]["output_tokens_per_s"]
+    lines = ["| buckets | graphs | graph pool, modelled / measured (MiB) | expected mean step (ms) | mean step (ms) | "
+             "inter-token p50 (ms) | output tokens/s | vs default |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for s in sets:
+        m = s["measured"]
+        pool = f"{m['pool_mib']:.0f}" if m["pool_mib"] is not None else "no graphs"
+        lines.append(f"| {s['name']} | {s['graphs']} | {s['pool_mib']:.0f} / {pool} | {s['expected_ms']:.3f} | "
+                     f"{m['step_ms']:.3f} | {m['itl_p50_ms']:.3f} | {m['output_tokens_per_s']:.0f} | "
+                     f"{100 * (m['output_tokens_per_s'] / base - 1):+.1f}% |")
     return "\n".join(lines)
 
 
@@ -141,7 +181,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", metavar="PATH", default="buckets.json", help="where to write the BucketSet")
     parser.add_argument("--plot", metavar="PNG", help="draw step time against batch size, buckets marked")
     parser.add_argument("--validate", action="store_true",
-                        help="run the synthetic workload with the default and the tuned buckets, side by side")
+                        help="run the synthetic workload with every set of the report, side by side")
+    parser.add_argument("--json", metavar="PATH", help="write the report (and what --validate measured) as JSON")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
@@ -151,7 +192,8 @@ def main(argv=None) -> int:
             parser.error(f"--{flag.replace('_', '-')}: must be at least 1, got {value}")
     if args.max_graphs is not None and args.max_graphs < 2:
         parser.error("--max-graphs: a bucket set needs at least 2 graphs (a decode size and a mixed one)")
-    for flag, path in (("--out", args.out), ("--measurements", args.measurements), ("--plot", args.plot)):
+    for flag, path in (("--out", args.out), ("--measurements", args.measurements), ("--plot", args.plot),
+                       ("--json", args.json)):
         writable_path(parser, flag, path)
     if args.plot:
         try:
@@ -211,14 +253,15 @@ def main(argv=None) -> int:
     base_cost = expected_ms(costs, base, decode_steps, mixed_steps)
     budget = args.max_graphs or base_cost.graphs
     try:
-        tuned = choose(costs, decode_steps, mixed_steps, budget, args.pool_mib or float("inf"),
+        sets = compare(costs, decode_steps, mixed_steps, base_cost, budget, args.pool_mib or float("inf"),
                        default.max_prefill_seqs)
     except ValueError as e:
         parser.error(str(e))
+    tuned = sets[1][1]
     tuned.buckets.save(args.out)
     print(f"{len(trace)} steps ({sum(decode_steps.values())} decode-only, {sum(mixed_steps.values())} mixed) of "
           f"{name}; budget {budget} graphs" + (f", {args.pool_mib:.0f} MiB of pool" if args.pool_mib else ""))
-    print(_report([("default", base_cost), ("tuned", tuned)]))
+    print(_report(sets))
     b = tuned.buckets
     print(f"wrote {args.out}: decode {b.decode}, mixed decode {b.mixed_decode}, prefill {b.prefill}")
     if tuned.eager_steps:
@@ -226,10 +269,19 @@ def main(argv=None) -> int:
     if args.plot:
         _plot(args.plot, costs, b, base)
         print(f"wrote {args.plot}")
+    result = {"model": name, "device": key["device"], "date": datetime.date.today().isoformat(),
+              "requests": args.requests, "concurrency": args.concurrency, "trace": args.trace, "steps": len(trace),
+              "max_graphs": budget, "pool_mib": args.pool_mib,
+              "sets": [{"name": n, "buckets": dataclasses.asdict(c.buckets), "graphs": c.graphs,
+                        "pool_mib": c.pool_mib, "expected_ms": c.mean_ms, "eager_steps": c.eager_steps}
+                       for n, c in sets]}
     if args.validate:
-        print(_validate(make_engine, jobs, args.concurrency, {"default": base, "tuned": b}, not args.quiet))
+        for s, m in zip(result["sets"], _validate(make_engine, jobs, args.concurrency, sets, not args.quiet)):
+            s["measured"] = m
+        print(validated_table(result["sets"]))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -74,3 +74,22 @@ def test_the_http_table_sets_each_server_run_beside_its_in_process_run(tmp_path)
     page = bench_markdown.render(serve=[tmp_path / "serve.json"])
     assert "| mamba2-130m | 1 | 0.250 / 0.400 / +0.150 | 1.50 / 2.50 | 4000 / 3800 / 95% |" in page
     assert "| mamba2-130m | 64 |" not in page
+
+
+def test_tune_tables_put_each_set_beside_the_defaults(tmp_path):
+    import json
+
+    from mambastep.tools import bench_markdown
+
+    def s(name, graphs, tok_s, pool):
+        return {"name": name, "buckets": None, "graphs": graphs, "pool_mib": pool, "expected_ms": 1.0, "eager_steps": 0,
+                "measured": {"pool_mib": pool + 10, "capture_s": 1.0, "step_ms": 1.1, "itl_p50_ms": 1.2,
+                             "output_tokens_per_s": tok_s}}
+    result = {"model": "m", "device": "GPU", "date": "2026-12-01", "requests": 64, "concurrency": 16, "steps": 600,
+              "max_graphs": 50, "sets": [s("default", 50, 1000.0, 800), s("tuned, at most 50 graphs", 20, 1050.0, 100)]}
+    path = tmp_path / "tune.json"
+    path.write_text(json.dumps(result))
+    page = bench_markdown.render(tune=[path])
+    assert "m, 64 requests at concurrency 16 (600 steps), a budget of 50 graphs" in page
+    assert "| default | 50 | 800 / 810 | 1.000 | 1.100 | 1.200 | 1000 | +0.0% |" in page
+    assert "| tuned, at most 50 graphs | 20 | 100 / 110 | 1.000 | 1.100 | 1.200 | 1050 | +5.0% |" in page

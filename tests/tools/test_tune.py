@@ -61,7 +61,7 @@ def test_an_engine_trace_is_the_steps_it_ran_and_the_engine_uses_the_tuned_file(
     assert cli.main(["tune", *SMALL, "--trace", str(trace), "--measurements", str(tmp_path / "m.json"),
                      "--max-graphs", "4", "--out", str(out)]) == 0
     report = capsys.readouterr().out
-    assert "| tuned |" in report and "| default |" in report
+    assert "| tuned, at most 4 graphs |" in report and "| default |" in report
     tuned = BucketSet.load(out)
     assert len(tuned.all()) <= 4
     # the engine runs in the tuned buckets: each step in the smallest that holds it
@@ -82,7 +82,23 @@ def test_tune_reuses_its_cache_and_validates(tmp_path, capsys):
     assert cli.main([a for a in args if a != "--quiet"] + ["--validate"]) == 0
     captured = capsys.readouterr()
     assert "measurements of" in captured.err  # the cache, not a second measurement
-    assert "| buckets | graphs | graph pool, measured (MiB) | mean step (ms) |" in captured.out
+    assert "| buckets | graphs | graph pool, modelled / measured (MiB) | expected mean step (ms) |" in captured.out
+    assert "| default |" in captured.out and "| tuned, at most" in captured.out
+
+
+def test_the_json_holds_every_set_and_what_it_measured(tmp_path):
+    out = tmp_path / "tune.json"
+    assert cli.main(["tune", *SMALL, "--requests", "4", "--concurrency", "2", "--measurements",
+                     str(tmp_path / "m.json"), "--out", str(tmp_path / "b.json"), "--validate",
+                     "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    names = [s["name"] for s in result["sets"]]
+    assert names[0] == "default" and names[1].startswith("tuned, at most")
+    assert result["concurrency"] == 2 and result["steps"] > 0
+    for s in result["sets"]:
+        assert BucketSet(**s["buckets"]) and s["graphs"] == len(BucketSet(**s["buckets"]).all())
+        assert s["measured"]["output_tokens_per_s"] > 0 and s["measured"]["pool_mib"] is None  # eager on CPU
+    assert BucketSet.load(tmp_path / "b.json") == BucketSet(**result["sets"][1]["buckets"])
 
 
 def test_tune_checks_its_arguments(tmp_path, capsys):

@@ -4,9 +4,10 @@
     curl localhost:8000/v1/completions -d '{"prompt": "Hello", "max_tokens": 16, "stream": true}'
 
 Endpoints: /v1/completions and /v1/chat/completions (with "stream": true as server-sent events
-and usage counts), /v1/models, /health. One thread owns the engine and steps while requests
-arrive; a client that disconnects frees its slot; a bad request gets a 400 and touches nothing
-else; past --max-requests a request gets a 503. A preset (random weights, no tokenizer) serves
+and usage counts), /v1/models, /health. One loop owns the engine and steps while requests
+arrive, in a process of its own (or with --engine thread, a thread of the server); a client that
+disconnects frees its slot; a bad request gets a 400 and touches nothing else; past
+--max-requests a request gets a 503. A preset (random weights, no tokenizer) serves
 text as bytes and token-id prompts, for load tests. Needs `pip install -e ".[serve]"`.
 """
 
@@ -38,8 +39,9 @@ def main(argv=None) -> int:
     parser.add_argument("--pipelined", action="store_true", help="launch step N+1 before reading step N's tokens")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
-    parser.add_argument("--engine-process", action="store_true",
-                        help="run the engine in a process of its own, so that it never waits for the server's GIL")
+    parser.add_argument("--engine", choices=("process", "thread"), default="process",
+                        help="where the engine steps: a process of its own, fed over a pipe, so that it never "
+                             "waits for the server's GIL (default), or a thread of the server")
     args = parser.parse_args(argv)
     try:
         import uvicorn
@@ -58,7 +60,7 @@ def main(argv=None) -> int:
     common = dict(dtype=torch.bfloat16 if gpu else torch.float32, device=device, max_context=args.max_context,
                   buckets=bucket_file(parser, "--buckets", args.buckets), use_graphs=gpu and not args.eager,
                   pipelined=args.pipelined)
-    if args.engine_process:
+    if args.engine == "process":
         try:
             loop = EngineProcess(functools.partial(TextEngine.load, args.model, args.preset, **common),
                                  max_requests=args.max_requests)

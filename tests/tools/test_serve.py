@@ -20,7 +20,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("engine", [[], ["--engine-process"]], ids=["engine-thread", "engine-process"])
+@pytest.mark.parametrize("engine", [["--engine", "thread"], []], ids=["engine-thread", "engine-process"])
 def test_serve_a_preset_over_http(engine):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "mambastep.tools.cli", "serve", "--preset", "tiny-hybrid",
@@ -51,7 +51,7 @@ def test_serve_a_preset_over_http(engine):
     (["--preset", "tiny-hybrid", "--port", "70000"], "--port"),
     (["--preset", "tiny-hybrid", "--max-requests", "0"], "--max-requests"),
     (["--model", "/nonexistent"], "config.json: not found"),
-    (["--model", "/nonexistent", "--engine-process"], "config.json: not found"),
+    (["--model", "/nonexistent", "--engine", "thread"], "config.json: not found"),
     ([], "one of the arguments --model --preset is required"),
 ])
 def test_serve_checks_its_arguments(capsys, argv, match):

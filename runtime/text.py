@@ -117,16 +117,21 @@ class TextEngine:
         text = stream.pending + stream.detok.push(tokens)
         if finished:
             text += stream.detok.flush()
-        cut = min((i for i in (text.find(s) for s in stream.stop) if i >= 0), default=-1)
-        if cut >= 0:
-            text, reason = text[:cut], "stop"
-            if not finished:
-                self.engine.abort(rid)
-                finished = True
-        elif not finished:
-            # hold back a tail that could be the start of a stop string
-            hold = max((k for s in stream.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-            text, stream.pending = text[: len(text) - hold], text[len(text) - hold :]
+        if stream.stop:
+            text, finished, reason = self._stop(rid, stream, text, finished, reason)
         if finished:
             del self._streams[rid]
         return TextOutput(rid, text, list(tokens), finished, reason)
+
+    def _stop(self, rid: int, stream: _Stream, text: str, finished: bool, reason):
+        """Cut ``text`` at the first stop string (ending the request), or hold back a tail that
+        could be the start of one."""
+        cut = min((i for i in (text.find(s) for s in stream.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            if not finished:
+                self.engine.abort(rid)
+            return text[:cut], True, "stop"
+        if not finished:
+            hold = max((k for s in stream.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+            text, stream.pending = text[: len(text) - hold], text[len(text) - hold :]
+        return text, finished, reason

@@ -3,6 +3,7 @@ checkpoint; generation equals HF generate decoded by the same tokenizer, streame
 the whole text (multi-byte characters too), chat templates render as HF renders them."""
 
 import pytest
+from hypothesis import given, settings, strategies as st
 import torch
 from hf_models import CHAT_TEMPLATE, save_text_checkpoint
 from mambastep.runtime.detokenizer import IncrementalDetokenizer
@@ -117,3 +118,27 @@ def test_byte_fallback_round_trips_utf8():
     assert "".join([detok.push([i]) for i in tok.encode(s)] + [detok.flush()]) == s
     with pytest.raises(TokenizerError, match="256"):
         ByteTokenizer(100)
+
+
+def test_tokens_that_add_no_text_keep_the_window_short():
+    """A preset's ids past its bytes decode to nothing: each push stays a short decode, however
+    long the stream (it was the whole stream's), and the text still comes whole."""
+    detok = IncrementalDetokenizer(ByteTokenizer(50_000))
+    pieces = []
+    for i in range(2000):
+        pieces.append(detok.push([300 + i % 40_000] if i % 50 else list("é".encode())))
+        assert len(detok.ids) - detok.prefix <= detok.context + 2
+    assert "".join(pieces) + detok.flush() == "é" * 40
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_streamed_pieces_join_to_the_decode_of_any_ids(checkpoint, data):
+    _, path = checkpoint
+    tok = data.draw(st.sampled_from([Tokenizer.from_pretrained(path), ByteTokenizer(512)]))
+    ids = data.draw(st.lists(st.integers(0, tok.vocab_size - 1), min_size=1, max_size=30))
+    prompt = tok.encode(data.draw(st.sampled_from(["", "ab", "数据 ", " x"])))  # whole characters
+    detok = IncrementalDetokenizer(tok, prompt)
+    joined = "".join([detok.push([i]) for i in ids] + [detok.flush()])
+    context = prompt[-detok.context:]
+    assert joined == tok.decode(context + ids)[len(tok.decode(context)):]

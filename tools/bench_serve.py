@@ -115,7 +115,9 @@ def load(url: str, jobs, concurrency: int, model: str | None = None, progress: b
         try:
             parts.append(results.get(timeout=0.2))
         except queue_module.Empty:
-            if not all(p.is_alive() for p in procs) and results.empty():
+            # a client that ended has put its result first, unless it failed (one that ended
+            # cleanly while another still runs is no failure)
+            if sum(p.exitcode is not None for p in procs) > len(parts) and results.empty():
                 raise RuntimeError("a client process failed (its traceback is above)") from None
         bar.update(finished.value - bar.n)
     wall = time.perf_counter() - t0

@@ -20,7 +20,7 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from .text import TextEngine, TextOutput
+from .text import TextEngine, TextOutput, TextStreams
 
 __all__ = ["EngineLoop", "EngineProcess", "Overloaded", "Stream"]
 
@@ -196,29 +196,27 @@ class EngineLoop(_Streams):
             self._end(rid)
 
 
-def _wire(out: TextOutput) -> tuple:
-    """A step's output as it crosses the pipe: a tuple pickles in a seventh of a dataclass's time."""
-    return out.id, out.text, out.token_ids, out.finished, out.finish_reason
-
-
 def _child(build, conn) -> None:
-    """The engine process: build the TextEngine, then serve the parent's messages between steps
-    and send each step's outputs (with the free slots after it)."""
+    """The engine process: build the TextEngine and hand its tokenizer over, then serve the
+    parent's messages between steps and send each step's tokens (with the free slots after it)
+    as tuples, which pickle in a seventh of a dataclass's time. Text is the parent's work."""
     try:
         text = build()
     except Exception as e:  # a bad checkpoint: the parent reports it
         conn.send(("failed", str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"))
         return
-    conn.send(("ready", _free_slots(text)))
+    engine = text.engine
+    conn.send(("ready", _free_slots(text), text.tokenizer))
     while True:
-        if not conn.poll(0 if text.has_unfinished() else None):
-            conn.send(("step", [_wire(out) for out in text.step()], _free_slots(text)))
+        if not conn.poll(0 if engine.has_unfinished() else None):
+            outs = [(o.id, o.new_tokens, o.finished, o.finish_reason) for o in engine.step()]
+            conn.send(("step", outs, _free_slots(text)))
             continue
         kind, *arg = conn.recv()
         if kind == "add":
-            token, prompt, params, stop = arg
+            token, ids, params = arg
             try:
-                reply = ("added", token, *_admit(text, prompt, params, stop))
+                reply = ("added", token, engine.add_request(ids, params))
             except Exception as e:  # bad input: the caller's error, nothing changed here
                 reply = ("refused", token, e)
             conn.send(reply)
@@ -230,9 +228,11 @@ def _child(build, conn) -> None:
 
 
 class EngineProcess(_Streams):
-    """The engine in a process of its own: this process only parses, submits and streams, so
-    the engine never waits for this side's GIL. ``build``: a picklable callable that returns
-    the TextEngine (it runs in the child; e.g. ``functools.partial(TextEngine.load, ...)``)."""
+    """The engine in a process of its own, stepping on token ids only: this process encodes
+    prompts, turns each step's tokens into text (``TextStreams``, with the child's tokenizer)
+    and streams, so the engine never waits for this side's GIL nor does its text work.
+    ``build``: a picklable callable that returns the TextEngine (it runs in the child; e.g.
+    ``functools.partial(TextEngine.load, ...)``)."""
 
     kind = "process"
 
@@ -247,13 +247,14 @@ class EngineProcess(_Streams):
             self._process.kill()
             raise RuntimeError(f"the engine process did not start within {start_timeout:.0f} s")
         try:
-            kind, arg = self._conn.recv()
+            kind, *arg = self._conn.recv()
         except EOFError:
             raise RuntimeError(f"the engine process exited ({self._process.exitcode}) before it was ready") from None
         if kind == "failed":
             self._process.join()
-            raise ValueError(arg)
-        self._free = arg
+            raise ValueError(arg[0])
+        self._free, tokenizer = arg
+        self._texts = TextStreams(tokenizer)  # touched by the reader thread only
         self._send_lock = threading.Lock()
         self._pending: dict[int, tuple[Future, asyncio.AbstractEventLoop]] = {}
         self._tokens = itertools.count()
@@ -270,11 +271,12 @@ class EngineProcess(_Streams):
             raise RuntimeError("the engine loop is closed")
         if (refused := self._overloaded(len(self._pending))) is not None:
             raise refused
+        ids, params, stop = self._texts.encode(prompt, params, stop)  # raises on bad input
         done: Future = Future()
         token = next(self._tokens)
-        self._pending[token] = (done, asyncio.get_running_loop())
+        self._pending[token] = (done, asyncio.get_running_loop(), ids, stop)
         try:
-            self._send("add", token, prompt, params, stop)
+            self._send("add", token, ids, params)
         except OSError:
             self._pending.pop(token, None)
             raise RuntimeError("the engine loop is closed") from None
@@ -301,6 +303,17 @@ class EngineProcess(_Streams):
             self._process.kill()
         self._reader.join(timeout)
 
+    def _text(self, outs) -> list[TextOutput]:
+        """A step's tokens as text; a request a stop string ended is aborted in the child."""
+        texts = []
+        for rid, tokens, finished, reason in outs:
+            if rid in self._texts:  # else aborted meanwhile
+                text, stopped = self._texts.text(rid, tokens, finished, reason)
+                if stopped:
+                    self.abort(rid)
+                texts.append(text)
+        return texts
+
     def _read(self) -> None:
         try:
             while True:
@@ -308,16 +321,18 @@ class EngineProcess(_Streams):
                 if kind == "step":
                     self.steps += 1
                     outs, self._free = arg
-                    self._deliver([TextOutput(*out) for out in outs])
+                    self._deliver(self._text(outs))
                 elif kind == "added":
-                    token, rid, prompt_tokens = arg
-                    done, loop = self._pending.pop(token)
-                    done.set_result(self._open(rid, prompt_tokens, loop))
+                    token, rid = arg
+                    done, loop, ids, stop = self._pending.pop(token)
+                    self._texts.open(rid, ids, stop)
+                    done.set_result(self._open(rid, len(ids), loop))
                 elif kind == "refused":
                     token, error = arg
                     self._pending.pop(token)[0].set_exception(error)
                 elif kind == "ended":
                     rid, self._free = arg
+                    self._texts.drop(rid)
                     self._end(rid)
         except (EOFError, OSError):
             pass
@@ -325,6 +340,6 @@ class EngineProcess(_Streams):
             self._closed.set()
             for rid in list(self._streams):
                 self._end(rid)
-            for done, _ in self._pending.values():
+            for done, *_ in self._pending.values():
                 done.set_exception(RuntimeError("the engine loop is closed"))
             self._pending.clear()

@@ -19,7 +19,7 @@ from .engine import Engine
 from .request import SamplingParams
 from .tokenizer import load_tokenizer
 
-__all__ = ["TextEngine", "TextOutput"]
+__all__ = ["TextEngine", "TextOutput", "TextStreams"]
 
 
 @dataclass
@@ -42,24 +42,19 @@ class _Stream:
     pending: str = ""  # text held back: it may be the start of a stop string
 
 
-class TextEngine:
-    def __init__(self, engine: Engine, tokenizer):
-        self.engine, self.tokenizer = engine, tokenizer
+class TextStreams:
+    """The text half of a TextEngine, apart from the engine: what a prompt encodes to, and each
+    request's text as its tokens come. ``TextEngine`` keeps one beside its engine; the engine
+    process's parent keeps its own (``serving.EngineProcess``), so the engine only steps."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
         self._streams: dict[int, _Stream] = {}
 
-
-    @classmethod
-    def load(cls, model: str | None = None, preset: str | None = None, **engine_kw) -> "TextEngine":
-        """Over a checkpoint directory and its tokenizer, or a preset (text as bytes);
-        ``engine_kw`` as ``Engine.from_pretrained`` takes them."""
-        engine = Engine.from_pretrained(model, **engine_kw) if model else Engine.from_preset(preset, **engine_kw)
-        return cls(engine, load_tokenizer(model, engine.cfg.vocab_size))
-
-    def add(self, prompt: str | list[dict], params: SamplingParams | None = None, stop=()) -> int:
-        """Queue a text prompt, token ids, or chat messages ([{"role", "content"}]) rendered with
-        the checkpoint's chat template. ``stop``: strings that end the request, cut from its text.
-        The tokenizer's EOS ids stop it too unless ``params.ignore_eos``. Raises ValueError
-        (or TokenizerError) and changes nothing on bad input."""
+    def encode(self, prompt: str | list, params: SamplingParams | None = None,
+               stop=()) -> tuple[list[int], SamplingParams, tuple[str, ...]]:
+        """(token ids, params with the tokenizer's EOS ids, stop strings) of a request, as
+        ``TextEngine.add`` takes them; raises ValueError (or TokenizerError) on bad input."""
         params = SamplingParams() if params is None else params
         if isinstance(stop, str):
             stop = (stop,)
@@ -79,59 +74,98 @@ class TextEngine:
         eos = getattr(self.tokenizer, "eos_token_ids", ())
         if eos and not params.ignore_eos:
             params = dataclasses.replace(params, stop_token_ids=tuple(dict.fromkeys(params.stop_token_ids + eos)))
-        rid = self.engine.add_request(ids, params)
+        return ids, params, stop
+
+    def open(self, rid: int, ids: list[int], stop: tuple[str, ...]) -> None:
+        """Follow request ``rid``, whose prompt was ``ids``."""
         self._streams[rid] = _Stream(IncrementalDetokenizer(self.tokenizer, ids), stop, len(ids))
+
+    def __contains__(self, rid: int) -> bool:
+        return rid in self._streams
+
+    def prompt_tokens(self, rid: int) -> int:
+        return self._streams[rid].prompt_tokens
+
+    def drop(self, rid: int) -> None:
+        self._streams.pop(rid, None)
+
+    def text(self, rid: int, tokens: list[int], finished: bool, reason) -> tuple[TextOutput, bool]:
+        """The text a step's tokens for ``rid`` complete, and whether a stop string ended a
+        request the engine still runs (the caller aborts it there)."""
+        stream = self._streams[rid]
+        text = stream.pending + stream.detok.push(tokens)
+        if finished:
+            text += stream.detok.flush()
+        stopped = False
+        if stream.stop:
+            text, stopped, reason = self._stop(stream, text, finished, reason)
+        if finished or stopped:
+            del self._streams[rid]
+        return TextOutput(rid, text, list(tokens), finished or stopped, reason), stopped and not finished
+
+    @staticmethod
+    def _stop(stream: _Stream, text: str, finished: bool, reason) -> tuple[str, bool, str | None]:
+        """Cut ``text`` at the first stop string, or hold back a tail that could be the start of
+        one; (text, whether a stop string was met, finish reason)."""
+        cut = min((i for i in (text.find(s) for s in stream.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            return text[:cut], True, "stop"
+        if not finished:
+            hold = max((k for s in stream.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+            text, stream.pending = text[: len(text) - hold], text[len(text) - hold :]
+        return text, False, reason
+
+
+class TextEngine:
+    def __init__(self, engine: Engine, tokenizer):
+        self.engine, self.tokenizer = engine, tokenizer
+        self.streams = TextStreams(tokenizer)
+
+    @classmethod
+    def load(cls, model: str | None = None, preset: str | None = None, **engine_kw) -> "TextEngine":
+        """Over a checkpoint directory and its tokenizer, or a preset (text as bytes);
+        ``engine_kw`` as ``Engine.from_pretrained`` takes them."""
+        engine = Engine.from_pretrained(model, **engine_kw) if model else Engine.from_preset(preset, **engine_kw)
+        return cls(engine, load_tokenizer(model, engine.cfg.vocab_size))
+
+    def add(self, prompt: str | list[dict], params: SamplingParams | None = None, stop=()) -> int:
+        """Queue a text prompt, token ids, or chat messages ([{"role", "content"}]) rendered with
+        the checkpoint's chat template. ``stop``: strings that end the request, cut from its text.
+        The tokenizer's EOS ids stop it too unless ``params.ignore_eos``. Raises ValueError
+        (or TokenizerError) and changes nothing on bad input."""
+        ids, params, stop = self.streams.encode(prompt, params, stop)
+        rid = self.engine.add_request(ids, params)
+        self.streams.open(rid, ids, stop)
         return rid
 
     def abort(self, request_id: int) -> None:
         self.engine.abort(request_id)
-        self._streams.pop(request_id, None)
+        self.streams.drop(request_id)
 
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished()
 
     def prompt_tokens(self, request_id: int) -> int:
-        return self._streams[request_id].prompt_tokens
+        return self.streams.prompt_tokens(request_id)
 
     def step(self) -> list[TextOutput]:
         """One engine step; the new text of each request that got some, and which finished."""
         outputs = []
         for out in self.engine.step():
-            stream = self._streams.get(out.id)
-            if stream is None:  # a request added to the engine directly
+            if out.id not in self.streams:  # a request added to the engine directly
                 continue
-            outputs.append(self._text(out.id, stream, out.new_tokens, out.finished, out.finish_reason))
+            text, stopped = self.streams.text(out.id, out.new_tokens, out.finished, out.finish_reason)
+            if stopped:
+                self.engine.abort(out.id)
+            outputs.append(text)
         return outputs
 
     def generate(self, prompts, params: SamplingParams | None = None, stop=()) -> list[str]:
         """Each prompt's whole text, in order (steps the engine until they are done)."""
         ids = [self.add(p, params, stop) for p in prompts]
         texts = {i: [] for i in ids}
-        while any(i in self._streams for i in ids):
+        while any(i in self.streams for i in ids):
             for out in self.step():
                 if out.id in texts:
                     texts[out.id].append(out.text)
         return ["".join(texts[i]) for i in ids]
-
-    def _text(self, rid: int, stream: _Stream, tokens: list[int], finished: bool, reason) -> TextOutput:
-        text = stream.pending + stream.detok.push(tokens)
-        if finished:
-            text += stream.detok.flush()
-        if stream.stop:
-            text, finished, reason = self._stop(rid, stream, text, finished, reason)
-        if finished:
-            del self._streams[rid]
-        return TextOutput(rid, text, list(tokens), finished, reason)
-
-    def _stop(self, rid: int, stream: _Stream, text: str, finished: bool, reason):
-        """Cut ``text`` at the first stop string (ending the request), or hold back a tail that
-        could be the start of one."""
-        cut = min((i for i in (text.find(s) for s in stream.stop) if i >= 0), default=-1)
-        if cut >= 0:
-            if not finished:
-                self.engine.abort(rid)
-            return text[:cut], True, "stop"
-        if not finished:
-            hold = max((k for s in stream.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-            text, stream.pending = text[: len(text) - hold], text[len(text) - hold :]
-        return text, finished, reason

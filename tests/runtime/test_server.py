@@ -115,6 +115,28 @@ def test_openai_client_completions_and_chat(server, checkpoint):
     assert server.idle()
 
 
+def test_a_stop_string_cuts_the_stream_and_frees_the_slot(server, checkpoint):
+    """Text is the server side's work (in the process placement the engine only steps ids): a stop
+    string ends the request there, and the engine lets its slot go."""
+    whole = alone(checkpoint, "the cat", 16)
+    stop = whole[len(whole) // 2 :][:2]  # text from the middle, sure to appear
+    want = alone(checkpoint, "the cat", 16, stop=[stop])
+    assert want == whole[: whole.find(stop)]
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        body = {"prompt": "the cat", "max_tokens": 16, "temperature": 0, "ignore_eos": True, "stop": [stop]}
+        r = http.post("/v1/completions", json=body)
+        assert r.json()["choices"][0]["text"] == want and r.json()["choices"][0]["finish_reason"] == "stop"
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+            pieces = [json.loads(line[6:])["choices"][0] for line in s.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+        assert "".join(c["text"] for c in pieces) == want and pieces[-1]["finish_reason"] == "stop"
+        assert server.idle()
+        steps = server.loop.steps  # the engine stops stepping it: far fewer steps than max_tokens
+        r = http.post("/v1/completions", json={**body, "max_tokens": 80})
+        assert r.json()["choices"][0]["text"] == want
+    assert server.idle() and server.loop.steps - steps < 40
+
+
 def test_raw_http_and_bad_requests(server, checkpoint):
     with httpx.Client(base_url=server.url, timeout=30) as http:
         assert http.get("/health").json()["status"] == "ok"

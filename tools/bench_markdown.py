@@ -55,20 +55,22 @@ def serve_table(results: list[dict]) -> str:
 
 
 def tune_tables(paths) -> str:
-    """Each `mambastep tune --validate --json` result: its sets, expected and measured."""
+    """Each `mambastep tune --validate --json` result (files of one, or of a mapping of them, as
+    .ci/gpu-tune merges them): its sets, expected and measured."""
     out = []
-    for path in paths:
-        t = json.loads(Path(path).read_text())
+    for t in _load_results(paths):
+        rounds = (f"; each set run {t['rounds']} times, the order reversed every other time (tokens/s: the mean, "
+                  "and the range)") if t.get("rounds", 1) > 1 else ""
         out += [f"{t['model']}, {t['requests']} requests at concurrency {t['concurrency']} ({t['steps']} steps), "
-                f"a budget of {t['max_graphs']} graphs; {t['date']}, {t['device']}:", "",
+                f"a budget of {t['max_graphs']} graphs{rounds}; {t['date']}, {t['device']}:", "",
                 validated_table(t["sets"]), ""]
         if t.get("note"):
             out[-1:-1] = ["", f"({t['note']}.)"]
     return "\n".join(out).rstrip()
 
 
-def _load_runs(paths) -> list[dict]:
-    """Run results from files each holding one result, or a mapping of them."""
+def _load_results(paths) -> list[dict]:
+    """Results from files each holding one, or a mapping of them."""
     runs = []
     for path in paths:
         data = json.loads(Path(path).read_text())
@@ -91,7 +93,7 @@ def render(steps=(), kernels: str | None = None, runs=(), serve=(), tune=()) -> 
         for path in steps:  # one run of the command each, with its own date and device
             out += [bench_steps.tables(json.loads(Path(path).read_text())), ""]
     if runs:
-        results = _load_runs(runs)
+        results = _load_results(runs)
         out += ["## The main job", "", "```", "mambastep run --preset P --concurrency C --requests N [--pipelined]",
                 "```", "",
                 "A synthetic chat workload (prompts ~223, outputs ~140 tokens, greedy) through the Engine; the "
@@ -105,7 +107,7 @@ def render(steps=(), kernels: str | None = None, runs=(), serve=(), tune=()) -> 
                 "OpenAI-compatible server by client processes on the same machine, beside `mambastep run` "
                 "in-process on it, measured one after the other (`.ci/gpu-serve`). The engine runs in a process of "
                 "its own (`mambastep serve`'s default) or in a thread of the server (`--engine thread`), as marked:",
-                "", serve_table(_load_runs(serve)), ""]
+                "", serve_table(_load_results(serve)), ""]
     if tune:
         out += ["## Bucket tuning", "", "```",
                 "mambastep tune --preset P --requests N --concurrency C --validate --json PATH", "```", "",
@@ -131,7 +133,7 @@ def readme_table(steps, runs=(), kernels: str | None = None) -> str:
     s = json.loads(Path(steps[0]).read_text())  # the date and device of the first
     presets = {p["preset"]: p["rows"] for path in steps for p in json.loads(Path(path).read_text())["presets"]}
     names = [n for n in ("mamba2-130m", "nemotron-h-8b", "nemotron-3-nano-30b-a3b") if n in presets]
-    results = _load_runs(runs)
+    results = _load_results(runs)
 
     def run(name, concurrency, pipelined=False):
         return next((r for r in results if r["model"] == name and r["concurrency"] == concurrency

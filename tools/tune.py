@@ -16,8 +16,9 @@
    eagerly), and beside it two smaller tuned sets: the fewest graphs expected within 2% of the
    defaults' time, and the best set within half the defaults' pool. Write the tuned set's bucket
    file; --plot PNG draws step time against batch size with the chosen buckets marked (needs
-   matplotlib); --validate runs the workload with every set of the report and prints measured
-   step time, inter-token latency, output tokens/s and graph pool side by side; --json keeps it all.
+   matplotlib); --validate runs the workload with every set of the report (--rounds times, the
+   order reversed every other round) and prints measured step time, inter-token latency, output
+   tokens/s and graph pool side by side; --json keeps it all.
 """
 
 from __future__ import annotations
@@ -131,20 +132,29 @@ def _plot(path: str, costs: StepCosts, tuned: BucketSet, default: BucketSet) -> 
     fig.savefig(path, dpi=120)
 
 
-def _validate(make_engine, jobs, concurrency: int, sets: list[tuple[str, Choice]], progress: bool) -> list[dict]:
-    """Run the workload with each set; what each measured."""
-    measured = []
-    for name, choice in sets:
-        engine = make_engine(choice.buckets)
-        report = engine.capture_report
-        t = serve(engine, jobs, concurrency, {"temperature": 0.0}, progress)
-        stats = summarize(t, len(jobs))
-        measured.append({"pool_mib": report.pool_bytes / 2**20 if report is not None else None,
-                         "capture_s": report.seconds if report is not None else None,
-                         "step_ms": 1e3 * t["wall"] / len(engine.trace), "itl_p50_ms": stats["itl_ms"]["p50"],
-                         "output_tokens_per_s": stats["output_tokens_per_s"]})
-        del engine
-    return measured
+def _run(make_engine, buckets: BucketSet, jobs, concurrency: int, progress: bool) -> dict:
+    """The workload once, on a fresh engine over ``buckets``: what it measured."""
+    engine = make_engine(buckets)
+    report = engine.capture_report
+    t = serve(engine, jobs, concurrency, {"temperature": 0.0}, progress)
+    stats = summarize(t, len(jobs))
+    return {"pool_mib": report.pool_bytes / 2**20 if report is not None else None,
+            "capture_s": report.seconds if report is not None else None,
+            "step_ms": 1e3 * t["wall"] / len(engine.trace), "itl_p50_ms": stats["itl_ms"]["p50"],
+            "output_tokens_per_s": stats["output_tokens_per_s"]}
+
+
+def _validate(make_engine, jobs, concurrency: int, sets: list[tuple[str, Choice]], rounds: int,
+              progress: bool) -> list[dict]:
+    """Run the workload with each set, ``rounds`` times, the order reversed every other round (a
+    drift over the run then shows as a spread, not as a difference between sets); per set the
+    rounds' means, and each round's tokens/s."""
+    runs: list[list[dict]] = [[] for _ in sets]
+    for r in range(rounds):
+        for i in (range(len(sets)) if r % 2 == 0 else reversed(range(len(sets)))):
+            runs[i].append(_run(make_engine, sets[i][1].buckets, jobs, concurrency, progress))
+    return [{**{k: (sum(m[k] for m in ms) / len(ms) if ms[0][k] is not None else None) for k in ms[0]},
+             "output_tokens_per_s_rounds": [m["output_tokens_per_s"] for m in ms]} for ms in runs]
 
 
 def validated_table(sets: list[dict]) -> str:
@@ -155,8 +165,10 @@ def validated_table(sets: list[dict]) -> str:
     for s in sets:
         m = s["measured"]
         pool = f"{m['pool_mib']:.0f}" if m["pool_mib"] is not None else "no graphs"
+        rounds = m.get("output_tokens_per_s_rounds", [])
+        spread = f" ({min(rounds):.0f}–{max(rounds):.0f})" if len(rounds) > 1 else ""
         lines.append(f"| {s['name']} | {s['graphs']} | {s['pool_mib']:.0f} / {pool} | {s['expected_ms']:.3f} | "
-                     f"{m['step_ms']:.3f} | {m['itl_p50_ms']:.3f} | {m['output_tokens_per_s']:.0f} | "
+                     f"{m['step_ms']:.3f} | {m['itl_p50_ms']:.3f} | {m['output_tokens_per_s']:.0f}{spread} | "
                      f"{100 * (m['output_tokens_per_s'] / base - 1):+.1f}% |")
     return "\n".join(lines)
 
@@ -182,11 +194,13 @@ def main(argv=None) -> int:
     parser.add_argument("--plot", metavar="PNG", help="draw step time against batch size, buckets marked")
     parser.add_argument("--validate", action="store_true",
                         help="run the synthetic workload with every set of the report, side by side")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="--validate: runs of each set, in reversed order every other round (default 1)")
     parser.add_argument("--json", metavar="PATH", help="write the report (and what --validate measured) as JSON")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
-    for flag in ("requests", "concurrency", "max_graphs", "max_decode", "max_prefill"):
+    for flag in ("requests", "concurrency", "max_graphs", "max_decode", "max_prefill", "rounds"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             parser.error(f"--{flag.replace('_', '-')}: must be at least 1, got {value}")
@@ -271,12 +285,13 @@ def main(argv=None) -> int:
         print(f"wrote {args.plot}")
     result = {"model": name, "device": key["device"], "date": datetime.date.today().isoformat(),
               "requests": args.requests, "concurrency": args.concurrency, "trace": args.trace, "steps": len(trace),
-              "max_graphs": budget, "pool_mib": args.pool_mib,
+              "max_graphs": budget, "pool_mib": args.pool_mib, "rounds": args.rounds if args.validate else 0,
               "sets": [{"name": n, "buckets": dataclasses.asdict(c.buckets), "graphs": c.graphs,
                         "pool_mib": c.pool_mib, "expected_ms": c.mean_ms, "eager_steps": c.eager_steps}
                        for n, c in sets]}
     if args.validate:
-        for s, m in zip(result["sets"], _validate(make_engine, jobs, args.concurrency, sets, not args.quiet)):
+        for s, m in zip(result["sets"], _validate(make_engine, jobs, args.concurrency, sets, args.rounds,
+                                                      not args.quiet)):
             s["measured"] = m
         print(validated_table(result["sets"]))
     if args.json:

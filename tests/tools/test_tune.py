@@ -89,7 +89,7 @@ def test_tune_reuses_its_cache_and_validates(tmp_path, capsys):
 def test_the_json_holds_every_set_and_what_it_measured(tmp_path):
     out = tmp_path / "tune.json"
     assert cli.main(["tune", *SMALL, "--requests", "4", "--concurrency", "2", "--measurements",
-                     str(tmp_path / "m.json"), "--out", str(tmp_path / "b.json"), "--validate",
+                     str(tmp_path / "m.json"), "--out", str(tmp_path / "b.json"), "--validate", "--rounds", "2",
                      "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     names = [s["name"] for s in result["sets"]]
@@ -97,7 +97,11 @@ def test_the_json_holds_every_set_and_what_it_measured(tmp_path):
     assert result["concurrency"] == 2 and result["steps"] > 0
     for s in result["sets"]:
         assert BucketSet(**s["buckets"]) and s["graphs"] == len(BucketSet(**s["buckets"]).all())
-        assert s["measured"]["output_tokens_per_s"] > 0 and s["measured"]["pool_mib"] is None  # eager on CPU
+        m = s["measured"]
+        assert m["output_tokens_per_s"] > 0 and m["pool_mib"] is None  # eager on CPU
+        assert len(m["output_tokens_per_s_rounds"]) == 2 and min(m["output_tokens_per_s_rounds"]) <= \
+            m["output_tokens_per_s"] <= max(m["output_tokens_per_s_rounds"])
+    assert result["rounds"] == 2
     assert BucketSet.load(tmp_path / "b.json") == BucketSet(**result["sets"][1]["buckets"])
 
 
@@ -106,6 +110,7 @@ def test_tune_checks_its_arguments(tmp_path, capsys):
     bad.write_text('{"decode": 1, "prefill_tokens": 0, "prefill_seqs": 0}\n{"decode": "x"}\n')
     for argv, match in ((["--requests", "0"], "--requests: must be at least 1"),
                         (["--max-graphs", "1"], "--max-graphs: a bucket set needs at least 2"),
+                        (["--rounds", "0"], "--rounds: must be at least 1"),
                         (["--out", "/nonexistent/dir/b.json"], "no directory"),
                         (["--trace", str(tmp_path / "none.jsonl")], "No such file"),
                         (["--trace", str(bad)], "bad.jsonl:2: expected a JSON object")):

@@ -256,7 +256,8 @@ class EngineProcess(_Streams):
         self._free, tokenizer = arg
         self._texts = TextStreams(tokenizer)  # touched by the reader thread only
         self._send_lock = threading.Lock()
-        self._pending: dict[int, tuple[Future, asyncio.AbstractEventLoop]] = {}
+        # submissions the child has not answered: (future, its event loop, prompt ids, stop strings)
+        self._pending: dict[int, tuple[Future, asyncio.AbstractEventLoop, list[int], tuple]] = {}
         self._tokens = itertools.count()
         self._reader = threading.Thread(target=self._read, name="mambastep-engine-reader", daemon=True)
         self._reader.start()

@@ -59,6 +59,8 @@ def tune_tables(paths) -> str:
     .ci/gpu-tune merges them): its sets, expected and measured."""
     out = []
     for t in _load_results(paths):
+        if "measured" not in t["sets"][0]:
+            raise ValueError(f"{t['model']} at concurrency {t['concurrency']}: a tune result without --validate")
         rounds = (f"; each set run {t['rounds']} times, the order reversed every other time (tokens/s: the mean, "
                   "and the range)") if t.get("rounds", 1) > 1 else ""
         out += [f"{t['model']}, {t['requests']} requests at concurrency {t['concurrency']} ({t['steps']} steps), "

@@ -16,9 +16,9 @@
    eagerly), and beside it two smaller tuned sets: the fewest graphs expected within 2% of the
    defaults' time, and the best set within half the defaults' pool. Write the tuned set's bucket
    file; --plot PNG draws step time against batch size with the chosen buckets marked (needs
-   matplotlib); --validate runs the workload with every set of the report (--rounds times, the
-   order reversed every other round) and prints measured step time, inter-token latency, output
-   tokens/s and graph pool side by side; --json keeps it all.
+   matplotlib); --validate runs the workload with every set of the report (once a set however
+   many rows name it; --rounds times, the order reversed every other round) and prints measured
+   step time, inter-token latency, output tokens/s and graph pool side by side; --json keeps it.
 """
 
 from __future__ import annotations
@@ -146,15 +146,17 @@ def _run(make_engine, buckets: BucketSet, jobs, concurrency: int, progress: bool
 
 def _validate(make_engine, jobs, concurrency: int, sets: list[tuple[str, Choice]], rounds: int,
               progress: bool) -> list[dict]:
-    """Run the workload with each set, ``rounds`` times, the order reversed every other round (a
-    drift over the run then shows as a spread, not as a difference between sets); per set the
-    rounds' means, and each round's tokens/s."""
-    runs: list[list[dict]] = [[] for _ in sets]
+    """Run the workload with each distinct set, ``rounds`` times, the order reversed every other
+    round (a drift over the run then shows as a spread, not as a difference between sets); per
+    set of ``sets`` the rounds' means, and each round's tokens/s."""
+    distinct = list(dict.fromkeys(c.buckets for _, c in sets))  # a row may repeat another's set
+    runs: dict[BucketSet, list[dict]] = {b: [] for b in distinct}
     for r in range(rounds):
-        for i in (range(len(sets)) if r % 2 == 0 else reversed(range(len(sets)))):
-            runs[i].append(_run(make_engine, sets[i][1].buckets, jobs, concurrency, progress))
+        for b in (distinct if r % 2 == 0 else distinct[::-1]):
+            runs[b].append(_run(make_engine, b, jobs, concurrency, progress))
     return [{**{k: (sum(m[k] for m in ms) / len(ms) if ms[0][k] is not None else None) for k in ms[0]},
-             "output_tokens_per_s_rounds": [m["output_tokens_per_s"] for m in ms]} for ms in runs]
+             "output_tokens_per_s_rounds": [m["output_tokens_per_s"] for m in ms]}
+            for ms in (runs[c.buckets] for _, c in sets)]
 
 
 def validated_table(sets: list[dict]) -> str:

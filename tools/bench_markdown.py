@@ -39,17 +39,17 @@ def serve_table(results: list[dict]) -> str:
     model and concurrency measured with it."""
     served = [r for r in results if "url" in r]
     runs = [r for r in results if "url" not in r]
-    lines = ["| model | concurrency | inter-token mean (ms): in-process / HTTP / added | TTFT p50 (ms): in-process / "
-             "HTTP | output tokens/s: in-process / HTTP / kept |", "| --- | --- | --- | --- | --- |"]
+    lines = ["| model | concurrency | requests | inter-token mean (ms): in-process / HTTP / added | TTFT p50 (ms): in-process / "
+             "HTTP | output tokens/s: in-process / HTTP / kept |", "| --- | --- | --- | --- | --- | --- |"]
     for h in served:
         r = next((r for r in runs if r["model"] == h["model"] and r["concurrency"] == h["concurrency"]
-                  and not r.get("pipelined") and r.get("mode") != "eager"), None)
+                  and r["requests"] == h["requests"] and not r.get("pipelined") and r.get("mode") != "eager"), None)
         if r is None:
             continue
         a, b = r["itl_ms"]["mean"], h["itl_ms"]["mean"]
         x, y = r["output_tokens_per_s"], h["output_tokens_per_s"]
         where = f" (engine {h['engine']})" if h.get("engine") else ""
-        lines.append(f"| {h['model']}{where} | {h['concurrency']} | {a:.3f} / {b:.3f} / {b - a:+.3f} | "
+        lines.append(f"| {h['model']}{where} | {h['concurrency']} | {h['requests']} | {a:.3f} / {b:.3f} / {b - a:+.3f} | "
                      f"{r['ttft_ms']['p50']:.2f} / {h['ttft_ms']['p50']:.2f} | {x:.0f} / {y:.0f} / {100 * y / x:.0f}% |")
     return "\n".join(lines)
 

@@ -70,10 +70,12 @@ def test_the_http_table_sets_each_server_run_beside_its_in_process_run(tmp_path)
     served = {"model": "mamba2-130m", "url": "http://127.0.0.1:8000", "requests": 16, "concurrency": 1,
               "ttft_ms": {"p50": 2.5}, "itl_ms": {"mean": 0.4}, "output_tokens_per_s": 3800.0}
     other = {**served, "concurrency": 64}  # no in-process run at 64: left out
-    (tmp_path / "serve.json").write_text(json.dumps({"a": pipelined, "b": run, "c1": served, "c64": other}))
+    longer = {**served, "requests": 64}  # no in-process run of 64 requests: left out
+    (tmp_path / "serve.json").write_text(json.dumps({"a": pipelined, "b": run, "c1": served, "c64": other,
+                                                     "n64": longer}))
     page = bench_markdown.render(serve=[tmp_path / "serve.json"])
-    assert "| mamba2-130m | 1 | 0.250 / 0.400 / +0.150 | 1.50 / 2.50 | 4000 / 3800 / 95% |" in page
-    assert "| mamba2-130m | 64 |" not in page
+    assert "| mamba2-130m | 1 | 16 | 0.250 / 0.400 / +0.150 | 1.50 / 2.50 | 4000 / 3800 / 95% |" in page
+    assert "| mamba2-130m | 64 |" not in page and "| 64 | 0.250" not in page
 
 
 def test_tune_tables_put_each_set_beside_the_defaults(tmp_path):

@@ -34,13 +34,20 @@ def run_table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def serve_table(results: list[dict]) -> str:
+def serve_table(paths) -> str:
     """Each `bench serve` result (it has a "url") beside the in-process `mambastep run` of its
-    model and concurrency measured with it."""
-    served = [r for r in results if "url" in r]
-    runs = [r for r in results if "url" not in r]
+    model, concurrency and request count measured with it (in the same file), one row each."""
     lines = ["| model | concurrency | requests | inter-token mean (ms): in-process / HTTP / added | TTFT p50 (ms): in-process / "
              "HTTP | output tokens/s: in-process / HTTP / kept |", "| --- | --- | --- | --- | --- | --- |"]
+    for path in paths:
+        lines += _serve_rows(_load_results([path]))
+    return "\n".join(lines)
+
+
+def _serve_rows(results: list[dict]) -> list[str]:
+    served = [r for r in results if "url" in r]
+    runs = [r for r in results if "url" not in r]
+    lines = []
     for h in served:
         r = next((r for r in runs if r["model"] == h["model"] and r["concurrency"] == h["concurrency"]
                   and r["requests"] == h["requests"] and not r.get("pipelined") and r.get("mode") != "eager"), None)
@@ -51,7 +58,7 @@ def serve_table(results: list[dict]) -> str:
         where = f" (engine {h['engine']})" if h.get("engine") else ""
         lines.append(f"| {h['model']}{where} | {h['concurrency']} | {h['requests']} | {a:.3f} / {b:.3f} / {b - a:+.3f} | "
                      f"{r['ttft_ms']['p50']:.2f} / {h['ttft_ms']['p50']:.2f} | {x:.0f} / {y:.0f} / {100 * y / x:.0f}% |")
-    return "\n".join(lines)
+    return lines
 
 
 def tune_tables(paths) -> str:
@@ -108,8 +115,10 @@ def render(steps=(), kernels: str | None = None, runs=(), serve=(), tune=()) -> 
                 "The same workload as the main job (same seed, lengths and prompt ids), streamed through the "
                 "OpenAI-compatible server by client processes on the same machine, beside `mambastep run` "
                 "in-process on it, measured one after the other (`.ci/gpu-serve`). The engine runs in a process of "
-                "its own (`mambastep serve`'s default) or in a thread of the server (`--engine thread`), as marked:",
-                "", serve_table(_load_results(serve)), ""]
+                "its own (`mambastep serve`'s default) or in a thread of the server (`--engine thread`), as marked. "
+                "Each run of the script is a group of rows, in the order of its result files "
+                f"({', '.join(f'`{Path(p).name}`' for p in serve)} in docs/results):",
+                "", serve_table(serve), ""]
     if tune:
         out += ["## Bucket tuning", "", "```",
                 "mambastep tune --preset P --requests N --concurrency C --validate --json PATH", "```", "",

@@ -293,3 +293,16 @@ def test_an_engine_process_that_cannot_start_says_why(tmp_path):
     build = functools.partial(TextEngine.load, str(tmp_path), dtype=torch.float32, device="cpu")
     with pytest.raises(ValueError, match="config.json"):
         EngineProcess(build)
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_a_mid_stream_chunk_is_the_general_chunk(chat):
+    """The mid-stream chunk is built around its text only; it must be the very bytes of the
+    general one, whatever the text and the model's name."""
+    from mambastep.runtime.openai_api import _Chunks
+
+    chunks = _Chunks("cmpl-1", "chat.completion" if chat else "text_completion", 7, 'a "model"\0 \\ é', chat)
+    for text in ["", "the cat", 'quote " backslash \\ newline \n', "\0\x01\x1f", "héllo 数据 🙂"]:
+        assert chunks.text(text) == chunks(text)
+        body = json.loads(chunks.text(text)[len(b"data: "):])
+        assert (body["choices"][0]["delta"]["content"] if chat else body["choices"][0]["text"]) == text

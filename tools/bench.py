@@ -11,6 +11,9 @@
     mambastep bench serve --url URL [--concurrency C] [--requests N]
                                             load generator over HTTP against `mambastep serve`
                                             (`mambastep bench serve --help`)
+    mambastep bench api [--concurrency C] [--requests N] [--step-ms MS]
+                                            the server's own cost over a stand-in engine: the
+                                            API process's CPU a streamed token (no GPU, no model)
     mambastep bench markdown [--steps S.json ...] [--kernels K.json] [--run R.json ...]
                              [--serve H.json ...] [--out PATH]
                                             docs/BENCHMARKS.md from those commands' --json
@@ -36,8 +39,12 @@ def main(argv=None) -> int:
         from . import bench_serve
 
         return bench_serve.main(argv[1:])
+    if argv[:1] == ["api"]:  # its own options: no GPU, no model
+        from . import bench_api
+
+        return bench_api.main(argv[1:])
     parser = Parser(prog="mambastep bench", description=__doc__)
-    parser.add_argument("what", choices=sorted(SUITES) + ["profile", "markdown", "serve"],
+    parser.add_argument("what", choices=sorted(SUITES) + ["profile", "markdown", "serve", "api"],
                         help="which benchmark to run")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument("--preset", action="append", help="steps: preset(s) to run (default: both)")

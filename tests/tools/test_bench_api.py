@@ -18,9 +18,7 @@ def test_bench_api_streams_every_token_and_counts_the_api_cpu(engine, tmp_path):
                      "--processes", "1", "--quiet", "--json", str(out)]) == 0
     stats = json.loads(out.read_text())
     assert stats["output_tokens"] == sum(n for _, n in workload(6, 256, 0))  # every request, whole
-    assert stats["api_cpu_s"] > 0 and stats["api_cpu_us_per_token"] > 0
-    # a step is at least the stand-in's sleep, so no stream can go faster
-    assert stats["itl_ms"]["p50"] >= 1.0
+    assert stats["engine"] == engine and stats["api_cpu_s"] > 0 and stats["api_cpu_us_per_token"] > 0
 
 
 def test_the_stand_in_engine_is_what_the_loops_expect():

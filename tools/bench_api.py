@@ -13,6 +13,7 @@ GPU, here on any machine. The default pace is Mamba2-130M's step at concurrency 
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import multiprocessing
 import os
@@ -30,10 +31,10 @@ class StandInEngine:
     """Just enough of ``Engine`` for ``TextEngine`` and the engine loops: every request gets one
     token a step (a letter, so text streams), ``step_s`` a step, until its ``max_tokens``."""
 
-    def __init__(self, vocab_size: int = 256, step_s: float = 1.75e-3, slots: int = 256):
-        self.vocab_size, self.step_s, self.slots = vocab_size, step_s, slots
+    def __init__(self, step_s: float = 1.75e-3, slots: int = 256):
+        self.step_s, self.slots = step_s, slots
         self.requests: dict[int, list[int]] = {}  # id -> [tokens left, tokens made]
-        self._ids = iter(range(1 << 62))
+        self._ids = itertools.count()
 
     @property
     def scheduler(self):
@@ -133,10 +134,10 @@ def main(argv=None) -> int:
         import uvicorn  # noqa: F401
     except ImportError as e:
         parser.error(f"the server needs its extra: pip install -e \".[serve]\" ({e})")
-    from .bench_serve import load
+    from .bench_serve import default_processes, load
     from .run import print_table, summarize, workload
 
-    processes = args.processes or min(args.concurrency, 8, max(1, (os.cpu_count() or 2) // 2))
+    processes = args.processes or default_processes(args.concurrency)
     ctx = multiprocessing.get_context("spawn")
     conn, child_conn = ctx.Pipe()
     api = ctx.Process(target=_api_process, args=(args.engine, args.step_ms / 1e3, args.http, args.loop, child_conn),
@@ -161,7 +162,10 @@ def main(argv=None) -> int:
         conn.send(True)
         cpu = conn.recv() - cpu0
     finally:
-        conn.send(False)
+        try:
+            conn.send(False)
+        except OSError:  # it has died: its traceback is above
+            pass
         api.join(20)
         if api.is_alive():
             api.kill()

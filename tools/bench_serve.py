@@ -94,6 +94,11 @@ def _client(url, jobs, concurrency, model, ready, finished, results) -> None:
     results.put(asyncio.run(_load(url, take, concurrency, model, done, lambda: ready.wait(_SETUP_TIMEOUT))))
 
 
+def default_processes(concurrency: int) -> int:
+    """Client processes for ``concurrency`` streams: up to 8, half the CPUs."""
+    return min(concurrency, 8, max(1, (os.cpu_count() or 2) // 2))
+
+
 def load(url: str, jobs, concurrency: int, model: str | None = None, progress: bool = True,
          processes: int = 1) -> dict:
     """Run ``jobs`` against ``url`` with ``concurrency`` requests in flight, spread over
@@ -159,7 +164,7 @@ def main(argv=None) -> int:
     for flag, value in (("--requests", args.requests), ("--concurrency", args.concurrency), ("--vocab", args.vocab)):
         if value < 1:
             parser.error(f"{flag}: must be at least 1, got {value}")
-    processes = args.processes or min(args.concurrency, 8, max(1, (os.cpu_count() or 2) // 2))
+    processes = args.processes or default_processes(args.concurrency)
     if not 1 <= processes <= args.concurrency:
         parser.error(f"--processes: expected 1..{args.concurrency} (the concurrency), got {processes}")
     writable_path(parser, "--json", args.json)

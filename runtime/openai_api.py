@@ -13,6 +13,7 @@ the loop's bound a 503.
 from __future__ import annotations
 
 import json
+import os
 import time
 import uuid
 
@@ -216,7 +217,8 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str, default_max_to
         if loop.closed:
             return JSONResponse({"status": "stopped"}, status_code=503)
         return JSONResponse({"status": "ok", "open_requests": loop.open_requests(), "steps": loop.steps,
-                             "engine": loop.kind})
+                             "engine": loop.kind, "api_processes": loop.api_processes,
+                             "pid": os.getpid()})  # which API process answered
 
     return Starlette(routes=[
         Route("/v1/completions", completions, methods=["POST"]),

@@ -7,7 +7,8 @@ bound on the requests in the engine turns away the one past it (``Overloaded``) 
 nothing else. ``close`` aborts what is in flight: every open stream ends, with finish_reason
 "abort". Two placements, one interface: ``EngineLoop`` runs the engine in a thread of this
 process, ``EngineProcess`` in a process of its own (a pipe carries submissions one way and each
-step's outputs the other).
+step's outputs the other), to which further API processes may attach, each an ``EngineClient``
+on a pipe of its own.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import multiprocessing
+import multiprocessing.connection
 import queue
 import threading
 from concurrent.futures import Future
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 from .text import TextEngine, TextOutput, TextStreams
 
-__all__ = ["EngineLoop", "EngineProcess", "Overloaded", "Stream"]
+__all__ = ["EngineClient", "EngineLoop", "EngineProcess", "Overloaded", "Stream"]
 
 
 class Overloaded(RuntimeError):
@@ -75,6 +77,8 @@ class _Streams:
     """What both loops keep on the caller's side: each open request's stream, handed its outputs
     with one wake-up per event loop a step, and ended when the request can get no more."""
 
+    api_processes = 1  # the API processes in front of the engine (each with a loop of its own)
+
     def __init__(self, max_requests: int | None):
         self.max_requests = max_requests
         self._streams: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -88,6 +92,10 @@ class _Streams:
     def closed(self) -> bool:
         """Whether the loop has stopped (closed, or its engine failed): nothing more is served."""
         return self._closed.is_set()
+
+    def wait_closed(self, timeout: float | None = None) -> bool:
+        """Block until the loop has stopped (or ``timeout`` s); whether it has."""
+        return self._closed.wait(timeout)
 
     def _overloaded(self, pending: int = 0) -> Overloaded | None:
         if self.max_requests is not None and len(self._streams) + pending >= self.max_requests:
@@ -196,67 +204,115 @@ class EngineLoop(_Streams):
             self._end(rid)
 
 
-def _child(build, conn) -> None:
-    """The engine process: build the TextEngine and hand its tokenizer over, then serve the
-    parent's messages between steps and send each step's tokens (with the free slots after it)
-    as tuples, which pickle in a seventh of a dataclass's time. Text is the parent's work."""
+def _child(build, conns) -> None:
+    """The engine process: build the TextEngine, then serve its clients (``_EngineServer``)."""
     try:
         text = build()
     except Exception as e:  # a bad checkpoint: the parent reports it
-        conn.send(("failed", str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"))
+        conns[0].send(("failed", str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"))
         return
-    engine = text.engine
-    conn.send(("ready", _free_slots(text), text.tokenizer))
-    while True:
-        if not conn.poll(0 if engine.has_unfinished() else None):
-            outs = [(o.id, o.new_tokens, o.finished, o.finish_reason) for o in engine.step()]
-            conn.send(("step", outs, _free_slots(text)))
-            continue
-        kind, *arg = conn.recv()
+    _EngineServer(text, conns).run()
+
+
+class _EngineServer:
+    """The engine process's side of its connections, one per API process: the engine's tokenizer
+    handed to each at start; between steps their messages (add, abort, close); after each step
+    every connection its own requests' tokens (with the free slots after it) as tuples, which
+    pickle in a seventh of a dataclass's time. Text is the API side's work. The first connection
+    is the owner's: when it closes (or is gone) the process ends; another one leaving has its
+    requests dropped, and the rest go on."""
+
+    def __init__(self, text: TextEngine, conns):
+        self.text, self.engine = text, text.engine
+        self.live = dict(enumerate(conns))
+        self.owner: dict[int, int] = {}  # request id -> the index of the connection that added it
+
+    def run(self) -> None:
+        for i in list(self.live):
+            self._send(i, "ready", _free_slots(self.text), self.text.tokenizer, len(self.live))
+        while 0 in self.live:
+            busy = self.engine.has_unfinished()
+            ready = multiprocessing.connection.wait(list(self.live.values()), 0 if busy else None)
+            if not ready:
+                self._step()
+            for conn in ready:
+                i = next((i for i, c in self.live.items() if c is conn), None)
+                if i is None:  # it left while this round's messages were handled
+                    continue
+                try:
+                    kind, *arg = conn.recv()
+                except (EOFError, OSError):
+                    kind, arg = "close", ()
+                self._handle(i, kind, arg)
+
+    def _step(self) -> None:
+        outs: dict[int, list] = {i: [] for i in self.live}
+        for o in self.engine.step():
+            i = self.owner.pop(o.id, None) if o.finished else self.owner.get(o.id)
+            if i in outs:
+                outs[i].append((o.id, o.new_tokens, o.finished, o.finish_reason))
+        free = _free_slots(self.text)
+        for i in list(self.live):
+            self._send(i, "step", outs[i], free)
+
+    def _handle(self, i: int, kind: str, arg) -> None:
         if kind == "add":
             token, ids, params = arg
             try:
-                reply = ("added", token, engine.add_request(ids, params))
+                rid = self.engine.add_request(ids, params)
             except Exception as e:  # bad input: the caller's error, nothing changed here
-                reply = ("refused", token, e)
-            conn.send(reply)
+                self._send(i, "refused", token, e)
+                return
+            self.owner[rid] = i
+            self._send(i, "added", token, rid)
         elif kind == "abort":
-            _drop(text, arg[0])
-            conn.send(("ended", arg[0], _free_slots(text)))
+            _drop(self.text, arg[0])
+            self.owner.pop(arg[0], None)
+            self._send(i, "ended", arg[0], _free_slots(self.text))
         elif kind == "close":
+            self._leave(i)
+
+    def _send(self, i: int, *msg) -> None:
+        if i in self.live:
+            try:
+                self.live[i].send(msg)
+            except OSError:  # that API process is gone
+                self._leave(i)
+
+    def _leave(self, i: int) -> None:
+        """Connection i is done: closed (so its reader ends), its requests dropped."""
+        if i not in self.live:
             return
+        self.live.pop(i).close()
+        for rid in [r for r, j in self.owner.items() if j == i]:
+            _drop(self.text, rid)
+            del self.owner[rid]
 
 
-class EngineProcess(_Streams):
-    """The engine in a process of its own, stepping on token ids only: this process encodes
-    prompts, turns each step's tokens into text (``TextStreams``, with the child's tokenizer)
-    and streams, so the engine never waits for this side's GIL nor does its text work.
-    ``build``: a picklable callable that returns the TextEngine (it runs in the child; e.g.
-    ``functools.partial(TextEngine.load, ...)``)."""
+class EngineClient(_Streams):
+    """An API process's side of the engine process, over one connection to it: this process
+    encodes prompts, turns each step's tokens into text (``TextStreams``, with the engine's
+    tokenizer, handed over at start) and streams, so the engine never waits for this side's GIL
+    nor does its text work. ``EngineProcess`` starts the engine and is the first client; the
+    connections it ``attach``es serve further API processes (``mambastep serve --api-processes``)."""
 
     kind = "process"
 
-    def __init__(self, build, max_requests: int | None = None, start_timeout: float = 600.0):
+    def __init__(self, conn, max_requests: int | None = None, start_timeout: float = 600.0):
         super().__init__(max_requests)
-        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: CUDA starts in the child
-        self._conn, child = ctx.Pipe()
-        self._process = ctx.Process(target=_child, args=(build, child), name="mambastep-engine", daemon=True)
-        self._process.start()
-        child.close()
-        if not self._conn.poll(start_timeout):
-            self._process.kill()
+        self._conn = conn
+        if not conn.poll(start_timeout):
             raise RuntimeError(f"the engine process did not start within {start_timeout:.0f} s")
         try:
-            kind, *arg = self._conn.recv()
+            kind, *arg = conn.recv()
         except EOFError:
-            raise RuntimeError(f"the engine process exited ({self._process.exitcode}) before it was ready") from None
+            raise RuntimeError("the engine process exited before it was ready") from None
         if kind == "failed":
-            self._process.join()
             raise ValueError(arg[0])
-        self._free, tokenizer = arg
+        self._free, tokenizer, self.api_processes = arg
         self._texts = TextStreams(tokenizer)  # touched by the reader thread only
         self._send_lock = threading.Lock()
-        # submissions the child has not answered: (future, its event loop, prompt ids, stop strings)
+        # submissions the engine has not answered: (future, its event loop, prompt ids, stop strings)
         self._pending: dict[int, tuple[Future, asyncio.AbstractEventLoop, list[int], tuple]] = {}
         self._tokens = itertools.count()
         self._reader = threading.Thread(target=self._read, name="mambastep-engine-reader", daemon=True)
@@ -294,15 +350,14 @@ class EngineProcess(_Streams):
         return self._free
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop the engine process; every open stream ends with finish_reason "abort"."""
+        """Leave the engine process, its requests from here aborted; every open stream ends with
+        finish_reason "abort"."""
         try:
             self._send("close")
         except OSError:
             pass
-        self._process.join(timeout)
-        if self._process.is_alive():
-            self._process.kill()
-        self._reader.join(timeout)
+        self._reader.join(timeout)  # it ends as the engine process closes its end
+        self._conn.close()
 
     def _text(self, outs) -> list[TextOutput]:
         """A step's tokens as text; a request a stop string ended is aborted in the child."""
@@ -344,3 +399,40 @@ class EngineProcess(_Streams):
             for done, *_ in self._pending.values():
                 done.set_exception(RuntimeError("the engine loop is closed"))
             self._pending.clear()
+
+
+class EngineProcess(EngineClient):
+    """The engine in a process of its own, stepping on token ids only, and this process its first
+    client. ``build``: a picklable callable that returns the TextEngine (it runs in the child;
+    e.g. ``functools.partial(TextEngine.load, ...)``). ``attach``: connections made for that many
+    more API processes, in ``self.attached``, each for an ``EngineClient`` there."""
+
+    def __init__(self, build, max_requests: int | None = None, start_timeout: float = 600.0, attach: int = 0):
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: CUDA starts in the child
+        pipes = [ctx.Pipe() for _ in range(1 + attach)]
+        self._process = ctx.Process(target=_child, args=(build, [child for _, child in pipes]),
+                                    name="mambastep-engine", daemon=True)
+        self._process.start()
+        for _, child in pipes:
+            child.close()
+        self.attached = [conn for conn, _ in pipes[1:]]
+        try:
+            super().__init__(pipes[0][0], max_requests, start_timeout)
+        except RuntimeError:  # it did not start in time, or exited before it was ready
+            self._process.kill()
+            raise
+        except ValueError:  # it could not build the engine, and said why
+            self._process.join()
+            raise
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the engine process (attached API processes lose it too); every open stream here
+        ends with finish_reason "abort"."""
+        try:
+            self._send("close")
+        except OSError:
+            pass
+        self._process.join(timeout)
+        if self._process.is_alive():
+            self._process.kill()
+        self._reader.join(timeout)

@@ -55,7 +55,8 @@ def _serve_rows(results: list[dict]) -> list[str]:
             continue
         a, b = r["itl_ms"]["mean"], h["itl_ms"]["mean"]
         x, y = r["output_tokens_per_s"], h["output_tokens_per_s"]
-        where = f" (engine {h['engine']})" if h.get("engine") else ""
+        api = f", {h['api_processes']} API processes" if h.get("api_processes", 1) > 1 else ""
+        where = f" (engine {h['engine']}{api})" if h.get("engine") else ""
         lines.append(f"| {h['model']}{where} | {h['concurrency']} | {h['requests']} | {a:.3f} / {b:.3f} / {b - a:+.3f} | "
                      f"{r['ttft_ms']['p50']:.2f} / {h['ttft_ms']['p50']:.2f} | {x:.0f} / {y:.0f} / {100 * y / x:.0f}% |")
     return lines
@@ -117,7 +118,7 @@ def render(steps=(), kernels: str | None = None, runs=(), serve=(), tune=()) -> 
                 "in-process on it, measured one after the other (`.ci/gpu-serve`). The engine runs in a process of "
                 "its own (`mambastep serve`'s default) or in a thread of the server (`--engine thread`), as marked. "
                 "Each run of the script is a group of rows, in the order of its result files "
-                f"({', '.join(f'`{Path(p).name}`' for p in serve)} in docs/results):",
+                f"({', '.join(f'`{Path(p).name}`' for p in serve)}):",
                 "", serve_table(serve), ""]
     if tune:
         out += ["## Bucket tuning", "", "```",

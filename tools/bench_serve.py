@@ -188,6 +188,7 @@ def main(argv=None) -> int:
             json.dump({"url": args.url, "model": args.model or served, "date": datetime.date.today().isoformat(),
                        "requests": args.requests, "concurrency": args.concurrency, "vocab": args.vocab,
                        "seed": args.seed, "processes": processes, "engine": health.get("engine"),
+                       "api_processes": health.get("api_processes", 1),
                        "server_steps_per_s": (after - before) / timings["wall"] if before is not None else None,
                        **stats}, f, indent=1)
     return 0

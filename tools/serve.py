@@ -5,7 +5,8 @@
 
 Endpoints: /v1/completions and /v1/chat/completions (with "stream": true as server-sent events
 and usage counts), /v1/models, /health. One loop owns the engine and steps while requests
-arrive, in a process of its own (or with --engine thread, a thread of the server); a client that
+arrive, in a process of its own (or with --engine thread, a thread of the server), behind one
+HTTP server process or --api-processes N of them on the same port; a client that
 disconnects frees its slot; a bad request gets a 400 and touches nothing else; past
 --max-requests a request gets a 503. A preset (random weights, no tokenizer) serves
 text as bytes and token-id prompts, for load tests. Needs `pip install -e ".[serve]"`.
@@ -14,7 +15,11 @@ text as bytes and token-id prompts, for load tests. Needs `pip install -e ".[ser
 from __future__ import annotations
 
 import functools
+import multiprocessing
+import signal
+import socket
 import sys
+import threading
 
 import torch
 
@@ -42,6 +47,10 @@ def main(argv=None) -> int:
     parser.add_argument("--engine", choices=("process", "thread"), default="process",
                         help="where the engine steps: a process of its own, fed over a pipe, so that it never "
                              "waits for the server's GIL (default), or a thread of the server")
+    parser.add_argument("--api-processes", type=int, default=1,
+                        help="HTTP server processes in front of the engine process, on one port, each with its "
+                             "own pipe to it, for more streams a second than one Python process can write "
+                             "(Linux; --max-requests bounds each; default 1)")
     args = parser.parse_args(argv)
     try:
         import uvicorn
@@ -53,9 +62,14 @@ def main(argv=None) -> int:
     device = device_arg(parser, args.device)
     if not 0 <= args.port < 65536:
         parser.error(f"--port: expected 0..65535, got {args.port}")
-    for flag, value in (("--max-requests", args.max_requests), ("--max-tokens", args.max_tokens)):
+    for flag, value in (("--max-requests", args.max_requests), ("--max-tokens", args.max_tokens),
+                        ("--api-processes", args.api_processes)):
         if value is not None and value < 1:
             parser.error(f"{flag}: must be at least 1, got {value}")
+    if args.api_processes > 1 and args.engine != "process":
+        parser.error("--api-processes: more than one needs the engine in its own process (--engine process)")
+    if args.api_processes > 1 and not hasattr(socket, "SO_REUSEPORT"):
+        parser.error("--api-processes: more than one needs SO_REUSEPORT (Linux)")
     gpu = device.startswith("cuda")
     common = dict(dtype=torch.bfloat16 if gpu else torch.float32, device=device, max_context=args.max_context,
                   buckets=bucket_file(parser, "--buckets", args.buckets), use_graphs=gpu and not args.eager,
@@ -63,7 +77,7 @@ def main(argv=None) -> int:
     if args.engine == "process":
         try:
             loop = EngineProcess(functools.partial(TextEngine.load, args.model, args.preset, **common),
-                                 max_requests=args.max_requests)
+                                 max_requests=args.max_requests, attach=args.api_processes - 1)
         except ValueError as e:
             parser.error(str(e))
     else:
@@ -73,12 +87,65 @@ def main(argv=None) -> int:
         # decode steps.
         sys.setswitchinterval(2e-4)
     name = args.name or args.model or args.preset
+    workers = []
     try:
-        uvicorn.run(create_app(loop, name, default_max_tokens=args.max_tokens), host=args.host, port=args.port,
-                    log_level="warning")
+        sock = _listen(args.host, args.port, shared=args.api_processes > 1)
+        ctx = multiprocessing.get_context("spawn")
+        for conn in getattr(loop, "attached", []):  # they bind the port this process got
+            workers.append(ctx.Process(target=_api_process, name="mambastep-api", args=(
+                conn, args.host, sock.getsockname()[1], name, args.max_tokens, args.max_requests)))
+            workers[-1].start()
+        _serve(uvicorn, create_app(loop, name, default_max_tokens=args.max_tokens), sock, loop)
+    except OSError as e:
+        parser.error(f"--host {args.host} --port {args.port}: {e.strerror or e}")
     finally:
+        for w in workers:
+            w.terminate()  # uvicorn's SIGTERM: it stops serving; its client leaves the engine
+        for w in workers:
+            w.join(10)
         loop.close()
     return 0
+
+
+def _listen(host: str, port: int, shared: bool) -> socket.socket:
+    """The listening socket; ``shared``: others may bind the same port (SO_REUSEPORT), the kernel
+    spreading connections over them."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if shared:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def _serve(uvicorn, app, sock: socket.socket, engine_loop) -> None:
+    """Serve ``app`` on ``sock`` until a signal, or until ``engine_loop`` stops (the engine process
+    gone: an API process then has nothing to serve). uvicorn re-raises the signal it stopped on;
+    for SIGTERM that would end the process before its ``finally``, so it exits instead."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+
+    def stop_with_the_engine():
+        engine_loop.wait_closed()
+        server.should_exit = True
+
+    threading.Thread(target=stop_with_the_engine, daemon=True).start()
+    server.run(sockets=[sock])
+
+
+def _api_process(conn, host: str, port: int, name: str, default_max_tokens: int, max_requests) -> None:
+    """One more HTTP server process: the same app over its own connection to the engine process."""
+    import uvicorn
+
+    from ..runtime.openai_api import create_app
+    from ..runtime.serving import EngineClient
+
+    client = EngineClient(conn, max_requests=max_requests)
+    try:
+        _serve(uvicorn, create_app(client, name, default_max_tokens=default_max_tokens), _listen(host, port, shared=True),
+               client)
+    finally:
+        client.close()
 
 
 if __name__ == "__main__":

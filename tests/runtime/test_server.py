@@ -306,3 +306,50 @@ def test_a_mid_stream_chunk_is_the_general_chunk(chat):
         assert chunks.text(text) == chunks(text)
         body = json.loads(chunks.text(text)[len(b"data: "):])
         assert (body["choices"][0]["delta"]["content"] if chat else body["choices"][0]["text"]) == text
+
+
+def test_an_attached_client_shares_the_engine_and_leaves_alone(checkpoint):
+    """Two API processes' clients of one engine process (here in one process): each gets its own
+    requests' whole text; one that leaves mid-request has its requests dropped and their slots
+    freed, and the other goes on."""
+    from mambastep.runtime.serving import EngineClient
+
+    build = functools.partial(TextEngine.load, str(checkpoint), dtype=torch.float32, device="cpu", num_slots=SLOTS,
+                              max_context=8192)
+    owner = EngineProcess(build, attach=1)
+    other = EngineClient(owner.attached[0])
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+    async def text(stream):
+        pieces = []
+        while not (out := await stream.next()).finished:
+            pieces.append(out.text)
+        return "".join(pieces) + out.text, out.finish_reason
+
+    async def main():
+        mine = [await owner.submit(f"the cat {i}", greedy) for i in range(2)]
+        theirs = [await other.submit(f"the cat {i + 2}", greedy) for i in range(2)]
+        return await asyncio.gather(*(text(s) for s in mine + theirs))
+
+    try:
+        got = asyncio.run(main())
+        assert got == [(alone(checkpoint, f"the cat {i}", 10), "length") for i in range(4)]
+
+        async def leave():
+            long = SamplingParams(temperature=0, max_tokens=8000, ignore_eos=True)
+            stream = await other.submit("the cat", long)
+            await stream.next()
+            other.close()  # leaves mid-request: it ends here with "abort", and frees its slot there
+            while not (out := await stream.next()).finished:
+                pass
+            return out.finish_reason, await text(await owner.submit("the cat 0", greedy))
+
+        assert asyncio.run(leave()) == ("abort", (alone(checkpoint, "the cat 0", 10), "length"))
+        assert other.closed and not owner.closed
+        end = time.time() + 20
+        while owner.free_slots() != SLOTS and time.time() < end:
+            time.sleep(0.02)
+        assert owner.free_slots() == SLOTS
+    finally:
+        owner.close()
+    assert owner.closed

@@ -74,11 +74,13 @@ def test_the_http_table_sets_each_server_run_beside_its_in_process_run(tmp_path)
     (tmp_path / "serve.json").write_text(json.dumps({"a": pipelined, "b": run, "c1": served, "c64": other,
                                                      "n64": longer}))
     # a second run of the same workload, in a file of its own: paired with its own in-process run
-    again = {"in-process": {**run, "output_tokens_per_s": 5000.0}, "http": served}
+    again = {"in-process": {**run, "output_tokens_per_s": 5000.0}, "http": served,
+             "http4": {**served, "engine": "process", "api_processes": 4}}
     (tmp_path / "again.json").write_text(json.dumps(again))
     page = bench_markdown.render(serve=[tmp_path / "serve.json", tmp_path / "again.json"])
     assert "| mamba2-130m | 1 | 16 | 0.250 / 0.400 / +0.150 | 1.50 / 2.50 | 4000 / 3800 / 95% |" in page
     assert "| mamba2-130m | 1 | 16 | 0.250 / 0.400 / +0.150 | 1.50 / 2.50 | 5000 / 3800 / 76% |" in page
+    assert "| mamba2-130m (engine process, 4 API processes) | 1 | 16 |" in page
     assert "| mamba2-130m | 64 |" not in page and "| 64 | 0.250" not in page
 
 

@@ -20,7 +20,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("engine", [["--engine", "thread"], []], ids=["engine-thread", "engine-process"])
+@pytest.mark.parametrize("engine", [["--engine", "thread"], [], ["--api-processes", "2"]],
+                         ids=["engine-thread", "engine-process", "two-api-processes"])
 def test_serve_a_preset_over_http(engine):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "mambastep.tools.cli", "serve", "--preset", "tiny-hybrid",
@@ -42,14 +43,29 @@ def test_serve_a_preset_over_http(engine):
         r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "héllo"}],
                                                            "max_tokens": 2}, timeout=30)
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
+        if "--api-processes" in engine:
+            # each request a connection of its own: the kernel spreads them over both processes,
+            # and each answers from the one engine the same tokens
+            body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+            pids, texts = set(), set()
+            for _ in range(24):
+                with httpx.Client(base_url=url, timeout=30) as http:
+                    health = http.get("/health").json()
+                    assert health["api_processes"] == 2
+                    pids.add(health["pid"])
+                with httpx.Client(base_url=url, timeout=30) as http:
+                    texts.add(http.post("/v1/completions", json=body).json()["choices"][0]["text"])
+            assert len(pids) == 2 and len(texts) == 1
     finally:
         proc.terminate()
-        proc.wait(20)
+        assert proc.wait(20) == 0 or proc.returncode == -15
 
 
 @pytest.mark.parametrize("argv, match", [
     (["--preset", "tiny-hybrid", "--port", "70000"], "--port"),
     (["--preset", "tiny-hybrid", "--max-requests", "0"], "--max-requests"),
+    (["--preset", "tiny-hybrid", "--api-processes", "0"], "--api-processes: must be at least 1"),
+    (["--preset", "tiny-hybrid", "--engine", "thread", "--api-processes", "2"], "--engine process"),
     (["--model", "/nonexistent"], "config.json: not found"),
     (["--model", "/nonexistent", "--engine", "thread"], "config.json: not found"),
     ([], "one of the arguments --model --preset is required"),

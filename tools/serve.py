@@ -70,6 +70,10 @@ def main(argv=None) -> int:
         parser.error("--api-processes: more than one needs the engine in its own process (--engine process)")
     if args.api_processes > 1 and not hasattr(socket, "SO_REUSEPORT"):
         parser.error("--api-processes: more than one needs SO_REUSEPORT (Linux)")
+    try:  # first: a port in use fails now, not after the engine's minutes of warm-up and capture
+        sock = _listen(args.host, args.port, shared=args.api_processes > 1)
+    except OSError as e:
+        parser.error(f"--host {args.host} --port {args.port}: {e.strerror or e}")
     gpu = device.startswith("cuda")
     common = dict(dtype=torch.bfloat16 if gpu else torch.float32, device=device, max_context=args.max_context,
                   buckets=bucket_file(parser, "--buckets", args.buckets), use_graphs=gpu and not args.eager,
@@ -89,15 +93,12 @@ def main(argv=None) -> int:
     name = args.name or args.model or args.preset
     workers = []
     try:
-        sock = _listen(args.host, args.port, shared=args.api_processes > 1)
         ctx = multiprocessing.get_context("spawn")
         for conn in getattr(loop, "attached", []):  # they bind the port this process got
             workers.append(ctx.Process(target=_api_process, name="mambastep-api", args=(
                 conn, args.host, sock.getsockname()[1], name, args.max_tokens, args.max_requests)))
             workers[-1].start()
         _serve(uvicorn, create_app(loop, name, default_max_tokens=args.max_tokens), sock, loop)
-    except OSError as e:
-        parser.error(f"--host {args.host} --port {args.port}: {e.strerror or e}")
     finally:
         for w in workers:
             w.terminate()  # uvicorn's SIGTERM: it stops serving; its client leaves the engine

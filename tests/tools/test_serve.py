@@ -61,6 +61,17 @@ def test_serve_a_preset_over_http(engine):
         assert proc.wait(20) == 0 or proc.returncode == -15
 
 
+def test_a_port_in_use_is_named_before_the_engine_is_built(capsys):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["serve", "--device", "cpu", "--model", "/nonexistent", "--port", str(port)])
+    # the checkpoint is not even read: the port is the first thing taken
+    assert exit_.value.code == 2 and f"--port {port}" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, match", [
     (["--preset", "tiny-hybrid", "--port", "70000"], "--port"),
     (["--preset", "tiny-hybrid", "--max-requests", "0"], "--max-requests"),

@@ -40,16 +40,48 @@ __all__ = ["block_m", "moe_experts", "moe_experts_ref", "moe_route", "moe_route_
 
 
 @triton.jit
+def _logits_kernel(x_ptr, gate_ptr, part_ptr, T, E, D, CHUNK, stride_x,
+                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
+    """A few tokens' router logits, split over experts and over D: part[s, t, e] = the sum over
+    chunk s of D of x[t, d] * gate[e, d], in fp32 multiply-adds (x rounded up from its dtype, as
+    HF's ``hidden.float()``). The top-k kernel adds the chunks in order, so no atomics."""
+    es = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    s = tl.program_id(1)
+    ts = tl.arange(0, BLOCK_T)
+    e_ok, t_ok = es < E, ts < T
+    if USE_PDL:  # x is the previous kernel's output
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    acc = tl.zeros((BLOCK_T, BLOCK_E, BLOCK_D), tl.float32)
+    for d0 in range(s * CHUNK, tl.minimum(s * CHUNK + CHUNK, D), BLOCK_D):
+        ds = d0 + tl.arange(0, BLOCK_D)
+        d_ok = ds < D
+        g = tl.load(gate_ptr + es[:, None] * D + ds[None, :], mask=e_ok[:, None] & d_ok[None, :], other=0.0)
+        x = tl.load(x_ptr + ts[:, None] * stride_x + ds[None, :], mask=t_ok[:, None] & d_ok[None, :],
+                    other=0.0).to(tl.float32)
+        acc += x[:, None, :] * g[None, :, :]
+    tl.store(part_ptr + s * T * E + ts[:, None] * E + es[None, :], tl.sum(acc, axis=2),
+             mask=t_ok[:, None] & e_ok[None, :])
+
+
+@triton.jit
 def _topk_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, T, E, scale,
                  TOP_K: tl.constexpr, N_GROUP: tl.constexpr, PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                 NORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr):
+                 NORM: tl.constexpr, SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                 BLOCK_G: tl.constexpr, USE_PDL: tl.constexpr):
+    """A block of tokens' top-k from their logits, given as SPLIT partial sums [SPLIT, T, E]."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     row_ok, col_ok = rows < T, cols < E
-    logits = tl.load(logits_ptr + rows[:, None] * E + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
-                     other=0.0)
-    scores = tl.sigmoid(logits)
     bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0)
+    if USE_PDL:  # the logits are the previous kernel's
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    logits = tl.zeros((BLOCK_T, BLOCK_E), tl.float32)
+    for s in tl.static_range(SPLIT):
+        logits += tl.load(logits_ptr + s * T * E + rows[:, None] * E + cols[None, :],
+                          mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+    scores = tl.sigmoid(logits)
     choice = tl.where(col_ok[None, :], scores + bias[None, :], float("-inf"))
     if N_GROUP > 1:
         # a group's score is the sum of its two best choices; keep the TOPK_GROUP best groups
@@ -88,7 +120,7 @@ def _topk_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, T, E, scale,
 
 
 def moe_route_ref(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 1, norm_topk: bool = True,
-                  scale: float = 1.0):
+                  scale: float = 1.0, pdl: bool = False):
     scores = F.linear(x.float(), gate.float()).sigmoid()
     choice = scores + bias
     T, E = scores.shape
@@ -106,33 +138,49 @@ def moe_route_ref(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: in
     return idx.to(torch.int32), w * scale
 
 
+# tokens up to which the router logits are a Triton kernel's (split over experts and D: a decode
+# step's few rows), beyond which cuBLAS's fp32 GEMM, as HF
+ROUTER_KERNEL_MAX_T = 16
+
+
 @with_reference(moe_route_ref)
 def moe_route(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 1, norm_topk: bool = True,
-              scale: float = 1.0):
+              scale: float = 1.0, pdl: bool = False):
     """A token's experts and weights, as HF's NemotronH router.
 
     x [T, D] (any float dtype), gate [E, D] fp32, bias [E] fp32 (the score-correction bias, which
     steers the choice but not the weights) -> (idx [T, top_k] int32 in ascending order, weights
     [T, top_k] fp32). ``n_group``/``topk_group``: the choice is limited to the ``topk_group``
-    groups (of E / n_group experts) with the best two-expert sums.
+    groups (of E / n_group experts) with the best two-expert sums. ``pdl``: its kernels launch as
+    programmatic dependents of the previous kernel (``kernels.decode_linear``).
     """
     T, D = x.shape
     E = gate.shape[0]
-    if gate.shape != (E, D) or bias.shape != (E,) or x.stride(1) != 1:
-        raise ValueError(f"moe_route: x [T, D] with contiguous rows, gate [E, D] and bias [E]; got "
+    if gate.shape != (E, D) or bias.shape != (E,) or x.stride(1) != 1 or not gate.is_contiguous():
+        raise ValueError(f"moe_route: x [T, D] with contiguous rows, contiguous gate [E, D] and bias [E]; got "
                          f"{list(x.shape)}, {list(gate.shape)}, {list(bias.shape)}")
     if E % n_group or not 1 <= topk_group <= n_group or top_k > topk_group * (E // n_group):
         raise ValueError(f"moe_route: {top_k} of {E} experts in {topk_group} of {n_group} groups do not fit")
-    # the logits as HF computes them (cuBLAS in fp32): a Triton fp32 product with IEEE accuracy
-    # took 60 us a layer at one row, ten times this
-    logits = F.linear(x.float(), gate)
+    extra = {"launch_pdl": True} if pdl else {}
+    if T <= ROUTER_KERNEL_MAX_T:
+        # the logits of a few rows: the cast and cuBLAS's fp32 product and its reduction took
+        # three launches (7 us a layer at one row); here one, split over D, its chunks added in order
+        block_t = triton.next_power_of_2(T)
+        block_d = max(32, 512 // block_t)
+        chunk = block_d * triton.cdiv(D, 4 * block_d)
+        split = triton.cdiv(D, chunk)
+        logits = torch.empty(split, T, E, dtype=torch.float32, device=x.device)
+        _logits_kernel[(triton.cdiv(E, 4), split)](x, gate, logits, T, E, D, chunk, x.stride(0), BLOCK_T=block_t,
+                                                  BLOCK_E=4, BLOCK_D=block_d, USE_PDL=pdl, num_warps=4, **extra)
+    else:  # as HF computes them (cuBLAS in fp32)
+        logits, split = F.linear(x.float(), gate), 1
     idx = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
     w = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
     block_t = min(16, triton.next_power_of_2(T))
     _topk_kernel[(triton.cdiv(T, block_t),)](
         logits, bias, idx, w, T, E, float(scale), TOP_K=top_k, N_GROUP=n_group, PER_GROUP=E // n_group,
-        TOPK_GROUP=topk_group, NORM=norm_topk, BLOCK_T=block_t, BLOCK_E=max(16, triton.next_power_of_2(E)),
-        BLOCK_G=max(2, triton.next_power_of_2(n_group)), num_warps=1 if block_t < 4 else 4)
+        TOPK_GROUP=topk_group, NORM=norm_topk, SPLIT=split, BLOCK_T=block_t, BLOCK_E=max(16, triton.next_power_of_2(E)),
+        BLOCK_G=max(2, triton.next_power_of_2(n_group)), USE_PDL=pdl, num_warps=1 if block_t < 4 else 4, **extra)
     return idx, w
 
 
@@ -174,9 +222,13 @@ def _slots(hit, base):
 
 @triton.jit
 def _align_kernel(idx_ptr, slot_of_pair_ptr, token_of_slot_ptr, starts_ptr, counts_ptr, P, E,
-                  TOP_K: tl.constexpr, BM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+                  TOP_K: tl.constexpr, BM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
+                  USE_PDL: tl.constexpr):
     """One program: pairs per expert, each expert's run padded to BM, and every pair's slot
     (pairs in order within an expert, so the layout is a function of the routing alone)."""
+    if USE_PDL:  # the routing is the previous kernel's
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     cols = tl.arange(0, BLOCK_E)
     counts = tl.zeros((BLOCK_E,), tl.int32)
     for p0 in range(0, P, BLOCK_P):
@@ -247,10 +299,11 @@ def _assign_kernel(idx_ptr, prefix_ptr, starts_ptr, slot_of_pair_ptr, token_of_s
 ALIGN_ONE_PROGRAM = 1024
 
 
-def _align(idx, E: int, bm: int, S: int):
+def _align(idx, E: int, bm: int, S: int, pdl: bool = False):
     """(slot_of_pair [P], token_of_slot [S], starts [E], counts [E]) on the device: one program
     for a decode step's few pairs, three parallel passes (count, offsets, assign) for a prefill
-    chunk's many. Both make the same layout."""
+    chunk's many. Both make the same layout. ``pdl``: the one program launches as a programmatic
+    dependent."""
     P, k, dev = idx.numel(), idx.shape[1], idx.device
     slot_of_pair = torch.empty(P, dtype=torch.int32, device=dev)
     token_of_slot = torch.empty(S, dtype=torch.int32, device=dev)
@@ -260,7 +313,8 @@ def _align(idx, E: int, bm: int, S: int):
     block_p = max(16, min(256, 8192 // block_e))
     if P <= ALIGN_ONE_PROGRAM:
         _align_kernel[(1,)](idx, slot_of_pair, token_of_slot, starts, counts, P, E, TOP_K=k, BM=bm,
-                            BLOCK_P=block_p, BLOCK_E=block_e, num_warps=8)
+                            BLOCK_P=block_p, BLOCK_E=block_e, USE_PDL=pdl, num_warps=8,
+                            **({"launch_pdl": True} if pdl else {}))
         return slot_of_pair, token_of_slot, starts, counts
     nb = triton.cdiv(P, block_p)
     block_counts = torch.empty(nb, E, dtype=torch.int32, device=dev)
@@ -277,9 +331,14 @@ def _align(idx, E: int, bm: int, S: int):
 def _grouped_kernel(a_ptr, token_ptr, w_ptr, out_ptr, starts_ptr, counts_ptr, N, K, E,
                     stride_a, stride_we, stride_wn, stride_out,
                     GATHER: tl.constexpr, RELU2: tl.constexpr, PRECISION: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_E: tl.constexpr):
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_E: tl.constexpr,
+                    USE_PDL: tl.constexpr):
     """out[slot] = a[row] @ w[expert].T for a tile of BM slots (row: the slot's token when
-    GATHER, else the slot itself); relu2 after, when RELU2."""
+    GATHER, else the slot itself); relu2 after, when RELU2. With USE_PDL it waits for the
+    previous kernel first and signals its dependents after its K loop (several waves at prefill
+    sizes: they take SM slots as the last one drains)."""
+    if USE_PDL:  # the layout and a are the kernels' before
+        tl.extra.cuda.gdc_wait()
     slot0 = tl.program_id(0) * BM
     cols = tl.arange(0, BLOCK_E)
     starts = tl.load(starts_ptr + cols, mask=cols < E, other=0)
@@ -303,6 +362,8 @@ def _grouped_kernel(a_ptr, token_ptr, w_ptr, out_ptr, starts_ptr, counts_ptr, N,
             a = tl.load(a_rows + ks[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
         y = acc.to(out_ptr.dtype.element_ty)
         if RELU2:
             y = tl.maximum(y.to(tl.float32), 0.0)
@@ -312,8 +373,12 @@ def _grouped_kernel(a_ptr, token_ptr, w_ptr, out_ptr, starts_ptr, counts_ptr, N,
 
 @triton.jit
 def _combine_kernel(y_ptr, slot_ptr, w_ptr, shared_ptr, out_ptr, D, stride_y, stride_shared, stride_out,
-                    TOP_K: tl.constexpr, SHARED: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_D: tl.constexpr):
+                    TOP_K: tl.constexpr, SHARED: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_D: tl.constexpr,
+                    USE_PDL: tl.constexpr):
     """out[t] (+)= round(sum_j w[t, j] * y[slot[t, j]]) (+ shared[t]), rounding as HF's ops."""
+    if USE_PDL:  # y is the previous kernel's
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = ds < D
@@ -339,7 +404,7 @@ def _finish_ref(r, shared, residual, out):
     return r if out is None else out.copy_(r)
 
 
-def moe_experts_ref(x, idx, w, up, down, *, shared=None, residual=None, out=None):
+def moe_experts_ref(x, idx, w, up, down, *, shared=None, residual=None, out=None, shared_ready=None, pdl=False):
     """The dense math: every expert over every token, weighted by its routing weight (zero where
     the token did not choose it), summed in fp32 in expert order."""
     T, E = x.shape[0], up.shape[0]
@@ -352,7 +417,7 @@ def moe_experts_ref(x, idx, w, up, down, *, shared=None, residual=None, out=None
 
 
 @with_reference(moe_experts_ref)
-def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None):
+def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, shared_ready=None, pdl=False):
     """sum_j w[t, j] * down_e(relu2(up_e(x[t]))) over each token's experts e = idx[t, j], over the
     routed pairs only.
 
@@ -360,6 +425,11 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None):
     up [E, I, K], down [E, D, I]. The routed sum is rounded to x's dtype; then ``shared`` [T, D]
     (the shared expert's output) is added, and the result is written to ``out`` [T, D], or added
     into ``residual`` [T, D] in place. Returns what it wrote.
+
+    shared_ready: a CUDA event recorded once ``shared`` is written on another stream (the shared
+    expert computed beside the routed ones); the combine waits for it, nothing before it does.
+    pdl: the kernels launch as programmatic dependents of the previous one (``kernels.decode_linear``),
+    all but a combine that waits for ``shared_ready``.
     """
     T, K = x.shape
     E, I, _ = up.shape
@@ -379,7 +449,8 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None):
     bm = block_m(T, k, E)
     S = slot_count(T, k, E, bm)
     dev = x.device
-    slot_of_pair, token_of_slot, starts, counts = _align(idx, E, bm, S)
+    slot_of_pair, token_of_slot, starts, counts = _align(idx, E, bm, S, pdl)
+    extra = {"launch_pdl": True} if pdl else {}
     block_e = max(16, triton.next_power_of_2(E))
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     h = torch.empty(S, I, dtype=x.dtype, device=dev)
@@ -392,12 +463,16 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None):
             a, token_of_slot if rows is not None else a, weight, result, starts, counts, n, kk, E,
             a.stride(0), weight.stride(0), weight.stride(1), result.stride(0),
             GATHER=rows is not None, RELU2=relu, PRECISION=precision, BM=bm, BN=bn, BK=bk, BLOCK_E=block_e,
-            num_warps=warps, num_stages=stages)
+            USE_PDL=pdl, num_warps=warps, num_stages=stages, **extra)
+    if shared_ready is not None:
+        torch.cuda.current_stream(dev).wait_event(shared_ready)
+        pdl, extra = False, {}  # its launch waits for another stream: a full dependency
     block_d = min(1024, triton.next_power_of_2(D))
     _combine_kernel[(T, triton.cdiv(D, block_d))](
         y, slot_of_pair, w, shared if shared is not None else y, target, D, y.stride(0),
         shared.stride(0) if shared is not None else 0, target.stride(0),
-        TOP_K=k, SHARED=shared is not None, ACCUMULATE=residual is not None, BLOCK_D=block_d, num_warps=4)
+        TOP_K=k, SHARED=shared is not None, ACCUMULATE=residual is not None, BLOCK_D=block_d, USE_PDL=pdl,
+        num_warps=4, **extra)
     return target
 
 

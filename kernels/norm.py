@@ -24,10 +24,14 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     ROUND_FIRST: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
+    if USE_PDL:  # x (and the residual) come from the kernels before
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         # residual <- residual + x, kept in the residual's dtype (fp32 when residual_in_fp32)
@@ -80,7 +84,7 @@ def _num_warps(block: int) -> int:
     return max(1, min(16, block // 256))
 
 
-def rms_norm_ref(x, weight, eps, *, residual=None, out=None, round_first=True):
+def rms_norm_ref(x, weight, eps, *, residual=None, out=None, round_first=True, pdl=False):
     if residual is not None:
         residual.copy_((residual.float() + x.float()).to(residual.dtype))
         x = residual
@@ -94,13 +98,15 @@ def rms_norm_ref(x, weight, eps, *, residual=None, out=None, round_first=True):
 
 
 @with_reference(rms_norm_ref)
-def rms_norm(x, weight, eps, *, residual=None, out=None, round_first=True):
+def rms_norm(x, weight, eps, *, residual=None, out=None, round_first=True, pdl=False):
     """RMSNorm of each row, optionally after adding ``x`` into ``residual`` in place.
 
     x: [T, D] any float dtype; weight: [D]; residual: [T, D] or None (fp32 or x's dtype), updated
     to ``residual + x``, and then it is ``residual`` that is normalised; out: [T, D].
     Returns out = weight * rmsnorm(row), computed in fp32; round_first rounds the normalised row
     to out's dtype before the weight (HF's Mamba2) rather than only the product (NemotronH).
+    pdl: launch as a programmatic dependent of the previous kernel (CUDA, sm_90+), as in
+    ``kernels.decode_linear``; it signals its own dependents right after its wait.
     """
     T, D = x.shape
     out = torch.empty_like(x) if out is None else out
@@ -113,8 +119,8 @@ def rms_norm(x, weight, eps, *, residual=None, out=None, round_first=True):
     _rms_norm_kernel[(T,)](
         x, res, weight, out, D, eps,
         x.stride(0), res.stride(0), out.stride(0),
-        HAS_RESIDUAL=residual is not None, ROUND_FIRST=round_first, BLOCK_D=block,
-        num_warps=_num_warps(block),
+        HAS_RESIDUAL=residual is not None, ROUND_FIRST=round_first, BLOCK_D=block, USE_PDL=pdl,
+        num_warps=_num_warps(block), **({"launch_pdl": True} if pdl else {}),
     )
     return out
 

@@ -166,10 +166,11 @@ def _state_tensors(pool: StatePool):
 
 
 def captured_with(model: Model, pool: StatePool, buckets: list, progress: bool, **options) -> StepRunner:
-    """A runner whose graphs of ``buckets`` run ``model``'s weights with other decode options."""
+    """A runner whose graphs of ``buckets`` run ``model``'s weights with other decode options
+    (forked as the default runner: a MoE layer's shared expert on the auxiliary stream)."""
     variant = model.with_options(DecodeOptions(**options))
     runner = StepRunner(variant, pool, BucketSet(decode=tuple(b.decode for b in buckets), mixed_decode=(0,),
-                                                 prefill=(16,), max_prefill_seqs=1), overlap=False)
+                                                 prefill=(16,), max_prefill_seqs=1), overlap=True)
     runner.capture(buckets, progress=progress)
     return runner
 
@@ -187,8 +188,9 @@ def bench_preset(name: str, bandwidth: float, rate: float, progress: bool) -> di
     eager = StepRunner(model, pool, buckets, overlap=False)
     forked = StepRunner(model, pool, buckets, overlap=True)
     unforked = StepRunner(model, pool, buckets, overlap=False)
-    reports = [str(forked.capture(progress=progress)),
-               str(unforked.capture([b for b in buckets.all() if b.prefill], progress=progress))]
+    moe = bool(_moe_mixers(model))
+    reports = [str(forked.capture(progress=progress)),  # unforked: the mixed steps' (and a MoE model's all)
+               str(unforked.capture([b for b in buckets.all() if b.prefill or moe], progress=progress))]
     variants = {}
     opts = model.options
     if opts.fused:
@@ -198,7 +200,6 @@ def bench_preset(name: str, bandwidth: float, rate: float, progress: bool) -> di
             other = "no_pdl_ms" if opts.pdl else "pdl_ms"
             variants[other] = captured_with(model, pool, small, progress, pdl=not opts.pdl)
     rows = []
-    moe = bool(_moe_mixers(model))
     for batch in tqdm(DECODE_BATCHES, desc=f"{name} decode", disable=not progress):
         plan = decode_plan(batch)
         routed = routed_experts(eager, plan) if moe else None
@@ -208,13 +209,16 @@ def bench_preset(name: str, bandwidth: float, rate: float, progress: bool) -> di
                "back_to_back_ms": step_ms(forked, plan, steps=50, rounds=5), "replay_ms": replay_ms(forked, plan)}
         if moe:
             row["experts_per_layer"] = sum(routed.values()) / len(routed)
+            row["unforked_ms"] = step_ms(unforked, plan)
         if batch <= opts.max_rows:
             row.update({k: step_ms(r, plan) for k, r in variants.items()})
         rows.append(row)
     prefill_slot = slots - 1
     tokens = max(PREFILL_CHUNKS)
-    rows.append({"kind": "prefill", "tokens": tokens, "graph_ms": step_ms(forked, prefill_plan(tokens, prefill_slot)),
-                 "floor_ms": prefill_flops(model, tokens) / rate * 1e3})
+    chunk = prefill_plan(tokens, prefill_slot)
+    rows.append({"kind": "prefill", "tokens": tokens, "graph_ms": step_ms(forked, chunk),
+                 "floor_ms": prefill_flops(model, tokens) / rate * 1e3,
+                 **({"unforked_ms": step_ms(unforked, chunk)} if moe else {})})
     for d in tqdm(MIXED_DECODE, desc=f"{name} mixed", disable=not progress):
         for c in PREFILL_CHUNKS:
             pre = prefill_plan(c, prefill_slot)
@@ -251,21 +255,26 @@ def tables(result: dict) -> str:
     for p in result["presets"]:
         out += ["", f"{p['preset']}: " + "; ".join(p["capture"]), ""]
         moe = any("experts_per_layer" in r for r in p["rows"])
+        # a MoE model's runs timed unforked too (older results may lack them)
+        unforked = any("unforked_ms" in r for r in p["rows"] if r["kind"] != "mixed")
         out += ["| decode batch | eager (ms) | graph (ms) | eager/graph | graph, back to back (ms) "
-                "| replay on device (ms) | HBM floor (ms) | graph/floor |" + (" experts read a layer |" if moe else ""),
-                "| --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if moe else "")]
+                "| replay on device (ms) | HBM floor (ms) | graph/floor |" + (" experts read a layer |" if moe else "")
+                + (" graph, shared expert unforked (ms) |" if unforked else ""),
+                "| --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if moe else "") + (" --- |" if unforked else "")]
         for r in p["rows"]:
             if r["kind"] == "decode":
                 out.append(f"| {r['batch']} | {r['eager_ms']:.3f} | {r['graph_ms']:.3f} | "
                            f"{r['eager_ms'] / r['graph_ms']:.1f}x | {r['back_to_back_ms']:.3f} | "
                            f"{r['replay_ms']:.3f} | {r['floor_ms']:.3f} | {r['graph_ms'] / r['floor_ms']:.2f}x |"
-                           + (f" {r['experts_per_layer']:.1f} |" if moe else ""))
+                           + (f" {r['experts_per_layer']:.1f} |" if moe else "")
+                           + (f" {r['unforked_ms']:.3f} |" if unforked else ""))
         for r in p["rows"]:
             if r["kind"] == "prefill":
                 out += ["", "| prefill chunk (tokens) | graph (ms) | FLOP floor of its matrix products (ms) | "
-                        "graph/floor |", "| --- | --- | --- | --- |",
+                        "graph/floor |" + (" shared expert unforked (ms) |" if unforked else ""),
+                        "| --- | --- | --- | --- |" + (" --- |" if unforked else ""),
                         f"| {r['tokens']} | {r['graph_ms']:.2f} | {r['floor_ms']:.2f} | "
-                        f"{r['graph_ms'] / r['floor_ms']:.2f}x |"]
+                        f"{r['graph_ms'] / r['floor_ms']:.2f}x |" + (f" {r['unforked_ms']:.2f} |" if unforked else "")]
         fused = [r for r in p["rows"] if "layered_ms" in r]
         if fused:
             # graph_ms is the model's default launch mode; the other one is timed where supported

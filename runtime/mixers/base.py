@@ -43,8 +43,8 @@ class Norm:
     round_first: bool
 
     def __call__(self, x: torch.Tensor, *, residual: torch.Tensor | None = None,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, residual=residual, out=out, round_first=self.round_first)
+                 out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps, residual=residual, out=out, round_first=self.round_first, pdl=pdl)
 
 
 @dataclass(frozen=True)

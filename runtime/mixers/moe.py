@@ -1,6 +1,12 @@
 """NemotronH's mixture of relu2 experts with a shared expert, over the routed pairs only
 (``kernels.moe``): route, the routed experts, the shared expert beside them, combine.
 
+In a step of up to ``SHARED_BESIDE_MAX_TOKENS`` tokens with an auxiliary stream, the shared
+expert runs on that stream, forked after the block norm and joined at the combine, so its
+weight read overlaps the routing's short, latency-bound kernels and the grouped GEMMs. In longer
+steps (both sides compute-bound: beside each other they only contend) and without one (the
+CPU, an unforked runner) it runs first, in turn.
+
 With ``moe_latent_size`` (the larger Nemotron 3 models) the routed experts work in a smaller
 latent space: the input is projected down before them and their sum back up after; the router
 and the shared expert see the full-width input, as in HF's NemotronHMoE.
@@ -17,7 +23,12 @@ from ..config import ModelConfig
 from .base import Mixer, Norm, StepContext
 from .mlp import relu2_mlp
 
-__all__ = ["MoEMixer"]
+__all__ = ["MoEMixer", "SHARED_BESIDE_MAX_TOKENS"]
+
+# Nemotron-3-Nano's shape on an H200, forked against in turn: decode at 1 row 2.27 against 2.54
+# ms, 8 rows 6.46 / 6.71, 32 rows 12.95 / 13.17, 64 rows a tie; 256 rows 25.9 / 25.4 and a
+# 2048-token prefill 45.1 / 44.6 lose (docs/experiments.md)
+SHARED_BESIDE_MAX_TOKENS = 64
 
 
 class MoEMixer(Mixer):
@@ -42,30 +53,48 @@ class MoEMixer(Mixer):
                           norm_topk=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor)
 
     def forward(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        shared = relu2_mlp(h, *self.shared) if self.shared is not None else None
-        return self._experts(h, shared, ctx)
+        return self._moe(h, ctx, lambda: relu2_mlp(h, *self.shared))
 
     def fused_decode(self, residual: torch.Tensor, norm: Norm, ctx: StepContext) -> None:
-        h = norm(residual, out=torch.empty(residual.shape, dtype=self.up.dtype, device=residual.device))
-        shared = None
-        if self.shared is not None:
-            up, down, up_bias, down_bias = self.shared
-            pdl, tile_k = ctx.options.pdl, ctx.options.tile_k
-            a = torch.empty(h.shape[0], up.shape[0], dtype=h.dtype, device=h.device)
-            norm_linear(h, None, norm.eps, up, bias=up_bias, relu2=True, out=a, pdl=pdl, tile_k=tile_k)
-            shared = norm_linear(a, None, norm.eps, down, bias=down_bias, out=torch.empty_like(h), pdl=pdl,
-                                 tile_k=tile_k)
-        self._experts(h, shared, ctx, residual=residual)
+        h = norm(residual, out=torch.empty(residual.shape, dtype=self.up.dtype, device=residual.device),
+                 pdl=ctx.options.pdl)
+        self._moe(h, ctx, lambda: self._shared_fused(h, ctx), residual=residual)
 
-    def _experts(self, h: torch.Tensor, shared: torch.Tensor | None, ctx: StepContext,
-                 residual: torch.Tensor | None = None):
-        """The routed experts' weighted sum plus ``shared``: returned, or added into ``residual``."""
-        idx, w = moe_route(h, self.gate, self.bias, **self.route)
+    def _moe(self, h: torch.Tensor, ctx: StepContext, shared_expert, residual: torch.Tensor | None = None):
+        """The routed experts' weighted sum plus ``shared_expert()``'s output (the shared expert
+        over h): returned, or added into ``residual``."""
+        shared = ready = None
+        if self.shared is not None:
+            aux = ctx.aux_stream if h.shape[0] <= SHARED_BESIDE_MAX_TOKENS else None
+            if aux is None:
+                shared = shared_expert()
+            else:
+                # Its buffers come from the auxiliary stream's pool and go back to it once freed
+                # here, after the join; that stream uses them again only after its next fork.
+                aux.wait_stream(torch.cuda.current_stream(h.device))
+                with torch.cuda.stream(aux):
+                    shared = shared_expert()
+                ready = torch.cuda.Event()
+                ready.record(aux)
+        pdl = ctx.options.pdl
+        idx, w = moe_route(h, self.gate, self.bias, **self.route, pdl=pdl)
         if ctx.observe is not None:
             ctx.observe(self.layer, idx)
         if self.latent is None:
-            return moe_experts(h, idx, w, self.up, self.down, shared=shared, residual=residual)
+            return moe_experts(h, idx, w, self.up, self.down, shared=shared, residual=residual, shared_ready=ready,
+                               pdl=pdl)
         down_w, down_b, up_w, up_b = self.latent
         routed = F.linear(moe_experts(F.linear(h, down_w, down_b), idx, w, self.up, self.down), up_w, up_b)
+        if ready is not None:
+            torch.cuda.current_stream(h.device).wait_event(ready)
         out = routed if shared is None else routed + shared
         return out if residual is None else residual.add_(out)
+
+    def _shared_fused(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """The shared expert as two skinny kernels. The first is no programmatic dependent: on
+        the auxiliary stream, what it follows is the other stream's."""
+        up, down, up_bias, down_bias = self.shared
+        pdl, tile_k = ctx.options.pdl, ctx.options.tile_k
+        a = torch.empty(h.shape[0], up.shape[0], dtype=h.dtype, device=h.device)
+        norm_linear(h, None, 0.0, up, bias=up_bias, relu2=True, out=a, tile_k=tile_k)
+        return norm_linear(a, None, 0.0, down, bias=down_bias, out=torch.empty_like(h), pdl=pdl, tile_k=tile_k)

@@ -3,7 +3,7 @@
     POST /v1/completions        prompt (text or token ids) -> text; "stream": true for SSE
     POST /v1/chat/completions   messages -> assistant message; "stream": true for SSE
     GET  /v1/models             the one model served
-    GET  /health                200 while the engine loop runs
+    GET  /health                200 while the engine loop runs and every API process listens
 
 Handlers only validate, submit, await outputs and abort when the client goes away; a bad
 request gets a 400 with an OpenAI-style error body and touches nothing else, and a request past
@@ -99,9 +99,12 @@ class _Chunks:
         return self._head + json.dumps(text, ensure_ascii=False).encode() + self._tail
 
 
-def create_app(loop: EngineLoop | EngineProcess, model_name: str, default_max_tokens: int = 16) -> Starlette:
+def create_app(loop: EngineLoop | EngineProcess, model_name: str, default_max_tokens: int = 16,
+               listening=None) -> Starlette:
     """The API over ``loop``, serving ``model_name``; ``default_max_tokens`` where a request
-    names none."""
+    names none. ``listening``: None, or a callable giving how many of the ``loop.api_processes``
+    HTTP server processes listen yet; until all do, /health answers 503 "starting" (a client
+    that waits for it then finds every process taking connections)."""
 
     async def read_body(request: Request) -> dict:
         try:
@@ -216,6 +219,9 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str, default_max_to
     async def health(request: Request):
         if loop.closed:
             return JSONResponse({"status": "stopped"}, status_code=503)
+        if listening is not None and listening() < loop.api_processes:
+            return JSONResponse({"status": "starting", "api_processes": loop.api_processes,
+                                 "listening": listening()}, status_code=503)
         return JSONResponse({"status": "ok", "open_requests": loop.open_requests(), "steps": loop.steps,
                              "engine": loop.kind, "api_processes": loop.api_processes,
                              "pid": os.getpid()})  # which API process answered

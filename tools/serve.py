@@ -94,11 +94,13 @@ def main(argv=None) -> int:
     workers = []
     try:
         ctx = multiprocessing.get_context("spawn")
+        listening = ctx.Value("i", 0)  # the HTTP server processes taking connections yet
         for conn in getattr(loop, "attached", []):  # they bind the port this process got
             workers.append(ctx.Process(target=_api_process, name="mambastep-api", args=(
-                conn, args.host, sock.getsockname()[1], name, args.max_tokens, args.max_requests)))
+                conn, args.host, sock.getsockname()[1], name, args.max_tokens, args.max_requests, listening)))
             workers[-1].start()
-        _serve(uvicorn, create_app(loop, name, default_max_tokens=args.max_tokens), sock, loop)
+        app = create_app(loop, name, default_max_tokens=args.max_tokens, listening=lambda: listening.value)
+        _serve(uvicorn, app, sock, loop, listening)
     finally:
         for w in workers:
             w.terminate()  # uvicorn's SIGTERM: it stops serving; its client leaves the engine
@@ -119,10 +121,11 @@ def _listen(host: str, port: int, shared: bool) -> socket.socket:
     return sock
 
 
-def _serve(uvicorn, app, sock: socket.socket, engine_loop) -> None:
+def _serve(uvicorn, app, sock: socket.socket, engine_loop, listening) -> None:
     """Serve ``app`` on ``sock`` until a signal, or until ``engine_loop`` stops (the engine process
-    gone: an API process then has nothing to serve). uvicorn re-raises the signal it stopped on;
-    for SIGTERM that would end the process before its ``finally``, so it exits instead."""
+    gone: an API process then has nothing to serve); ``listening`` (a shared counter) counts this
+    process once it takes connections. uvicorn re-raises the signal it stopped on; for SIGTERM
+    that would end the process before its ``finally``, so it exits instead."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
 
@@ -130,11 +133,19 @@ def _serve(uvicorn, app, sock: socket.socket, engine_loop) -> None:
         engine_loop.wait_closed()
         server.should_exit = True
 
+    def count_when_started():
+        while not server.started:
+            if engine_loop.wait_closed(0.005):
+                return
+        with listening.get_lock():
+            listening.value += 1
+
     threading.Thread(target=stop_with_the_engine, daemon=True).start()
+    threading.Thread(target=count_when_started, daemon=True).start()
     server.run(sockets=[sock])
 
 
-def _api_process(conn, host: str, port: int, name: str, default_max_tokens: int, max_requests) -> None:
+def _api_process(conn, host: str, port: int, name: str, default_max_tokens: int, max_requests, listening) -> None:
     """One more HTTP server process: the same app over its own connection to the engine process."""
     import uvicorn
 
@@ -143,8 +154,8 @@ def _api_process(conn, host: str, port: int, name: str, default_max_tokens: int,
 
     client = EngineClient(conn, max_requests=max_requests)
     try:
-        _serve(uvicorn, create_app(client, name, default_max_tokens=default_max_tokens), _listen(host, port, shared=True),
-               client)
+        app = create_app(client, name, default_max_tokens=default_max_tokens, listening=lambda: listening.value)
+        _serve(uvicorn, app, _listen(host, port, shared=True), client, listening)
     finally:
         client.close()
 

@@ -270,6 +270,28 @@ def test_closing_the_loop_ends_every_stream(checkpoint, kind):
         asyncio.run(loop.submit("x", SamplingParams()))
 
 
+def test_health_says_starting_until_every_api_process_listens(checkpoint):
+    """With several HTTP server processes, a client that waits for /health must find them all
+    taking connections: until the shared count reaches the loop's api_processes, 503 "starting"."""
+    loop = EngineLoop(text_engine(checkpoint), max_requests=None)
+    loop.api_processes = 2
+    count = [1]
+    transport = httpx.ASGITransport(app=create_app(loop, NAME, listening=lambda: count[0]))
+
+    async def health():
+        async with httpx.AsyncClient(transport=transport, base_url="http://x") as http:
+            return await http.get("/health")
+
+    try:
+        r = asyncio.run(health())
+        assert r.status_code == 503 and r.json() == {"status": "starting", "api_processes": 2, "listening": 1}
+        count[0] = 2
+        r = asyncio.run(health())
+        assert r.status_code == 200 and r.json()["api_processes"] == 2
+    finally:
+        loop.close()
+
+
 def test_bench_serve_spreads_its_streams_over_client_processes(server, tmp_path):
     from mambastep.tools import cli
 

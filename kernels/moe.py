@@ -9,7 +9,8 @@ Static shapes throughout, so a step is captured once per bucket and replays with
 2. ``moe_experts`` (align): the pairs per expert are counted, each expert's run padded to the
    GEMM tile height ``block_m`` and every pair given its slot, tokens in order within an expert
    (one program for a decode step's few pairs, three parallel passes for a prefill chunk's). Buffers are sized by the bucket: P = tokens x k pairs take at most
-   P + min(E, P) x (block_m - 1) slots, whatever the routing.
+   P + min(E, P) x (block_m - 1) slots, whatever the routing. Up to ``PAIR_TILES_MAX`` pairs (a
+   decode step of a row or two) nothing is aligned: each pair is a tile of its own.
 3. Grouped GEMMs: a program per (tile of slots, block of columns) finds its tile's expert from
    the device counts and exits when the tile lies past the last expert's run, so the grid is
    fixed by the bucket and only routed experts' weights are read. Up projection with relu2
@@ -297,6 +298,10 @@ def _assign_kernel(idx_ptr, prefix_ptr, starts_ptr, slot_of_pair_ptr, token_of_s
 
 # pairs up to which one program aligns them (a decode step's), beyond which three passes do
 ALIGN_ONE_PROGRAM = 1024
+# pairs up to which each is a GEMM tile of its own and nothing is aligned (a decode step of one or
+# two rows: its pairs have distinct experts or nearly, so the sorted layout would save no weight
+# read, and its alignment pass is a launch on the step's critical path)
+PAIR_TILES_MAX = 12
 
 
 def _align(idx, E: int, bm: int, S: int, pdl: bool = False):
@@ -328,15 +333,40 @@ def _align(idx, E: int, bm: int, S: int, pdl: bool = False):
 
 
 @triton.jit
+def _tile_product(a_ptr, src, ok, slots, e, w_ptr, out_ptr, N, K, stride_a, stride_we, stride_wn, stride_out,
+                  RELU2: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                  BK: tl.constexpr, USE_PDL: tl.constexpr):
+    """out[slots] = a[src] @ w[e].T over this program's BN columns for the rows ``ok`` of a
+    tile; relu2 after, when RELU2. With USE_PDL it signals its dependents after its K loop
+    (several waves at prefill sizes: they take SM slots as the last one drains)."""
+    ns = tl.program_id(1) * BN + tl.arange(0, BN)
+    n_ok = ns < N
+    a_rows = a_ptr + src[:, None].to(tl.int64) * stride_a
+    w_rows = w_ptr + e.to(tl.int64) * stride_we + ns[:, None].to(tl.int64) * stride_wn
+    acc = tl.zeros((BM, BN), tl.float32)
+    for k0 in range(0, K, BK):
+        ks = k0 + tl.arange(0, BK)
+        k_ok = ks < K
+        a = tl.load(a_rows + ks[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    y = acc.to(out_ptr.dtype.element_ty)
+    if RELU2:
+        y = tl.maximum(y.to(tl.float32), 0.0)
+        y = (y * y).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + slots[:, None].to(tl.int64) * stride_out + ns[None, :], y, mask=ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
 def _grouped_kernel(a_ptr, token_ptr, w_ptr, out_ptr, starts_ptr, counts_ptr, N, K, E,
                     stride_a, stride_we, stride_wn, stride_out,
                     GATHER: tl.constexpr, RELU2: tl.constexpr, PRECISION: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_E: tl.constexpr,
                     USE_PDL: tl.constexpr):
-    """out[slot] = a[row] @ w[expert].T for a tile of BM slots (row: the slot's token when
-    GATHER, else the slot itself); relu2 after, when RELU2. With USE_PDL it waits for the
-    previous kernel first and signals its dependents after its K loop (several waves at prefill
-    sizes: they take SM slots as the last one drains)."""
+    """The sorted layout: out[slot] = a[row] @ w[expert].T for a tile of BM slots of one
+    expert's run (row: the slot's token when GATHER, else the slot itself)."""
     if USE_PDL:  # the layout and a are the kernels' before
         tl.extra.cuda.gdc_wait()
     slot0 = tl.program_id(0) * BM
@@ -351,31 +381,33 @@ def _grouped_kernel(a_ptr, token_ptr, w_ptr, out_ptr, starts_ptr, counts_ptr, N,
         slots = slot0 + tl.arange(0, BM)
         ok = slots - start < count
         src = tl.load(token_ptr + slots, mask=ok, other=0) if GATHER else slots
-        ns = tl.program_id(1) * BN + tl.arange(0, BN)
-        n_ok = ns < N
-        a_rows = a_ptr + src[:, None].to(tl.int64) * stride_a
-        w_rows = w_ptr + e.to(tl.int64) * stride_we + ns[:, None].to(tl.int64) * stride_wn
-        acc = tl.zeros((BM, BN), tl.float32)
-        for k0 in range(0, K, BK):
-            ks = k0 + tl.arange(0, BK)
-            k_ok = ks < K
-            a = tl.load(a_rows + ks[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
-        if USE_PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-        y = acc.to(out_ptr.dtype.element_ty)
-        if RELU2:
-            y = tl.maximum(y.to(tl.float32), 0.0)
-            y = (y * y).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + slots[:, None].to(tl.int64) * stride_out + ns[None, :], y, mask=ok[:, None] & n_ok[None, :])
+        _tile_product(a_ptr, src, ok, slots, e, w_ptr, out_ptr, N, K, stride_a, stride_we, stride_wn, stride_out,
+                      RELU2, PRECISION, BM, BN, BK, USE_PDL)
+
+
+@triton.jit
+def _pair_kernel(a_ptr, idx_ptr, w_ptr, out_ptr, N, K, stride_a, stride_we, stride_wn, stride_out,
+                 GATHER: tl.constexpr, TOP_K: tl.constexpr, RELU2: tl.constexpr, PRECISION: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_PDL: tl.constexpr):
+    """A few pairs, each a tile of its own (no alignment pass): out[p] = a[row] @ w[idx[p]].T
+    for pair p (row: its token p // TOP_K when GATHER, else p), the tile's other rows masked."""
+    if USE_PDL:  # the routing and a are the kernels' before
+        tl.extra.cuda.gdc_wait()
+    p = tl.program_id(0)
+    e = tl.load(idx_ptr + p)
+    slots = p + tl.arange(0, BM)
+    ok = tl.arange(0, BM) == 0
+    src = slots // TOP_K if GATHER else slots
+    _tile_product(a_ptr, src, ok, slots, e, w_ptr, out_ptr, N, K, stride_a, stride_we, stride_wn, stride_out,
+                  RELU2, PRECISION, BM, BN, BK, USE_PDL)
 
 
 @triton.jit
 def _combine_kernel(y_ptr, slot_ptr, w_ptr, shared_ptr, out_ptr, D, stride_y, stride_shared, stride_out,
                     TOP_K: tl.constexpr, SHARED: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_D: tl.constexpr,
-                    USE_PDL: tl.constexpr):
-    """out[t] (+)= round(sum_j w[t, j] * y[slot[t, j]]) (+ shared[t]), rounding as HF's ops."""
+                    PAIRS: tl.constexpr, USE_PDL: tl.constexpr):
+    """out[t] (+)= round(sum_j w[t, j] * y[slot[t, j]]) (+ shared[t]), rounding as HF's ops;
+    PAIRS: y holds pair p in row p (no slot table)."""
     if USE_PDL:  # y is the previous kernel's
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -384,7 +416,7 @@ def _combine_kernel(y_ptr, slot_ptr, w_ptr, shared_ptr, out_ptr, D, stride_y, st
     ok = ds < D
     acc = tl.zeros((BLOCK_D,), tl.float32)
     for j in tl.static_range(TOP_K):
-        slot = tl.load(slot_ptr + t * TOP_K + j).to(tl.int64)
+        slot = (t * TOP_K + j) if PAIRS else tl.load(slot_ptr + t * TOP_K + j).to(tl.int64)
         acc += tl.load(w_ptr + t * TOP_K + j) * tl.load(y_ptr + slot * stride_y + ds, mask=ok, other=0.0).to(tl.float32)
     dtype = y_ptr.dtype.element_ty
     r = acc.to(dtype)
@@ -446,24 +478,33 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
     target = residual if residual is not None else out
     if target.shape != (T, D) or target.stride(1) != 1 or (shared is not None and shared.shape != (T, D)):
         raise ValueError(f"moe_experts: out, residual and shared must be [{T}, {D}]")
-    bm = block_m(T, k, E)
-    S = slot_count(T, k, E, bm)
     dev = x.device
-    slot_of_pair, token_of_slot, starts, counts = _align(idx, E, bm, S, pdl)
-    extra = {"launch_pdl": True} if pdl else {}
-    block_e = max(16, triton.next_power_of_2(E))
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    extra = {"launch_pdl": True} if pdl else {}
+    pairs = T * k <= PAIR_TILES_MAX
+    if pairs:  # each pair a tile of its own, its rows [P, ...] in pair order
+        bm, S = 16, T * k
+        slot_of_pair = idx
+    else:
+        bm = block_m(T, k, E)
+        S = slot_count(T, k, E, bm)
+        slot_of_pair, token_of_slot, starts, counts = _align(idx, E, bm, S, pdl)
+        block_e = max(16, triton.next_power_of_2(E))
     h = torch.empty(S, I, dtype=x.dtype, device=dev)
     y = torch.empty(S, D, dtype=x.dtype, device=dev)
-    tiles = triton.cdiv(S, bm)
-    for a, rows, weight, result, relu in ((x, token_of_slot, up, h, True), (h, None, down, y, False)):
+    for a, weight, result, relu in ((x, up, h, True), (h, down, y, False)):
         n, kk = weight.shape[1], weight.shape[2]
         bn, bk, warps, stages = _gemm_config(bm, n, kk, x.dtype)
-        _grouped_kernel[(tiles, triton.cdiv(n, bn))](
-            a, token_of_slot if rows is not None else a, weight, result, starts, counts, n, kk, E,
-            a.stride(0), weight.stride(0), weight.stride(1), result.stride(0),
-            GATHER=rows is not None, RELU2=relu, PRECISION=precision, BM=bm, BN=bn, BK=bk, BLOCK_E=block_e,
-            USE_PDL=pdl, num_warps=warps, num_stages=stages, **extra)
+        common = (a.stride(0), weight.stride(0), weight.stride(1), result.stride(0))
+        if pairs:
+            _pair_kernel[(S, triton.cdiv(n, bn))](
+                a, idx, weight, result, n, kk, *common, GATHER=relu, TOP_K=k, RELU2=relu, PRECISION=precision,
+                BM=bm, BN=bn, BK=bk, USE_PDL=pdl, num_warps=warps, num_stages=stages, **extra)
+        else:
+            _grouped_kernel[(triton.cdiv(S, bm), triton.cdiv(n, bn))](
+                a, token_of_slot, weight, result, starts, counts, n, kk, E, *common, GATHER=relu, RELU2=relu,
+                PRECISION=precision, BM=bm, BN=bn, BK=bk, BLOCK_E=block_e, USE_PDL=pdl, num_warps=warps,
+                num_stages=stages, **extra)
     if shared_ready is not None:
         torch.cuda.current_stream(dev).wait_event(shared_ready)
         pdl, extra = False, {}  # its launch waits for another stream: a full dependency
@@ -471,8 +512,8 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
     _combine_kernel[(T, triton.cdiv(D, block_d))](
         y, slot_of_pair, w, shared if shared is not None else y, target, D, y.stride(0),
         shared.stride(0) if shared is not None else 0, target.stride(0),
-        TOP_K=k, SHARED=shared is not None, ACCUMULATE=residual is not None, BLOCK_D=block_d, USE_PDL=pdl,
-        num_warps=4, **extra)
+        TOP_K=k, SHARED=shared is not None, ACCUMULATE=residual is not None, BLOCK_D=block_d, PAIRS=pairs,
+        USE_PDL=pdl, num_warps=4, **extra)
     return target
 
 

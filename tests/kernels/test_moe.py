@@ -68,11 +68,14 @@ def test_route_without_normalisation_keeps_the_scores(device):
     assert (w < 1).all() and not torch.allclose(w.sum(-1), torch.ones(4, device=device))  # scores as they are
 
 
+# up to kernels.moe.PAIR_TILES_MAX (12) pairs a tile each, past it the sorted layout
 CASES = {
     "spread": dict(T=9, E=8, k=2),
     "every token to the same experts": dict(T=12, E=8, k=2, experts_used=[5, 2]),
     "experts with no token": dict(T=7, E=16, k=2, experts_used=[0, 3, 9, 15]),
     "one token": dict(T=1, E=8, k=3),
+    "a few pairs, a tile each": dict(T=5, E=8, k=2),
+    "a few pairs on the same experts": dict(T=6, E=8, k=2, experts_used=[3, 4]),
     "tall tiles (prefill-sized)": dict(T=200, E=4, k=2),
     "many pairs (aligned in three passes)": dict(T=600, E=4, k=2),
 }

@@ -47,10 +47,12 @@ def main(argv=None) -> int:
     parser.add_argument("--engine", choices=("process", "thread"), default="process",
                         help="where the engine steps: a process of its own, fed over a pipe, so that it never "
                              "waits for the server's GIL (default), or a thread of the server")
-    parser.add_argument("--api-processes", type=int, default=1,
+    parser.add_argument("--api-processes", type=int, default=None,
                         help="HTTP server processes in front of the engine process, on one port, each with its "
                              "own pipe to it, for more streams a second than one Python process can write "
-                             "(Linux; --max-requests bounds each; default 1)")
+                             "(Linux; --max-requests bounds each; default 2 with --engine process on Linux, "
+                             "where Mamba2-130M at 64 streams kept 94%% of its in-process tokens/s against 85%% "
+                             "behind one; else 1)")
     args = parser.parse_args(argv)
     try:
         import uvicorn
@@ -60,6 +62,8 @@ def main(argv=None) -> int:
     except ImportError as e:
         parser.error(f"the server needs its extra: pip install -e \".[serve]\" ({e})")
     device = device_arg(parser, args.device)
+    if args.api_processes is None:
+        args.api_processes = 2 if args.engine == "process" and hasattr(socket, "SO_REUSEPORT") else 1
     if not 0 <= args.port < 65536:
         parser.error(f"--port: expected 0..65535, got {args.port}")
     for flag, value in (("--max-requests", args.max_requests), ("--max-tokens", args.max_tokens),

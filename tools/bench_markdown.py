@@ -55,7 +55,8 @@ def _serve_rows(results: list[dict]) -> list[str]:
             continue
         a, b = r["itl_ms"]["mean"], h["itl_ms"]["mean"]
         x, y = r["output_tokens_per_s"], h["output_tokens_per_s"]
-        api = f", {h['api_processes']} API processes" if h.get("api_processes", 1) > 1 else ""
+        n = h.get("api_processes", 1)
+        api = f", {n} API process{'es' if n > 1 else ''}" if h.get("engine") == "process" else ""
         where = f" (engine {h['engine']}{api})" if h.get("engine") else ""
         lines.append(f"| {h['model']}{where} | {h['concurrency']} | {h['requests']} | {a:.3f} / {b:.3f} / {b - a:+.3f} | "
                      f"{r['ttft_ms']['p50']:.2f} / {h['ttft_ms']['p50']:.2f} | {x:.0f} / {y:.0f} / {100 * y / x:.0f}% |")
@@ -116,7 +117,8 @@ def render(steps=(), kernels: str | None = None, runs=(), serve=(), tune=()) -> 
                 "The same workload as the main job (same seed, lengths and prompt ids), streamed through the "
                 "OpenAI-compatible server by client processes on the same machine, beside `mambastep run` "
                 "in-process on it, measured one after the other (`.ci/gpu-serve`). The engine runs in a process of "
-                "its own (`mambastep serve`'s default) or in a thread of the server (`--engine thread`), as marked. "
+                "its own behind one or more HTTP server processes (`mambastep serve`'s default: two, "
+                "`--api-processes N`) or in a thread of the server (`--engine thread`), as marked. "
                 "Each run of the script is a group of rows, in the order of its result files "
                 f"({', '.join(f'`{Path(p).name}`' for p in serve)}):",
                 "", serve_table(serve), ""]

@@ -191,9 +191,11 @@ def moe_route(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 
 
 def block_m(tokens: int, top_k: int, n_experts: int) -> int:
     """The grouped GEMMs' tile height for a bucket of ``tokens``: about the mean pairs per expert
-    (16 at decode sizes, up to 64 for long prefill chunks), so padding stays a fraction of a tile."""
+    (16 at decode sizes, up to 128 for long prefill chunks), so padding stays a fraction of a
+    tile. Past 64 pairs an expert, 128-row tiles pad a run no more than two of 64 do (a run of
+    65-128 takes 128 slots either way), and their products use the tensor cores better."""
     mean = tokens * top_k / n_experts
-    return 16 if mean <= 16 else 32 if mean <= 48 else 64
+    return 16 if mean <= 16 else 32 if mean <= 48 else 64 if mean <= 64 else 128
 
 
 def slot_count(tokens: int, top_k: int, n_experts: int, bm: int) -> int:
@@ -525,4 +527,4 @@ def _gemm_config(bm: int, n: int, k: int, dtype: torch.dtype) -> tuple[int, int,
         return 32, 32, 4, 2
     if bm <= 16:
         return 64, 128, 4, 4
-    return 128, 64, 8 if bm == 64 else 4, 3
+    return 128, 64, 4 if bm == 32 else 8, 3

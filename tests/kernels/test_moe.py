@@ -76,7 +76,9 @@ CASES = {
     "one token": dict(T=1, E=8, k=3),
     "a few pairs, a tile each": dict(T=5, E=8, k=2),
     "a few pairs on the same experts": dict(T=6, E=8, k=2, experts_used=[3, 4]),
-    "tall tiles (prefill-sized)": dict(T=200, E=4, k=2),
+    "32-row tiles": dict(T=60, E=4, k=2),
+    "64-row tiles": dict(T=112, E=4, k=2),
+    "128-row tiles (prefill-sized)": dict(T=200, E=4, k=2),
     "many pairs (aligned in three passes)": dict(T=600, E=4, k=2),
 }
 
@@ -129,7 +131,7 @@ def test_pairs_take_their_expert_run_in_token_order(device, T):
 
 def test_tile_height_follows_the_bucket():
     assert block_m(1, 6, 128) == 16 and block_m(256, 6, 128) == 16
-    assert block_m(2048, 6, 128) == 64 and block_m(1024, 6, 128) == 32
+    assert block_m(2048, 6, 128) == 128 and block_m(1024, 6, 128) == 32 and block_m(1365, 6, 128) == 64
     # P pairs, each used expert padded: the bound holds whatever the routing
     assert slot_count(1, 6, 128, 16) == 6 + 6 * 15
     assert slot_count(256, 6, 128, 16) == 1536 + 128 * 15

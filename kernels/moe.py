@@ -3,14 +3,17 @@ pairs sorted by expert, two grouped GEMMs over those pairs only, and a weighted 
 
 Static shapes throughout, so a step is captured once per bucket and replays with no host sync:
 
-1. ``moe_route``: router logits in fp32 (cuBLAS, as HF), then one kernel for sigmoid scores, the score-correction bias for the
-   choice, group-limited top-k, normalisation and routed scaling, exactly as HF's NemotronH.
-   A token's k experts come out in ascending expert order, the order HF's loop adds them in.
+1. ``moe_route``: router logits in fp32 (a decode step's few rows in one Triton kernel split
+   over D, more in cuBLAS as HF), then one kernel for sigmoid scores, the score-correction bias
+   for the choice, group-limited top-k, normalisation and routed scaling, exactly as HF's
+   NemotronH. A token's k experts come out in ascending expert order, the order HF's loop adds
+   them in.
 2. ``moe_experts`` (align): the pairs per expert are counted, each expert's run padded to the
    GEMM tile height ``block_m`` and every pair given its slot, tokens in order within an expert
-   (one program for a decode step's few pairs, three parallel passes for a prefill chunk's). Buffers are sized by the bucket: P = tokens x k pairs take at most
-   P + min(E, P) x (block_m - 1) slots, whatever the routing. Up to ``PAIR_TILES_MAX`` pairs (a
-   decode step of a row or two) nothing is aligned: each pair is a tile of its own.
+   (one program for a decode step's few pairs, three parallel passes for a prefill chunk's).
+   Buffers are sized by the bucket: P = tokens x k pairs take at most P + min(E, P) x
+   (block_m - 1) slots, whatever the routing. Up to ``PAIR_TILES_MAX`` pairs (a decode step of
+   a row or two) nothing is aligned: each pair is a tile of its own.
 3. Grouped GEMMs: a program per (tile of slots, block of columns) finds its tile's expert from
    the device counts and exits when the tile lies past the last expert's run, so the grid is
    fixed by the bucket and only routed experts' weights are read. Up projection with relu2
@@ -193,7 +196,7 @@ def block_m(tokens: int, top_k: int, n_experts: int) -> int:
     """The grouped GEMMs' tile height for a bucket of ``tokens``: about the mean pairs per expert
     (16 at decode sizes, up to 128 for long prefill chunks), so padding stays a fraction of a
     tile. Past 64 pairs an expert, 128-row tiles pad a run no more than two of 64 do (a run of
-    65-128 takes 128 slots either way), and their products use the tensor cores better."""
+    65-128 takes 128 slots either way) and read each weight tile once for twice the rows."""
     mean = tokens * top_k / n_experts
     return 16 if mean <= 16 else 32 if mean <= 48 else 64 if mean <= 64 else 128
 

@@ -204,14 +204,14 @@ class EngineLoop(_Streams):
             self._end(rid)
 
 
-def _child(build, conns) -> None:
+def _child(build, conns, max_requests: int | None = None) -> None:
     """The engine process: build the TextEngine, then serve its clients (``_EngineServer``)."""
     try:
         text = build()
     except Exception as e:  # a bad checkpoint: the parent reports it
         conns[0].send(("failed", str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"))
         return
-    _EngineServer(text, conns).run()
+    _EngineServer(text, conns, max_requests).run()
 
 
 class _EngineServer:
@@ -220,10 +220,11 @@ class _EngineServer:
     every connection its own requests' tokens (with the free slots after it) as tuples, which
     pickle in a seventh of a dataclass's time. Text is the API side's work. The first connection
     is the owner's: when it closes (or is gone) the process ends; another one leaving has its
-    requests dropped, and the rest go on."""
+    requests dropped, and the rest go on. ``max_requests`` bounds the requests of all of them
+    together (each API process also checks it against its own, before sending)."""
 
-    def __init__(self, text: TextEngine, conns):
-        self.text, self.engine = text, text.engine
+    def __init__(self, text: TextEngine, conns, max_requests: int | None = None):
+        self.text, self.engine, self.max_requests = text, text.engine, max_requests
         self.live = dict(enumerate(conns))
         self.owner: dict[int, int] = {}  # request id -> the index of the connection that added it
 
@@ -258,6 +259,9 @@ class _EngineServer:
     def _handle(self, i: int, kind: str, arg) -> None:
         if kind == "add":
             token, ids, params = arg
+            if self.max_requests is not None and len(self.owner) >= self.max_requests:
+                self._send(i, "refused", token, Overloaded(f"{len(self.owner)} requests in flight, the bound"))
+                return
             try:
                 rid = self.engine.add_request(ids, params)
             except Exception as e:  # bad input: the caller's error, nothing changed here
@@ -410,7 +414,7 @@ class EngineProcess(EngineClient):
     def __init__(self, build, max_requests: int | None = None, start_timeout: float = 600.0, attach: int = 0):
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: CUDA starts in the child
         pipes = [ctx.Pipe() for _ in range(1 + attach)]
-        self._process = ctx.Process(target=_child, args=(build, [child for _, child in pipes]),
+        self._process = ctx.Process(target=_child, args=(build, [child for _, child in pipes], max_requests),
                                     name="mambastep-engine", daemon=True)
         self._process.start()
         for _, child in pipes:

@@ -5,8 +5,8 @@
 
 Endpoints: /v1/completions and /v1/chat/completions (with "stream": true as server-sent events
 and usage counts), /v1/models, /health. One loop owns the engine and steps while requests
-arrive, in a process of its own (or with --engine thread, a thread of the server), behind one
-HTTP server process or --api-processes N of them on the same port; a client that
+arrive, in a process of its own (or with --engine thread, a thread of the server), behind
+--api-processes N HTTP server processes on the same port (two by default); a client that
 disconnects frees its slot; a bad request gets a 400 and touches nothing else; past
 --max-requests a request gets a 503. A preset (random weights, no tokenizer) serves
 text as bytes and token-id prompts, for load tests. Needs `pip install -e ".[serve]"`.
@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     parser.add_argument("--api-processes", type=int, default=None,
                         help="HTTP server processes in front of the engine process, on one port, each with its "
                              "own pipe to it, for more streams a second than one Python process can write "
-                             "(Linux; --max-requests bounds each; default 2 with --engine process on Linux, "
+                             "(Linux; --max-requests bounds them together; default 2 with --engine process on Linux, "
                              "where Mamba2-130M at 64 streams kept 94%% of its in-process tokens/s against 85%% "
                              "behind one; else 1)")
     args = parser.parse_args(argv)

@@ -375,3 +375,34 @@ def test_an_attached_client_shares_the_engine_and_leaves_alone(checkpoint):
     finally:
         owner.close()
     assert owner.closed
+
+
+def test_the_bound_counts_every_api_process_together(checkpoint):
+    """--max-requests with several API processes bounds them all: the engine process refuses an
+    add past it whichever client sends it, though that client alone is under the bound."""
+    from mambastep.runtime.serving import EngineClient, Overloaded
+
+    build = functools.partial(TextEngine.load, str(checkpoint), dtype=torch.float32, device="cpu", num_slots=SLOTS,
+                              max_context=8192)
+    owner = EngineProcess(build, max_requests=2, attach=1)
+    other = EngineClient(owner.attached[0], max_requests=2)
+    long = SamplingParams(temperature=0, max_tokens=8000, ignore_eos=True)
+
+    async def main():
+        mine, theirs = await owner.submit("the cat", long), await other.submit("the cat", long)
+        with pytest.raises(Overloaded, match="the bound"):
+            await other.submit("x", SamplingParams(max_tokens=2))
+        for client, stream in ((owner, mine), (other, theirs)):
+            client.abort(stream.id)
+            while not (await stream.next()).finished:
+                pass
+        stream = await other.submit("x", SamplingParams(max_tokens=2, ignore_eos=True))  # under the bound again
+        while not (out := await stream.next()).finished:
+            pass
+        return out.finish_reason
+
+    try:
+        assert asyncio.run(main()) == "length"
+    finally:
+        other.close()
+        owner.close()

@@ -487,9 +487,9 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     extra = {"launch_pdl": True} if pdl else {}
     pairs = T * k <= PAIR_TILES_MAX
-    if pairs:  # each pair a tile of its own, its rows [P, ...] in pair order
+    if pairs:  # each pair a tile of its own, row p of h and y pair p's (no slot table)
         bm, S = 16, T * k
-        slot_of_pair = idx
+        slot_of_pair = idx  # any valid pointer: the combine does not read it
     else:
         bm = block_m(T, k, E)
         S = slot_count(T, k, E, bm)
@@ -497,17 +497,18 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
         block_e = max(16, triton.next_power_of_2(E))
     h = torch.empty(S, I, dtype=x.dtype, device=dev)
     y = torch.empty(S, D, dtype=x.dtype, device=dev)
-    for a, weight, result, relu in ((x, up, h, True), (h, down, y, False)):
+    # up (gathering each slot's token row, relu2 after), then down
+    for a, weight, result, up_proj in ((x, up, h, True), (h, down, y, False)):
         n, kk = weight.shape[1], weight.shape[2]
         bn, bk, warps, stages = _gemm_config(bm, n, kk, x.dtype)
         common = (a.stride(0), weight.stride(0), weight.stride(1), result.stride(0))
         if pairs:
             _pair_kernel[(S, triton.cdiv(n, bn))](
-                a, idx, weight, result, n, kk, *common, GATHER=relu, TOP_K=k, RELU2=relu, PRECISION=precision,
+                a, idx, weight, result, n, kk, *common, GATHER=up_proj, TOP_K=k, RELU2=up_proj, PRECISION=precision,
                 BM=bm, BN=bn, BK=bk, USE_PDL=pdl, num_warps=warps, num_stages=stages, **extra)
         else:
             _grouped_kernel[(triton.cdiv(S, bm), triton.cdiv(n, bn))](
-                a, token_of_slot, weight, result, starts, counts, n, kk, E, *common, GATHER=relu, RELU2=relu,
+                a, token_of_slot, weight, result, starts, counts, n, kk, E, *common, GATHER=up_proj, RELU2=up_proj,
                 PRECISION=precision, BM=bm, BN=bn, BK=bk, BLOCK_E=block_e, USE_PDL=pdl, num_warps=warps,
                 num_stages=stages, **extra)
     if shared_ready is not None:

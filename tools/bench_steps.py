@@ -260,7 +260,8 @@ def tables(result: dict) -> str:
         out += ["| decode batch | eager (ms) | graph (ms) | eager/graph | graph, back to back (ms) "
                 "| replay on device (ms) | HBM floor (ms) | graph/floor |" + (" experts read a layer |" if moe else "")
                 + (" graph, shared expert unforked (ms) |" if unforked else ""),
-                "| --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if moe else "") + (" --- |" if unforked else "")]
+                "| --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if moe else "")
+                + (" --- |" if unforked else "")]
         for r in p["rows"]:
             if r["kind"] == "decode":
                 out.append(f"| {r['batch']} | {r['eager_ms']:.3f} | {r['graph_ms']:.3f} | "

@@ -31,6 +31,13 @@ class Overloaded(RuntimeError):
     """The engine holds as many requests as it was told to; try again later."""
 
 
+def _past_bound(in_flight: int, bound: int | None) -> Overloaded | None:
+    """The refusal of one more request where ``in_flight`` already reach ``bound`` (None: none)."""
+    if bound is not None and in_flight >= bound:
+        return Overloaded(f"{in_flight} requests in flight, the bound")
+    return None
+
+
 @dataclass
 class Stream:
     """A request's outputs as they arrive: ``await stream.next()`` until one is finished."""
@@ -98,8 +105,7 @@ class _Streams:
         return self._closed.wait(timeout)
 
     def _overloaded(self, pending: int = 0) -> Overloaded | None:
-        if self.max_requests is not None and len(self._streams) + pending >= self.max_requests:
-            return Overloaded(f"{len(self._streams) + pending} requests in flight, the bound")
+        return _past_bound(len(self._streams) + pending, self.max_requests)
         return None
 
     def _open(self, rid: int, prompt_tokens: int, loop: asyncio.AbstractEventLoop) -> Stream:
@@ -259,8 +265,8 @@ class _EngineServer:
     def _handle(self, i: int, kind: str, arg) -> None:
         if kind == "add":
             token, ids, params = arg
-            if self.max_requests is not None and len(self.owner) >= self.max_requests:
-                self._send(i, "refused", token, Overloaded(f"{len(self.owner)} requests in flight, the bound"))
+            if (refused := _past_bound(len(self.owner), self.max_requests)) is not None:
+                self._send(i, "refused", token, refused)
                 return
             try:
                 rid = self.engine.add_request(ids, params)

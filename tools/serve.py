@@ -54,10 +54,10 @@ def main(argv=None) -> int:
                              "where Mamba2-130M at 64 streams kept 94%% of its in-process tokens/s against 85%% "
                              "behind one; else 1)")
     args = parser.parse_args(argv)
-    try:
-        import uvicorn
+    try:  # the extra, checked before anything starts; ``_serve`` uses the first two
+        import uvicorn  # noqa: F401
 
-        from ..runtime.openai_api import create_app
+        from ..runtime.openai_api import create_app  # noqa: F401
         from ..runtime.serving import EngineLoop, EngineProcess
     except ImportError as e:
         parser.error(f"the server needs its extra: pip install -e \".[serve]\" ({e})")
@@ -103,8 +103,7 @@ def main(argv=None) -> int:
             workers.append(ctx.Process(target=_api_process, name="mambastep-api", args=(
                 conn, args.host, sock.getsockname()[1], name, args.max_tokens, args.max_requests, listening)))
             workers[-1].start()
-        app = create_app(loop, name, default_max_tokens=args.max_tokens, listening=lambda: listening.value)
-        _serve(uvicorn, app, sock, loop, listening)
+        _serve(loop, name, args.max_tokens, sock, listening)
     finally:
         for w in workers:
             w.terminate()  # uvicorn's SIGTERM: it stops serving; its client leaves the engine
@@ -125,12 +124,18 @@ def _listen(host: str, port: int, shared: bool) -> socket.socket:
     return sock
 
 
-def _serve(uvicorn, app, sock: socket.socket, engine_loop, listening) -> None:
-    """Serve ``app`` on ``sock`` until a signal, or until ``engine_loop`` stops (the engine process
-    gone: an API process then has nothing to serve); ``listening`` (a shared counter) counts this
-    process once it takes connections. uvicorn re-raises the signal it stopped on; for SIGTERM
-    that would end the process before its ``finally``, so it exits instead."""
+def _serve(engine_loop, name: str, default_max_tokens: int, sock: socket.socket, listening) -> None:
+    """Serve the API over ``engine_loop`` on ``sock`` until a signal, or until the loop stops (the
+    engine process gone: an API process then has nothing to serve); ``listening`` (a shared
+    counter) counts this process once it takes connections, and /health waits for them all.
+    uvicorn re-raises the signal it stopped on; for SIGTERM that would end the process before
+    its ``finally``, so it exits instead. (The server's extra is installed: ``main`` checked.)"""
+    import uvicorn
+
+    from ..runtime.openai_api import create_app
+
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    app = create_app(engine_loop, name, default_max_tokens=default_max_tokens, listening=lambda: listening.value)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
 
     def stop_with_the_engine():
@@ -151,15 +156,11 @@ def _serve(uvicorn, app, sock: socket.socket, engine_loop, listening) -> None:
 
 def _api_process(conn, host: str, port: int, name: str, default_max_tokens: int, max_requests, listening) -> None:
     """One more HTTP server process: the same app over its own connection to the engine process."""
-    import uvicorn
-
-    from ..runtime.openai_api import create_app
     from ..runtime.serving import EngineClient
 
     client = EngineClient(conn, max_requests=max_requests)
     try:
-        app = create_app(client, name, default_max_tokens=default_max_tokens, listening=lambda: listening.value)
-        _serve(uvicorn, app, _listen(host, port, shared=True), client, listening)
+        _serve(client, name, default_max_tokens, _listen(host, port, shared=True), listening)
     finally:
         client.close()
 

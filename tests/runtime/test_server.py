@@ -52,9 +52,10 @@ def engine_loop(kind, path, max_requests=None, max_context=96):
 class Server:
     """uvicorn in a thread on a free port, over an engine loop of either kind."""
 
-    def __init__(self, path, max_requests=None, max_context=96, kind="thread"):
+    def __init__(self, path, max_requests=None, max_context=96, kind="thread", listening=None):
         self.loop = engine_loop(kind, path, max_requests, max_context)
-        config = uvicorn.Config(create_app(self.loop, NAME), host="127.0.0.1", port=0, log_level="warning")
+        config = uvicorn.Config(create_app(self.loop, NAME, listening=listening), host="127.0.0.1", port=0,
+                                log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -290,6 +291,19 @@ def test_health_says_starting_until_every_api_process_listens(checkpoint):
         assert r.status_code == 200 and r.json()["api_processes"] == 2
     finally:
         loop.close()
+
+
+def test_bench_serve_against_a_starting_server_says_so(checkpoint, capsys):
+    from mambastep.tools import cli
+
+    s = Server(checkpoint, listening=lambda: 1)
+    s.loop.api_processes = 2  # as if one of two API processes listened yet
+    try:
+        with pytest.raises(SystemExit):
+            cli.main(["bench", "serve", "--url", s.url, "--quiet"])
+        assert "the server is starting (1 of its 2 API processes listen)" in capsys.readouterr().err
+    finally:
+        s.stop()
 
 
 def test_bench_serve_spreads_its_streams_over_client_processes(server, tmp_path):

@@ -1,5 +1,9 @@
-"""`pip install .` ships every subpackage: each folder with an __init__.py is listed in pyproject."""
+"""`pip install .` ships every subpackage: each folder with an __init__.py is listed in pyproject;
+imports run one way; and the tests run from a checkout under any directory name."""
 
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -58,3 +62,18 @@ def test_imports_run_one_way():
                 if target != top and FLOORS[target] >= floor:
                     wrong.append(f"{path.relative_to(ROOT)}:{line} imports {target}")
     assert not wrong, wrong
+
+
+def test_the_tests_run_from_a_checkout_under_any_directory_name(tmp_path):
+    """A download unpacked as ``mambastep-main`` (no Python name): pytest still imports the
+    checkout's root ``__init__.py`` as its test package's, and the tests run."""
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True)
+    if listed.returncode:
+        pytest.skip("not a git checkout")
+    copy = tmp_path / "mambastep-main"
+    for name in filter(None, listed.stdout.split("\0")):
+        (copy / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, copy / name)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "tests/kernels/test_activation.py"], cwd=copy, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:]

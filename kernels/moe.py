@@ -10,7 +10,7 @@ Static shapes throughout, so a step is captured once per bucket and replays with
    them in.
 2. ``moe_experts`` (align): the pairs per expert are counted, each expert's run padded to the
    GEMM tile height ``block_m`` and every pair given its slot, tokens in order within an expert
-   (one program for a decode step's few pairs, three parallel passes for a prefill chunk's).
+   (one program for a decode step's few pairs, two parallel passes for a prefill chunk's).
    Buffers are sized by the bucket: P = tokens x k pairs take at most P + min(E, P) x
    (block_m - 1) slots, whatever the routing. Up to ``PAIR_TILES_MAX`` pairs (a decode step of
    a row or two) nothing is aligned: each pair is a tile of its own.
@@ -258,51 +258,59 @@ def _align_kernel(idx_ptr, slot_of_pair_ptr, token_of_slot_ptr, starts_ptr, coun
 
 
 @triton.jit
-def _count_kernel(idx_ptr, block_counts_ptr, P, E, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Many programs, for many pairs: block b's pairs per expert, block_counts[b, e]."""
+def _count_kernel(idx_ptr, block_counts_ptr, P, E, SPAN, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Many programs, for many pairs: the pairs per expert among block b's SPAN pairs,
+    block_counts[b, e]."""
     b = tl.program_id(0)
     cols = tl.arange(0, BLOCK_E)
-    ps = b * BLOCK_P + tl.arange(0, BLOCK_P)
-    e = tl.load(idx_ptr + ps, mask=ps < P, other=BLOCK_E)
-    tl.store(block_counts_ptr + b * E + cols, tl.sum(_one_hot(e, cols), axis=0), mask=cols < E)
+    counts = tl.zeros((BLOCK_E,), tl.int32)
+    for p0 in range(b * SPAN, tl.minimum(b * SPAN + SPAN, P), BLOCK_P):
+        ps = p0 + tl.arange(0, BLOCK_P)
+        e = tl.load(idx_ptr + ps, mask=ps < P, other=BLOCK_E)
+        counts += tl.sum(_one_hot(e, cols), axis=0)
+    tl.store(block_counts_ptr + b * E + cols, counts, mask=cols < E)
 
 
 @triton.jit
-def _offsets_kernel(block_counts_ptr, prefix_ptr, starts_ptr, counts_ptr, NB, E,
-                    BM: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_E: tl.constexpr):
-    """One program: each block's first rank within every expert (prefix[b, e]), the pairs per
-    expert and each expert's padded run."""
+def _assign_kernel(idx_ptr, block_counts_ptr, slot_of_pair_ptr, token_of_slot_ptr, starts_ptr, counts_ptr,
+                   P, E, SPAN, NB, TOP_K: tl.constexpr, BM: tl.constexpr, BLOCK_P: tl.constexpr,
+                   BLOCK_B: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Many programs: the slots of block b's pairs (the layout ``_align_kernel`` makes). Each
+    program sums the blocks' counts itself (the pairs per expert, and those of the blocks before
+    its own), so no pass between the two waits on one program."""
+    b = tl.program_id(0)
     cols = tl.arange(0, BLOCK_E)
-    carry = tl.zeros((BLOCK_E,), tl.int32)
+    col_ok = cols < E
+    counts = tl.zeros((BLOCK_E,), tl.int32)
+    before = tl.zeros((BLOCK_E,), tl.int32)
     for b0 in range(0, NB, BLOCK_B):
         bs = b0 + tl.arange(0, BLOCK_B)
-        mask = (bs < NB)[:, None] & (cols < E)[None, :]
-        c = tl.load(block_counts_ptr + bs[:, None] * E + cols[None, :], mask=mask, other=0)
-        tl.store(prefix_ptr + bs[:, None] * E + cols[None, :], tl.cumsum(c, axis=0) - c + carry[None, :], mask=mask)
-        carry += tl.sum(c, axis=0)
-    padded = _padded(carry, BM)
-    tl.store(starts_ptr + cols, tl.cumsum(padded, axis=0) - padded, mask=cols < E)
-    tl.store(counts_ptr + cols, carry, mask=cols < E)
+        c = tl.load(block_counts_ptr + bs[:, None] * E + cols[None, :], mask=(bs < NB)[:, None] & col_ok[None, :],
+                    other=0)
+        counts += tl.sum(c, axis=0)
+        before += tl.sum(tl.where((bs < b)[:, None], c, 0), axis=0)
+    padded = _padded(counts, BM)
+    starts = tl.cumsum(padded, axis=0) - padded
+    if b == 0:
+        tl.store(starts_ptr + cols, starts, mask=col_ok)
+        tl.store(counts_ptr + cols, counts, mask=col_ok)
+    base = starts + before
+    for p0 in range(b * SPAN, tl.minimum(b * SPAN + SPAN, P), BLOCK_P):
+        ps = p0 + tl.arange(0, BLOCK_P)
+        ok = ps < P
+        e = tl.load(idx_ptr + ps, mask=ok, other=BLOCK_E)
+        hit = _one_hot(e, cols)
+        slot = _slots(hit, base)
+        tl.store(slot_of_pair_ptr + ps, slot, mask=ok)
+        tl.store(token_of_slot_ptr + slot, ps // TOP_K, mask=ok)
+        base += tl.sum(hit, axis=0)
 
 
-@triton.jit
-def _assign_kernel(idx_ptr, prefix_ptr, starts_ptr, slot_of_pair_ptr, token_of_slot_ptr, P, E,
-                   TOP_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Many programs: the slots of block b's pairs (the layout ``_align_kernel`` makes)."""
-    b = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_E)
-    ps = b * BLOCK_P + tl.arange(0, BLOCK_P)
-    ok = ps < P
-    e = tl.load(idx_ptr + ps, mask=ok, other=BLOCK_E)
-    base = tl.load(starts_ptr + cols, mask=cols < E, other=0) + tl.load(prefix_ptr + b * E + cols, mask=cols < E,
-                                                                         other=0)
-    slot = _slots(_one_hot(e, cols), base)
-    tl.store(slot_of_pair_ptr + ps, slot, mask=ok)
-    tl.store(token_of_slot_ptr + slot, ps // TOP_K, mask=ok)
-
-
-# pairs up to which one program aligns them (a decode step's), beyond which three passes do
+# pairs up to which one program aligns them (a decode step's), beyond which two passes do
 ALIGN_ONE_PROGRAM = 1024
+# blocks the two passes split the pairs into, at most (each assigning program sums every
+# block's counts: more blocks, more programs, but more reading each)
+ALIGN_BLOCKS = 64
 # pairs up to which each is a GEMM tile of its own and nothing is aligned (a decode step of one or
 # two rows: its pairs have distinct experts or nearly, so the sorted layout would save no weight
 # read, and its alignment pass is a launch on the step's critical path)
@@ -311,8 +319,8 @@ PAIR_TILES_MAX = 12
 
 def _align(idx, E: int, bm: int, S: int, pdl: bool = False):
     """(slot_of_pair [P], token_of_slot [S], starts [E], counts [E]) on the device: one program
-    for a decode step's few pairs, three parallel passes (count, offsets, assign) for a prefill
-    chunk's many. Both make the same layout. ``pdl``: the one program launches as a programmatic
+    for a decode step's few pairs, two parallel passes (count, assign) for a prefill chunk's
+    many. Both make the same layout. ``pdl``: the one program launches as a programmatic
     dependent."""
     P, k, dev = idx.numel(), idx.shape[1], idx.device
     slot_of_pair = torch.empty(P, dtype=torch.int32, device=dev)
@@ -326,14 +334,12 @@ def _align(idx, E: int, bm: int, S: int, pdl: bool = False):
                             BLOCK_P=block_p, BLOCK_E=block_e, USE_PDL=pdl, num_warps=8,
                             **({"launch_pdl": True} if pdl else {}))
         return slot_of_pair, token_of_slot, starts, counts
-    nb = triton.cdiv(P, block_p)
+    span = max(block_p, triton.next_power_of_2(triton.cdiv(P, ALIGN_BLOCKS)))
+    nb = triton.cdiv(P, span)
     block_counts = torch.empty(nb, E, dtype=torch.int32, device=dev)
-    prefix = torch.empty(nb, E, dtype=torch.int32, device=dev)
-    _count_kernel[(nb,)](idx, block_counts, P, E, BLOCK_P=block_p, BLOCK_E=block_e, num_warps=4)
-    _offsets_kernel[(1,)](block_counts, prefix, starts, counts, nb, E, BM=bm, BLOCK_B=max(16, 4096 // block_e),
-                          BLOCK_E=block_e, num_warps=8)
-    _assign_kernel[(nb,)](idx, prefix, starts, slot_of_pair, token_of_slot, P, E, TOP_K=k, BLOCK_P=block_p,
-                          BLOCK_E=block_e, num_warps=4)
+    _count_kernel[(nb,)](idx, block_counts, P, E, span, BLOCK_P=block_p, BLOCK_E=block_e, num_warps=4)
+    _assign_kernel[(nb,)](idx, block_counts, slot_of_pair, token_of_slot, starts, counts, P, E, span, nb, TOP_K=k,
+                          BM=bm, BLOCK_P=block_p, BLOCK_B=max(16, 4096 // block_e), BLOCK_E=block_e, num_warps=4)
     return slot_of_pair, token_of_slot, starts, counts
 
 

@@ -51,6 +51,8 @@ class MoEMixer(Mixer):
                                                             "fc2_latent_proj.weight", "fc2_latent_proj.bias"))
         self.route = dict(top_k=cfg.num_experts_per_tok, n_group=cfg.n_group, topk_group=cfg.topk_group,
                           norm_topk=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor)
+        # the layer's own: the few-row routing kernel counts its programs in it and leaves it at zero
+        self.route_counter = torch.zeros(1, dtype=torch.int32, device=self.gate.device)
 
     def forward(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         return self._moe(h, ctx, lambda: relu2_mlp(h, *self.shared))
@@ -77,7 +79,7 @@ class MoEMixer(Mixer):
                 ready = torch.cuda.Event()
                 ready.record(aux)
         pdl = ctx.options.pdl
-        idx, w = moe_route(h, self.gate, self.bias, **self.route, pdl=pdl)
+        idx, w = moe_route(h, self.gate, self.bias, **self.route, counter=self.route_counter, pdl=pdl)
         if ctx.observe is not None:
             ctx.observe(self.layer, idx)
         if self.latent is None:

@@ -44,18 +44,22 @@ def test_route_matches_hf_math(device, E, k, n_group, topk_group, T, dtype):
 
 @pytest.mark.parametrize("T", [1, 3, 16])
 def test_router_logits_split_over_the_hidden_size(device, T):
-    """A decode step's few rows take the split logits kernel: wide enough rows that it splits
-    into several chunks, with a ragged last one; the same experts and weights as HF's math."""
+    """A decode step's few rows take the one-launch routing: wide enough rows that it splits
+    into several chunks, with a ragged last one; the same experts and weights as HF's math, and
+    the counter its last program is chosen by left at zero for the next launch."""
     g = torch.Generator().manual_seed(T)
     D, E = 700, 16
     x = torch.randn(T, D, generator=g).to(torch.bfloat16).to(device)
     gate = (torch.randn(E, D, generator=g) * 0.1).to(device)
     bias = (torch.randn(E, generator=g) * 0.05).to(device)
     kw = dict(top_k=3, n_group=1, topk_group=1, norm_topk=True, scale=1.5)
-    idx, w = moe_route.triton(x, gate, bias, **kw)
+    counter = torch.zeros(1, dtype=torch.int32, device=device)
     ref_idx, ref_w = moe_route_ref(x.cpu(), gate.cpu(), bias.cpu(), **kw)
-    assert torch.equal(idx.cpu(), ref_idx)
-    torch.testing.assert_close(w.cpu(), ref_w, rtol=1e-5, atol=1e-6)
+    for _ in range(2):  # the second launch counts from the zero the first left
+        idx, w = moe_route.triton(x, gate, bias, **kw, counter=counter)
+        assert torch.equal(idx.cpu(), ref_idx)
+        torch.testing.assert_close(w.cpu(), ref_w, rtol=1e-5, atol=1e-6)
+        assert counter.item() == 0
 
 
 def test_route_without_normalisation_keeps_the_scores(device):

@@ -139,11 +139,34 @@ def _logits_kernel(x_ptr, gate_ptr, part_ptr, bias_ptr, idx_ptr, w_ptr, counter_
 
 
 @triton.jit
-def _topk_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, T, E, scale,
+def _router_dot_kernel(x_ptr, gate_ptr, part_ptr, T, E, D, CHUNK, stride_x, BLOCK_T: tl.constexpr,
+                       BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """More rows' router logits on tensor cores, split over D: part[s] = x[:, chunk s] @
+    gate[:, chunk s].T for a tile of rows and experts, x rounded up to fp32 (exact) and the
+    product in three TF32 products (``tf32x3``: about fp32's accuracy, as HF's fp32 GEMM). The
+    top-k kernel adds the chunks in order."""
+    ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    es = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    s = tl.program_id(2)
+    t_ok, e_ok = ts < T, es < E
+    acc = tl.zeros((BLOCK_T, BLOCK_E), tl.float32)
+    for d0 in range(s * CHUNK, tl.minimum(s * CHUNK + CHUNK, D), BLOCK_K):
+        ds = d0 + tl.arange(0, BLOCK_K)
+        d_ok = ds < D
+        x = tl.load(x_ptr + ts[:, None].to(tl.int64) * stride_x + ds[None, :], mask=t_ok[:, None] & d_ok[None, :],
+                    other=0.0).to(tl.float32)
+        g = tl.load(gate_ptr + es[:, None] * D + ds[None, :], mask=e_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(g), acc, input_precision=PRECISION)
+    tl.store(part_ptr + s * T * E + ts[:, None].to(tl.int64) * E + es[None, :], acc,
+             mask=t_ok[:, None] & e_ok[None, :])
+
+
+@triton.jit
+def _topk_kernel(part_ptr, bias_ptr, idx_ptr, w_ptr, T, E, scale,
                  TOP_K: tl.constexpr, N_GROUP: tl.constexpr, PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                 NORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
-                 USE_PDL: tl.constexpr):
-    """A block of tokens' top-k from their logits [T, E] (cuBLAS's)."""
+                 NORM: tl.constexpr, SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                 BLOCK_G: tl.constexpr, USE_PDL: tl.constexpr):
+    """A block of tokens' top-k from their logits, given as SPLIT partial sums [SPLIT, T, E]."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     row_ok, col_ok = rows < T, cols < E
@@ -151,8 +174,7 @@ def _topk_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, T, E, scale,
     if USE_PDL:  # the logits are the previous kernel's
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    logits = tl.load(logits_ptr + rows[:, None] * E + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
-                     other=0.0)
+    logits = _summed_logits(part_ptr, rows, row_ok, cols, col_ok, T, E, SPLIT, BLOCK_T, BLOCK_E)
     _choose(logits, bias, rows, row_ok, cols, col_ok, idx_ptr, w_ptr, scale, TOP_K, N_GROUP, PER_GROUP, TOPK_GROUP,
             NORM, BLOCK_T, BLOCK_E, BLOCK_G)
 
@@ -177,9 +199,12 @@ def moe_route_ref(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: in
 
 
 # tokens up to which the routing is one Triton kernel's (the logits split over experts and D, the
-# top-k by its last program: a decode step's few rows), beyond which the logits are cuBLAS's fp32
-# GEMM, as HF, and the top-k a kernel of its own
+# top-k by its last program: a decode step's few rows); beyond, the logits are a kernel's of
+# their own and the top-k another's
 ROUTER_KERNEL_MAX_T = 16
+# tokens up to which those logits are a Triton kernel's on tensor cores (TF32 x 3, reading the
+# activations as they are), beyond which cuBLAS's fp32 GEMM on an fp32 copy, as HF
+ROUTER_DOT_MAX_T = 1 << 30
 
 
 @with_reference(moe_route_ref)
@@ -225,11 +250,31 @@ def moe_route(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 
             BLOCK_T=block_t, BLOCK_E=4, BLOCK_D=block_d, BLOCK_ALL_E=block_all_e, USE_PDL=pdl, num_warps=4,
             **choice, **extra)
         return idx, w
-    logits = F.linear(x.float(), gate)  # as HF computes them (cuBLAS in fp32)
+    if T <= ROUTER_DOT_MAX_T:
+        part, split = _router_dot(x, gate)
+    else:  # as HF computes them (cuBLAS in fp32)
+        part, split = F.linear(x.float(), gate), 1
     block_t = 16
-    _topk_kernel[(triton.cdiv(T, block_t),)](logits, bias, idx, w, T, E, float(scale), BLOCK_T=block_t,
+    _topk_kernel[(triton.cdiv(T, block_t),)](part, bias, idx, w, T, E, float(scale), SPLIT=split, BLOCK_T=block_t,
                                              BLOCK_E=block_all_e, USE_PDL=pdl, num_warps=4, **choice, **extra)
     return idx, w
+
+
+def _router_dot(x, gate):
+    """The logits' partial sums [split, T, E] on tensor cores and the split: split over D until
+    the grid is about a wave of programs (a decode step of 64 rows is one tile of rows)."""
+    T, D = x.shape
+    E = gate.shape[0]
+    block_t, block_e, block_k = min(64, max(16, triton.next_power_of_2(T))), min(128, triton.next_power_of_2(E)), 32
+    tiles = triton.cdiv(T, block_t) * triton.cdiv(E, block_e)
+    want = max(1, min(triton.cdiv(D, 256), 128 // tiles))
+    chunk = block_k * triton.cdiv(D, want * block_k)
+    split = triton.cdiv(D, chunk)
+    part = torch.empty(split, T, E, dtype=torch.float32, device=x.device)
+    _router_dot_kernel[(triton.cdiv(T, block_t), triton.cdiv(E, block_e), split)](
+        x, gate, part, T, E, D, chunk, x.stride(0), BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k,
+        PRECISION="tf32x3", num_warps=4, num_stages=3)
+    return part, split
 
 
 # ---------------------------------------------------------------------------------------------

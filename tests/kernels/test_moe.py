@@ -62,6 +62,23 @@ def test_router_logits_split_over_the_hidden_size(device, T):
         assert counter.item() == 0
 
 
+@pytest.mark.parametrize("T,E", [(17, 16), (100, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_router_logits_on_tensor_cores(device, T, E, dtype):
+    """More rows take the tensor-core logits kernel, split over D (here into three chunks, the
+    last one ragged) and tiled over rows (a ragged last tile): HF's experts and weights."""
+    g = torch.Generator().manual_seed(T + E)
+    D = 600
+    x = torch.randn(T, D, generator=g).to(dtype).to(device)
+    gate = (torch.randn(E, D, generator=g) * 0.1).to(device)
+    bias = (torch.randn(E, generator=g) * 0.05).to(device)
+    kw = dict(top_k=6, n_group=1, topk_group=1, norm_topk=True, scale=2.5)
+    idx, w = moe_route.triton(x, gate, bias, **kw)
+    ref_idx, ref_w = moe_route_ref(x.cpu(), gate.cpu(), bias.cpu(), **kw)
+    assert torch.equal(idx.cpu(), ref_idx)
+    torch.testing.assert_close(w.cpu(), ref_w, rtol=1e-5, atol=1e-6)
+
+
 def test_route_without_normalisation_keeps_the_scores(device):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4, 24, generator=g).to(device)

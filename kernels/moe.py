@@ -433,13 +433,13 @@ def _align(idx, E: int, bm: int, S: int, pdl: bool = False):
 
 
 @triton.jit
-def _tile_product(a_ptr, src, ok, slots, e, w_ptr, out_ptr, N, K, stride_a, stride_we, stride_wn, stride_out,
+def _tile_product(a_ptr, src, ok, slots, e, w_ptr, out_ptr, n0, N, K, stride_a, stride_we, stride_wn, stride_out,
                   RELU2: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                   BK: tl.constexpr, USE_PDL: tl.constexpr):
-    """out[slots] = a[src] @ w[e].T over this program's BN columns for the rows ``ok`` of a
-    tile; relu2 after, when RELU2. With USE_PDL it signals its dependents after its K loop
-    (several waves at prefill sizes: they take SM slots as the last one drains)."""
-    ns = tl.program_id(1) * BN + tl.arange(0, BN)
+    """out[slots] = a[src] @ w[e].T over the BN columns from n0 for the rows ``ok`` of a tile;
+    relu2 after, when RELU2. With USE_PDL it signals its dependents after its K loop (several
+    waves at prefill sizes: they take SM slots as the last one drains)."""
+    ns = n0 + tl.arange(0, BN)
     n_ok = ns < N
     a_rows = a_ptr + src[:, None].to(tl.int64) * stride_a
     w_rows = w_ptr + e.to(tl.int64) * stride_we + ns[:, None].to(tl.int64) * stride_wn
@@ -466,10 +466,13 @@ def _grouped_kernel(a_ptr, token_ptr, w_ptr, out_ptr, starts_ptr, counts_ptr, N,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_E: tl.constexpr,
                     USE_PDL: tl.constexpr):
     """The sorted layout: out[slot] = a[row] @ w[expert].T for a tile of BM slots of one
-    expert's run (row: the slot's token when GATHER, else the slot itself)."""
+    expert's run (row: the slot's token when GATHER, else the slot itself). The grid is
+    (column blocks, tiles), columns fastest: the programs running together share their tiles'
+    rows of a, read once from HBM (a prefill chunk's h, a down projection's input, is larger
+    than L2), and every weight tile is read once whatever the order."""
     if USE_PDL:  # the layout and a are the kernels' before
         tl.extra.cuda.gdc_wait()
-    slot0 = tl.program_id(0) * BM
+    slot0 = tl.program_id(1) * BM
     cols = tl.arange(0, BLOCK_E)
     starts = tl.load(starts_ptr + cols, mask=cols < E, other=0)
     counts = tl.load(counts_ptr + cols, mask=cols < E, other=0)
@@ -481,8 +484,8 @@ def _grouped_kernel(a_ptr, token_ptr, w_ptr, out_ptr, starts_ptr, counts_ptr, N,
         slots = slot0 + tl.arange(0, BM)
         ok = slots - start < count
         src = tl.load(token_ptr + slots, mask=ok, other=0) if GATHER else slots
-        _tile_product(a_ptr, src, ok, slots, e, w_ptr, out_ptr, N, K, stride_a, stride_we, stride_wn, stride_out,
-                      RELU2, PRECISION, BM, BN, BK, USE_PDL)
+        _tile_product(a_ptr, src, ok, slots, e, w_ptr, out_ptr, tl.program_id(0) * BN, N, K, stride_a, stride_we,
+                      stride_wn, stride_out, RELU2, PRECISION, BM, BN, BK, USE_PDL)
 
 
 @triton.jit
@@ -498,8 +501,8 @@ def _pair_kernel(a_ptr, idx_ptr, w_ptr, out_ptr, N, K, stride_a, stride_we, stri
     slots = p + tl.arange(0, BM)
     ok = tl.arange(0, BM) == 0
     src = slots // TOP_K if GATHER else slots
-    _tile_product(a_ptr, src, ok, slots, e, w_ptr, out_ptr, N, K, stride_a, stride_we, stride_wn, stride_out,
-                  RELU2, PRECISION, BM, BN, BK, USE_PDL)
+    _tile_product(a_ptr, src, ok, slots, e, w_ptr, out_ptr, tl.program_id(1) * BN, N, K, stride_a, stride_we,
+                  stride_wn, stride_out, RELU2, PRECISION, BM, BN, BK, USE_PDL)
 
 
 @triton.jit
@@ -602,7 +605,7 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
                 a, idx, weight, result, n, kk, *common, GATHER=up_proj, TOP_K=k, RELU2=up_proj, PRECISION=precision,
                 BM=bm, BN=bn, BK=bk, USE_PDL=pdl, num_warps=warps, num_stages=stages, **extra)
         else:
-            _grouped_kernel[(triton.cdiv(S, bm), triton.cdiv(n, bn))](
+            _grouped_kernel[(triton.cdiv(n, bn), triton.cdiv(S, bm))](
                 a, token_of_slot, weight, result, starts, counts, n, kk, E, *common, GATHER=up_proj, RELU2=up_proj,
                 PRECISION=precision, BM=bm, BN=bn, BK=bk, BLOCK_E=block_e, USE_PDL=pdl, num_warps=warps,
                 num_stages=stages, **extra)

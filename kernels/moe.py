@@ -32,6 +32,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from triton.tools.tensor_descriptor import TensorDescriptor
+
 from .activation import relu2_ref
 from .dispatch import with_reference
 
@@ -435,20 +437,34 @@ def _align(idx, E: int, bm: int, S: int, pdl: bool = False):
 @triton.jit
 def _tile_product(a_ptr, src, ok, slots, e, w_ptr, out_ptr, n0, N, K, stride_a, stride_we, stride_wn, stride_out,
                   RELU2: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                  BK: tl.constexpr, USE_PDL: tl.constexpr):
+                  BK: tl.constexpr, USE_PDL: tl.constexpr, A_TMA: tl.constexpr = False, W_TMA: tl.constexpr = False):
     """out[slots] = a[src] @ w[e].T over the BN columns from n0 for the rows ``ok`` of a tile;
     relu2 after, when RELU2. With USE_PDL it signals its dependents after its K loop (several
-    waves at prefill sizes: they take SM slots as the last one drains)."""
+    waves at prefill sizes: they take SM slots as the last one drains).
+
+    W_TMA: w_ptr is a tensor descriptor of the weights [E, N, K] in [1, BN, BK] blocks (its
+    tiles copied by the TMA unit, the columns past N zeros); A_TMA: a_ptr is one of a [rows, K]
+    in [BM, BK] blocks and the tile's rows are src[0] onwards, in order."""
     ns = n0 + tl.arange(0, BN)
     n_ok = ns < N
-    a_rows = a_ptr + src[:, None].to(tl.int64) * stride_a
-    w_rows = w_ptr + e.to(tl.int64) * stride_we + ns[:, None].to(tl.int64) * stride_wn
+    if not A_TMA:
+        a_rows = a_ptr + src[:, None].to(tl.int64) * stride_a
+    else:
+        row0 = tl.min(src, axis=0)  # src[0]: the rows are in order
+    if not W_TMA:
+        w_rows = w_ptr + e.to(tl.int64) * stride_we + ns[:, None].to(tl.int64) * stride_wn
     acc = tl.zeros((BM, BN), tl.float32)
     for k0 in range(0, K, BK):
         ks = k0 + tl.arange(0, BK)
         k_ok = ks < K
-        a = tl.load(a_rows + ks[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if A_TMA:  # rows past the tile's run are another run's or padding: their products are not stored
+            a = a_ptr.load([row0, k0])
+        else:
+            a = tl.load(a_rows + ks[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
+        if W_TMA:
+            w = w_ptr.load([e, n0, k0]).reshape(BN, BK)
+        else:
+            w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -464,9 +480,10 @@ def _grouped_kernel(a_ptr, token_ptr, w_ptr, out_ptr, starts_ptr, counts_ptr, N,
                     stride_a, stride_we, stride_wn, stride_out,
                     GATHER: tl.constexpr, RELU2: tl.constexpr, PRECISION: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_E: tl.constexpr,
-                    USE_PDL: tl.constexpr):
+                    USE_PDL: tl.constexpr, A_TMA: tl.constexpr, W_TMA: tl.constexpr):
     """The sorted layout: out[slot] = a[row] @ w[expert].T for a tile of BM slots of one
-    expert's run (row: the slot's token when GATHER, else the slot itself). The grid is
+    expert's run (row: the slot's token when GATHER, else the slot itself; A_TMA and W_TMA as
+    ``_tile_product``). The grid is
     (column blocks, tiles), columns fastest: the programs running together share their tiles'
     rows of a, read once from HBM (a prefill chunk's h, a down projection's input, is larger
     than L2), and every weight tile is read once whatever the order."""
@@ -485,7 +502,7 @@ def _grouped_kernel(a_ptr, token_ptr, w_ptr, out_ptr, starts_ptr, counts_ptr, N,
         ok = slots - start < count
         src = tl.load(token_ptr + slots, mask=ok, other=0) if GATHER else slots
         _tile_product(a_ptr, src, ok, slots, e, w_ptr, out_ptr, tl.program_id(0) * BN, N, K, stride_a, stride_we,
-                      stride_wn, stride_out, RELU2, PRECISION, BM, BN, BK, USE_PDL)
+                      stride_wn, stride_out, RELU2, PRECISION, BM, BN, BK, USE_PDL, A_TMA, W_TMA)
 
 
 @triton.jit
@@ -605,10 +622,15 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
                 a, idx, weight, result, n, kk, *common, GATHER=up_proj, TOP_K=k, RELU2=up_proj, PRECISION=precision,
                 BM=bm, BN=bn, BK=bk, USE_PDL=pdl, num_warps=warps, num_stages=stages, **extra)
         else:
+            # the TMA unit copies the weight tiles (and the down projection's input tiles, whose
+            # rows are a tile's slots in order), where it can
+            tma = _tma(weight) and (up_proj or _tma(a))
+            w_arg = TensorDescriptor.from_tensor(weight, [1, bn, bk]) if tma else weight
+            a_arg = TensorDescriptor.from_tensor(a, [bm, bk]) if tma and not up_proj else a
             _grouped_kernel[(triton.cdiv(n, bn), triton.cdiv(S, bm))](
-                a, token_of_slot, weight, result, starts, counts, n, kk, E, *common, GATHER=up_proj, RELU2=up_proj,
-                PRECISION=precision, BM=bm, BN=bn, BK=bk, BLOCK_E=block_e, USE_PDL=pdl, num_warps=warps,
-                num_stages=stages, **extra)
+                a_arg, token_of_slot, w_arg, result, starts, counts, n, kk, E, *common, GATHER=up_proj, RELU2=up_proj,
+                PRECISION=precision, BM=bm, BN=bn, BK=bk, BLOCK_E=block_e, USE_PDL=pdl, A_TMA=tma and not up_proj,
+                W_TMA=tma, num_warps=warps, num_stages=stages, **extra)
     if shared_ready is not None:
         torch.cuda.current_stream(dev).wait_event(shared_ready)
         pdl, extra = False, {}  # its launch waits for another stream: a full dependency
@@ -619,6 +641,19 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
         TOP_K=k, SHARED=shared is not None, ACCUMULATE=residual is not None, BLOCK_D=block_d, PAIRS=pairs,
         USE_PDL=pdl, num_warps=4, **extra)
     return target
+
+
+# the grouped GEMMs' tiles come through the TMA unit (Hopper on, and the interpreter) where the
+# operands allow: the switch lets a benchmark time both ways in one process
+GROUPED_TMA = True
+
+
+def _tma(t: torch.Tensor) -> bool:
+    """Whether ``t``'s tiles can come through a TMA descriptor: a device with the unit (or the
+    interpreter) and 16-byte aligned rows."""
+    if not GROUPED_TMA or (t.is_cuda and torch.cuda.get_device_capability(t.device)[0] < 9):
+        return False
+    return t.data_ptr() % 16 == 0 and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1])
 
 
 def _gemm_config(bm: int, n: int, k: int, dtype: torch.dtype) -> tuple[int, int, int, int]:

@@ -36,6 +36,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .activation import relu2_ref
 from .dispatch import with_reference
+from .norm import normalized, rms_norm, rms_norm_ref
 
 __all__ = ["block_m", "moe_experts", "moe_experts_ref", "moe_route", "moe_route_ref", "slot_count"]
 
@@ -101,30 +102,48 @@ def _summed_logits(part_ptr, rows, row_ok, cols, col_ok, T, E, SPLIT: tl.constex
 
 
 @triton.jit
-def _logits_kernel(x_ptr, gate_ptr, part_ptr, bias_ptr, idx_ptr, w_ptr, counter_ptr, T, E, D, CHUNK, stride_x,
-                   scale, TOP_K: tl.constexpr, N_GROUP: tl.constexpr, PER_GROUP: tl.constexpr,
-                   TOPK_GROUP: tl.constexpr, NORM: tl.constexpr, SPLIT: tl.constexpr, BLOCK_T: tl.constexpr,
-                   BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_ALL_E: tl.constexpr, BLOCK_G: tl.constexpr,
-                   USE_PDL: tl.constexpr):
+def _logits_kernel(x_ptr, gate_ptr, part_ptr, bias_ptr, idx_ptr, w_ptr, counter_ptr, nw_ptr, h_ptr,
+                   T, E, D, CHUNK, stride_x, stride_h, eps, scale,
+                   TOP_K: tl.constexpr, N_GROUP: tl.constexpr, PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                   NORM: tl.constexpr, SPLIT: tl.constexpr, NORMED: tl.constexpr, ROUND_FIRST: tl.constexpr,
+                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_ROW: tl.constexpr,
+                   BLOCK_ALL_E: tl.constexpr, BLOCK_G: tl.constexpr, USE_PDL: tl.constexpr):
     """A few tokens' routing in one launch. Each program takes a block of experts over a chunk
     of D: part[s, t, e] = the sum over chunk s of x[t, d] * gate[e, d], in fp32 multiply-adds (x
     rounded up from its dtype, as HF's ``hidden.float()``). The program that finishes last, told
     by a counter (which it resets for the next launch), adds the chunks in order and chooses the
-    experts, so the result is the same whichever program that is, and no float atomics."""
+    experts, so the result is the same whichever program that is, and no float atomics.
+
+    NORMED: x is the block's input and the router's is its RMSNorm (weight nw): every program
+    takes its rows' norms over the whole of D (from L2), the first block of experts writes the
+    normed chunk to h, as ``rms_norm`` rounds it, and the logits are of those rounded values."""
     es = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     s = tl.program_id(1)
     ts = tl.arange(0, BLOCK_T)
     e_ok, t_ok = es < E, ts < T
+    x_rows = x_ptr + ts[:, None] * stride_x
     if USE_PDL:  # x is the previous kernel's
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    if NORMED:
+        squares = tl.zeros((BLOCK_T, BLOCK_ROW), tl.float32)
+        for d0 in range(0, D, BLOCK_ROW):
+            ds = d0 + tl.arange(0, BLOCK_ROW)
+            v = tl.load(x_rows + ds[None, :], mask=t_ok[:, None] & (ds < D)[None, :], other=0.0).to(tl.float32)
+            squares += v * v
+        rstd = tl.rsqrt(tl.sum(squares, axis=1) / D + eps)[:, None]
     acc = tl.zeros((BLOCK_T, BLOCK_E, BLOCK_D), tl.float32)
     for d0 in range(s * CHUNK, tl.minimum(s * CHUNK + CHUNK, D), BLOCK_D):
         ds = d0 + tl.arange(0, BLOCK_D)
         d_ok = ds < D
         g = tl.load(gate_ptr + es[:, None] * D + ds[None, :], mask=e_ok[:, None] & d_ok[None, :], other=0.0)
-        x = tl.load(x_ptr + ts[:, None] * stride_x + ds[None, :], mask=t_ok[:, None] & d_ok[None, :],
-                    other=0.0).to(tl.float32)
+        x = tl.load(x_rows + ds[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        if NORMED:
+            nw = tl.load(nw_ptr + ds, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+            h = normalized(x, rstd, nw, ROUND_FIRST, h_ptr.dtype.element_ty)
+            if tl.program_id(0) == 0:
+                tl.store(h_ptr + ts[:, None] * stride_h + ds[None, :], h, mask=t_ok[:, None] & d_ok[None, :])
+            x = h.to(tl.float32)
         acc += x[:, None, :] * g[None, :, :]
     tl.store(part_ptr + s * T * E + ts[:, None] * E + es[None, :], tl.sum(acc, axis=2),
              mask=t_ok[:, None] & e_ok[None, :])
@@ -182,7 +201,10 @@ def _topk_kernel(part_ptr, bias_ptr, idx_ptr, w_ptr, T, E, scale,
 
 
 def moe_route_ref(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 1, norm_topk: bool = True,
-                  scale: float = 1.0, counter=None, pdl: bool = False):
+                  scale: float = 1.0, norm_weight=None, norm_eps: float = 0.0, round_first: bool = False,
+                  normed=None, counter=None, pdl: bool = False):
+    if norm_weight is not None:
+        x = rms_norm_ref(x, norm_weight, norm_eps, out=normed, round_first=round_first)
     scores = F.linear(x.float(), gate.float()).sigmoid()
     choice = scores + bias
     T, E = scores.shape
@@ -211,7 +233,8 @@ ROUTER_DOT_MAX_T = 1 << 30
 
 @with_reference(moe_route_ref)
 def moe_route(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 1, norm_topk: bool = True,
-              scale: float = 1.0, counter=None, pdl: bool = False):
+              scale: float = 1.0, norm_weight=None, norm_eps: float = 0.0, round_first: bool = False,
+              normed=None, counter=None, pdl: bool = False):
     """A token's experts and weights, as HF's NemotronH router.
 
     x [T, D] (any float dtype), gate [E, D] fp32, bias [E] fp32 (the score-correction bias, which
@@ -219,6 +242,9 @@ def moe_route(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 
     [T, top_k] fp32). ``n_group``/``topk_group``: the choice is limited to the ``topk_group``
     groups (of E / n_group experts) with the best two-expert sums.
 
+    norm_weight: x is the block's input, and the router's is its RMSNorm (``norm_eps``,
+    ``round_first`` as ``rms_norm``), written into ``normed`` [T, D] for the experts; a decode
+    step's few rows do it in the routing's own launch.
     counter: an int32 [1] buffer holding zero, one per call site (a layer's), which the few-row
     kernel counts its programs in and leaves at zero again; without one, a zeroed one is made
     for the call. pdl: its kernels launch as programmatic dependents of the previous kernel
@@ -231,6 +257,8 @@ def moe_route(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 
                          f"{list(x.shape)}, {list(gate.shape)}, {list(bias.shape)}")
     if E % n_group or not 1 <= topk_group <= n_group or top_k > topk_group * (E // n_group):
         raise ValueError(f"moe_route: {top_k} of {E} experts in {topk_group} of {n_group} groups do not fit")
+    if norm_weight is not None and (normed is None or normed.shape != (T, D) or normed.stride(1) != 1):
+        raise ValueError(f"moe_route: with a norm, normed must be [{T}, {D}] with contiguous rows")
     idx = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
     w = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
     choice = dict(TOP_K=top_k, N_GROUP=n_group, PER_GROUP=E // n_group, TOPK_GROUP=topk_group, NORM=norm_topk,
@@ -238,8 +266,8 @@ def moe_route(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 
     block_all_e = max(16, triton.next_power_of_2(E))
     extra = {"launch_pdl": True} if pdl else {}
     if T <= ROUTER_KERNEL_MAX_T:
-        # a few rows: one launch for what took four (the cast, cuBLAS's fp32 product and its
-        # reduction, 7 us a layer at one row, and the top-k), split over experts and D
+        # a few rows: one launch for what took five (the block norm, the cast, cuBLAS's fp32
+        # product and its reduction, 7 us a layer at one row, and the top-k), split over experts and D
         if counter is None:
             counter = torch.zeros(1, dtype=torch.int32, device=x.device)
         block_t = triton.next_power_of_2(T)
@@ -247,11 +275,16 @@ def moe_route(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 
         chunk = block_d * triton.cdiv(D, 4 * block_d)
         split = triton.cdiv(D, chunk)
         part = torch.empty(split, T, E, dtype=torch.float32, device=x.device)
+        h = normed if norm_weight is not None else x
         _logits_kernel[(triton.cdiv(E, 4), split)](
-            x, gate, part, bias, idx, w, counter, T, E, D, chunk, x.stride(0), float(scale), SPLIT=split,
-            BLOCK_T=block_t, BLOCK_E=4, BLOCK_D=block_d, BLOCK_ALL_E=block_all_e, USE_PDL=pdl, num_warps=4,
-            **choice, **extra)
+            x, gate, part, bias, idx, w, counter, norm_weight if norm_weight is not None else x, h, T, E, D, chunk,
+            x.stride(0), h.stride(0), float(norm_eps), float(scale), SPLIT=split, NORMED=norm_weight is not None,
+            ROUND_FIRST=round_first, BLOCK_T=block_t, BLOCK_E=4, BLOCK_D=block_d,
+            BLOCK_ROW=max(block_d, 4096 // block_t), BLOCK_ALL_E=block_all_e, USE_PDL=pdl, num_warps=4, **choice,
+            **extra)
         return idx, w
+    if norm_weight is not None:
+        x = rms_norm(x, norm_weight, norm_eps, out=normed, round_first=round_first, pdl=pdl)
     if T <= ROUTER_DOT_MAX_T:
         part, split = _router_dot(x, gate)
     else:  # as HF computes them (cuBLAS in fp32)

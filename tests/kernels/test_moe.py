@@ -66,6 +66,28 @@ def test_router_logits_split_over_the_hidden_size(device, T):
         assert counter.item() == 0
 
 
+@pytest.mark.parametrize("T", [1, 3, 16, 40])
+@pytest.mark.parametrize("round_first", [False, True])
+def test_route_takes_the_block_norm_on_the_way(device, T, round_first):
+    """Given the block norm, routing normalises the block's input itself (in its own launch for a
+    decode step's few rows, a norm kernel first past them) and hands the normed rows on."""
+    g = torch.Generator().manual_seed(T)
+    D, E = 700, 16
+    x = (3 * torch.randn(T, D, generator=g)).to(torch.bfloat16).to(device)
+    nw = (1 + 0.1 * torch.randn(D, generator=g)).to(torch.bfloat16).to(device)
+    gate = (torch.randn(E, D, generator=g) * 0.1).to(device)
+    bias = (torch.randn(E, generator=g) * 0.05).to(device)
+    kw = dict(top_k=3, norm_topk=True, scale=1.5, norm_weight=nw, norm_eps=1e-5, round_first=round_first)
+    normed = poisoned((T, D), torch.bfloat16, device)
+    idx, w = moe_route.triton(x, gate, bias, **kw, normed=normed)
+    ref_normed = torch.empty(T, D, dtype=torch.bfloat16)
+    ref_idx, ref_w = moe_route_ref(x.cpu(), gate.cpu(), bias.cpu(), **{**kw, "norm_weight": nw.cpu()},
+                                   normed=ref_normed)
+    assert_close(normed.cpu(), ref_normed, torch.bfloat16)
+    assert torch.equal(idx.cpu(), ref_idx)
+    torch.testing.assert_close(w.cpu(), ref_w, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("T,E", [(17, 16), (100, 128)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_router_logits_on_tensor_cores(device, T, E, dtype):

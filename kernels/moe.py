@@ -657,7 +657,7 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
         else:
             # the TMA unit copies the weight tiles (and the down projection's input tiles, whose
             # rows are a tile's slots in order), where it can
-            tma = _tma(weight) and (up_proj or _tma(a))
+            tma = bm >= GROUPED_TMA_MIN_BM and _tma(weight) and (up_proj or _tma(a))
             w_arg = TensorDescriptor.from_tensor(weight, [1, bn, bk]) if tma else weight
             a_arg = TensorDescriptor.from_tensor(a, [bm, bk]) if tma and not up_proj else a
             _grouped_kernel[(triton.cdiv(n, bn), triton.cdiv(S, bm))](
@@ -676,15 +676,17 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
     return target
 
 
-# the grouped GEMMs' tiles come through the TMA unit (Hopper on, and the interpreter) where the
-# operands allow: the switch lets a benchmark time both ways in one process
-GROUPED_TMA = True
+# the tile height from which the grouped GEMMs' tiles come through the TMA unit (Hopper on, and
+# the interpreter) where the operands allow: prefill chunks' tiles, whose weight streams run at
+# about 60% of copy bandwidth through pointer loads (decode steps' 16-row tiles reach 98-100%).
+# A benchmark sets it to time both ways in one process.
+GROUPED_TMA_MIN_BM = 32
 
 
 def _tma(t: torch.Tensor) -> bool:
     """Whether ``t``'s tiles can come through a TMA descriptor: a device with the unit (or the
     interpreter) and 16-byte aligned rows."""
-    if not GROUPED_TMA or (t.is_cuda and torch.cuda.get_device_capability(t.device)[0] < 9):
+    if t.is_cuda and torch.cuda.get_device_capability(t.device)[0] < 9:
         return False
     return t.data_ptr() % 16 == 0 and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1])
 

@@ -3,10 +3,10 @@ pairs sorted by expert, two grouped GEMMs over those pairs only, and a weighted 
 
 Static shapes throughout, so a step is captured once per bucket and replays with no host sync:
 
-1. ``moe_route``: router logits in fp32 (more than a few rows in cuBLAS, as HF), then sigmoid
-   scores, the score-correction bias for the choice, group-limited top-k, normalisation and
-   routed scaling, exactly as HF's NemotronH; a decode step's few rows all in one launch. A token's k experts come out in ascending expert order, the order HF's loop adds
-   them in.
+1. ``moe_route``: router logits in fp32, then sigmoid scores, the score-correction bias for the
+   choice, group-limited top-k, normalisation and routed scaling, exactly as HF's NemotronH; a
+   decode step's few rows in one launch, the block norm before them too. A token's k experts
+   come out in ascending expert order, the order HF's loop adds them in.
 2. ``moe_experts`` (align): the pairs per expert are counted, each expert's run padded to the
    GEMM tile height ``block_m`` and every pair given its slot, tokens in order within an expert
    (one program for a decode step's few pairs, two parallel passes for a prefill chunk's).
@@ -31,7 +31,6 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .activation import relu2_ref
@@ -105,7 +104,7 @@ def _summed_logits(part_ptr, rows, row_ok, cols, col_ok, T, E, SPLIT: tl.constex
 def _logits_kernel(x_ptr, gate_ptr, part_ptr, bias_ptr, idx_ptr, w_ptr, counter_ptr, nw_ptr, h_ptr,
                    T, E, D, CHUNK, stride_x, stride_h, eps, scale,
                    TOP_K: tl.constexpr, N_GROUP: tl.constexpr, PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                   NORM: tl.constexpr, SPLIT: tl.constexpr, NORMED: tl.constexpr, ROUND_FIRST: tl.constexpr,
+                   NORM: tl.constexpr, SPLIT: tl.constexpr, PRENORM: tl.constexpr, ROUND_FIRST: tl.constexpr,
                    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_ROW: tl.constexpr,
                    BLOCK_ALL_E: tl.constexpr, BLOCK_G: tl.constexpr, USE_PDL: tl.constexpr):
     """A few tokens' routing in one launch. Each program takes a block of experts over a chunk
@@ -114,7 +113,7 @@ def _logits_kernel(x_ptr, gate_ptr, part_ptr, bias_ptr, idx_ptr, w_ptr, counter_
     by a counter (which it resets for the next launch), adds the chunks in order and chooses the
     experts, so the result is the same whichever program that is, and no float atomics.
 
-    NORMED: x is the block's input and the router's is its RMSNorm (weight nw): every program
+    PRENORM: x is the block's input and the router's is its RMSNorm (weight nw): every program
     takes its rows' norms over the whole of D (from L2), the first block of experts writes the
     normed chunk to h, as ``rms_norm`` rounds it, and the logits are of those rounded values."""
     es = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -125,7 +124,7 @@ def _logits_kernel(x_ptr, gate_ptr, part_ptr, bias_ptr, idx_ptr, w_ptr, counter_
     if USE_PDL:  # x is the previous kernel's
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    if NORMED:
+    if PRENORM:
         squares = tl.zeros((BLOCK_T, BLOCK_ROW), tl.float32)
         for d0 in range(0, D, BLOCK_ROW):
             ds = d0 + tl.arange(0, BLOCK_ROW)
@@ -138,7 +137,7 @@ def _logits_kernel(x_ptr, gate_ptr, part_ptr, bias_ptr, idx_ptr, w_ptr, counter_
         d_ok = ds < D
         g = tl.load(gate_ptr + es[:, None] * D + ds[None, :], mask=e_ok[:, None] & d_ok[None, :], other=0.0)
         x = tl.load(x_rows + ds[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        if NORMED:
+        if PRENORM:
             nw = tl.load(nw_ptr + ds, mask=d_ok, other=0.0).to(tl.float32)[None, :]
             h = normalized(x, rstd, nw, ROUND_FIRST, h_ptr.dtype.element_ty)
             if tl.program_id(0) == 0:
@@ -266,8 +265,9 @@ def moe_route(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 
     block_all_e = max(16, triton.next_power_of_2(E))
     extra = {"launch_pdl": True} if pdl else {}
     if T <= ROUTER_KERNEL_MAX_T:
-        # a few rows: one launch for what took five (the block norm, the cast, cuBLAS's fp32
-        # product and its reduction, 7 us a layer at one row, and the top-k), split over experts and D
+        # a few rows: the block norm, the logits and the top-k in one launch, split over experts
+        # and D (as separate kernels, the cast, cuBLAS's product and its reduction alone took 7 us
+        # a layer at one row)
         if counter is None:
             counter = torch.zeros(1, dtype=torch.int32, device=x.device)
         block_t = triton.next_power_of_2(T)
@@ -278,7 +278,7 @@ def moe_route(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 
         h = normed if norm_weight is not None else x
         _logits_kernel[(triton.cdiv(E, 4), split)](
             x, gate, part, bias, idx, w, counter, norm_weight if norm_weight is not None else x, h, T, E, D, chunk,
-            x.stride(0), h.stride(0), float(norm_eps), float(scale), SPLIT=split, NORMED=norm_weight is not None,
+            x.stride(0), h.stride(0), float(norm_eps), float(scale), SPLIT=split, PRENORM=norm_weight is not None,
             ROUND_FIRST=round_first, BLOCK_T=block_t, BLOCK_E=4, BLOCK_D=block_d,
             BLOCK_ROW=max(block_d, 4096 // block_t), BLOCK_ALL_E=block_all_e, USE_PDL=pdl, num_warps=4, **choice,
             **extra)

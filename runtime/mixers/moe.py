@@ -51,8 +51,6 @@ class MoEMixer(Mixer):
                                                             "fc2_latent_proj.weight", "fc2_latent_proj.bias"))
         self.route = dict(top_k=cfg.num_experts_per_tok, n_group=cfg.n_group, topk_group=cfg.topk_group,
                           norm_topk=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor)
-        # the layer's own: the few-row routing kernel counts its programs in it and leaves it at zero
-        self.route_counter = torch.zeros(1, dtype=torch.int32, device=self.gate.device)
 
     def forward(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         return self._moe(h, ctx, lambda: relu2_mlp(h, *self.shared))
@@ -81,13 +79,13 @@ class MoEMixer(Mixer):
                     shared = shared_expert()
                 ready = torch.cuda.Event()
                 ready.record(aux)
-        pdl = ctx.options.pdl
+        pdl, counter = ctx.options.pdl, ctx.pool.route_counter[self.layer]
         if norm is None:
-            idx, w = moe_route(h, self.gate, self.bias, **self.route, counter=self.route_counter, pdl=pdl)
+            idx, w = moe_route(h, self.gate, self.bias, **self.route, counter=counter, pdl=pdl)
         else:
             idx, w = moe_route(residual, self.gate, self.bias, **self.route, norm_weight=norm.weight,
                                norm_eps=norm.eps, round_first=norm.round_first, normed=h,
-                               counter=self.route_counter, pdl=pdl)
+                               counter=counter, pdl=pdl)
         if ctx.observe is not None:
             ctx.observe(self.layer, idx)
         if self.latent is None:

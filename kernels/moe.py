@@ -351,26 +351,21 @@ def _slots(hit, base):
 
 
 @triton.jit
-def _align_kernel(idx_ptr, slot_of_pair_ptr, token_of_slot_ptr, starts_ptr, counts_ptr, P, E,
-                  TOP_K: tl.constexpr, BM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
-                  USE_PDL: tl.constexpr):
-    """One program: pairs per expert, each expert's run padded to BM, and every pair's slot
-    (pairs in order within an expert, so the layout is a function of the routing alone)."""
-    if USE_PDL:  # the routing is the previous kernel's
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    cols = tl.arange(0, BLOCK_E)
+def _count_span(idx_ptr, lo, hi, P, cols, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Pairs per expert among pairs [lo, hi)."""
     counts = tl.zeros((BLOCK_E,), tl.int32)
-    for p0 in range(0, P, BLOCK_P):
+    for p0 in range(lo, hi, BLOCK_P):
         ps = p0 + tl.arange(0, BLOCK_P)
         e = tl.load(idx_ptr + ps, mask=ps < P, other=BLOCK_E)
         counts += tl.sum(_one_hot(e, cols), axis=0)
-    padded = _padded(counts, BM)
-    starts = tl.cumsum(padded, axis=0) - padded
-    tl.store(starts_ptr + cols, starts, mask=cols < E)
-    tl.store(counts_ptr + cols, counts, mask=cols < E)
-    base = starts
-    for p0 in range(0, P, BLOCK_P):
+    return counts
+
+
+@triton.jit
+def _assign_span(idx_ptr, slot_of_pair_ptr, token_of_slot_ptr, lo, hi, P, base, cols, TOP_K: tl.constexpr,
+                 BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+    """The slots of pairs [lo, hi), in order, from each expert's next free slot ``base``."""
+    for p0 in range(lo, hi, BLOCK_P):
         ps = p0 + tl.arange(0, BLOCK_P)
         ok = ps < P
         e = tl.load(idx_ptr + ps, mask=ok, other=BLOCK_E)
@@ -382,16 +377,30 @@ def _align_kernel(idx_ptr, slot_of_pair_ptr, token_of_slot_ptr, starts_ptr, coun
 
 
 @triton.jit
+def _align_kernel(idx_ptr, slot_of_pair_ptr, token_of_slot_ptr, starts_ptr, counts_ptr, P, E,
+                  TOP_K: tl.constexpr, BM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
+                  USE_PDL: tl.constexpr):
+    """One program: pairs per expert, each expert's run padded to BM, and every pair's slot
+    (pairs in order within an expert, so the layout is a function of the routing alone)."""
+    if USE_PDL:  # the routing is the previous kernel's
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    cols = tl.arange(0, BLOCK_E)
+    counts = _count_span(idx_ptr, 0, P, P, cols, BLOCK_P, BLOCK_E)
+    padded = _padded(counts, BM)
+    starts = tl.cumsum(padded, axis=0) - padded
+    tl.store(starts_ptr + cols, starts, mask=cols < E)
+    tl.store(counts_ptr + cols, counts, mask=cols < E)
+    _assign_span(idx_ptr, slot_of_pair_ptr, token_of_slot_ptr, 0, P, P, starts, cols, TOP_K, BLOCK_P, BLOCK_E)
+
+
+@triton.jit
 def _count_kernel(idx_ptr, block_counts_ptr, P, E, SPAN, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
     """Many programs, for many pairs: the pairs per expert among block b's SPAN pairs,
     block_counts[b, e]."""
     b = tl.program_id(0)
     cols = tl.arange(0, BLOCK_E)
-    counts = tl.zeros((BLOCK_E,), tl.int32)
-    for p0 in range(b * SPAN, tl.minimum(b * SPAN + SPAN, P), BLOCK_P):
-        ps = p0 + tl.arange(0, BLOCK_P)
-        e = tl.load(idx_ptr + ps, mask=ps < P, other=BLOCK_E)
-        counts += tl.sum(_one_hot(e, cols), axis=0)
+    counts = _count_span(idx_ptr, b * SPAN, tl.minimum(b * SPAN + SPAN, P), P, cols, BLOCK_P, BLOCK_E)
     tl.store(block_counts_ptr + b * E + cols, counts, mask=cols < E)
 
 
@@ -418,16 +427,8 @@ def _assign_kernel(idx_ptr, block_counts_ptr, slot_of_pair_ptr, token_of_slot_pt
     if b == 0:
         tl.store(starts_ptr + cols, starts, mask=col_ok)
         tl.store(counts_ptr + cols, counts, mask=col_ok)
-    base = starts + before
-    for p0 in range(b * SPAN, tl.minimum(b * SPAN + SPAN, P), BLOCK_P):
-        ps = p0 + tl.arange(0, BLOCK_P)
-        ok = ps < P
-        e = tl.load(idx_ptr + ps, mask=ok, other=BLOCK_E)
-        hit = _one_hot(e, cols)
-        slot = _slots(hit, base)
-        tl.store(slot_of_pair_ptr + ps, slot, mask=ok)
-        tl.store(token_of_slot_ptr + slot, ps // TOP_K, mask=ok)
-        base += tl.sum(hit, axis=0)
+    _assign_span(idx_ptr, slot_of_pair_ptr, token_of_slot_ptr, b * SPAN, tl.minimum(b * SPAN + SPAN, P), P,
+                 starts + before, cols, TOP_K, BLOCK_P, BLOCK_E)
 
 
 # pairs up to which one program aligns them (a decode step's), beyond which two passes do

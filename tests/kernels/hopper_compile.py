@@ -1,4 +1,5 @@
-"""Compile the MoE kernels for Hopper (sm_90) without a GPU: every launch a call makes is caught,
+"""Compile kernels for Hopper (sm_90) without a GPU (the MoE kernels, and the skinny projections'
+streamed path with its L2 prefetch): every launch a call makes is caught,
 its arguments turned into the signature and specialisation the JIT would give them, and the
 kernel compiled to a cubin instead of run. Run in a process of its own (the interpreter must be
 off): ``python tests/kernels/hopper_compile.py``; prints a line per kernel variant, exits 1 if
@@ -76,8 +77,21 @@ def launch_moe() -> None:
             moe.moe_experts.triton(x, idx, torch.rand(T, k), up, down, residual=torch.empty_like(x), pdl=pdl)
 
 
+def launch_skinny() -> None:
+    """The streamed skinny projections as a Nemotron decode step chains them (PDL, so with the
+    L2 prefetch before the wait): in_proj with the block norm, out_proj, a relu2 up projection."""
+    from mambastep.kernels.decode_linear import norm_linear
+
+    for N, K, norm, relu2 in ((10304, 2688, True, False), (2688, 4096, False, False), (3712, 2688, True, True)):
+        x = torch.randn(1, K).to(torch.bfloat16)
+        w = torch.empty(N, K, dtype=torch.bfloat16)
+        norm_linear.triton(x, torch.ones(K, dtype=torch.bfloat16) if norm else None, 1e-5, w, relu2=relu2,
+                           out=torch.empty(1, N, dtype=torch.bfloat16), pdl=True)
+
+
 if __name__ == "__main__":
     JITFunction.run = _compile_instead
     launch_moe()
+    launch_skinny()
     print(f"{len(compiled)} kernel variants, {len(failed)} failed to compile for sm_90")
     sys.exit(1 if failed or not compiled else 0)

@@ -1,6 +1,7 @@
-"""Without a GPU, the interpreter runs the kernels' logic but never compiles them: here the MoE
-kernels are compiled for Hopper (sm_90) as the JIT would on an H200, in a process of its own with
-the interpreter off (``hopper_compile.py``)."""
+"""Without a GPU, the interpreter runs the kernels' logic but never compiles them (nor runs the
+inline PTX of the skinny projections' L2 prefetch): here the MoE kernels and the streamed skinny
+projections are compiled for Hopper (sm_90) as the JIT would on an H200, in a process of its own
+with the interpreter off (``hopper_compile.py``)."""
 
 import os
 import subprocess
@@ -12,7 +13,7 @@ import torch
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernel tests compile them for real")
-def test_moe_kernels_compile_for_hopper():
+def test_kernels_compile_for_hopper():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     script = Path(__file__).with_name("hopper_compile.py")

@@ -512,7 +512,7 @@ def _launch(x, z, norm_w, weight, bias, out, rows: _Rows, *, eps, group_size, pr
 
 # bytes of weight rows a streamed product's programs ask L2 for before their wait, all programs
 # together (a few microseconds of the stream, well inside L2); 0: none
-PREFETCH_L2_BYTES = 16777216
+PREFETCH_L2_BYTES = 16 << 20
 
 
 def _prefetch_bytes(weight: torch.Tensor, cfg: _Config, pdl: bool) -> int:

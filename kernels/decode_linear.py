@@ -73,6 +73,7 @@ __all__ = [
     "norm_linear_ref",
     "gated_norm_linear",
     "gated_norm_linear_ref",
+    "hopper_or_newer",
     "pdl_supported",
 ]
 
@@ -397,9 +398,15 @@ def _skinny_kernel(
 
 
 @functools.cache
+def hopper_or_newer(device: torch.device) -> bool:
+    """A CUDA device of compute capability 9 or more (PDL, TMA, bulk prefetch)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@functools.cache
 def pdl_supported(device: torch.device) -> bool:
     """Programmatic dependent launch: Hopper or newer, and a Triton that can launch with it."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+    if not hopper_or_newer(device):
         return False
     try:
         from triton.backends.nvidia.compiler import CUDAOptions
@@ -524,7 +531,7 @@ def _prefetch_bytes(weight: torch.Tensor, cfg: _Config, pdl: bool) -> int:
     N, K = weight.shape
     if not (pdl and cfg.loop and PREFETCH_L2_BYTES) or os.environ.get("TRITON_INTERPRET") == "1":
         return 0
-    if weight.is_cuda and torch.cuda.get_device_capability(weight.device)[0] < 9:
+    if weight.is_cuda and not hopper_or_newer(weight.device):
         return 0
     es = weight.element_size()
     if weight.data_ptr() % 16 or weight.stride(0) * es % 16 or cfg.block_k * es % 16:

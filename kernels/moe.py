@@ -34,6 +34,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .activation import relu2_ref
+from .decode_linear import hopper_or_newer
 from .dispatch import with_reference
 from .norm import normalized, rms_norm, rms_norm_ref
 
@@ -687,7 +688,7 @@ GROUPED_TMA_MIN_BM = 32
 def _tma(t: torch.Tensor) -> bool:
     """Whether ``t``'s tiles can come through a TMA descriptor: a device with the unit (or the
     interpreter) and 16-byte aligned rows."""
-    if t.is_cuda and torch.cuda.get_device_capability(t.device)[0] < 9:
+    if t.is_cuda and not hopper_or_newer(t.device):
         return False
     return t.data_ptr() % 16 == 0 and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1])
 

@@ -13,10 +13,11 @@ Static shapes throughout, so a step is captured once per bucket and replays with
    Buffers are sized by the bucket: P = tokens x k pairs take at most P + min(E, P) x
    (block_m - 1) slots, whatever the routing. Up to ``PAIR_TILES_MAX`` pairs (a decode step of
    a row or two) nothing is aligned: each pair is a tile of its own.
-3. Grouped GEMMs: a program per (tile of slots, block of columns) finds its tile's expert from
-   the device counts and exits when the tile lies past the last expert's run, so the grid is
-   fixed by the bucket and only routed experts' weights are read. Up projection with relu2
-   (each rounded to the activations' dtype, as HF's two ops), then down projection.
+3. Grouped GEMMs: a program per (block of columns, tile of slots), columns fastest, finds its
+   tile's expert from the device counts and exits when the tile lies past the last expert's
+   run, so the grid is fixed by the bucket and only routed experts' weights are read; from
+   32-row tiles on Hopper the TMA unit copies the tiles. Up projection with relu2 (each rounded
+   to the activations' dtype, as HF's two ops), then down projection.
 4. Combine: a token's k rows weighted and summed in fp32 in expert order, rounded, plus the
    shared expert's output, optionally added into the residual stream. No atomics anywhere, so a
    step is deterministic run to run.

@@ -35,10 +35,6 @@ run in several waves, only after its K loop, so that dependents take SM slots as
 drains rather than idle in them through it (docs/experiments.md). Every kernel calls ``gdc_wait`` before reading
 its direct predecessor's output, so the chain stays ordered end to end.
 
-A streamed kernel also asks L2, before its wait, for the next stretch of each of its weight rows
-(``cp.async.bulk.prefetch``, about ``PREFETCH_L2_BYTES`` over the whole matrix): the weight
-stream gets under way while the previous kernel drains rather than at the wait.
-
 Kernels launched without PDL in between (the decode attention) complete before their successor
 starts, which only makes the chain stricter. The gated norm before a streamed product
 (``kernels.norm``) takes part in the chain like a one-tile kernel here.
@@ -53,7 +49,6 @@ so it is, if anything, closer to the fp32 result; the tests hold both paths to t
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple
 
 import torch
@@ -297,14 +292,6 @@ def _finish_row(
 
 
 @triton.jit
-def _prefetch_l2(ptrs, NBYTES: tl.constexpr):
-    """Ask L2 for NBYTES from each pointer on (Hopper's bulk prefetch: nothing comes into
-    registers and nothing waits). 16-byte aligned pointers, NBYTES a multiple of 16."""
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
-                              [ptrs, tl.full(ptrs.shape, NBYTES, tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _skinny_kernel(
     x_ptr, z_ptr, wn_ptr, w_ptr, bias_ptr, out_ptr, row_ptr,
     cs_ptr, cw_ptr, cb_ptr, slot_ptr,
@@ -316,7 +303,6 @@ def _skinny_kernel(
     CONV_K: tl.constexpr, BLOCK_C: tl.constexpr, CONV_BIAS: tl.constexpr,
     M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     LOOP: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr, EARLY: tl.constexpr, USE_PDL: tl.constexpr,
-    PREFETCH: tl.constexpr = 0,
 ):
     # grid: (cdiv(N, BLOCK_N),): all M rows over BLOCK_N output columns. Without LOOP, the whole
     # K is one tile held in registers and the rows are taken one after the other in the tile's
@@ -336,10 +322,6 @@ def _skinny_kernel(
     # Before the wait, only what the previous kernel cannot be writing: the (first) weight tile;
     # with EARLY, z and the residual (written two or more kernels back, so complete: see the
     # module doc); the layer's conv state and weights (no other kernel touches them in a step).
-    if PREFETCH:
-        # and, into L2 only, the PREFETCH bytes of each weight row after it: the stream gets
-        # under way while the previous kernel drains, instead of at the wait
-        _prefetch_l2(w_ptr + tl.minimum(n64, N - 1) * stride_w + BLOCK_K, PREFETCH)
     w0 = tl.load(w_ptr + n64[:, None] * stride_w + ks[None, :], mask=n_ok[:, None] & (ks[None, :] < K), other=0.0)
     # Stand-ins for the prefetched tiles a variant does not use (its constexpr branches never
     # read them); one name each, whatever the variant, keeps single helper signatures.
@@ -399,7 +381,7 @@ def _skinny_kernel(
 
 @functools.cache
 def hopper_or_newer(device: torch.device) -> bool:
-    """A CUDA device of compute capability 9 or more (PDL, TMA, bulk prefetch)."""
+    """A CUDA device of compute capability 9 or more (PDL, the TMA unit)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
@@ -511,36 +493,10 @@ def _launch(x, z, norm_w, weight, bias, out, rows: _Rows, *, eps, group_size, pr
         EPILOGUE=epilogue, HAS_BIAS=bias is not None, HAS_ROW_IDX=rows.idx is not None,
         CONV_K=conv_k, BLOCK_C=triton.next_power_of_2(conv_k), CONV_BIAS=conv is not None and conv.bias is not None,
         M=M, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, LOOP=cfg.loop,
-        EVEN_K=K % cfg.block_k == 0, STAGES=cfg.stages, EARLY=early, USE_PDL=pdl,
-        PREFETCH=_prefetch_bytes(weight, cfg, pdl), num_warps=cfg.num_warps, **extra,
+        EVEN_K=K % cfg.block_k == 0, STAGES=cfg.stages, EARLY=early, USE_PDL=pdl, num_warps=cfg.num_warps,
+        **extra,
     )
     return out
-
-
-# bytes of weight rows a streamed product's programs ask L2 for before their wait, all programs
-# together (a few microseconds of the stream, well inside L2); 0: none
-PREFETCH_L2_BYTES = 16 << 20
-
-
-def _prefetch_bytes(weight: torch.Tensor, cfg: _Config, pdl: bool) -> int:
-    """Bytes of each weight row past its first tile that a streamed product's program prefetches
-    into L2 before its programmatic-dependent wait (0: none): a power of two from 256, so that
-    about PREFETCH_L2_BYTES come in over all rows. Only with PDL (without it there is nothing to
-    overlap), on Hopper (sm_90's bulk prefetch), 16-byte aligned rows, and compiled (the
-    interpreter has no inline PTX)."""
-    N, K = weight.shape
-    if not (pdl and cfg.loop and PREFETCH_L2_BYTES) or os.environ.get("TRITON_INTERPRET") == "1":
-        return 0
-    if weight.is_cuda and not hopper_or_newer(weight.device):
-        return 0
-    es = weight.element_size()
-    if weight.data_ptr() % 16 or weight.stride(0) * es % 16 or cfg.block_k * es % 16:
-        return 0
-    room = (K - cfg.block_k) * es
-    per_row = min(PREFETCH_L2_BYTES // N, room)
-    if per_row < 256:
-        return 0
-    return 1 << (per_row.bit_length() - 1)
 
 
 def _epilogue(residual, relu2, conv) -> int:

@@ -3,10 +3,11 @@ pairs sorted by expert, two grouped GEMMs over those pairs only, and a weighted 
 
 Static shapes throughout, so a step is captured once per bucket and replays with no host sync:
 
-1. ``moe_route``: router logits in fp32, then sigmoid scores, the score-correction bias for the
-   choice, group-limited top-k, normalisation and routed scaling, exactly as HF's NemotronH; a
-   decode step's few rows in one launch, the block norm before them too. A token's k experts
-   come out in ascending expert order, the order HF's loop adds them in.
+1. ``moe_route``: router logits in fp32 (a decode step's few rows on CUDA cores split over D,
+   more on tensor cores in TF32 x 3), then one kernel for sigmoid scores, the score-correction
+   bias for the choice, group-limited top-k, normalisation and routed scaling, exactly as HF's
+   NemotronH. A token's k experts come out in ascending expert order, the order HF's loop adds
+   them in.
 2. ``moe_experts`` (align): the pairs per expert are counted, each expert's run padded to the
    GEMM tile height ``block_m`` and every pair given its slot, tokens in order within an expert
    (one program for a decode step's few pairs, two parallel passes for a prefill chunk's).
@@ -15,8 +16,8 @@ Static shapes throughout, so a step is captured once per bucket and replays with
    a row or two) nothing is aligned: each pair is a tile of its own.
 3. Grouped GEMMs: a program per (block of columns, tile of slots), columns fastest, finds its
    tile's expert from the device counts and exits when the tile lies past the last expert's
-   run, so the grid is fixed by the bucket and only routed experts' weights are read; from
-   32-row tiles on Hopper the TMA unit copies the tiles. Up projection with relu2 (each rounded
+   run, so the grid is fixed by the bucket and only routed experts' weights are read; on Hopper
+   the TMA unit copies the tiles. Up projection with relu2 (each rounded
    to the activations' dtype, as HF's two ops), then down projection.
 4. Combine: a token's k rows weighted and summed in fp32 in expert order, rounded, plus the
    shared expert's output, optionally added into the residual stream. No atomics anywhere, so a
@@ -37,7 +38,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .activation import relu2_ref
 from .decode_linear import hopper_or_newer
 from .dispatch import with_reference
-from .norm import normalized, rms_norm, rms_norm_ref
 
 __all__ = ["block_m", "moe_experts", "moe_experts_ref", "moe_route", "moe_route_ref", "slot_count"]
 
@@ -47,11 +47,47 @@ __all__ = ["block_m", "moe_experts", "moe_experts_ref", "moe_route", "moe_route_
 
 
 @triton.jit
-def _choose(logits, bias, rows, row_ok, cols, col_ok, idx_ptr, w_ptr, scale,
-            TOP_K: tl.constexpr, N_GROUP: tl.constexpr, PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-            NORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr):
-    """Rows' top-k from their fp32 logits [BLOCK_T, BLOCK_E]: sigmoid scores, the bias for the
-    choice, group-limited top-k, normalisation and scaling; stored in ascending expert order."""
+def _logits_kernel(x_ptr, gate_ptr, part_ptr, T, E, D, CHUNK, stride_x,
+                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
+    """A few tokens' router logits, split over experts and over D: part[s, t, e] = the sum over
+    chunk s of D of x[t, d] * gate[e, d], in fp32 multiply-adds (x rounded up from its dtype, as
+    HF's ``hidden.float()``). The top-k kernel adds the chunks in order, so no atomics."""
+    es = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    s = tl.program_id(1)
+    ts = tl.arange(0, BLOCK_T)
+    e_ok, t_ok = es < E, ts < T
+    if USE_PDL:  # x is the previous kernel's output
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    acc = tl.zeros((BLOCK_T, BLOCK_E, BLOCK_D), tl.float32)
+    for d0 in range(s * CHUNK, tl.minimum(s * CHUNK + CHUNK, D), BLOCK_D):
+        ds = d0 + tl.arange(0, BLOCK_D)
+        d_ok = ds < D
+        g = tl.load(gate_ptr + es[:, None] * D + ds[None, :], mask=e_ok[:, None] & d_ok[None, :], other=0.0)
+        x = tl.load(x_ptr + ts[:, None] * stride_x + ds[None, :], mask=t_ok[:, None] & d_ok[None, :],
+                    other=0.0).to(tl.float32)
+        acc += x[:, None, :] * g[None, :, :]
+    tl.store(part_ptr + s * T * E + ts[:, None] * E + es[None, :], tl.sum(acc, axis=2),
+             mask=t_ok[:, None] & e_ok[None, :])
+
+
+@triton.jit
+def _topk_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, T, E, scale,
+                 TOP_K: tl.constexpr, N_GROUP: tl.constexpr, PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                 NORM: tl.constexpr, SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                 BLOCK_G: tl.constexpr, USE_PDL: tl.constexpr):
+    """A block of tokens' top-k from their logits, given as SPLIT partial sums [SPLIT, T, E]."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    row_ok, col_ok = rows < T, cols < E
+    bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0)
+    if USE_PDL:  # the logits are the previous kernel's
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    logits = tl.zeros((BLOCK_T, BLOCK_E), tl.float32)
+    for s in tl.static_range(SPLIT):
+        logits += tl.load(logits_ptr + s * T * E + rows[:, None] * E + cols[None, :],
+                          mask=row_ok[:, None] & col_ok[None, :], other=0.0)
     scores = tl.sigmoid(logits)
     choice = tl.where(col_ok[None, :], scores + bias[None, :], float("-inf"))
     if N_GROUP > 1:
@@ -91,76 +127,6 @@ def _choose(logits, bias, rows, row_ok, cols, col_ok, idx_ptr, w_ptr, scale,
 
 
 @triton.jit
-def _summed_logits(part_ptr, rows, row_ok, cols, col_ok, T, E, SPLIT: tl.constexpr, BLOCK_T: tl.constexpr,
-                   BLOCK_E: tl.constexpr):
-    """The logits from SPLIT partial sums [SPLIT, T, E], added in order. Read past L1 (.cg): in
-    the fused route they were written by other programs of the same kernel."""
-    logits = tl.zeros((BLOCK_T, BLOCK_E), tl.float32)
-    for s in tl.static_range(SPLIT):
-        logits += tl.load(part_ptr + s * T * E + rows[:, None] * E + cols[None, :],
-                          mask=row_ok[:, None] & col_ok[None, :], other=0.0, cache_modifier=".cg")
-    return logits
-
-
-@triton.jit
-def _logits_kernel(x_ptr, gate_ptr, part_ptr, bias_ptr, idx_ptr, w_ptr, counter_ptr, nw_ptr, h_ptr,
-                   T, E, D, CHUNK, stride_x, stride_h, eps, scale,
-                   TOP_K: tl.constexpr, N_GROUP: tl.constexpr, PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                   NORM: tl.constexpr, SPLIT: tl.constexpr, PRENORM: tl.constexpr, ROUND_FIRST: tl.constexpr,
-                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_ROW: tl.constexpr,
-                   BLOCK_ALL_E: tl.constexpr, BLOCK_G: tl.constexpr, USE_PDL: tl.constexpr):
-    """A few tokens' routing in one launch. Each program takes a block of experts over a chunk
-    of D: part[s, t, e] = the sum over chunk s of x[t, d] * gate[e, d], in fp32 multiply-adds (x
-    rounded up from its dtype, as HF's ``hidden.float()``). The program that finishes last, told
-    by a counter (which it resets for the next launch), adds the chunks in order and chooses the
-    experts, so the result is the same whichever program that is, and no float atomics.
-
-    PRENORM: x is the block's input and the router's is its RMSNorm (weight nw): every program
-    takes its rows' norms over the whole of D (from L2), the first block of experts writes the
-    normed chunk to h, as ``rms_norm`` rounds it, and the logits are of those rounded values."""
-    es = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
-    s = tl.program_id(1)
-    ts = tl.arange(0, BLOCK_T)
-    e_ok, t_ok = es < E, ts < T
-    x_rows = x_ptr + ts[:, None] * stride_x
-    if USE_PDL:  # x is the previous kernel's
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    if PRENORM:
-        squares = tl.zeros((BLOCK_T, BLOCK_ROW), tl.float32)
-        for d0 in range(0, D, BLOCK_ROW):
-            ds = d0 + tl.arange(0, BLOCK_ROW)
-            v = tl.load(x_rows + ds[None, :], mask=t_ok[:, None] & (ds < D)[None, :], other=0.0).to(tl.float32)
-            squares += v * v
-        rstd = tl.rsqrt(tl.sum(squares, axis=1) / D + eps)[:, None]
-    acc = tl.zeros((BLOCK_T, BLOCK_E, BLOCK_D), tl.float32)
-    for d0 in range(s * CHUNK, tl.minimum(s * CHUNK + CHUNK, D), BLOCK_D):
-        ds = d0 + tl.arange(0, BLOCK_D)
-        d_ok = ds < D
-        g = tl.load(gate_ptr + es[:, None] * D + ds[None, :], mask=e_ok[:, None] & d_ok[None, :], other=0.0)
-        x = tl.load(x_rows + ds[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        if PRENORM:
-            nw = tl.load(nw_ptr + ds, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-            h = normalized(x, rstd, nw, ROUND_FIRST, h_ptr.dtype.element_ty)
-            if tl.program_id(0) == 0:
-                tl.store(h_ptr + ts[:, None] * stride_h + ds[None, :], h, mask=t_ok[:, None] & d_ok[None, :])
-            x = h.to(tl.float32)
-        acc += x[:, None, :] * g[None, :, :]
-    tl.store(part_ptr + s * T * E + ts[:, None] * E + es[None, :], tl.sum(acc, axis=2),
-             mask=t_ok[:, None] & e_ok[None, :])
-    # every thread's partial stored before one thread's release (the split-K semaphore pattern)
-    tl.debug_barrier()
-    programs = tl.num_programs(0) * tl.num_programs(1)
-    if tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == programs - 1:
-        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
-        cols = tl.arange(0, BLOCK_ALL_E)
-        col_ok = cols < E
-        logits = _summed_logits(part_ptr, ts, t_ok, cols, col_ok, T, E, SPLIT, BLOCK_T, BLOCK_ALL_E)
-        _choose(logits, tl.load(bias_ptr + cols, mask=col_ok, other=0.0), ts, t_ok, cols, col_ok, idx_ptr, w_ptr,
-                scale, TOP_K, N_GROUP, PER_GROUP, TOPK_GROUP, NORM, BLOCK_T, BLOCK_ALL_E, BLOCK_G)
-
-
-@triton.jit
 def _router_dot_kernel(x_ptr, gate_ptr, part_ptr, T, E, D, CHUNK, stride_x, BLOCK_T: tl.constexpr,
                        BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     """More rows' router logits on tensor cores, split over D: part[s] = x[:, chunk s] @
@@ -183,29 +149,10 @@ def _router_dot_kernel(x_ptr, gate_ptr, part_ptr, T, E, D, CHUNK, stride_x, BLOC
              mask=t_ok[:, None] & e_ok[None, :])
 
 
-@triton.jit
-def _topk_kernel(part_ptr, bias_ptr, idx_ptr, w_ptr, T, E, scale,
-                 TOP_K: tl.constexpr, N_GROUP: tl.constexpr, PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                 NORM: tl.constexpr, SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                 BLOCK_G: tl.constexpr, USE_PDL: tl.constexpr):
-    """A block of tokens' top-k from their logits, given as SPLIT partial sums [SPLIT, T, E]."""
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, BLOCK_E)
-    row_ok, col_ok = rows < T, cols < E
-    bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0)
-    if USE_PDL:  # the logits are the previous kernel's
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    logits = _summed_logits(part_ptr, rows, row_ok, cols, col_ok, T, E, SPLIT, BLOCK_T, BLOCK_E)
-    _choose(logits, bias, rows, row_ok, cols, col_ok, idx_ptr, w_ptr, scale, TOP_K, N_GROUP, PER_GROUP, TOPK_GROUP,
-            NORM, BLOCK_T, BLOCK_E, BLOCK_G)
 
 
 def moe_route_ref(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 1, norm_topk: bool = True,
-                  scale: float = 1.0, norm_weight=None, norm_eps: float = 0.0, round_first: bool = False,
-                  normed=None, counter=None, pdl: bool = False):
-    if norm_weight is not None:
-        x = rms_norm_ref(x, norm_weight, norm_eps, out=normed, round_first=round_first)
+                  scale: float = 1.0, pdl: bool = False):
     scores = F.linear(x.float(), gate.float()).sigmoid()
     choice = scores + bias
     T, E = scores.shape
@@ -223,33 +170,21 @@ def moe_route_ref(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: in
     return idx.to(torch.int32), w * scale
 
 
-# tokens up to which the routing is one Triton kernel's (the logits split over experts and D, the
-# top-k by its last program: a decode step's few rows); beyond, the logits are a kernel's of
-# their own and the top-k another's
+# tokens up to which the router logits are a CUDA-core kernel's (split over experts and D: a
+# decode step's few rows), beyond which a tensor-core kernel's
 ROUTER_KERNEL_MAX_T = 16
-# tokens up to which those logits are a Triton kernel's on tensor cores (TF32 x 3, reading the
-# activations as they are), beyond which cuBLAS's fp32 GEMM on an fp32 copy, as HF
-ROUTER_DOT_MAX_T = 1 << 30
 
 
 @with_reference(moe_route_ref)
 def moe_route(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 1, norm_topk: bool = True,
-              scale: float = 1.0, norm_weight=None, norm_eps: float = 0.0, round_first: bool = False,
-              normed=None, counter=None, pdl: bool = False):
+              scale: float = 1.0, pdl: bool = False):
     """A token's experts and weights, as HF's NemotronH router.
 
     x [T, D] (any float dtype), gate [E, D] fp32, bias [E] fp32 (the score-correction bias, which
     steers the choice but not the weights) -> (idx [T, top_k] int32 in ascending order, weights
     [T, top_k] fp32). ``n_group``/``topk_group``: the choice is limited to the ``topk_group``
-    groups (of E / n_group experts) with the best two-expert sums.
-
-    norm_weight: x is the block's input, and the router's is its RMSNorm (``norm_eps``,
-    ``round_first`` as ``rms_norm``), written into ``normed`` [T, D] for the experts; a decode
-    step's few rows do it in the routing's own launch.
-    counter: an int32 [1] buffer holding zero, one per call site (a layer's), which the few-row
-    kernel counts its programs in and leaves at zero again; without one, a zeroed one is made
-    for the call. pdl: its kernels launch as programmatic dependents of the previous kernel
-    (``kernels.decode_linear``).
+    groups (of E / n_group experts) with the best two-expert sums. ``pdl``: its kernels launch as
+    programmatic dependents of the previous kernel (``kernels.decode_linear``).
     """
     T, D = x.shape
     E = gate.shape[0]
@@ -258,42 +193,26 @@ def moe_route(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 
                          f"{list(x.shape)}, {list(gate.shape)}, {list(bias.shape)}")
     if E % n_group or not 1 <= topk_group <= n_group or top_k > topk_group * (E // n_group):
         raise ValueError(f"moe_route: {top_k} of {E} experts in {topk_group} of {n_group} groups do not fit")
-    if norm_weight is not None and (normed is None or normed.shape != (T, D) or normed.stride(1) != 1):
-        raise ValueError(f"moe_route: with a norm, normed must be [{T}, {D}] with contiguous rows")
-    idx = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
-    w = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
-    choice = dict(TOP_K=top_k, N_GROUP=n_group, PER_GROUP=E // n_group, TOPK_GROUP=topk_group, NORM=norm_topk,
-                  BLOCK_G=max(2, triton.next_power_of_2(n_group)))
-    block_all_e = max(16, triton.next_power_of_2(E))
     extra = {"launch_pdl": True} if pdl else {}
     if T <= ROUTER_KERNEL_MAX_T:
-        # a few rows: the block norm, the logits and the top-k in one launch, split over experts
-        # and D (as separate kernels, the cast, cuBLAS's product and its reduction alone took 7 us
-        # a layer at one row)
-        if counter is None:
-            counter = torch.zeros(1, dtype=torch.int32, device=x.device)
+        # the logits of a few rows: the cast and cuBLAS's fp32 product and its reduction took
+        # three launches (7 us a layer at one row); here one, split over D, its chunks added in order
         block_t = triton.next_power_of_2(T)
         block_d = max(32, 512 // block_t)
         chunk = block_d * triton.cdiv(D, 4 * block_d)
         split = triton.cdiv(D, chunk)
-        part = torch.empty(split, T, E, dtype=torch.float32, device=x.device)
-        h = normed if norm_weight is not None else x
-        _logits_kernel[(triton.cdiv(E, 4), split)](
-            x, gate, part, bias, idx, w, counter, norm_weight if norm_weight is not None else x, h, T, E, D, chunk,
-            x.stride(0), h.stride(0), float(norm_eps), float(scale), SPLIT=split, PRENORM=norm_weight is not None,
-            ROUND_FIRST=round_first, BLOCK_T=block_t, BLOCK_E=4, BLOCK_D=block_d,
-            BLOCK_ROW=max(block_d, 4096 // block_t), BLOCK_ALL_E=block_all_e, USE_PDL=pdl, num_warps=4, **choice,
-            **extra)
-        return idx, w
-    if norm_weight is not None:
-        x = rms_norm(x, norm_weight, norm_eps, out=normed, round_first=round_first, pdl=pdl)
-    if T <= ROUTER_DOT_MAX_T:
-        part, split = _router_dot(x, gate)
-    else:  # as HF computes them (cuBLAS in fp32)
-        part, split = F.linear(x.float(), gate), 1
-    block_t = 16
-    _topk_kernel[(triton.cdiv(T, block_t),)](part, bias, idx, w, T, E, float(scale), SPLIT=split, BLOCK_T=block_t,
-                                             BLOCK_E=block_all_e, USE_PDL=pdl, num_warps=4, **choice, **extra)
+        logits = torch.empty(split, T, E, dtype=torch.float32, device=x.device)
+        _logits_kernel[(triton.cdiv(E, 4), split)](x, gate, logits, T, E, D, chunk, x.stride(0), BLOCK_T=block_t,
+                                                  BLOCK_E=4, BLOCK_D=block_d, USE_PDL=pdl, num_warps=4, **extra)
+    else:
+        logits, split = _router_dot(x, gate)
+    idx = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
+    w = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
+    block_t = min(16, triton.next_power_of_2(T))
+    _topk_kernel[(triton.cdiv(T, block_t),)](
+        logits, bias, idx, w, T, E, float(scale), TOP_K=top_k, N_GROUP=n_group, PER_GROUP=E // n_group,
+        TOPK_GROUP=topk_group, NORM=norm_topk, SPLIT=split, BLOCK_T=block_t, BLOCK_E=max(16, triton.next_power_of_2(E)),
+        BLOCK_G=max(2, triton.next_power_of_2(n_group)), USE_PDL=pdl, num_warps=1 if block_t < 4 else 4, **extra)
     return idx, w
 
 
@@ -312,6 +231,8 @@ def _router_dot(x, gate):
         x, gate, part, T, E, D, chunk, x.stride(0), BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k,
         PRECISION="tf32x3", num_warps=4, num_stages=3)
     return part, split
+
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -660,7 +581,7 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
         else:
             # the TMA unit copies the weight tiles (and the down projection's input tiles, whose
             # rows are a tile's slots in order), where it can
-            tma = bm >= GROUPED_TMA_MIN_BM and _tma(weight) and (up_proj or _tma(a))
+            tma = _tma(weight) and (up_proj or _tma(a))
             w_arg = TensorDescriptor.from_tensor(weight, [1, bn, bk]) if tma else weight
             a_arg = TensorDescriptor.from_tensor(a, [bm, bk]) if tma and not up_proj else a
             _grouped_kernel[(triton.cdiv(n, bn), triton.cdiv(S, bm))](
@@ -677,13 +598,6 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
         TOP_K=k, SHARED=shared is not None, ACCUMULATE=residual is not None, BLOCK_D=block_d, PAIRS=pairs,
         USE_PDL=pdl, num_warps=4, **extra)
     return target
-
-
-# the tile height from which the grouped GEMMs' tiles come through the TMA unit (Hopper on, and
-# the interpreter) where the operands allow: prefill chunks' tiles, whose weight streams run at
-# about 60% of copy bandwidth through pointer loads (decode steps' 16-row tiles reach 98-100%).
-# A benchmark sets it to time both ways in one process.
-GROUPED_TMA_MIN_BM = 32
 
 
 def _tma(t: torch.Tensor) -> bool:

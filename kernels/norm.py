@@ -13,18 +13,7 @@ import triton.language as tl
 
 from .dispatch import with_reference
 
-__all__ = ["rms_norm", "rms_norm_ref", "gated_rms_norm", "gated_rms_norm_ref", "normalized"]
-
-
-@triton.jit
-def normalized(x, rstd, w, ROUND_FIRST: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """RMSNorm's output from fp32 ``x``, its row's ``rstd`` and the weight ``w`` (fp32), rounded as
-    ``rms_norm`` rounds: round_first rounds the normalised row before the weight."""
-    y = x * rstd
-    if ROUND_FIRST:
-        # HF's Mamba2 rounds the normalised row to the input dtype before scaling by the weight
-        y = y.to(OUT_DTYPE).to(tl.float32)
-    return (y * w).to(OUT_DTYPE)
+__all__ = ["rms_norm", "rms_norm_ref", "gated_rms_norm", "gated_rms_norm_ref"]
 
 
 @triton.jit
@@ -50,9 +39,12 @@ def _rms_norm_kernel(
         tl.store(res_ptr + row * stride_res + cols, r.to(res_ptr.dtype.element_ty), mask=mask)
         x = r.to(res_ptr.dtype.element_ty).to(tl.float32)
     var = tl.sum(x * x, axis=0) / D
+    y = x * tl.rsqrt(var + eps)
+    if ROUND_FIRST:
+        # HF's Mamba2 rounds the normalised row to the input dtype before scaling by the weight
+        y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    y = normalized(x, tl.rsqrt(var + eps), w, ROUND_FIRST, out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * stride_out + cols, y, mask=mask)
+    tl.store(out_ptr + row * stride_out + cols, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

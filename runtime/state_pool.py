@@ -4,8 +4,6 @@ Per Mamba2 layer: a conv state [S, conv_dim, K-1] (stored as [S, K-1, conv_dim] 
 decode row's channels are contiguous) and an SSM state [S, H, P, N]. Per attention layer: a KV
 cache [S, max_context, KVH, Dh] for K and for V. A request owns one slot index across all layers.
 Padded rows never touch a slot (kernels skip PAD_SLOT_ID), so no slot is reserved for padding.
-Per MoE layer, not per slot: the counter its few-row routing kernel counts its programs in, zero
-between steps (the runner's own, as the steps that use it run one at a time in its stream).
 """
 
 from __future__ import annotations
@@ -35,7 +33,6 @@ class StatePool:
         self.ssm: dict[int, torch.Tensor] = {}
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
-        self.route_counter = {i: torch.zeros(1, dtype=torch.int32, device=device) for i in cfg.layers_of("moe")}
         S = num_slots
         for i in cfg.layers_of("mamba"):
             conv = torch.zeros(S, cfg.conv_kernel - 1, cfg.conv_dim, dtype=dtype, device=device)

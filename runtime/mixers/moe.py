@@ -56,16 +56,13 @@ class MoEMixer(Mixer):
         return self._moe(h, ctx, lambda: relu2_mlp(h, *self.shared))
 
     def fused_decode(self, residual: torch.Tensor, norm: Norm, ctx: StepContext) -> None:
-        # the block norm rides in the routing's launch, which hands h on to the experts; the
-        # shared expert's up projection takes the norm itself (it runs beside the routing)
-        h = torch.empty(residual.shape, dtype=self.up.dtype, device=residual.device)
-        self._moe(h, ctx, lambda: self._shared_fused(residual, norm, ctx), residual=residual, norm=norm)
+        h = norm(residual, out=torch.empty(residual.shape, dtype=self.up.dtype, device=residual.device),
+                 pdl=ctx.options.pdl)
+        self._moe(h, ctx, lambda: self._shared_fused(h, ctx), residual=residual)
 
-    def _moe(self, h: torch.Tensor, ctx: StepContext, shared_expert, residual: torch.Tensor | None = None,
-             norm: Norm | None = None):
+    def _moe(self, h: torch.Tensor, ctx: StepContext, shared_expert, residual: torch.Tensor | None = None):
         """The routed experts' weighted sum plus ``shared_expert()``'s output (the shared expert
-        over h): returned, or added into ``residual``. With ``norm``, h is empty until the
-        routing fills it with the norm of ``residual``."""
+        over h): returned, or added into ``residual``."""
         shared = ready = None
         if self.shared is not None:
             aux = ctx.aux_stream if h.shape[0] <= SHARED_BESIDE_MAX_TOKENS else None
@@ -79,13 +76,8 @@ class MoEMixer(Mixer):
                     shared = shared_expert()
                 ready = torch.cuda.Event()
                 ready.record(aux)
-        pdl, counter = ctx.options.pdl, ctx.pool.route_counter[self.layer]
-        if norm is None:
-            idx, w = moe_route(h, self.gate, self.bias, **self.route, counter=counter, pdl=pdl)
-        else:
-            idx, w = moe_route(residual, self.gate, self.bias, **self.route, norm_weight=norm.weight,
-                               norm_eps=norm.eps, round_first=norm.round_first, normed=h,
-                               counter=counter, pdl=pdl)
+        pdl = ctx.options.pdl
+        idx, w = moe_route(h, self.gate, self.bias, **self.route, pdl=pdl)
         if ctx.observe is not None:
             ctx.observe(self.layer, idx)
         if self.latent is None:
@@ -98,14 +90,11 @@ class MoEMixer(Mixer):
         out = routed if shared is None else routed + shared
         return out if residual is None else residual.add_(out)
 
-    def _shared_fused(self, residual: torch.Tensor, norm: Norm, ctx: StepContext) -> torch.Tensor:
-        """The shared expert as two skinny kernels, the block norm in the first. The first is no
-        programmatic dependent: on the auxiliary stream, what it follows is the other stream's."""
+    def _shared_fused(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """The shared expert as two skinny kernels. The first is no programmatic dependent: on
+        the auxiliary stream, what it follows is the other stream's."""
         up, down, up_bias, down_bias = self.shared
         pdl, tile_k = ctx.options.pdl, ctx.options.tile_k
-        a = torch.empty(residual.shape[0], up.shape[0], dtype=up.dtype, device=residual.device)
-        norm_linear(residual, norm.weight, norm.eps, up, bias=up_bias, round_first=norm.round_first, relu2=True,
-                    out=a, tile_k=tile_k)
-        return norm_linear(a, None, 0.0, down, bias=down_bias, out=torch.empty(residual.shape, dtype=up.dtype,
-                                                                              device=residual.device),
-                           pdl=pdl, tile_k=tile_k)
+        a = torch.empty(h.shape[0], up.shape[0], dtype=h.dtype, device=h.device)
+        norm_linear(h, None, 0.0, up, bias=up_bias, relu2=True, out=a, tile_k=tile_k)
+        return norm_linear(a, None, 0.0, down, bias=down_bias, out=torch.empty_like(h), pdl=pdl, tile_k=tile_k)

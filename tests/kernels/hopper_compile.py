@@ -1,5 +1,5 @@
-"""Compile kernels for Hopper (sm_90) without a GPU (the MoE kernels, and the skinny projections'
-streamed path with its L2 prefetch): every launch a call makes is caught,
+"""Compile kernels for Hopper (sm_90) without a GPU (the MoE kernels, with their TMA tiles, and
+the skinny projections' streamed path): every launch a call makes is caught,
 its arguments turned into the signature and specialisation the JIT would give them, and the
 kernel compiled to a cubin instead of run. Run in a process of its own (the interpreter must be
 off): ``python tests/kernels/hopper_compile.py``; prints a line per kernel variant, exits 1 if
@@ -57,29 +57,24 @@ def _compile_instead(self, *args, grid, warmup, **kwargs):
 
 
 def launch_moe() -> None:
-    """Every MoE path: routing of a few rows (with and without the block norm) and of more, on
-    tensor cores; the pair tiles, 16-row grouped tiles with the one-program align, and 128-row
+    """Every MoE path: routing of a few rows and of more, on tensor cores; the pair tiles, 16-row grouped tiles with the one-program align, and 128-row
     TMA tiles with the two-pass align; each with and without PDL."""
     from mambastep.kernels import moe
 
     D, E, I = 256, 16, 128
-    gate, bias, nw = torch.randn(E, D), torch.zeros(E), torch.ones(D, dtype=torch.bfloat16)
-    counter = torch.zeros(1, dtype=torch.int32)
+    gate, bias = torch.randn(E, D), torch.zeros(E)
     up = torch.empty(E, I, D, dtype=torch.bfloat16)
     down = torch.empty(E, D, I, dtype=torch.bfloat16)
     for T, k in ((1, 6), (16, 6), (64, 6), (40, 2), (1200, 2)):  # pairs, pairs, 16-row, 16-row, 128-row tiles
         x = torch.randn(T, D).to(torch.bfloat16)
         for pdl in (False, True):
-            moe.moe_route.triton(x, gate, bias, top_k=k, counter=counter, pdl=pdl)
-            moe.moe_route.triton(x, gate, bias, top_k=k, counter=counter, pdl=pdl, norm_weight=nw, norm_eps=1e-5,
-                                 normed=torch.empty_like(x))
+            moe.moe_route.triton(x, gate, bias, top_k=k, pdl=pdl)
             idx = torch.stack([torch.randperm(E)[:k].sort()[0] for _ in range(T)]).to(torch.int32)
             moe.moe_experts.triton(x, idx, torch.rand(T, k), up, down, residual=torch.empty_like(x), pdl=pdl)
 
 
 def launch_skinny() -> None:
-    """The streamed skinny projections as a Nemotron decode step chains them (PDL, so with the
-    L2 prefetch before the wait): in_proj with the block norm, out_proj, a relu2 up projection."""
+    """The streamed skinny projections as a Nemotron decode step chains them (PDL): in_proj with the block norm, out_proj, a relu2 up projection."""
     from mambastep.kernels.decode_linear import norm_linear
 
     for N, K, norm, relu2 in ((10304, 2688, True, False), (2688, 4096, False, False), (3712, 2688, True, True)):

@@ -1,7 +1,6 @@
-"""Without a GPU, the interpreter runs the kernels' logic but never compiles them (nor runs the
-inline PTX of the skinny projections' L2 prefetch): here the MoE kernels and the streamed skinny
-projections are compiled for Hopper (sm_90) as the JIT would on an H200, in a process of its own
-with the interpreter off (``hopper_compile.py``)."""
+"""Without a GPU, the interpreter runs the kernels' logic but never compiles them: here the MoE
+kernels and the streamed skinny projections are compiled for Hopper (sm_90) as the JIT would on
+an H200, in a process of its own with the interpreter off (``hopper_compile.py``)."""
 
 import os
 import subprocess

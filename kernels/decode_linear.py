@@ -68,6 +68,7 @@ __all__ = [
     "norm_linear_ref",
     "gated_norm_linear",
     "gated_norm_linear_ref",
+    "hopper_or_newer",
     "pdl_supported",
 ]
 
@@ -379,9 +380,15 @@ def _skinny_kernel(
 
 
 @functools.cache
+def hopper_or_newer(device: torch.device) -> bool:
+    """A CUDA device of compute capability 9 or more (PDL, the TMA unit)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@functools.cache
 def pdl_supported(device: torch.device) -> bool:
     """Programmatic dependent launch: Hopper or newer, and a Triton that can launch with it."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+    if not hopper_or_newer(device):
         return False
     try:
         from triton.backends.nvidia.compiler import CUDAOptions

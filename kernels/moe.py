@@ -3,21 +3,22 @@ pairs sorted by expert, two grouped GEMMs over those pairs only, and a weighted 
 
 Static shapes throughout, so a step is captured once per bucket and replays with no host sync:
 
-1. ``moe_route``: router logits in fp32 (a decode step's few rows in one Triton kernel split
-   over D, more in cuBLAS as HF), then one kernel for sigmoid scores, the score-correction bias
-   for the choice, group-limited top-k, normalisation and routed scaling, exactly as HF's
+1. ``moe_route``: router logits in fp32 (a decode step's few rows on CUDA cores split over D,
+   more on tensor cores in TF32 x 3), then one kernel for sigmoid scores, the score-correction
+   bias for the choice, group-limited top-k, normalisation and routed scaling, exactly as HF's
    NemotronH. A token's k experts come out in ascending expert order, the order HF's loop adds
    them in.
 2. ``moe_experts`` (align): the pairs per expert are counted, each expert's run padded to the
    GEMM tile height ``block_m`` and every pair given its slot, tokens in order within an expert
-   (one program for a decode step's few pairs, three parallel passes for a prefill chunk's).
+   (one program for a decode step's few pairs, two parallel passes for a prefill chunk's).
    Buffers are sized by the bucket: P = tokens x k pairs take at most P + min(E, P) x
    (block_m - 1) slots, whatever the routing. Up to ``PAIR_TILES_MAX`` pairs (a decode step of
    a row or two) nothing is aligned: each pair is a tile of its own.
-3. Grouped GEMMs: a program per (tile of slots, block of columns) finds its tile's expert from
-   the device counts and exits when the tile lies past the last expert's run, so the grid is
-   fixed by the bucket and only routed experts' weights are read. Up projection with relu2
-   (each rounded to the activations' dtype, as HF's two ops), then down projection.
+3. Grouped GEMMs: a program per (block of columns, tile of slots), columns fastest, finds its
+   tile's expert from the device counts and exits when the tile lies past the last expert's
+   run, so the grid is fixed by the bucket and only routed experts' weights are read; on Hopper
+   the TMA unit copies the tiles. Up projection with relu2 (each rounded
+   to the activations' dtype, as HF's two ops), then down projection.
 4. Combine: a token's k rows weighted and summed in fp32 in expert order, rounded, plus the
    shared expert's output, optionally added into the residual stream. No atomics anywhere, so a
    step is deterministic run to run.
@@ -32,8 +33,10 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .activation import relu2_ref
+from .decode_linear import hopper_or_newer
 from .dispatch import with_reference
 
 __all__ = ["block_m", "moe_experts", "moe_experts_ref", "moe_route", "moe_route_ref", "slot_count"]
@@ -123,6 +126,31 @@ def _topk_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, T, E, scale,
         chosen = tl.where(hit, 0, chosen)
 
 
+@triton.jit
+def _router_dot_kernel(x_ptr, gate_ptr, part_ptr, T, E, D, CHUNK, stride_x, BLOCK_T: tl.constexpr,
+                       BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """More rows' router logits on tensor cores, split over D: part[s] = x[:, chunk s] @
+    gate[:, chunk s].T for a tile of rows and experts, x rounded up to fp32 (exact) and the
+    product in three TF32 products (``tf32x3``: about fp32's accuracy, as HF's fp32 GEMM). The
+    top-k kernel adds the chunks in order."""
+    ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    es = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    s = tl.program_id(2)
+    t_ok, e_ok = ts < T, es < E
+    acc = tl.zeros((BLOCK_T, BLOCK_E), tl.float32)
+    for d0 in range(s * CHUNK, tl.minimum(s * CHUNK + CHUNK, D), BLOCK_K):
+        ds = d0 + tl.arange(0, BLOCK_K)
+        d_ok = ds < D
+        x = tl.load(x_ptr + ts[:, None].to(tl.int64) * stride_x + ds[None, :], mask=t_ok[:, None] & d_ok[None, :],
+                    other=0.0).to(tl.float32)
+        g = tl.load(gate_ptr + es[:, None] * D + ds[None, :], mask=e_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(g), acc, input_precision=PRECISION)
+    tl.store(part_ptr + s * T * E + ts[:, None].to(tl.int64) * E + es[None, :], acc,
+             mask=t_ok[:, None] & e_ok[None, :])
+
+
+
+
 def moe_route_ref(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 1, norm_topk: bool = True,
                   scale: float = 1.0, pdl: bool = False):
     scores = F.linear(x.float(), gate.float()).sigmoid()
@@ -142,8 +170,8 @@ def moe_route_ref(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: in
     return idx.to(torch.int32), w * scale
 
 
-# tokens up to which the router logits are a Triton kernel's (split over experts and D: a decode
-# step's few rows), beyond which cuBLAS's fp32 GEMM, as HF
+# tokens up to which the router logits are a CUDA-core kernel's (split over experts and D: a
+# decode step's few rows), beyond which a tensor-core kernel's
 ROUTER_KERNEL_MAX_T = 16
 
 
@@ -176,8 +204,8 @@ def moe_route(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 
         logits = torch.empty(split, T, E, dtype=torch.float32, device=x.device)
         _logits_kernel[(triton.cdiv(E, 4), split)](x, gate, logits, T, E, D, chunk, x.stride(0), BLOCK_T=block_t,
                                                   BLOCK_E=4, BLOCK_D=block_d, USE_PDL=pdl, num_warps=4, **extra)
-    else:  # as HF computes them (cuBLAS in fp32)
-        logits, split = F.linear(x.float(), gate), 1
+    else:
+        logits, split = _router_dot(x, gate)
     idx = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
     w = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
     block_t = min(16, triton.next_power_of_2(T))
@@ -186,6 +214,25 @@ def moe_route(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 
         TOPK_GROUP=topk_group, NORM=norm_topk, SPLIT=split, BLOCK_T=block_t, BLOCK_E=max(16, triton.next_power_of_2(E)),
         BLOCK_G=max(2, triton.next_power_of_2(n_group)), USE_PDL=pdl, num_warps=1 if block_t < 4 else 4, **extra)
     return idx, w
+
+
+def _router_dot(x, gate):
+    """The logits' partial sums [split, T, E] on tensor cores and the split: split over D until
+    the grid is about a wave of programs (a decode step of 64 rows is one tile of rows)."""
+    T, D = x.shape
+    E = gate.shape[0]
+    block_t, block_e, block_k = min(64, max(16, triton.next_power_of_2(T))), min(128, triton.next_power_of_2(E)), 32
+    tiles = triton.cdiv(T, block_t) * triton.cdiv(E, block_e)
+    want = max(1, min(triton.cdiv(D, 256), 128 // tiles))
+    chunk = block_k * triton.cdiv(D, want * block_k)
+    split = triton.cdiv(D, chunk)
+    part = torch.empty(split, T, E, dtype=torch.float32, device=x.device)
+    _router_dot_kernel[(triton.cdiv(T, block_t), triton.cdiv(E, block_e), split)](
+        x, gate, part, T, E, D, chunk, x.stride(0), BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k,
+        PRECISION="tf32x3", num_warps=4, num_stages=3)
+    return part, split
+
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,26 +274,21 @@ def _slots(hit, base):
 
 
 @triton.jit
-def _align_kernel(idx_ptr, slot_of_pair_ptr, token_of_slot_ptr, starts_ptr, counts_ptr, P, E,
-                  TOP_K: tl.constexpr, BM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
-                  USE_PDL: tl.constexpr):
-    """One program: pairs per expert, each expert's run padded to BM, and every pair's slot
-    (pairs in order within an expert, so the layout is a function of the routing alone)."""
-    if USE_PDL:  # the routing is the previous kernel's
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    cols = tl.arange(0, BLOCK_E)
+def _count_span(idx_ptr, lo, hi, P, cols, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Pairs per expert among pairs [lo, hi)."""
     counts = tl.zeros((BLOCK_E,), tl.int32)
-    for p0 in range(0, P, BLOCK_P):
+    for p0 in range(lo, hi, BLOCK_P):
         ps = p0 + tl.arange(0, BLOCK_P)
         e = tl.load(idx_ptr + ps, mask=ps < P, other=BLOCK_E)
         counts += tl.sum(_one_hot(e, cols), axis=0)
-    padded = _padded(counts, BM)
-    starts = tl.cumsum(padded, axis=0) - padded
-    tl.store(starts_ptr + cols, starts, mask=cols < E)
-    tl.store(counts_ptr + cols, counts, mask=cols < E)
-    base = starts
-    for p0 in range(0, P, BLOCK_P):
+    return counts
+
+
+@triton.jit
+def _assign_span(idx_ptr, slot_of_pair_ptr, token_of_slot_ptr, lo, hi, P, base, cols, TOP_K: tl.constexpr,
+                 BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+    """The slots of pairs [lo, hi), in order, from each expert's next free slot ``base``."""
+    for p0 in range(lo, hi, BLOCK_P):
         ps = p0 + tl.arange(0, BLOCK_P)
         ok = ps < P
         e = tl.load(idx_ptr + ps, mask=ok, other=BLOCK_E)
@@ -258,51 +300,65 @@ def _align_kernel(idx_ptr, slot_of_pair_ptr, token_of_slot_ptr, starts_ptr, coun
 
 
 @triton.jit
-def _count_kernel(idx_ptr, block_counts_ptr, P, E, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Many programs, for many pairs: block b's pairs per expert, block_counts[b, e]."""
-    b = tl.program_id(0)
+def _align_kernel(idx_ptr, slot_of_pair_ptr, token_of_slot_ptr, starts_ptr, counts_ptr, P, E,
+                  TOP_K: tl.constexpr, BM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
+                  USE_PDL: tl.constexpr):
+    """One program: pairs per expert, each expert's run padded to BM, and every pair's slot
+    (pairs in order within an expert, so the layout is a function of the routing alone)."""
+    if USE_PDL:  # the routing is the previous kernel's
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     cols = tl.arange(0, BLOCK_E)
-    ps = b * BLOCK_P + tl.arange(0, BLOCK_P)
-    e = tl.load(idx_ptr + ps, mask=ps < P, other=BLOCK_E)
-    tl.store(block_counts_ptr + b * E + cols, tl.sum(_one_hot(e, cols), axis=0), mask=cols < E)
+    counts = _count_span(idx_ptr, 0, P, P, cols, BLOCK_P, BLOCK_E)
+    padded = _padded(counts, BM)
+    starts = tl.cumsum(padded, axis=0) - padded
+    tl.store(starts_ptr + cols, starts, mask=cols < E)
+    tl.store(counts_ptr + cols, counts, mask=cols < E)
+    _assign_span(idx_ptr, slot_of_pair_ptr, token_of_slot_ptr, 0, P, P, starts, cols, TOP_K, BLOCK_P, BLOCK_E)
 
 
 @triton.jit
-def _offsets_kernel(block_counts_ptr, prefix_ptr, starts_ptr, counts_ptr, NB, E,
-                    BM: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_E: tl.constexpr):
-    """One program: each block's first rank within every expert (prefix[b, e]), the pairs per
-    expert and each expert's padded run."""
+def _count_kernel(idx_ptr, block_counts_ptr, P, E, SPAN, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Many programs, for many pairs: the pairs per expert among block b's SPAN pairs,
+    block_counts[b, e]."""
+    b = tl.program_id(0)
     cols = tl.arange(0, BLOCK_E)
-    carry = tl.zeros((BLOCK_E,), tl.int32)
+    counts = _count_span(idx_ptr, b * SPAN, tl.minimum(b * SPAN + SPAN, P), P, cols, BLOCK_P, BLOCK_E)
+    tl.store(block_counts_ptr + b * E + cols, counts, mask=cols < E)
+
+
+@triton.jit
+def _assign_kernel(idx_ptr, block_counts_ptr, slot_of_pair_ptr, token_of_slot_ptr, starts_ptr, counts_ptr,
+                   P, E, SPAN, NB, TOP_K: tl.constexpr, BM: tl.constexpr, BLOCK_P: tl.constexpr,
+                   BLOCK_B: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Many programs: the slots of block b's pairs (the layout ``_align_kernel`` makes). Each
+    program sums the blocks' counts itself (the pairs per expert, and those of the blocks before
+    its own), so no pass between the two waits on one program."""
+    b = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_E)
+    col_ok = cols < E
+    counts = tl.zeros((BLOCK_E,), tl.int32)
+    before = tl.zeros((BLOCK_E,), tl.int32)
     for b0 in range(0, NB, BLOCK_B):
         bs = b0 + tl.arange(0, BLOCK_B)
-        mask = (bs < NB)[:, None] & (cols < E)[None, :]
-        c = tl.load(block_counts_ptr + bs[:, None] * E + cols[None, :], mask=mask, other=0)
-        tl.store(prefix_ptr + bs[:, None] * E + cols[None, :], tl.cumsum(c, axis=0) - c + carry[None, :], mask=mask)
-        carry += tl.sum(c, axis=0)
-    padded = _padded(carry, BM)
-    tl.store(starts_ptr + cols, tl.cumsum(padded, axis=0) - padded, mask=cols < E)
-    tl.store(counts_ptr + cols, carry, mask=cols < E)
+        c = tl.load(block_counts_ptr + bs[:, None] * E + cols[None, :], mask=(bs < NB)[:, None] & col_ok[None, :],
+                    other=0)
+        counts += tl.sum(c, axis=0)
+        before += tl.sum(tl.where((bs < b)[:, None], c, 0), axis=0)
+    padded = _padded(counts, BM)
+    starts = tl.cumsum(padded, axis=0) - padded
+    if b == 0:
+        tl.store(starts_ptr + cols, starts, mask=col_ok)
+        tl.store(counts_ptr + cols, counts, mask=col_ok)
+    _assign_span(idx_ptr, slot_of_pair_ptr, token_of_slot_ptr, b * SPAN, tl.minimum(b * SPAN + SPAN, P), P,
+                 starts + before, cols, TOP_K, BLOCK_P, BLOCK_E)
 
 
-@triton.jit
-def _assign_kernel(idx_ptr, prefix_ptr, starts_ptr, slot_of_pair_ptr, token_of_slot_ptr, P, E,
-                   TOP_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Many programs: the slots of block b's pairs (the layout ``_align_kernel`` makes)."""
-    b = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_E)
-    ps = b * BLOCK_P + tl.arange(0, BLOCK_P)
-    ok = ps < P
-    e = tl.load(idx_ptr + ps, mask=ok, other=BLOCK_E)
-    base = tl.load(starts_ptr + cols, mask=cols < E, other=0) + tl.load(prefix_ptr + b * E + cols, mask=cols < E,
-                                                                         other=0)
-    slot = _slots(_one_hot(e, cols), base)
-    tl.store(slot_of_pair_ptr + ps, slot, mask=ok)
-    tl.store(token_of_slot_ptr + slot, ps // TOP_K, mask=ok)
-
-
-# pairs up to which one program aligns them (a decode step's), beyond which three passes do
+# pairs up to which one program aligns them (a decode step's), beyond which two passes do
 ALIGN_ONE_PROGRAM = 1024
+# blocks the two passes split the pairs into, at most (each assigning program sums every
+# block's counts: more blocks, more programs, but more reading each)
+ALIGN_BLOCKS = 64
 # pairs up to which each is a GEMM tile of its own and nothing is aligned (a decode step of one or
 # two rows: its pairs have distinct experts or nearly, so the sorted layout would save no weight
 # read, and its alignment pass is a launch on the step's critical path)
@@ -311,8 +367,8 @@ PAIR_TILES_MAX = 12
 
 def _align(idx, E: int, bm: int, S: int, pdl: bool = False):
     """(slot_of_pair [P], token_of_slot [S], starts [E], counts [E]) on the device: one program
-    for a decode step's few pairs, three parallel passes (count, offsets, assign) for a prefill
-    chunk's many. Both make the same layout. ``pdl``: the one program launches as a programmatic
+    for a decode step's few pairs, two parallel passes (count, assign) for a prefill chunk's
+    many. Both make the same layout. ``pdl``: the one program launches as a programmatic
     dependent."""
     P, k, dev = idx.numel(), idx.shape[1], idx.device
     slot_of_pair = torch.empty(P, dtype=torch.int32, device=dev)
@@ -326,34 +382,46 @@ def _align(idx, E: int, bm: int, S: int, pdl: bool = False):
                             BLOCK_P=block_p, BLOCK_E=block_e, USE_PDL=pdl, num_warps=8,
                             **({"launch_pdl": True} if pdl else {}))
         return slot_of_pair, token_of_slot, starts, counts
-    nb = triton.cdiv(P, block_p)
+    span = max(block_p, triton.next_power_of_2(triton.cdiv(P, ALIGN_BLOCKS)))
+    nb = triton.cdiv(P, span)
     block_counts = torch.empty(nb, E, dtype=torch.int32, device=dev)
-    prefix = torch.empty(nb, E, dtype=torch.int32, device=dev)
-    _count_kernel[(nb,)](idx, block_counts, P, E, BLOCK_P=block_p, BLOCK_E=block_e, num_warps=4)
-    _offsets_kernel[(1,)](block_counts, prefix, starts, counts, nb, E, BM=bm, BLOCK_B=max(16, 4096 // block_e),
-                          BLOCK_E=block_e, num_warps=8)
-    _assign_kernel[(nb,)](idx, prefix, starts, slot_of_pair, token_of_slot, P, E, TOP_K=k, BLOCK_P=block_p,
-                          BLOCK_E=block_e, num_warps=4)
+    _count_kernel[(nb,)](idx, block_counts, P, E, span, BLOCK_P=block_p, BLOCK_E=block_e, num_warps=4)
+    _assign_kernel[(nb,)](idx, block_counts, slot_of_pair, token_of_slot, starts, counts, P, E, span, nb, TOP_K=k,
+                          BM=bm, BLOCK_P=block_p, BLOCK_B=max(16, 4096 // block_e), BLOCK_E=block_e, num_warps=4)
     return slot_of_pair, token_of_slot, starts, counts
 
 
 @triton.jit
-def _tile_product(a_ptr, src, ok, slots, e, w_ptr, out_ptr, N, K, stride_a, stride_we, stride_wn, stride_out,
+def _tile_product(a_ptr, src, ok, slots, e, w_ptr, out_ptr, n0, N, K, stride_a, stride_we, stride_wn, stride_out,
                   RELU2: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                  BK: tl.constexpr, USE_PDL: tl.constexpr):
-    """out[slots] = a[src] @ w[e].T over this program's BN columns for the rows ``ok`` of a
-    tile; relu2 after, when RELU2. With USE_PDL it signals its dependents after its K loop
-    (several waves at prefill sizes: they take SM slots as the last one drains)."""
-    ns = tl.program_id(1) * BN + tl.arange(0, BN)
+                  BK: tl.constexpr, USE_PDL: tl.constexpr, A_TMA: tl.constexpr = False, W_TMA: tl.constexpr = False):
+    """out[slots] = a[src] @ w[e].T over the BN columns from n0 for the rows ``ok`` of a tile;
+    relu2 after, when RELU2. With USE_PDL it signals its dependents after its K loop (several
+    waves at prefill sizes: they take SM slots as the last one drains).
+
+    W_TMA: w_ptr is a tensor descriptor of the weights [E, N, K] in [1, BN, BK] blocks (its
+    tiles copied by the TMA unit, the columns past N zeros); A_TMA: a_ptr is one of a [rows, K]
+    in [BM, BK] blocks and the tile's rows are src[0] onwards, in order."""
+    ns = n0 + tl.arange(0, BN)
     n_ok = ns < N
-    a_rows = a_ptr + src[:, None].to(tl.int64) * stride_a
-    w_rows = w_ptr + e.to(tl.int64) * stride_we + ns[:, None].to(tl.int64) * stride_wn
+    if not A_TMA:
+        a_rows = a_ptr + src[:, None].to(tl.int64) * stride_a
+    else:
+        row0 = tl.min(src, axis=0)  # src[0]: the rows are in order
+    if not W_TMA:
+        w_rows = w_ptr + e.to(tl.int64) * stride_we + ns[:, None].to(tl.int64) * stride_wn
     acc = tl.zeros((BM, BN), tl.float32)
     for k0 in range(0, K, BK):
         ks = k0 + tl.arange(0, BK)
         k_ok = ks < K
-        a = tl.load(a_rows + ks[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if A_TMA:  # rows past the tile's run are another run's or padding: their products are not stored
+            a = a_ptr.load([row0, k0])
+        else:
+            a = tl.load(a_rows + ks[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
+        if W_TMA:
+            w = w_ptr.load([e, n0, k0]).reshape(BN, BK)
+        else:
+            w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -369,12 +437,16 @@ def _grouped_kernel(a_ptr, token_ptr, w_ptr, out_ptr, starts_ptr, counts_ptr, N,
                     stride_a, stride_we, stride_wn, stride_out,
                     GATHER: tl.constexpr, RELU2: tl.constexpr, PRECISION: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_E: tl.constexpr,
-                    USE_PDL: tl.constexpr):
+                    USE_PDL: tl.constexpr, A_TMA: tl.constexpr, W_TMA: tl.constexpr):
     """The sorted layout: out[slot] = a[row] @ w[expert].T for a tile of BM slots of one
-    expert's run (row: the slot's token when GATHER, else the slot itself)."""
+    expert's run (row: the slot's token when GATHER, else the slot itself; A_TMA and W_TMA as
+    ``_tile_product``). The grid is
+    (column blocks, tiles), columns fastest: the programs running together share their tiles'
+    rows of a, read once from HBM (a prefill chunk's h, a down projection's input, is larger
+    than L2), and every weight tile is read once whatever the order."""
     if USE_PDL:  # the layout and a are the kernels' before
         tl.extra.cuda.gdc_wait()
-    slot0 = tl.program_id(0) * BM
+    slot0 = tl.program_id(1) * BM
     cols = tl.arange(0, BLOCK_E)
     starts = tl.load(starts_ptr + cols, mask=cols < E, other=0)
     counts = tl.load(counts_ptr + cols, mask=cols < E, other=0)
@@ -386,8 +458,8 @@ def _grouped_kernel(a_ptr, token_ptr, w_ptr, out_ptr, starts_ptr, counts_ptr, N,
         slots = slot0 + tl.arange(0, BM)
         ok = slots - start < count
         src = tl.load(token_ptr + slots, mask=ok, other=0) if GATHER else slots
-        _tile_product(a_ptr, src, ok, slots, e, w_ptr, out_ptr, N, K, stride_a, stride_we, stride_wn, stride_out,
-                      RELU2, PRECISION, BM, BN, BK, USE_PDL)
+        _tile_product(a_ptr, src, ok, slots, e, w_ptr, out_ptr, tl.program_id(0) * BN, N, K, stride_a, stride_we,
+                      stride_wn, stride_out, RELU2, PRECISION, BM, BN, BK, USE_PDL, A_TMA, W_TMA)
 
 
 @triton.jit
@@ -403,8 +475,8 @@ def _pair_kernel(a_ptr, idx_ptr, w_ptr, out_ptr, N, K, stride_a, stride_we, stri
     slots = p + tl.arange(0, BM)
     ok = tl.arange(0, BM) == 0
     src = slots // TOP_K if GATHER else slots
-    _tile_product(a_ptr, src, ok, slots, e, w_ptr, out_ptr, N, K, stride_a, stride_we, stride_wn, stride_out,
-                  RELU2, PRECISION, BM, BN, BK, USE_PDL)
+    _tile_product(a_ptr, src, ok, slots, e, w_ptr, out_ptr, tl.program_id(1) * BN, N, K, stride_a, stride_we,
+                  stride_wn, stride_out, RELU2, PRECISION, BM, BN, BK, USE_PDL)
 
 
 @triton.jit
@@ -507,10 +579,15 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
                 a, idx, weight, result, n, kk, *common, GATHER=up_proj, TOP_K=k, RELU2=up_proj, PRECISION=precision,
                 BM=bm, BN=bn, BK=bk, USE_PDL=pdl, num_warps=warps, num_stages=stages, **extra)
         else:
-            _grouped_kernel[(triton.cdiv(S, bm), triton.cdiv(n, bn))](
-                a, token_of_slot, weight, result, starts, counts, n, kk, E, *common, GATHER=up_proj, RELU2=up_proj,
-                PRECISION=precision, BM=bm, BN=bn, BK=bk, BLOCK_E=block_e, USE_PDL=pdl, num_warps=warps,
-                num_stages=stages, **extra)
+            # the TMA unit copies the weight tiles (and the down projection's input tiles, whose
+            # rows are a tile's slots in order), where it can
+            tma = _tma(weight) and (up_proj or _tma(a))
+            w_arg = TensorDescriptor.from_tensor(weight, [1, bn, bk]) if tma else weight
+            a_arg = TensorDescriptor.from_tensor(a, [bm, bk]) if tma and not up_proj else a
+            _grouped_kernel[(triton.cdiv(n, bn), triton.cdiv(S, bm))](
+                a_arg, token_of_slot, w_arg, result, starts, counts, n, kk, E, *common, GATHER=up_proj, RELU2=up_proj,
+                PRECISION=precision, BM=bm, BN=bn, BK=bk, BLOCK_E=block_e, USE_PDL=pdl, A_TMA=tma and not up_proj,
+                W_TMA=tma, num_warps=warps, num_stages=stages, **extra)
     if shared_ready is not None:
         torch.cuda.current_stream(dev).wait_event(shared_ready)
         pdl, extra = False, {}  # its launch waits for another stream: a full dependency
@@ -521,6 +598,14 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
         TOP_K=k, SHARED=shared is not None, ACCUMULATE=residual is not None, BLOCK_D=block_d, PAIRS=pairs,
         USE_PDL=pdl, num_warps=4, **extra)
     return target
+
+
+def _tma(t: torch.Tensor) -> bool:
+    """Whether ``t``'s tiles can come through a TMA descriptor: a device with the unit (or the
+    interpreter) and 16-byte aligned rows."""
+    if t.is_cuda and not hopper_or_newer(t.device):
+        return False
+    return t.data_ptr() % 16 == 0 and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1])
 
 
 def _gemm_config(bm: int, n: int, k: int, dtype: torch.dtype) -> tuple[int, int, int, int]:

@@ -1,0 +1,92 @@
+"""Compile kernels for Hopper (sm_90) without a GPU (the MoE kernels, with their TMA tiles, and
+the skinny projections' streamed path): every launch a call makes is caught,
+its arguments turned into the signature and specialisation the JIT would give them, and the
+kernel compiled to a cubin instead of run. Run in a process of its own (the interpreter must be
+off): ``python tests/kernels/hopper_compile.py``; prints a line per kernel variant, exits 1 if
+any fails to compile. ``test_hopper_compile.py`` runs it."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction, mangle_type
+
+TARGET = GPUTarget("cuda", 90, 32)
+OPTIONS = ("num_warps", "num_stages", "launch_pdl")
+compiled: set = set()
+failed: list[str] = []
+
+
+def _aligned(v) -> bool:
+    """Whether the JIT would mark the argument divisible by 16 (pointers and integers)."""
+    if isinstance(v, torch.Tensor):
+        return v.data_ptr() % 16 == 0
+    return isinstance(v, int) and not isinstance(v, bool) and v % 16 == 0
+
+
+def _compile_instead(self, *args, grid, warmup, **kwargs):
+    options = {k: kwargs.pop(k) for k in list(kwargs) if k in OPTIONS}
+    bound = dict(zip([p.name for p in self.params], args), **kwargs)
+    signature, constexprs, attrs = {}, {}, {}
+    for i, p in enumerate(self.params):
+        v = bound[p.name] if p.name in bound else p.default
+        if p.is_constexpr:
+            signature[p.name], constexprs[p.name] = "constexpr", v
+            continue
+        signature[p.name] = "i1" if isinstance(v, bool) else mangle_type(v)
+        if _aligned(v) and not p.do_not_specialize:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    key = (self.fn.__name__, str(signature), str(constexprs), str(options))
+    if key in compiled:
+        return None
+    compiled.add(key)
+    name = f"{self.fn.__name__} {options} {', '.join(f'{k}={v}' for k, v in constexprs.items())}"
+    try:
+        triton.compile(ASTSource(fn=self, signature=signature, constexprs=constexprs, attrs=attrs), target=TARGET,
+                       options=options)
+        print("ok  ", name, flush=True)
+    except Exception as e:  # noqa: BLE001 - every failure is reported by name
+        failed.append(name)
+        print("FAIL", name, f"{type(e).__name__}: {e}", flush=True)
+    return None
+
+
+def launch_moe() -> None:
+    """Every MoE path: routing of a few rows and of more, on tensor cores; the pair tiles, 16-row grouped tiles with the one-program align, and 128-row
+    TMA tiles with the two-pass align; each with and without PDL."""
+    from mambastep.kernels import moe
+
+    D, E, I = 256, 16, 128
+    gate, bias = torch.randn(E, D), torch.zeros(E)
+    up = torch.empty(E, I, D, dtype=torch.bfloat16)
+    down = torch.empty(E, D, I, dtype=torch.bfloat16)
+    for T, k in ((1, 6), (16, 6), (64, 6), (40, 2), (1200, 2)):  # pairs, pairs, 16-row, 16-row, 128-row tiles
+        x = torch.randn(T, D).to(torch.bfloat16)
+        for pdl in (False, True):
+            moe.moe_route.triton(x, gate, bias, top_k=k, pdl=pdl)
+            idx = torch.stack([torch.randperm(E)[:k].sort()[0] for _ in range(T)]).to(torch.int32)
+            moe.moe_experts.triton(x, idx, torch.rand(T, k), up, down, residual=torch.empty_like(x), pdl=pdl)
+
+
+def launch_skinny() -> None:
+    """The streamed skinny projections as a Nemotron decode step chains them (PDL): in_proj with the block norm, out_proj, a relu2 up projection."""
+    from mambastep.kernels.decode_linear import norm_linear
+
+    for N, K, norm, relu2 in ((10304, 2688, True, False), (2688, 4096, False, False), (3712, 2688, True, True)):
+        x = torch.randn(1, K).to(torch.bfloat16)
+        w = torch.empty(N, K, dtype=torch.bfloat16)
+        norm_linear.triton(x, torch.ones(K, dtype=torch.bfloat16) if norm else None, 1e-5, w, relu2=relu2,
+                           out=torch.empty(1, N, dtype=torch.bfloat16), pdl=True)
+
+
+if __name__ == "__main__":
+    JITFunction.run = _compile_instead
+    launch_moe()
+    launch_skinny()
+    print(f"{len(compiled)} kernel variants, {len(failed)} failed to compile for sm_90")
+    sys.exit(1 if failed or not compiled else 0)

@@ -1,5 +1,6 @@
-"""Compile kernels for Hopper (sm_90) without a GPU (the MoE kernels, with their TMA tiles, and
-the skinny projections' streamed path): every launch a call makes is caught,
+"""Compile kernels for Hopper (sm_90) without a GPU (the MoE kernels, with their TMA tiles, the
+skinny projections' streamed path, a Mamba2 prefill chunk's scan and conv): every launch a call
+makes is caught,
 its arguments turned into the signature and specialisation the JIT would give them, and the
 kernel compiled to a cubin instead of run. Run in a process of its own (the interpreter must be
 off): ``python tests/kernels/hopper_compile.py``; prints a line per kernel variant, exits 1 if
@@ -37,6 +38,9 @@ def _compile_instead(self, *args, grid, warmup, **kwargs):
         v = bound[p.name] if p.name in bound else p.default
         if p.is_constexpr:
             signature[p.name], constexprs[p.name] = "constexpr", v
+            continue
+        if isinstance(v, int) and not isinstance(v, bool) and v == 1 and not p.do_not_specialize:
+            signature[p.name], constexprs[p.name] = "constexpr", 1  # the JIT's specialisation of 1
             continue
         signature[p.name] = "i1" if isinstance(v, bool) else mangle_type(v)
         if _aligned(v) and not p.do_not_specialize:
@@ -84,9 +88,30 @@ def launch_skinny() -> None:
                            out=torch.empty(1, N, dtype=torch.bfloat16), pdl=True)
 
 
+def launch_prefill() -> None:
+    """A Mamba2 prefill chunk at Nemotron's head shape (P 64, N 128, chunks of 128, bf16): the
+    SSD scan's kernels and the causal conv over packed tokens, two sequences, one from a state."""
+    from mambastep.kernels.conv1d import conv1d_varlen
+    from mambastep.kernels.ssd import SSDWorkspace, ssd_scan
+    from mambastep.kernels.varlen import PrefillMetadata
+
+    T, H, P, N, G, D, K = 256, 4, 64, 128, 2, 256, 4
+    meta = PrefillMetadata.build([200, 56], [0, 1], [1, 0], chunk_size=128, max_tokens=T, max_seqs=2)
+    bf16 = dict(dtype=torch.bfloat16)
+    x, z = torch.empty(T, H, P, **bf16), torch.empty(T, H, P, **bf16)
+    B, C = torch.empty(T, G, N, **bf16), torch.empty(T, G, N, **bf16)
+    ws = SSDWorkspace.allocate(meta.max_chunks, H, P, N, 128, "cpu")
+    ssd_scan.triton(x, torch.empty(T, H, **bf16), torch.empty(H), B, C, torch.empty(H), torch.empty(2, H, P, N), meta,
+                    z=z, dt_bias=torch.empty(H), out=torch.empty_like(x), workspace=ws)
+    # the conv state as the state pool keeps it, [S, K-1, D] seen as [S, D, K-1]
+    conv1d_varlen.triton(torch.empty(T, D, **bf16), torch.empty(D, K, **bf16), torch.empty(D, **bf16),
+                         torch.empty(2, K - 1, D, **bf16).transpose(1, 2), meta)
+
+
 if __name__ == "__main__":
     JITFunction.run = _compile_instead
     launch_moe()
     launch_skinny()
+    launch_prefill()
     print(f"{len(compiled)} kernel variants, {len(failed)} failed to compile for sm_90")
     sys.exit(1 if failed or not compiled else 0)

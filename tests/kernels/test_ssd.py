@@ -76,6 +76,9 @@ CASES = {
     "no_softplus_limit": dict(lens=[18, 7], slots=[1, 3], init=[1, 1], G=4, softplus=False,
                               dt_limit=(0.02, 0.2), use_D=False),
     "chunk8": dict(lens=[8, 13], slots=[4, 5], init=[1, 0], G=2, chunk=8, P=20, use_bias=False),
+    # 10 and 5 chunks: the state passing takes them four at a time, so past a first four and
+    # into a ragged last four
+    "many_chunks": dict(lens=[150, 70], slots=[3, 6], init=[1, 0], G=2),
 }
 
 

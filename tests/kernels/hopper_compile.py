@@ -2,18 +2,25 @@
 skinny projections' streamed path, a Mamba2 prefill chunk's scan and conv): every launch a call
 makes is caught,
 its arguments turned into the signature and specialisation the JIT would give them, and the
-kernel compiled to a cubin instead of run. Run in a process of its own (the interpreter must be
-off): ``python tests/kernels/hopper_compile.py``; prints a line per kernel variant, exits 1 if
-any fails to compile. ``test_hopper_compile.py`` runs it."""
+kernel compiled to a cubin instead of run, and ptxas asked what registers it takes. Run in a
+process of its own (the interpreter must be off): ``python tests/kernels/hopper_compile.py``;
+prints a line per kernel variant, exits 1 if any fails to compile or spills registers (a
+variant that spills is slow on the GPU, which a CPU run would never show).
+``test_hopper_compile.py`` runs it."""
 
 from __future__ import annotations
 
 import inspect
+import os
+import re
+import subprocess
 import sys
+import tempfile
 
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction, mangle_type
 
@@ -51,13 +58,30 @@ def _compile_instead(self, *args, grid, warmup, **kwargs):
     compiled.add(key)
     name = f"{self.fn.__name__} {options} {', '.join(f'{k}={v}' for k, v in constexprs.items())}"
     try:
-        triton.compile(ASTSource(fn=self, signature=signature, constexprs=constexprs, attrs=attrs), target=TARGET,
-                       options=options)
-        print("ok  ", name, flush=True)
+        kernel = triton.compile(ASTSource(fn=self, signature=signature, constexprs=constexprs, attrs=attrs),
+                                target=TARGET, options=options)
     except Exception as e:  # noqa: BLE001 - every failure is reported by name
         failed.append(name)
         print("FAIL", name, f"{type(e).__name__}: {e}", flush=True)
+        return None
+    regs, spilled = _registers(kernel.asm["ptx"])
+    if spilled:
+        failed.append(name)
+    print("FAIL" if spilled else "ok  ", f"{regs:3d} registers, {spilled} bytes spilled:", name, flush=True)
     return None
+
+
+def _registers(ptx: str) -> tuple[int, int]:
+    """Registers a thread uses and bytes it spills, as ptxas reports them for sm_90a."""
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        done = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
+                              capture_output=True, text=True, check=True)
+    report = done.stdout + done.stderr
+    regs = max(int(n) for n in re.findall(r"Used (\d+) registers", report))
+    spilled = sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", report))
+    return regs, spilled
 
 
 def launch_moe() -> None:
@@ -113,5 +137,5 @@ if __name__ == "__main__":
     launch_moe()
     launch_skinny()
     launch_prefill()
-    print(f"{len(compiled)} kernel variants, {len(failed)} failed to compile for sm_90")
+    print(f"{len(compiled)} kernel variants, {len(failed)} failed to compile for sm_90 or spilled")
     sys.exit(1 if failed or not compiled else 0)

@@ -1,6 +1,7 @@
 """Without a GPU, the interpreter runs the kernels' logic but never compiles them: here the MoE
-kernels and the streamed skinny projections are compiled for Hopper (sm_90) as the JIT would on
-an H200, in a process of its own with the interpreter off (``hopper_compile.py``)."""
+kernels, the streamed skinny projections and a Mamba2 prefill chunk's kernels are compiled for
+Hopper (sm_90) as the JIT would on an H200, in a process of its own with the interpreter off
+(``hopper_compile.py``), none of them spilling registers."""
 
 import os
 import subprocess

@@ -46,33 +46,24 @@ def test_route_matches_hf_math(device, E, k, n_group, topk_group, T, dtype):
     assert torch.allclose(w.sum(-1).cpu(), torch.full((T,), 2.5), rtol=1e-5)
 
 
-@pytest.mark.parametrize("T", [1, 3, 16])
-def test_router_logits_split_over_the_hidden_size(device, T):
-    """A decode step's few rows take the split logits kernel: wide enough rows that it splits
-    into several chunks, with a ragged last one; the same experts and weights as HF's math."""
-    g = torch.Generator().manual_seed(T)
-    D, E = 700, 16
-    x = torch.randn(T, D, generator=g).to(torch.bfloat16).to(device)
-    gate = (torch.randn(E, D, generator=g) * 0.1).to(device)
-    bias = (torch.randn(E, generator=g) * 0.05).to(device)
-    kw = dict(top_k=3, n_group=1, topk_group=1, norm_topk=True, scale=1.5)
-    idx, w = moe_route.triton(x, gate, bias, **kw)
-    ref_idx, ref_w = moe_route_ref(x.cpu(), gate.cpu(), bias.cpu(), **kw)
-    assert torch.equal(idx.cpu(), ref_idx)
-    torch.testing.assert_close(w.cpu(), ref_w, rtol=1e-5, atol=1e-6)
+BF16, FP32 = torch.bfloat16, torch.float32
 
 
-@pytest.mark.parametrize("T,E", [(17, 16), (100, 128)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_router_logits_on_tensor_cores(device, T, E, dtype):
-    """More rows take the tensor-core logits kernel, split over D (here into three chunks, the
-    last one ragged) and tiled over rows (a ragged last tile): HF's experts and weights."""
+@pytest.mark.parametrize("T,E,D,dtype,k", [
+    # a decode step's few rows: the split logits kernel, wide enough rows for several chunks of D
+    # with a ragged last one
+    (1, 16, 700, BF16, 3), (3, 16, 700, BF16, 3), (16, 16, 700, BF16, 3),
+    # more rows: the tensor-core kernel, split over D (three chunks, the last ragged) and tiled
+    # over rows (a ragged last tile)
+    (17, 16, 600, FP32, 6), (17, 16, 600, BF16, 6), (100, 128, 600, FP32, 6), (100, 128, 600, BF16, 6),
+])
+def test_router_logits_kernels_match_hf(device, T, E, D, dtype, k):
+    """Both logits kernels give HF's experts and weights."""
     g = torch.Generator().manual_seed(T + E)
-    D = 600
     x = torch.randn(T, D, generator=g).to(dtype).to(device)
     gate = (torch.randn(E, D, generator=g) * 0.1).to(device)
     bias = (torch.randn(E, generator=g) * 0.05).to(device)
-    kw = dict(top_k=6, n_group=1, topk_group=1, norm_topk=True, scale=2.5)
+    kw = dict(top_k=k, n_group=1, topk_group=1, norm_topk=True, scale=2.5)
     idx, w = moe_route.triton(x, gate, bias, **kw)
     ref_idx, ref_w = moe_route_ref(x.cpu(), gate.cpu(), bias.cpu(), **kw)
     assert torch.equal(idx.cpu(), ref_idx)

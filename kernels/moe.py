@@ -17,8 +17,8 @@ Static shapes throughout, so a step is captured once per bucket and replays with
 3. Grouped GEMMs: a program per (block of columns, tile of slots), columns fastest, finds its
    tile's expert from the device counts and exits when the tile lies past the last expert's
    run, so the grid is fixed by the bucket and only routed experts' weights are read; on Hopper
-   the TMA unit copies the tiles. Up projection with relu2 (each rounded
-   to the activations' dtype, as HF's two ops), then down projection.
+   the TMA unit copies the tiles. Up projection with relu2 (each rounded to the activations'
+   dtype, as HF's two ops), then down projection.
 4. Combine: a token's k rows weighted and summed in fp32 in expert order, rounded, plus the
    shared expert's output, optionally added into the residual stream. No atomics anywhere, so a
    step is deterministic run to run.
@@ -149,8 +149,6 @@ def _router_dot_kernel(x_ptr, gate_ptr, part_ptr, T, E, D, CHUNK, stride_x, BLOC
              mask=t_ok[:, None] & e_ok[None, :])
 
 
-
-
 def moe_route_ref(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 1, norm_topk: bool = True,
                   scale: float = 1.0, pdl: bool = False):
     scores = F.linear(x.float(), gate.float()).sigmoid()
@@ -231,8 +229,6 @@ def _router_dot(x, gate):
         x, gate, part, T, E, D, chunk, x.stride(0), BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k,
         PRECISION="tf32x3", num_warps=4, num_stages=3)
     return part, split
-
-
 
 
 # ---------------------------------------------------------------------------------------------

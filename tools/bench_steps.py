@@ -1,9 +1,10 @@
 """Step benchmarks: decode steps eager vs CUDA graph beside the HBM floor, a long prefill chunk
-beside its FLOP floor, and mixed prefill/decode steps with and without the forked stream beside
+beside its FLOP floor (and beside each matrix product at the slower of its FLOPs and its
+weights' bytes), and mixed prefill/decode steps with and without the forked stream beside
 separate steps. Where the model has a fused decode path, small decode batches are also timed
 layer by layer and fused without programmatic dependent launch, each captured in its own graphs.
-A mixture-of-experts model's decode floor counts the experts the step's routing reads, layer by
-layer (the bench counts them on an eager run of the same step).
+A mixture-of-experts model's floors count the experts the step's routing reads, layer by layer
+(the bench counts them on an eager run of the same step).
 
 Every number is a median of per-step wall times, each step synchronised (the latency a caller
 that waits for its tokens sees), on presets with random weights; beside them, decode steps
@@ -127,20 +128,38 @@ def hbm_floor_bytes(model: Model, pool: StatePool, batch: int, routed: dict[int,
     return weights + batch * state
 
 
-def prefill_flops(model: Model, tokens: int) -> float:
-    """The matrix products of a prefill chunk alone, a lower bound on its work: every block
-    projection over every token (of the routed experts, the k each token takes), and the LM head
-    over the one row whose logits the step returns. The SSD scan and attention scores come on top."""
-    flops = 2.0 * model.lm_head.shape[0] * model.lm_head.shape[1]
+def _prefill_products(model: Model, tokens: int, routed: dict[int, int] | None = None):
+    """(FLOPs, weight bytes) of each matrix product of a prefill chunk: every block projection over
+    every token (of the routed experts, the k each token takes, reading the weights of the
+    experts ``routed`` counts per MoE layer, else all), and the LM head over the one row whose
+    logits the step returns."""
+    head = model.lm_head
+    yield 2.0 * head.numel(), head.numel() * head.element_size()
     for block in model.blocks:
         m = block.mixer
-        # projections (2-D) and the conv1d's depthwise filters ([C, 1, K]); of the experts'
-        # stacks ([E, ., .]), the k each token takes
-        params = sum(t.numel() for t in _mixer_tensors(m) if t.dim() == 2 or (t.dim() == 3 and t.shape[1] == 1))
+        # projections (2-D) and the conv1d's depthwise filters ([C, 1, K]); the experts' stacks
+        # ([E, ., .]) below
+        for t in _mixer_tensors(m):
+            if t.dim() == 2 or (t.dim() == 3 and t.shape[1] == 1):
+                yield 2.0 * tokens * t.numel(), t.numel() * t.element_size()
         if isinstance(m, MoEMixer):
-            params += m.route["top_k"] * (m.up[0].numel() + m.down[0].numel())
-        flops += 2.0 * tokens * params
-    return flops
+            per_expert = m.up[0].numel() + m.down[0].numel()
+            read = (routed or {}).get(m.layer, m.up.shape[0])
+            yield 2.0 * tokens * m.route["top_k"] * per_expert, read * per_expert * m.up.element_size()
+
+
+def prefill_flops(model: Model, tokens: int) -> float:
+    """The matrix products of a prefill chunk alone, a lower bound on its work (the SSD scan and
+    attention scores come on top)."""
+    return sum(flops for flops, _ in _prefill_products(model, tokens))
+
+
+def prefill_roofline_ms(model: Model, tokens: int, routed: dict[int, int] | None, rate: float,
+                        bandwidth: float) -> float:
+    """A prefill chunk's matrix products, each at the slower of its FLOPs at the matrix rate and
+    its weights' bytes at copy bandwidth: above the FLOP floor where a product reads more than
+    it computes, as the routed experts at a hundred rows an expert, each read in full."""
+    return sum(max(flops / rate, nbytes / bandwidth) for flops, nbytes in _prefill_products(model, tokens, routed)) * 1e3
 
 
 def _mixer_tensors(mixer):
@@ -218,6 +237,8 @@ def bench_preset(name: str, bandwidth: float, rate: float, progress: bool) -> di
     chunk = prefill_plan(tokens, prefill_slot)
     rows.append({"kind": "prefill", "tokens": tokens, "graph_ms": step_ms(forked, chunk),
                  "floor_ms": prefill_flops(model, tokens) / rate * 1e3,
+                 "roofline_ms": prefill_roofline_ms(model, tokens, routed_experts(eager, chunk) if moe else None, rate,
+                                                    bandwidth),
                  **({"unforked_ms": step_ms(unforked, chunk)} if moe else {})})
     for d in tqdm(MIXED_DECODE, desc=f"{name} mixed", disable=not progress):
         for c in PREFILL_CHUNKS:
@@ -271,11 +292,14 @@ def tables(result: dict) -> str:
                            + (f" {r['unforked_ms']:.3f} |" if unforked else ""))
         for r in p["rows"]:
             if r["kind"] == "prefill":
+                roof = "roofline_ms" in r  # (JSON from before it was measured has none)
                 out += ["", "| prefill chunk (tokens) | graph (ms) | FLOP floor of its matrix products (ms) | "
-                        "graph/floor |" + (" shared expert unforked (ms) |" if unforked else ""),
-                        "| --- | --- | --- | --- |" + (" --- |" if unforked else ""),
-                        f"| {r['tokens']} | {r['graph_ms']:.2f} | {r['floor_ms']:.2f} | "
-                        f"{r['graph_ms'] / r['floor_ms']:.2f}x |" + (f" {r['unforked_ms']:.2f} |" if unforked else "")]
+                        "graph/floor |" + (" each product's FLOPs or weight bytes, the slower (ms) | graph/that |"
+                                           if roof else "") + (" shared expert unforked (ms) |" if unforked else ""),
+                        "| --- | --- | --- | --- |" + (" --- | --- |" if roof else "") + (" --- |" if unforked else ""),
+                        f"| {r['tokens']} | {r['graph_ms']:.2f} | {r['floor_ms']:.2f} | {r['graph_ms'] / r['floor_ms']:.2f}x |"
+                        + (f" {r['roofline_ms']:.2f} | {r['graph_ms'] / r['roofline_ms']:.2f}x |" if roof else "")
+                        + (f" {r['unforked_ms']:.2f} |" if unforked else "")]
         fused = [r for r in p["rows"] if "layered_ms" in r]
         if fused:
             # graph_ms is the model's default launch mode; the other one is timed where supported

@@ -1,5 +1,7 @@
 """The benchmark tables print every measured row (the measurements themselves need a GPU)."""
 
+import pytest
+
 from mambastep.tools import bench_kernels
 
 
@@ -33,6 +35,44 @@ def test_step_tables_print_every_row(capsys):
                   "| 1 | 0.250 | 0.300 | 0.500 | 2.00x |", "| 64 + 512 | 1.800 | 2.000 | 10% | 2.200 |"):
         assert cells in out
     assert sum(line.startswith("| --- |") for line in out.splitlines()) == 3  # three tables
+
+
+def test_prefill_floors_take_each_product_at_its_slower_bound():
+    """The roofline floor is the FLOP floor where the matrix rate is the bound and the weights'
+    bytes where bandwidth is, counting of the routed experts only those the routing reads."""
+    import torch
+
+    from mambastep.runtime.model import Model
+    from mambastep.tools.bench_steps import prefill_flops, prefill_roofline_ms
+
+    model = Model.from_preset("tiny-hybrid", dtype=torch.float32)
+    tokens, moe = 64, model.blocks[4].mixer
+    flops = prefill_flops(model, tokens)
+    assert prefill_roofline_ms(model, tokens, None, rate=1.0, bandwidth=1e30) == pytest.approx(flops * 1e3)
+    # with the FLOPs free: every matrix's bytes once, the experts' only as many as are read
+    # the LM head, the projections (among them the shared expert's pair) and the conv filters
+    tensors = [t for b in model.blocks for v in vars(b.mixer).values()
+               for t in (v if isinstance(v, tuple) else (v,)) if isinstance(t, torch.Tensor)]
+    matrices = [model.lm_head] + [t for t in tensors if t.dim() == 2 or (t.dim() == 3 and t.shape[1] == 1)]
+    others = sum(t.numel() * 4 for t in matrices)
+    per_expert = (moe.up[0].numel() + moe.down[0].numel()) * 4
+    E = moe.up.shape[0]
+    assert prefill_roofline_ms(model, tokens, None, rate=1e30, bandwidth=1.0) == pytest.approx(
+        (others + E * per_expert) * 1e3)
+    assert prefill_roofline_ms(model, tokens, {moe.layer: 1}, rate=1e30, bandwidth=1.0) == pytest.approx(
+        (others + per_expert) * 1e3)
+
+
+def test_prefill_table_prints_the_roofline_where_measured(capsys):
+    from mambastep.tools import bench_steps
+
+    prefill = {"kind": "prefill", "tokens": 2048, "graph_ms": 38.85, "floor_ms": 16.87}
+    for row, cells in ((prefill, "| 2048 | 38.85 | 16.87 | 2.30x |"),
+                       ({**prefill, "roofline_ms": 25.9}, "| 2048 | 38.85 | 16.87 | 2.30x | 25.90 | 1.50x |")):
+        bench_steps.print_table({"device": "GPU", "date": "2026-12-01", "torch": "2", "copy_GB/s": 4274.0,
+                                 "presets": [{"preset": "p", "capture": [], "rows": [row]}]})
+        out = capsys.readouterr().out
+        assert cells in out and ("weight bytes, the slower" in out) == ("roofline_ms" in row)
 
 
 def test_markdown_writes_every_table_under_its_command(tmp_path):

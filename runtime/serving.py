@@ -106,7 +106,6 @@ class _Streams:
 
     def _overloaded(self, pending: int = 0) -> Overloaded | None:
         return _past_bound(len(self._streams) + pending, self.max_requests)
-        return None
 
     def _open(self, rid: int, prompt_tokens: int, loop: asyncio.AbstractEventLoop) -> Stream:
         outputs: asyncio.Queue = asyncio.Queue()

@@ -172,8 +172,7 @@ def main(argv=None) -> int:
 
     try:
         r = httpx.get(args.url + "/health", timeout=10)
-        if r.status_code == 503 and r.json().get("status") == "starting":
-            health = r.json()
+        if r.status_code == 503 and (health := r.json()).get("status") == "starting":
             parser.error(f"--url {args.url}: the server is starting ({health['listening']} of its "
                          f"{health['api_processes']} API processes listen); try again in a moment")
         r.raise_for_status()

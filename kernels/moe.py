@@ -436,10 +436,9 @@ def _grouped_kernel(a_ptr, token_ptr, w_ptr, out_ptr, starts_ptr, counts_ptr, N,
                     USE_PDL: tl.constexpr, A_TMA: tl.constexpr, W_TMA: tl.constexpr):
     """The sorted layout: out[slot] = a[row] @ w[expert].T for a tile of BM slots of one
     expert's run (row: the slot's token when GATHER, else the slot itself; A_TMA and W_TMA as
-    ``_tile_product``). The grid is
-    (column blocks, tiles), columns fastest: the programs running together share their tiles'
-    rows of a, read once from HBM (a prefill chunk's h, a down projection's input, is larger
-    than L2), and every weight tile is read once whatever the order."""
+    ``_tile_product``). The grid is (column blocks, tiles), columns fastest: the programs running
+    together share their tiles' rows of a, read once from HBM (a prefill chunk's h, a down
+    projection's input, is larger than L2), and every weight tile is read once whatever the order."""
     if USE_PDL:  # the layout and a are the kernels' before
         tl.extra.cuda.gdc_wait()
     slot0 = tl.program_id(1) * BM

@@ -89,6 +89,7 @@ def _conv1d_varlen_out_kernel(
     sb_d,
     so_t, so_d,
     K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -100,6 +101,18 @@ def _conv1d_varlen_out_kernel(
     t_ok = t < T
     d_ok = d < D
 
+    # tap k of token t reads position p = t - (K-1) + k: all K taps' rows of x are asked for
+    # first, so they are on their way while the sequences' metadata (two dependent loads) comes
+    # in (a program is short, and its lifetime is its round trips to memory). Rows of another
+    # sequence are read and not used.
+    kk = tl.arange(0, BLOCK_K)
+    p = t[:, None] - (K - 1) + kk[None, :]  # [BLOCK_T, BLOCK_K]
+    tap_ok = t_ok[:, None] & (kk < K)[None, :]
+    x = tl.load(x_ptr + p.to(tl.int64)[:, :, None] * sx_t + d[None, None, :] * sx_d,
+                mask=(tap_ok & (p >= 0))[:, :, None] & d_ok[None, None, :], other=0.0)
+    w = tl.load(w_ptr + d[None, :] * sw_d + kk[:, None] * sw_k, mask=(kk < K)[:, None] & d_ok[None, :],
+                other=0.0).to(tl.float32)
+
     # per token [BLOCK_T]: its sequence's first token, slot and initial-state flag
     seq = tl.load(seq_idx_ptr + t, mask=t_ok, other=-1)
     live = seq >= 0
@@ -108,29 +121,19 @@ def _conv1d_varlen_out_kernel(
     slot = tl.load(slot_ptr + seq, mask=live, other=-1)
     live = live & (slot >= 0)
     use_init = live & (tl.load(init_ptr + seq, mask=live, other=0) != 0)
-    s_row = state_ptr + tl.maximum(slot, 0).to(tl.int64) * ss_s
 
-    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    # positions before the sequence's start come from its initial window (state column
+    # K-1 - (start - p)) or are zero; only a program holding a sequence's first K-1 tokens reads one
+    v = tl.where((tap_ok & live[:, None] & (p >= start[:, None]))[:, :, None], x.to(tl.float32), 0.0)
+    from_state = tap_ok & use_init[:, None] & (p < start[:, None])
+    if tl.max(from_state.to(tl.int32)) > 0:
+        s_row = state_ptr + tl.maximum(slot, 0).to(tl.int64) * ss_s
+        col = tl.where(from_state, K - 1 - (start[:, None] - p), 0)
+        v += tl.load(s_row[:, None, None] + d[None, None, :] * ss_d + col[:, :, None] * ss_k,
+                     mask=from_state[:, :, None] & d_ok[None, None, :], other=0.0).to(tl.float32)
+    acc = tl.sum(v * w[None, :, :], axis=1)
     if HAS_BIAS:
         acc += tl.load(b_ptr + d * sb_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-    for k in tl.static_range(K):
-        # tap k of token t reads position p; positions before the sequence's start come from
-        # its initial window (state column K-1 - (start - p)) or are zero
-        p = t - (K - 1 - k)
-        in_seq = live & (p >= start)
-        v = tl.load(
-            x_ptr + p.to(tl.int64)[:, None] * sx_t + d[None, :] * sx_d,
-            mask=in_seq[:, None] & d_ok[None, :], other=0.0,
-        ).to(tl.float32)
-        if k < K - 1:
-            from_state = use_init & (p < start)
-            col = tl.where(from_state, K - 1 - (start - p), 0)
-            v += tl.load(
-                s_row[:, None] + d[None, :] * ss_d + col[:, None] * ss_k,
-                mask=from_state[:, None] & d_ok[None, :], other=0.0,
-            ).to(tl.float32)
-        w_k = tl.load(w_ptr + d * sw_d + k * sw_k, mask=d_ok, other=0.0).to(tl.float32)
-        acc += v * w_k[None, :]
     if SILU:
         acc = acc * tl.sigmoid(acc)
     acc = tl.where(live[:, None], acc, 0.0)
@@ -184,6 +187,10 @@ def _conv1d_varlen_state_kernel(
     # old columns are read by other threads of the CTA than the ones that overwrite them
     tl.debug_barrier()
     tl.store(s_row + j[None, :] * ss_k, new, mask=col_ok[None, :] & d_ok[:, None])
+
+
+# tokens a program of the prefill conv takes (each reads K - 1 more for its window)
+CONV_BLOCK_T = 16
 
 
 def _block_d(D: int, cap: int) -> int:
@@ -367,8 +374,8 @@ def conv1d_varlen(
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
     )
 
-    # 16 x 128 tiles in 8 warps: one 16-byte bf16 load per tap and thread; no spills on sm_90
-    block_t, block_d = 16, _block_d(D, 128)
+    # CONV_BLOCK_T x 128 tiles in 8 warps (at 16 rows, one 16-byte bf16 load per tap and thread)
+    block_t, block_d = CONV_BLOCK_T, _block_d(D, 128)
     grid = (triton.cdiv(T, block_t), triton.cdiv(D, block_d))
     _conv1d_varlen_out_kernel[grid](
         x, conv_state, weight, weight if bias is None else bias, out,
@@ -378,7 +385,7 @@ def conv1d_varlen(
         weight.stride(0), weight.stride(1),
         0 if bias is None else bias.stride(0),
         out.stride(0), out.stride(1),
-        K=K, BLOCK_T=block_t, BLOCK_D=block_d,
+        K=K, BLOCK_K=triton.next_power_of_2(K), BLOCK_T=block_t, BLOCK_D=block_d,
         HAS_BIAS=bias is not None, SILU=activation == "silu",
         num_warps=_num_warps(block_t * block_d, 8),
     )

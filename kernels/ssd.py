@@ -180,6 +180,22 @@ def _chunk_state_kernel(
 
 
 @triton.jit
+def _chunk_own(states_ptr, cs_ptr, c, c1, h, H, P, N, tile, mask, CHUNK_SIZE: tl.constexpr):
+    """Chunk c's own final state (from zero) and its log decay; zeros past the last chunk c1 - 1."""
+    # (tl.where, not mask & (c < c1): the interpreter turns a bool tensor & a bool scalar into ints)
+    local = tl.load(states_ptr + (c * H + h) * P * N + tile, mask=tl.where(c < c1, mask, False), other=0.0)
+    log_decay = tl.load(cs_ptr + (tl.minimum(c, c1 - 1) * H + h) * CHUNK_SIZE + CHUNK_SIZE - 1)
+    return local, tl.where(c < c1, log_decay, 0.0)
+
+
+@triton.jit
+def _pass_on(states_ptr, state, local, log_decay, c, c1, h, H, P, N, tile, mask):
+    """Chunk c's initial state (``state``) stored in place of its own, and its final one returned."""
+    tl.store(states_ptr + (c * H + h) * P * N + tile, state, mask=tl.where(c < c1, mask, False))
+    return tl.exp(log_decay) * state + local
+
+
+@triton.jit
 def _state_passing_kernel(
     states_ptr, cs_ptr, ssm_state_ptr,
     slot_idx_ptr, has_initial_state_ptr, seq_chunk_start_ptr,
@@ -207,13 +223,19 @@ def _state_passing_kernel(
     if tl.load(has_initial_state_ptr + s) != 0:
         state = tl.load(pool, mask=mask, other=0.0).to(tl.float32)
 
+    # the loop is serial in the state but not in its loads: four chunks' own states and decays
+    # are asked for at once, so four are in flight where one was (a chunk past the sequence
+    # loads as a zero state and no decay, and passes the state on unchanged)
     tile = offs_p[:, None] * N + offs_n[None, :]
-    for c in range(c0, c1):
-        ptrs = states_ptr + (c * H + h) * P * N + tile
-        local = tl.load(ptrs, mask=mask)
-        tl.store(ptrs, state, mask=mask)
-        decay = tl.exp(tl.load(cs_ptr + (c * H + h) * CHUNK_SIZE + CHUNK_SIZE - 1))
-        state = decay * state + local
+    for c in range(c0, c1, 4):
+        l0, a0 = _chunk_own(states_ptr, cs_ptr, c, c1, h, H, P, N, tile, mask, CHUNK_SIZE)
+        l1, a1 = _chunk_own(states_ptr, cs_ptr, c + 1, c1, h, H, P, N, tile, mask, CHUNK_SIZE)
+        l2, a2 = _chunk_own(states_ptr, cs_ptr, c + 2, c1, h, H, P, N, tile, mask, CHUNK_SIZE)
+        l3, a3 = _chunk_own(states_ptr, cs_ptr, c + 3, c1, h, H, P, N, tile, mask, CHUNK_SIZE)
+        state = _pass_on(states_ptr, state, l0, a0, c, c1, h, H, P, N, tile, mask)
+        state = _pass_on(states_ptr, state, l1, a1, c + 1, c1, h, H, P, N, tile, mask)
+        state = _pass_on(states_ptr, state, l2, a2, c + 2, c1, h, H, P, N, tile, mask)
+        state = _pass_on(states_ptr, state, l3, a3, c + 3, c1, h, H, P, N, tile, mask)
     tl.store(pool, state.to(ssm_state_ptr.dtype.element_ty), mask=mask)
 
 
@@ -333,6 +355,11 @@ class _Blocks:
     warps: int
 
 
+# elements of the SSM state a state-passing program carries through a sequence's chunks (its
+# loop is serial, so smaller tiles, more programs, keep more of the chunks' states in flight)
+PASS_TILE = 2048
+
+
 def _blocks(chunk_size: int, P: int, N: int, dtype: torch.dtype) -> _Blocks:
     """Block sizes from static dims; tl.dot wants every dim >= 16 on the GPU.
 
@@ -349,7 +376,7 @@ def _blocks(chunk_size: int, P: int, N: int, dtype: torch.dtype) -> _Blocks:
         state_l=rows,
         state_p=max(16, min(64, p2(P))),
         state_n=max(16, min(64 if fp32 else 128, p2(N))),
-        pass_p=max(1, min(p2(P), 2048 // pass_n)),
+        pass_p=max(1, min(p2(P), PASS_TILE // pass_n)),
         pass_n=pass_n,
         scan_m=rows,
         scan_p=max(16, min(64, p2(P))),

@@ -5,6 +5,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from mambastep.kernels import moe
 from mambastep.kernels.moe import block_m, moe_experts, moe_experts_ref, moe_route, moe_route_ref, slot_count
 from support import assert_close, poisoned
 
@@ -71,6 +72,24 @@ def test_router_logits_kernels_match_hf(device, T, E, D, dtype, k):
     torch.testing.assert_close(w.cpu(), ref_w, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("programs", [2, 4], ids=["one chunk", "two chunks"])
+def test_router_logits_split_capped_by_the_program_count(device, monkeypatch, programs):
+    """Where the row tiles alone are about ``ROUTER_PROGRAMS`` programs (long prefill chunks),
+    D is split into fewer chunks than its length allows; the logits' chunks still add up to HF's
+    choice."""
+    monkeypatch.setattr(moe, "ROUTER_PROGRAMS", programs)  # 100 rows are two tiles of rows
+    g = torch.Generator().manual_seed(programs)
+    x = torch.randn(100, 600, generator=g).to(BF16).to(device)
+    gate = (torch.randn(128, 600, generator=g) * 0.1).to(device)
+    bias = (torch.randn(128, generator=g) * 0.05).to(device)
+    assert moe._router_dot(x, gate)[1] == programs // 2
+    kw = dict(top_k=6, n_group=1, topk_group=1, norm_topk=True, scale=2.5)
+    idx, w = moe_route.triton(x, gate, bias, **kw)
+    ref_idx, ref_w = moe_route_ref(x.cpu(), gate.cpu(), bias.cpu(), **kw)
+    assert torch.equal(idx.cpu(), ref_idx)
+    torch.testing.assert_close(w.cpu(), ref_w, rtol=1e-5, atol=1e-6)
+
+
 def test_route_without_normalisation_keeps_the_scores(device):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4, 24, generator=g).to(device)
@@ -122,9 +141,8 @@ def test_grouped_experts_equal_the_dense_reference(device, case, dtype):
 @pytest.mark.parametrize("case", ["spread", "128-row tiles (prefill-sized)"])
 def test_grouped_gemms_without_the_tma_unit(device, case, monkeypatch):
     """The operands loaded through pointers, as on a GPU before Hopper, give the same result."""
-    from mambastep.kernels import moe as kernels
 
-    monkeypatch.setattr(kernels, "_tma", lambda t: False)
+    monkeypatch.setattr(moe, "_tma", lambda t: False)
     c = CASES[case]
     idx, w = routing(c["T"], c["E"], c["k"])
     x = torch.randn(c["T"], 32).to(torch.bfloat16)
@@ -138,12 +156,11 @@ def test_grouped_gemms_without_the_tma_unit(device, case, monkeypatch):
 def test_pairs_take_their_expert_run_in_token_order(device, T):
     """The layout is a function of the routing: expert runs in expert order, each padded to the
     tile height, a run's pairs in token order; the slot table and its inverse agree."""
-    from mambastep.kernels import moe as kernels
 
     E, k = 8, 2
     idx, _ = routing(T, E, k, seed=T, experts_used=[1, 2, 6])
     bm = block_m(T, k, E)
-    slot_of_pair, token_of_slot, starts, counts = (t.cpu() for t in kernels._align(idx.to(device), E, bm,
+    slot_of_pair, token_of_slot, starts, counts = (t.cpu() for t in moe._align(idx.to(device), E, bm,
                                                                                      slot_count(T, k, E, bm)))
     flat = idx.flatten().long()
     assert counts.tolist() == torch.bincount(flat, minlength=E).tolist()

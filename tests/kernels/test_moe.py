@@ -61,7 +61,12 @@ BF16, FP32 = torch.bfloat16, torch.float32
 ])
 def test_router_logits_kernels_match_hf(device, T, E, D, dtype, k):
     """Both logits kernels give HF's experts and weights."""
-    g = torch.Generator().manual_seed(T + E)
+    _assert_route_matches_hf(device, T, E, D, dtype, k, seed=T + E)
+
+
+def _assert_route_matches_hf(device, T, E, D, dtype, k, seed):
+    """The kernels' experts for random rows equal HF's, and their weights to fp32's accuracy."""
+    g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, D, generator=g).to(dtype).to(device)
     gate = (torch.randn(E, D, generator=g) * 0.1).to(device)
     bias = (torch.randn(E, generator=g) * 0.05).to(device)
@@ -78,16 +83,9 @@ def test_router_logits_split_capped_by_the_program_count(device, monkeypatch, pr
     D is split into fewer chunks than its length allows; the logits' chunks still add up to HF's
     choice."""
     monkeypatch.setattr(moe, "ROUTER_PROGRAMS", programs)  # 100 rows are two tiles of rows
-    g = torch.Generator().manual_seed(programs)
-    x = torch.randn(100, 600, generator=g).to(BF16).to(device)
-    gate = (torch.randn(128, 600, generator=g) * 0.1).to(device)
-    bias = (torch.randn(128, generator=g) * 0.05).to(device)
-    assert moe._router_dot(x, gate)[1] == programs // 2
-    kw = dict(top_k=6, n_group=1, topk_group=1, norm_topk=True, scale=2.5)
-    idx, w = moe_route.triton(x, gate, bias, **kw)
-    ref_idx, ref_w = moe_route_ref(x.cpu(), gate.cpu(), bias.cpu(), **kw)
-    assert torch.equal(idx.cpu(), ref_idx)
-    torch.testing.assert_close(w.cpu(), ref_w, rtol=1e-5, atol=1e-6)
+    x = torch.zeros(100, 600, dtype=BF16, device=device)
+    assert moe._router_dot(x, torch.zeros(128, 600, device=device))[1] == programs // 2
+    _assert_route_matches_hf(device, 100, 128, 600, BF16, 6, seed=programs)
 
 
 def test_route_without_normalisation_keeps_the_scores(device):

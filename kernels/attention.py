@@ -74,6 +74,7 @@ def _decode_split_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # One program: row b, KV head kvh with its GROUP query heads, positions
     # [split * split_len, +split_len) cut at the row's length.
@@ -83,6 +84,11 @@ def _decode_split_kernel(
     slot = tl.load(slot_ptr + b)
     kv_len = tl.minimum(tl.load(len_ptr + b), max_ctx)
     start = split * split_len
+    if USE_PDL:
+        # q and the new key and value are the previous kernel's; every program waits, the ones
+        # that exit below too, so the chain's order holds (``kernels.decode_linear``)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # Splits past the row's length write nothing: the combine kernel knows from kv_len how many
     # splits a row has, so stale workspace entries are never read.
     if (slot < 0) | (start >= kv_len):
@@ -146,11 +152,15 @@ def _decode_combine_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + b)
     kv_len = tl.maximum(tl.minimum(tl.load(len_ptr + b), max_ctx), 0)
+    if USE_PDL:  # the partials are the previous kernel's
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # Splits that ran for this row; none for a pad row, whose output becomes zeros.
     n_splits = tl.where(slot >= 0, tl.cdiv(kv_len, split_len), 0)
     offs_s = tl.arange(0, BLOCK_S)
@@ -359,7 +369,8 @@ def _check_meta(meta: PrefillMetadata, tokens: int) -> None:
         raise ValueError("meta.cu_seqlens must have max_seqs + 1 entries, context_lens max_seqs")
 
 
-def decode_attention_ref(q, k, v, k_cache, v_cache, slot_idx, kv_lens, *, scale, out=None, workspace=None):
+def decode_attention_ref(q, k, v, k_cache, v_cache, slot_idx, kv_lens, *, scale, out=None, workspace=None,
+                         pdl=False):
     """Plain fp32 torch reference; same contract as :func:`decode_attention` (``workspace`` unused).
 
     Loops over rows and reads lengths on the host: the CPU path and the tests' oracle.
@@ -381,7 +392,8 @@ def decode_attention_ref(q, k, v, k_cache, v_cache, slot_idx, kv_lens, *, scale,
 
 
 @with_reference(decode_attention_ref)
-def decode_attention(q, k, v, k_cache, v_cache, slot_idx, kv_lens, *, scale, out=None, workspace=None):
+def decode_attention(q, k, v, k_cache, v_cache, slot_idx, kv_lens, *, scale, out=None, workspace=None,
+                     pdl=False):
     """Attention of one new token per row over its slot's cached context, after caching the token.
 
     q:         [B, H, Dh] bf16 or fp32 (may be a strided view, last dim contiguous)
@@ -393,6 +405,8 @@ def decode_attention(q, k, v, k_cache, v_cache, slot_idx, kv_lens, *, scale, out
     scale:     softmax scale (head_dim ** -0.5 for Nemotron-H)
     out:       [B, H, Dh] q's dtype, written in full (zeros for pad rows); allocated if None
     workspace: fp32 [B, H, num_splits, Dh + 1] from :func:`decode_workspace`; allocated if None
+    pdl:       both kernels launch as programmatic dependents of the previous one, as the fused
+               decode projections around them (``kernels.decode_linear``; CUDA, sm_90+)
 
     Query head h attends with KV head h // (H // KVH) to positions [0, kv_lens[b]). CUDA tensors
     run the Triton kernels (no host sync, capturable); CPU tensors run the reference. Returns out.
@@ -414,6 +428,7 @@ def decode_attention(q, k, v, k_cache, v_cache, slot_idx, kv_lens, *, scale, out
         return out
 
     group = H // KVH
+    extra = {"launch_pdl": True} if pdl else {}
     block_d = max(16, triton.next_power_of_2(Dh))
     # 64 positions of bf16 K and V per tile; fp32 tiles are halved to keep the same bytes.
     block_n = 64 if k_cache.element_size() <= 2 else 32
@@ -429,8 +444,8 @@ def decode_attention(q, k, v, k_cache, v_cache, slot_idx, kv_lens, *, scale, out
         GROUP=group, HEAD_DIM=Dh,
         # tl.dot needs at least 16 rows; the group (4 in Nemotron-H-8B) is padded with zero rows.
         BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=block_n, BLOCK_D=block_d,
-        num_warps=4, num_stages=2,
+        BLOCK_N=block_n, BLOCK_D=block_d, USE_PDL=pdl,
+        num_warps=4, num_stages=2, **extra,
     )
     _decode_combine_kernel[(B, H)](
         workspace, slot_idx, kv_lens, out,
@@ -438,7 +453,7 @@ def decode_attention(q, k, v, k_cache, v_cache, slot_idx, kv_lens, *, scale, out
         workspace.stride(0), workspace.stride(1), workspace.stride(2),
         out.stride(0), out.stride(1),
         HEAD_DIM=Dh, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_D=triton.next_power_of_2(Dh),
-        num_warps=4,
+        USE_PDL=pdl, num_warps=4, **extra,
     )
     return out
 

@@ -35,9 +35,11 @@ run in several waves, only after its K loop, so that dependents take SM slots as
 drains rather than idle in them through it (docs/experiments.md). Every kernel calls ``gdc_wait`` before reading
 its direct predecessor's output, so the chain stays ordered end to end.
 
-Kernels launched without PDL in between (the decode attention) complete before their successor
-starts, which only makes the chain stricter. The gated norm before a streamed product
-(``kernels.norm``) takes part in the chain like a one-tile kernel here.
+Kernels launched without PDL in between (a combine that waits for another stream) complete
+before their successor starts, which only makes the chain stricter. The gated norm before a
+streamed product (``kernels.norm``) and the decode attention's two kernels
+(``kernels.attention``) take part in the chain like a one-tile kernel here: every program waits,
+then signals, before anything else it reads.
 
 Numerics follow the unfused ops: the product is rounded to the weight dtype (as ``F.linear``),
 then the epilogue runs on the rounded value in fp32, as ``conv1d_update`` / ``rms_norm`` would.

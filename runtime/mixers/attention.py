@@ -53,12 +53,12 @@ class AttentionMixer(Mixer):
         prefill_attention(q[:tp], k[:tp], v[:tp], ctx.pool.k[self.idx], ctx.pool.v[self.idx], ctx.inputs.prefill,
                           scale=self.scale, out=out[:tp])
 
-    def decode(self, work, ctx: StepContext) -> None:
+    def decode(self, work, ctx: StepContext, pdl: bool = False) -> None:
         (q, k, v), out = work
         tp = ctx.inputs.num_prefill_tokens
         rows = slice(tp, tp + ctx.inputs.num_decode)
         decode_attention(q[rows], k[rows], v[rows], ctx.pool.k[self.idx], ctx.pool.v[self.idx],
-                         ctx.inputs.decode_slots, ctx.inputs.decode_kv_lens, scale=self.scale, out=out[rows])
+                         ctx.inputs.decode_slots, ctx.inputs.decode_kv_lens, scale=self.scale, out=out[rows], pdl=pdl)
 
     def finish(self, work) -> torch.Tensor:
         _, out = work
@@ -70,7 +70,7 @@ class AttentionMixer(Mixer):
         norm_linear(residual, norm.weight, norm.eps, self.qkv, bias=self.qkv_bias, round_first=norm.round_first,
                     out=qkv, pdl=opts.pdl, tile_k=opts.tile_k)
         work = self._split(qkv)
-        self.decode(work, ctx)
+        self.decode(work, ctx, pdl=opts.pdl)  # in the chain of programmatic dependents
         out = work[1]
         norm_linear(out.view(out.shape[0], -1), None, norm.eps, self.o_proj, bias=self.o_bias, residual=residual,
                     pdl=opts.pdl, tile_k=opts.tile_k)

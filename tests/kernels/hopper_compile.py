@@ -1,8 +1,8 @@
 """Compile kernels for Hopper (sm_90) without a GPU (the MoE kernels, with their TMA tiles, the
-skinny projections' streamed path, a Mamba2 prefill chunk's scan and conv): every launch a call
-makes is caught, its arguments turned into the signature and specialisation the JIT would give
-them, and the kernel compiled to a cubin instead of run, and ptxas asked what registers it
-takes. Run in a process of its own (the interpreter must be off):
+skinny projections' streamed path, the decode attention, a Mamba2 prefill chunk's scan and
+conv): every launch a call makes is caught, its arguments turned into the signature and
+specialisation the JIT would give them, and the kernel compiled to a cubin instead of run, and
+ptxas asked what registers it takes. Run in a process of its own (the interpreter must be off):
 ``python tests/kernels/hopper_compile.py``; prints a line per kernel variant, exits 1 if any
 fails to compile or spills registers (a variant that spills is slow on the GPU, which a CPU run
 would never show). ``test_hopper_compile.py`` runs it."""
@@ -111,6 +111,20 @@ def launch_skinny() -> None:
                            out=torch.empty(1, N, dtype=torch.bfloat16), pdl=True)
 
 
+def launch_decode_attention() -> None:
+    """The decode attention's two kernels at Nemotron-3-Nano's heads (32 query, 2 KV, 128 wide),
+    launched as the fused decode step chains them (PDL) and plain."""
+    from mambastep.kernels.attention import decode_attention
+
+    H, KVH, Dh, S, ctx = 32, 2, 128, 2, 512
+    bf16 = dict(dtype=torch.bfloat16)
+    cache = [torch.empty(S, ctx, KVH, Dh, **bf16) for _ in range(2)]
+    for pdl in (False, True):
+        decode_attention.triton(torch.empty(1, H, Dh, **bf16), torch.empty(1, KVH, Dh, **bf16),
+                                torch.empty(1, KVH, Dh, **bf16), *cache, torch.zeros(1, dtype=torch.int32),
+                                torch.ones(1, dtype=torch.int32), scale=Dh**-0.5, pdl=pdl)
+
+
 def launch_prefill() -> None:
     """A Mamba2 prefill chunk at Nemotron's head shape (P 64, N 128, chunks of 128, bf16): the
     SSD scan's kernels and the causal conv over packed tokens, two sequences, one from a state."""
@@ -135,6 +149,7 @@ if __name__ == "__main__":
     JITFunction.run = _compile_instead
     launch_moe()
     launch_skinny()
+    launch_decode_attention()
     launch_prefill()
     print(f"{len(compiled)} kernel variants, {len(failed)} failed to compile for sm_90 or spilled")
     sys.exit(1 if failed or not compiled else 0)

@@ -237,6 +237,52 @@ def test_public_ops_dispatch_to_reference_on_cpu():
     assert torch.equal(kc, kr)
 
 
+@pytest.mark.gpu
+def test_decode_in_a_pdl_chain_equals_plain_launches():
+    """As the fused decode step runs it: the qkv projection, the decode attention and the o_proj
+    with its residual add, each reading its predecessor's output, captured in a CUDA graph as
+    programmatic dependents; bit for bit what plain launches give, the cache written alike."""
+    from mambastep.kernels.decode_linear import norm_linear, pdl_supported
+
+    if not pdl_supported(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs sm_90+ and a Triton that launches with it")
+    torch.manual_seed(9)
+    h, kvh, dh, ctx, D = 32, 2, 128, 512, 1024
+    qkv_w = torch.randn((h + 2 * kvh) * dh, D, device="cuda").mul_(0.03).to(torch.bfloat16)
+    o_w = torch.randn(D, h * dh, device="cuda").mul_(0.03).to(torch.bfloat16)
+    norm_w = torch.randn(D, device="cuda").to(torch.bfloat16)
+    start = torch.randn(1, D, device="cuda")
+    cache0 = _pool(kvh, torch.bfloat16, "cuda", slots=3, max_ctx=ctx, dh=dh)
+    slots = torch.tensor([2], dtype=torch.int32, device="cuda")
+    lens = torch.tensor([300], dtype=torch.int32, device="cuda")
+
+    def run(pdl):
+        residual, kc, vc = start.clone(), cache0[0].clone(), cache0[1].clone()
+        qkv = torch.empty(1, qkv_w.shape[0], dtype=torch.bfloat16, device="cuda")
+        out = torch.empty(1, h, dh, dtype=torch.bfloat16, device="cuda")
+        ws = decode_workspace(1, h, dh, ctx, device="cuda")
+
+        def block():
+            norm_linear.triton(residual, norm_w, 1e-5, qkv_w, out=qkv, pdl=pdl)
+            q, k, v = (qkv[:, a * dh : b * dh].view(1, -1, dh) for a, b in ((0, h), (h, h + kvh), (h + kvh, h + 2 * kvh)))
+            decode_attention.triton(q, k, v, kc, vc, slots, lens, scale=dh**-0.5, out=out, workspace=ws, pdl=pdl)
+            norm_linear.triton(out.view(1, -1), None, 1e-5, o_w, residual=residual, pdl=pdl)
+
+        block()  # compiles outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            block()
+        residual.copy_(start)
+        kc.copy_(cache0[0])
+        vc.copy_(cache0[1])
+        graph.replay()
+        torch.cuda.synchronize()
+        return residual, kc, vc
+
+    for a, b in zip(run(True), run(False)):
+        assert torch.equal(a, b)
+
+
 # Nemotron-H-8B attention: 32 query heads, 8 KV heads of 128, bf16, a 4096-token context.
 @pytest.mark.gpu
 @pytest.mark.parametrize("B", [1, 64])

@@ -18,7 +18,7 @@ Static shapes throughout, so a step is captured once per bucket and replays with
    tile's expert from the device counts and exits when the tile lies past the last expert's
    run, so the grid is fixed by the bucket and only routed experts' weights are read; on Hopper
    the TMA unit copies the tiles. Up projection with relu2 (each rounded to the activations'
-   dtype, as HF's two ops), then down projection.
+   dtype, as HF's two ops; a run's padding rows written as zeros), then down projection.
 4. Combine: a token's k rows weighted and summed in fp32 in expert order, rounded, plus the
    shared expert's output, optionally added into the residual stream. No atomics anywhere, so a
    step is deterministic run to run.
@@ -396,14 +396,18 @@ def _align(idx, E: int, bm: int, S: int, pdl: bool = False):
 @triton.jit
 def _tile_product(a_ptr, src, ok, slots, e, w_ptr, out_ptr, n0, N, K, stride_a, stride_we, stride_wn, stride_out,
                   RELU2: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                  BK: tl.constexpr, USE_PDL: tl.constexpr, A_TMA: tl.constexpr = False, W_TMA: tl.constexpr = False):
+                  BK: tl.constexpr, USE_PDL: tl.constexpr, A_TMA: tl.constexpr = False, W_TMA: tl.constexpr = False,
+                  ZERO_PAD: tl.constexpr = False):
     """out[slots] = a[src] @ w[e].T over the BN columns from n0 for the rows ``ok`` of a tile;
     relu2 after, when RELU2. With USE_PDL it signals its dependents after its K loop (several
     waves at prefill sizes: they take SM slots as the last one drains).
 
     W_TMA: w_ptr is a tensor descriptor of the weights [E, N, K] in [1, BN, BK] blocks (its
     tiles copied by the TMA unit, the columns past N zeros); A_TMA: a_ptr is one of a [rows, K]
-    in [BM, BK] blocks and the tile's rows are src[0] onwards, in order."""
+    in [BM, BK] blocks and the tile's rows are src[0] onwards, in order. ZERO_PAD: every slot of
+    the tile is the run's, and its rows not ``ok`` (the run's padding) are stored as zeros: the
+    up projection's, so that the down projection's tensor cores multiply zeros there rather than
+    stale bytes (less power: a prefill chunk's step runs at the H200's power cap)."""
     ns = n0 + tl.arange(0, BN)
     n_ok = ns < N
     if not A_TMA:
@@ -431,7 +435,11 @@ def _tile_product(a_ptr, src, ok, slots, e, w_ptr, out_ptr, n0, N, K, stride_a, 
     if RELU2:
         y = tl.maximum(y.to(tl.float32), 0.0)
         y = (y * y).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + slots[:, None].to(tl.int64) * stride_out + ns[None, :], y, mask=ok[:, None] & n_ok[None, :])
+    if ZERO_PAD:
+        tl.store(out_ptr + slots[:, None].to(tl.int64) * stride_out + ns[None, :], tl.where(ok[:, None], y, 0.0),
+                 mask=n_ok[None, :])
+    else:
+        tl.store(out_ptr + slots[:, None].to(tl.int64) * stride_out + ns[None, :], y, mask=ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -439,7 +447,7 @@ def _grouped_kernel(a_ptr, token_ptr, w_ptr, out_ptr, starts_ptr, counts_ptr, N,
                     stride_a, stride_we, stride_wn, stride_out,
                     GATHER: tl.constexpr, RELU2: tl.constexpr, PRECISION: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_E: tl.constexpr,
-                    USE_PDL: tl.constexpr, A_TMA: tl.constexpr, W_TMA: tl.constexpr):
+                    USE_PDL: tl.constexpr, A_TMA: tl.constexpr, W_TMA: tl.constexpr, ZERO_PAD: tl.constexpr):
     """The sorted layout: out[slot] = a[row] @ w[expert].T for a tile of BM slots of one
     expert's run (row: the slot's token when GATHER, else the slot itself; A_TMA and W_TMA as
     ``_tile_product``). The grid is (column blocks, tiles), columns fastest: the programs running
@@ -460,7 +468,7 @@ def _grouped_kernel(a_ptr, token_ptr, w_ptr, out_ptr, starts_ptr, counts_ptr, N,
         ok = slots - start < count
         src = tl.load(token_ptr + slots, mask=ok, other=0) if GATHER else slots
         _tile_product(a_ptr, src, ok, slots, e, w_ptr, out_ptr, tl.program_id(0) * BN, N, K, stride_a, stride_we,
-                      stride_wn, stride_out, RELU2, PRECISION, BM, BN, BK, USE_PDL, A_TMA, W_TMA)
+                      stride_wn, stride_out, RELU2, PRECISION, BM, BN, BK, USE_PDL, A_TMA, W_TMA, ZERO_PAD)
 
 
 @triton.jit
@@ -588,7 +596,7 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
             _grouped_kernel[(triton.cdiv(n, bn), triton.cdiv(S, bm))](
                 a_arg, token_of_slot, w_arg, result, starts, counts, n, kk, E, *common, GATHER=up_proj, RELU2=up_proj,
                 PRECISION=precision, BM=bm, BN=bn, BK=bk, BLOCK_E=block_e, USE_PDL=pdl, A_TMA=tma and not up_proj,
-                W_TMA=tma, num_warps=warps, num_stages=stages, **extra)
+                W_TMA=tma, ZERO_PAD=up_proj, num_warps=warps, num_stages=stages, **extra)
     if shared_ready is not None:
         torch.cuda.current_stream(dev).wait_event(shared_ready)
         pdl, extra = False, {}  # its launch waits for another stream: a full dependency

@@ -547,7 +547,8 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
     shared_ready: a CUDA event recorded once ``shared`` is written on another stream (the shared
     expert computed beside the routed ones); the combine waits for it, nothing before it does.
     pdl: the kernels launch as programmatic dependents of the previous one (``kernels.decode_linear``),
-    all but a combine that waits for ``shared_ready``.
+    all but a combine that waits for ``shared_ready``, which launches plainly and still signals
+    its own dependents.
     """
     T, K = x.shape
     E, I, _ = up.shape
@@ -598,8 +599,11 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
                 PRECISION=precision, BM=bm, BN=bn, BK=bk, BLOCK_E=block_e, USE_PDL=pdl, A_TMA=tma and not up_proj,
                 W_TMA=tma, ZERO_PAD=up_proj, num_warps=warps, num_stages=stages, **extra)
     if shared_ready is not None:
+        # its launch waits for another stream, a full dependency: a plain launch, but with
+        # USE_PDL it still signals its dependents (its wait returns at once), so the next kernel
+        # in the chain (the next block's first projection) starts its weight reads as it runs
         torch.cuda.current_stream(dev).wait_event(shared_ready)
-        pdl, extra = False, {}  # its launch waits for another stream: a full dependency
+        extra = {}
     block_d = min(1024, triton.next_power_of_2(D))
     _combine_kernel[(T, triton.cdiv(D, block_d))](
         y, slot_of_pair, w, shared if shared is not None else y, target, D, y.stride(0),

@@ -175,7 +175,11 @@ def readme_table(steps, runs=(), kernels: str | None = None) -> str:
             r = run(name, 64)
             return f"{r['output_tokens_per_s']:,.0f}".replace(",", " ") if r else ""
 
-    lines = [f"Measured {s['date']} on an {s['device']} (bf16, random weights) by `mambastep bench steps`, "
+    # a file measured on another day than the first names its presets' date
+    later = [f"{', '.join(p['preset'] for p in d['presets'])} steps: {d['date']}"
+             for d in (json.loads(Path(path).read_text()) for path in steps[1:]) if d["date"] != s["date"]]
+    when = s["date"] + (f" ({'; '.join(later)})" if later else "")
+    lines = [f"Measured {when} on an {s['device']} (bf16, random weights) by `mambastep bench steps`, "
              "`bench kernels` and `mambastep run` (`.ci/gpu-bench` runs them); the tables in docs/BENCHMARKS.md.", "",
              "| | " + " | ".join(names) + " |",
              "|" + " --- |" * (len(names) + 1)]

@@ -96,7 +96,12 @@ def test_markdown_writes_every_table_under_its_command(tmp_path):
     assert "mambastep bench steps [--preset P ...] --json steps.json" in page and "| 64 + 512 | 1.800 | 2.000 | 10% | 2.200 |" in page
     assert "`mambastep run --preset mamba2-130m --concurrency 1 --requests 16 --pipelined --json PATH`" in page
     table = bench_markdown.readme_table(tmp_path / "steps.json", [tmp_path / "runs.json"])
-    assert "2026-12-01" in table and "| 1.50 ms / 0.300 ms (0.230 ms pipelined) |" in table
+    assert "Measured 2026-12-01 on" in table and "| 1.50 ms / 0.300 ms (0.230 ms pipelined) |" in table
+    # a steps file measured on a later day names its presets' date
+    later = {**steps, "date": "2026-12-02", "presets": [{**steps["presets"][0], "preset": "nemotron-h-8b"}]}
+    (tmp_path / "steps-8b.json").write_text(json.dumps(later))
+    table = bench_markdown.readme_table([tmp_path / "steps.json", tmp_path / "steps-8b.json"], [tmp_path / "runs.json"])
+    assert "Measured 2026-12-01 (nemotron-h-8b steps: 2026-12-02) on" in table
 
 
 def test_the_http_table_sets_each_server_run_beside_its_in_process_run(tmp_path):

@@ -435,11 +435,11 @@ def _tile_product(a_ptr, src, ok, slots, e, w_ptr, out_ptr, n0, N, K, stride_a, 
     if RELU2:
         y = tl.maximum(y.to(tl.float32), 0.0)
         y = (y * y).to(out_ptr.dtype.element_ty)
+    out = out_ptr + slots[:, None].to(tl.int64) * stride_out + ns[None, :]
     if ZERO_PAD:
-        tl.store(out_ptr + slots[:, None].to(tl.int64) * stride_out + ns[None, :], tl.where(ok[:, None], y, 0.0),
-                 mask=n_ok[None, :])
+        tl.store(out, tl.where(ok[:, None], y, 0.0), mask=n_ok[None, :])
     else:
-        tl.store(out_ptr + slots[:, None].to(tl.int64) * stride_out + ns[None, :], y, mask=ok[:, None] & n_ok[None, :])
+        tl.store(out, y, mask=ok[:, None] & n_ok[None, :])
 
 
 @triton.jit

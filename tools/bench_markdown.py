@@ -26,10 +26,10 @@ def run_command(r: dict) -> str:
 
 
 def run_table(runs: list[dict]) -> str:
-    lines = ["| command | TTFT p50 (ms) | inter-token p50 (ms) | inter-token p99 (ms) | output tokens/s |",
-             "| --- | --- | --- | --- | --- |"]
+    lines = ["| command | date | TTFT p50 (ms) | inter-token p50 (ms) | inter-token p99 (ms) | output tokens/s |",
+             "| --- | --- | --- | --- | --- | --- |"]
     for r in runs:
-        lines.append(f"| `{run_command(r)}` | {r['ttft_ms']['p50']:.2f} | {r['itl_ms']['p50']:.3f} | "
+        lines.append(f"| `{run_command(r)}` | {r['date']} | {r['ttft_ms']['p50']:.2f} | {r['itl_ms']['p50']:.3f} | "
                      f"{r['itl_ms']['p99']:.3f} | {r['output_tokens_per_s']:.0f} |")
     return "\n".join(lines)
 
@@ -107,8 +107,8 @@ def render(steps=(), kernels: str | None = None, runs=(), serve=(), tune=()) -> 
         results = _load_results(runs)
         out += ["## The main job", "", "```", "mambastep run --preset P --concurrency C --requests N [--pipelined]",
                 "```", "",
-                "A synthetic chat workload (prompts ~223, outputs ~140 tokens, greedy) through the Engine; the "
-                f"device and date are those of the step tables above. {len(results)} runs:", "",
+                "A synthetic chat workload (prompts ~223, outputs ~140 tokens, greedy) through the Engine, on "
+                f"{' and '.join(sorted({r['device_name'] for r in results}))}. {len(results)} runs:", "",
                 run_table(results), ""]
     if serve:
         out += ["## Over HTTP", "", "```", "mambastep serve --preset P --port 8000 &",

@@ -87,14 +87,16 @@ def test_markdown_writes_every_table_under_its_command(tmp_path):
                  "separate_ms": 2.2})
     steps = {"device": "GPU", "date": "2026-12-01", "torch": "2", "copy_GB/s": 4274.0,
              "presets": [{"preset": "mamba2-130m", "capture": ["captured 3 graphs"], "rows": rows}]}
-    run = {"model": "mamba2-130m", "mode": "CUDA graphs", "pipelined": True, "requests": 16, "concurrency": 1,
-           "ttft_ms": {"p50": 1.5}, "itl_ms": {"p50": 0.23, "p99": 0.25}, "output_tokens_per_s": 4000.0}
+    run = {"model": "mamba2-130m", "device_name": "GPU", "date": "2026-12-01", "mode": "CUDA graphs",
+           "pipelined": True, "requests": 16, "concurrency": 1, "ttft_ms": {"p50": 1.5},
+           "itl_ms": {"p50": 0.23, "p99": 0.25}, "output_tokens_per_s": 4000.0}
     (tmp_path / "steps.json").write_text(json.dumps(steps))
     default = {**run, "pipelined": False, "itl_ms": {"p50": 0.3, "p99": 0.31}}
     (tmp_path / "runs.json").write_text(json.dumps({"a": run, "b": default}))
     page = bench_markdown.render(tmp_path / "steps.json", runs=[tmp_path / "runs.json"])
     assert "mambastep bench steps [--preset P ...] --json steps.json" in page and "| 64 + 512 | 1.800 | 2.000 | 10% | 2.200 |" in page
-    assert "`mambastep run --preset mamba2-130m --concurrency 1 --requests 16 --pipelined --json PATH`" in page
+    assert "`mambastep run --preset mamba2-130m --concurrency 1 --requests 16 --pipelined --json PATH` | 2026-12-01 |" in page
+    assert "through the Engine, on GPU. 2 runs:" in page
     table = bench_markdown.readme_table(tmp_path / "steps.json", [tmp_path / "runs.json"])
     assert "Measured 2026-12-01 on" in table and "| 1.50 ms / 0.300 ms (0.230 ms pipelined) |" in table
     # a steps file measured on a later day names its presets' date

@@ -5,9 +5,10 @@
     mambastep bench steps [--json PATH]     decode steps eager vs graph vs HBM floor (and fused
                                             vs layer by layer); mixed steps with and without
                                             the forked stream
-    mambastep bench profile --preset P --batch B [--prefill T]
+    mambastep bench profile --preset P --batch B [--prefill T] [--timeline]
                                             per-kernel time of one eager step: B decode rows
-                                            (and a prefill chunk of T tokens)
+                                            (and a prefill chunk of T tokens); --timeline: what
+                                            each kernel adds to the captured step's span
     mambastep bench serve --url URL [--concurrency C] [--requests N]
                                             load generator over HTTP against `mambastep serve`
                                             (`mambastep bench serve --help`)
@@ -27,7 +28,7 @@ import sys
 
 import torch
 
-from . import bench_kernels, bench_markdown, bench_steps
+from . import bench_kernels, bench_markdown, bench_profile, bench_steps
 from .args import Parser, writable_path
 
 SUITES = {"kernels": bench_kernels, "steps": bench_steps}
@@ -50,6 +51,8 @@ def main(argv=None) -> int:
     parser.add_argument("--preset", action="append", help="steps: preset(s) to run (default: both)")
     parser.add_argument("--batch", type=int, default=1, help="profile: decode batch")
     parser.add_argument("--prefill", type=int, default=0, help="profile: tokens of one prefill chunk (0: none)")
+    parser.add_argument("--timeline", action="store_true",
+                        help="profile: the captured graph's replays, each kernel charged what it adds to the step")
     parser.add_argument("--steps", metavar="JSON", nargs="*", default=[], help="markdown: JSONs of `bench steps`")
     parser.add_argument("--kernels", metavar="JSON", help="markdown: the JSON of `bench kernels`")
     parser.add_argument("--run", metavar="JSON", nargs="*", default=[], help="markdown: JSONs of `mambastep run`")
@@ -76,7 +79,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         parser.error("benchmarks need a CUDA device")
     if args.what == "profile":
-        print(bench_steps.profile((args.preset or ["mamba2-130m"])[0], args.batch, args.prefill))
+        how = bench_profile.timeline if args.timeline else bench_profile.profile
+        print(how((args.preset or ["mamba2-130m"])[0], args.batch, args.prefill))
         return 0
     suite = SUITES[args.what]
     result = suite.run(tuple(args.preset)) if (args.what == "steps" and args.preset) else suite.run()

@@ -73,13 +73,13 @@ def replay_ms(runner: StepRunner, plan: StepPlan, iters: int = 30) -> float:
     return statistics.median(times)
 
 
-def _decode_rows(batch: int, first_slot: int = 0) -> list:
+def decode_rows(batch: int, first_slot: int = 0) -> list:
     """(token, slot, context) of ``batch`` decode rows in consecutive slots."""
     return [(1 + i, first_slot + i, CONTEXT) for i in range(batch)]
 
 
 def decode_plan(batch: int, first_slot: int = 0) -> StepPlan:
-    return StepPlan.make(decode=_decode_rows(batch, first_slot))
+    return StepPlan.make(decode=decode_rows(batch, first_slot))
 
 
 def prefill_plan(tokens: int, slot: int) -> StepPlan:
@@ -323,22 +323,3 @@ def tables(result: dict) -> str:
 
 def print_table(result: dict) -> None:
     print("\n" + tables(result))
-
-
-def profile(preset: str, batch: int, prefill: int = 0, top: int = 25) -> str:
-    """Per-kernel device time of a step: ``batch`` decode rows, plus one prefill chunk of
-    ``prefill`` tokens if nonzero (run eagerly and unforked: the same kernels as the graph)."""
-    model = Model.from_preset(preset, dtype=torch.bfloat16, device="cuda")
-    pool = StatePool(model.cfg, batch + 1, max_context=CONTEXT + prefill + 2, dtype=torch.bfloat16, device="cuda")
-    buckets = BucketSet(decode=(max(batch, 1),), mixed_decode=tuple(sorted({0, batch})), prefill=(max(prefill, 16),),
-                        max_prefill_seqs=1)
-    runner = StepRunner(model, pool, buckets, overlap=False)
-    chunk = [(prefill_plan(prefill, batch).prefill_tokens.tolist(), batch, 0)] if prefill else []
-    plan = StepPlan.make(chunk, _decode_rows(batch))
-    runner.logits(plan)
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(10):
-            runner.logits(plan)
-        torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=top)

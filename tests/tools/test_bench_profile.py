@@ -1,0 +1,36 @@
+"""The timeline profile's accounting (the profiling itself needs a GPU): replays split apart by
+the idle between them, and each kernel charged what it adds to its replay's span."""
+
+from mambastep.tools.bench_profile import kernel_shares, short_name, split_replays
+
+
+def test_each_kernel_is_charged_what_it_adds_and_the_charges_sum_to_the_span():
+    # in end order: a, then b (started inside a: a programmatic dependent), then c (beside b on
+    # another stream); a second replay of the same step 1 ms later; a stray copy on its own
+    step = [(0.0, 10.0, "a_kernel(float*)"), (8.0, 20.0, "b"), (15.0, 25.0, "void c<128>(int)")]
+    kernels = step + [(s + 1000, e + 1000, n) for s, e, n in step] + [(3000.0, 3000.8, "Memcpy HtoD")]
+    replays = split_replays(kernels)
+    assert len(replays) == 2
+    span, rows = kernel_shares(replays)
+    assert span == 25.0
+    got = {(r["prev"], r["kernel"], r["next"]): (r["share_us"], r["per_call_us"], r["duration_us"], r["calls"])
+           for r in rows}
+    assert got == {("-", "a_kernel", "b"): (10.0, 10.0, 10.0, 1.0), ("a_kernel", "b", "void c"): (10.0, 10.0, 12.0, 1.0),
+                   ("b", "void c", "-"): (5.0, 5.0, 10.0, 1.0)}
+    assert [r["kernel"] for r in rows] == ["a_kernel", "b", "void c"]  # largest charge first (ties in end order)
+
+
+def test_a_kernel_run_twice_a_step_counts_both_calls():
+    step = [(0.0, 4.0, "k"), (4.5, 9.0, "k"), (9.0, 10.0, "m")]
+    span, rows = kernel_shares(split_replays(step + [(s + 500, e + 500, n) for s, e, n in step]))
+    assert span == 10.0
+    by_key = {(r["prev"], r["kernel"], r["next"]): r for r in rows}
+    assert by_key[("-", "k", "k")]["share_us"] == 4.0 and by_key[("k", "k", "m")]["share_us"] == 5.0
+    assert by_key[("k", "m", "-")]["calls"] == 1.0
+
+
+def test_kernel_names_lose_their_template_arguments_and_signature():
+    assert short_name("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float> >(int)") == \
+        "void at::native::vectorized_elementwise_kernel"
+    assert short_name("_grouped_kernel") == "_grouped_kernel"
+    assert len(short_name("x" * 100)) == 48

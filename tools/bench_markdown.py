@@ -144,8 +144,9 @@ def readme_table(steps, runs=(), kernels: str | None = None) -> str:
     """The README's summary: Mamba2-130M, Nemotron-H-8B and Nemotron-3-Nano side by side, every cell
     from the benchmarks' JSON."""
     steps = [steps] if isinstance(steps, (str, Path)) else list(steps)
-    s = json.loads(Path(steps[0]).read_text())  # the date and device of the first
-    presets = {p["preset"]: p["rows"] for path in steps for p in json.loads(Path(path).read_text())["presets"]}
+    measured = [json.loads(Path(path).read_text()) for path in steps]
+    s = measured[0]  # the date and device of the first
+    presets = {p["preset"]: p["rows"] for d in measured for p in d["presets"]}
     names = [n for n in ("mamba2-130m", "nemotron-h-8b", "nemotron-3-nano-30b-a3b") if n in presets]
     results = _load_results(runs)
 
@@ -177,7 +178,7 @@ def readme_table(steps, runs=(), kernels: str | None = None) -> str:
 
     # a file measured on another day than the first names its presets' date
     later = [f"{', '.join(p['preset'] for p in d['presets'])} steps: {d['date']}"
-             for d in (json.loads(Path(path).read_text()) for path in steps[1:]) if d["date"] != s["date"]]
+             for d in measured[1:] if d["date"] != s["date"]]
     when = s["date"] + (f" ({'; '.join(later)})" if later else "")
     lines = [f"Measured {when} on an {s['device']} (bf16, random weights) by `mambastep bench steps`, "
              "`bench kernels` and `mambastep run` (`.ci/gpu-bench` runs them); the tables in docs/BENCHMARKS.md.", "",

@@ -7,8 +7,9 @@ start, never spanning two sequences), plus one that zeroes the output rows nobod
 2. ``_chunk_state_kernel``    per chunk, head, state tile: the chunk's own final state
                               sum_l exp(cs_end - cs_l) dt'_l x_l B_l^T
 3. ``_state_passing_kernel``  per sequence, head, state tile: walks the sequence's chunks from its
-                              initial state, leaves each chunk's start state in the workspace and
-                              writes the final state to the sequence's slot
+                              initial state, leaves each chunk's start state in the workspace (in
+                              the activations' dtype, as the scan's products take it) and writes
+                              the final state to the sequence's slot
 4. ``_chunk_scan_kernel``     per chunk, row block, head, head-dim block:
                               y = exp(cs) C h_start + (C B^T * decay * causal) (dt' x) + D x,
                               gated by silu(z)
@@ -41,22 +42,28 @@ class SSDWorkspace:
 
     dt:        [max_chunks, H, chunk_size]  fp32  dt' per chunk position, 0 past the chunk's end
     dA_cumsum: [max_chunks, H, chunk_size]  fp32  within-chunk inclusive cumsum of dt' A
-    states:    [max_chunks, H, P, N]        fp32  each chunk's own final state, then (in place)
-                                                  the state the chunk starts from
+    states:    [max_chunks, H, P, N]        fp32  each chunk's own final state
+    starts:    [max_chunks, H, P, N]        dtype the state each chunk starts from, rounded to the
+                                                  activations' dtype (the scan's product with C
+                                                  takes it so: half the bytes of fp32 at bf16)
     """
 
     dt: torch.Tensor
     dA_cumsum: torch.Tensor
     states: torch.Tensor
+    starts: torch.Tensor
 
     @classmethod
-    def allocate(cls, max_chunks: int, H: int, P: int, N: int, chunk_size: int, device) -> "SSDWorkspace":
-        """Workspace for up to ``max_chunks`` chunks (see ``varlen.max_chunks_for``)."""
+    def allocate(cls, max_chunks: int, H: int, P: int, N: int, chunk_size: int, device,
+                 dtype: torch.dtype = torch.float32) -> "SSDWorkspace":
+        """Workspace for up to ``max_chunks`` chunks (see ``varlen.max_chunks_for``) of a scan over
+        ``dtype`` activations."""
         f32 = dict(dtype=torch.float32, device=device)
         return cls(
             dt=torch.empty(max_chunks, H, chunk_size, **f32),
             dA_cumsum=torch.empty(max_chunks, H, chunk_size, **f32),
             states=torch.empty(max_chunks, H, P, N, **f32),
+            starts=torch.empty(max_chunks, H, P, N, dtype=dtype, device=device),
         )
 
 
@@ -181,23 +188,25 @@ def _chunk_state_kernel(
 
 @triton.jit
 def _chunk_own(states_ptr, cs_ptr, c, c1, h, H, P, N, tile, mask, CHUNK_SIZE: tl.constexpr):
-    """Chunk c's own final state (from zero) and its log decay; zeros past the last chunk c1 - 1."""
+    """Chunk c's own final state (from zero), its log decay and its tile mask; zeros, and a
+    mask of nothing, past the last chunk c1 - 1."""
     # (tl.where, not mask & (c < c1): the interpreter turns a bool tensor & a bool scalar into ints)
-    local = tl.load(states_ptr + (c * H + h) * P * N + tile, mask=tl.where(c < c1, mask, False), other=0.0)
+    live = tl.where(c < c1, mask, False)
+    local = tl.load(states_ptr + (c * H + h) * P * N + tile, mask=live, other=0.0)
     log_decay = tl.load(cs_ptr + (tl.minimum(c, c1 - 1) * H + h) * CHUNK_SIZE + CHUNK_SIZE - 1)
-    return local, tl.where(c < c1, log_decay, 0.0)
+    return local, tl.where(c < c1, log_decay, 0.0), live
 
 
 @triton.jit
-def _pass_on(states_ptr, state, local, log_decay, c, c1, h, H, P, N, tile, mask):
-    """Chunk c's initial state (``state``) stored in place of its own, and its final one returned."""
-    tl.store(states_ptr + (c * H + h) * P * N + tile, state, mask=tl.where(c < c1, mask, False))
+def _pass_on(starts_ptr, state, local, log_decay, live, c, h, H, P, N, tile):
+    """Chunk c's initial state (``state``) stored as it starts, and its final one returned."""
+    tl.store(starts_ptr + (c * H + h) * P * N + tile, state.to(starts_ptr.dtype.element_ty), mask=live)
     return tl.exp(log_decay) * state + local
 
 
 @triton.jit
 def _state_passing_kernel(
-    states_ptr, cs_ptr, ssm_state_ptr,
+    states_ptr, starts_ptr, cs_ptr, ssm_state_ptr,
     slot_idx_ptr, has_initial_state_ptr, seq_chunk_start_ptr,
     H, P, N,
     s_st_s, s_st_h, s_st_p, s_st_n,
@@ -228,20 +237,20 @@ def _state_passing_kernel(
     # loads as a zero state and no decay, and passes the state on unchanged)
     tile = offs_p[:, None] * N + offs_n[None, :]
     for c in range(c0, c1, 4):
-        l0, a0 = _chunk_own(states_ptr, cs_ptr, c, c1, h, H, P, N, tile, mask, CHUNK_SIZE)
-        l1, a1 = _chunk_own(states_ptr, cs_ptr, c + 1, c1, h, H, P, N, tile, mask, CHUNK_SIZE)
-        l2, a2 = _chunk_own(states_ptr, cs_ptr, c + 2, c1, h, H, P, N, tile, mask, CHUNK_SIZE)
-        l3, a3 = _chunk_own(states_ptr, cs_ptr, c + 3, c1, h, H, P, N, tile, mask, CHUNK_SIZE)
-        state = _pass_on(states_ptr, state, l0, a0, c, c1, h, H, P, N, tile, mask)
-        state = _pass_on(states_ptr, state, l1, a1, c + 1, c1, h, H, P, N, tile, mask)
-        state = _pass_on(states_ptr, state, l2, a2, c + 2, c1, h, H, P, N, tile, mask)
-        state = _pass_on(states_ptr, state, l3, a3, c + 3, c1, h, H, P, N, tile, mask)
+        l0, a0, m0 = _chunk_own(states_ptr, cs_ptr, c, c1, h, H, P, N, tile, mask, CHUNK_SIZE)
+        l1, a1, m1 = _chunk_own(states_ptr, cs_ptr, c + 1, c1, h, H, P, N, tile, mask, CHUNK_SIZE)
+        l2, a2, m2 = _chunk_own(states_ptr, cs_ptr, c + 2, c1, h, H, P, N, tile, mask, CHUNK_SIZE)
+        l3, a3, m3 = _chunk_own(states_ptr, cs_ptr, c + 3, c1, h, H, P, N, tile, mask, CHUNK_SIZE)
+        state = _pass_on(starts_ptr, state, l0, a0, m0, c, h, H, P, N, tile)
+        state = _pass_on(starts_ptr, state, l1, a1, m1, c + 1, h, H, P, N, tile)
+        state = _pass_on(starts_ptr, state, l2, a2, m2, c + 2, h, H, P, N, tile)
+        state = _pass_on(starts_ptr, state, l3, a3, m3, c + 3, h, H, P, N, tile)
     tl.store(pool, state.to(ssm_state_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _chunk_scan_kernel(
-    x_ptr, z_ptr, B_ptr, C_ptr, D_ptr, out_ptr, dt_ptr, cs_ptr, states_ptr,
+    x_ptr, z_ptr, B_ptr, C_ptr, D_ptr, out_ptr, dt_ptr, cs_ptr, starts_ptr,
     chunk_seq_ptr, chunk_start_ptr, chunk_end_ptr, slot_idx_ptr,
     H, P, N, heads_per_group,
     s_x_t, s_x_h, s_x_p, s_z_t, s_z_h, s_z_p, s_B_t, s_B_g, s_B_n, s_C_t, s_C_g, s_C_n,
@@ -279,7 +288,7 @@ def _chunk_scan_kernel(
                    mask=mask_m[:, None] & mask_n[None, :], other=0.0).to(dtype)
 
     # inter-chunk part: the start state decayed to each row, [BLOCK_N, BLOCK_P]
-    state = tl.load(states_ptr + ((c.to(tl.int64) * H + h) * P + offs_p[None, :]) * N + offs_n[:, None],
+    state = tl.load(starts_ptr + ((c.to(tl.int64) * H + h) * P + offs_p[None, :]) * N + offs_n[:, None],
                     mask=mask_n[:, None] & mask_p[None, :], other=0.0)
     acc = _dot(cmat, state.to(dtype), PRECISION, UPCAST) * tl.exp(cs_m)[:, None]
 
@@ -407,6 +416,9 @@ def _check(x, dt, A, B, C, D, z, dt_bias, ssm_state, meta, out, workspace):
         want = (meta.max_chunks, H, meta.chunk_size)
         if tuple(workspace.dt.shape) != want or tuple(workspace.states.shape) != (*want[:2], P, N):
             raise ValueError("workspace was sized for other static dims")
+        if tuple(workspace.starts.shape) != (*want[:2], P, N) or workspace.starts.dtype != x.dtype:
+            raise ValueError(f"workspace.starts must be {[*want[:2], P, N]} in x's dtype {x.dtype}, "
+                             f"got {list(workspace.starts.shape)} {workspace.starts.dtype}")
 
 # The torch references: a per-token loop (the oracle) and the SSD block decomposition per
 # sequence. Both read the metadata on the host (they sync), loop over sequences in Python, and
@@ -563,7 +575,7 @@ def ssd_scan(x, dt, A, B, C, D, ssm_state, meta: PrefillMetadata, *, z=None, dt_
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if workspace is None:
-        workspace = SSDWorkspace.allocate(max_chunks, H, P, N, cs_size, x.device)
+        workspace = SSDWorkspace.allocate(max_chunks, H, P, N, cs_size, x.device, x.dtype)
     ws = workspace
     bl = _blocks(cs_size, P, N, x.dtype)
     dot = dict(PRECISION="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=not x.is_cuda)
@@ -584,7 +596,7 @@ def ssd_scan(x, dt, A, B, C, D, ssm_state, meta: PrefillMetadata, *, z=None, dt_
     )
     grid = (max_seqs, H, triton.cdiv(P, bl.pass_p) * triton.cdiv(N, bl.pass_n))
     _state_passing_kernel[grid](
-        ws.states, ws.dA_cumsum, ssm_state, meta.slot_idx, meta.has_initial_state,
+        ws.states, ws.starts, ws.dA_cumsum, ssm_state, meta.slot_idx, meta.has_initial_state,
         meta.seq_chunk_start, H, P, N, *ssm_state.stride(),
         CHUNK_SIZE=cs_size, BLOCK_P=bl.pass_p, BLOCK_N=bl.pass_n,
     )
@@ -594,7 +606,7 @@ def ssd_scan(x, dt, A, B, C, D, ssm_state, meta: PrefillMetadata, *, z=None, dt_
     grid = (max_chunks * triton.cdiv(cs_size, bl.scan_m), H, triton.cdiv(P, bl.scan_p))
     _chunk_scan_kernel[grid](
         x, z if z is not None else x, B, C, D if D is not None else A, out,
-        ws.dt, ws.dA_cumsum, ws.states, *chunk_meta,
+        ws.dt, ws.dA_cumsum, ws.starts, *chunk_meta,
         H, P, N, H // G, *x.stride(), *zs, *B.stride(), *C.stride(), *out.stride(),
         CHUNK_SIZE=cs_size, BLOCK_M=bl.scan_m, BLOCK_K=bl.scan_m, BLOCK_P=bl.scan_p,
         BLOCK_N=bl.scan_n, HAS_D=D is not None, HAS_Z=z is not None, **dot,

@@ -47,9 +47,10 @@ def scan(fn, inp, meta, *, use_z=True, use_D=True, use_bias=True, softplus=True,
     pool = inp["ssm_state"].clone()
     out = poisoned(x.shape, x.dtype, x.device)
     if fn is ssd_scan.triton and workspace is None:
-        workspace = SSDWorkspace.allocate(meta.max_chunks, Hh, P, inp["B"].shape[2], meta.chunk_size, x.device)
+        workspace = SSDWorkspace.allocate(meta.max_chunks, Hh, P, inp["B"].shape[2], meta.chunk_size, x.device,
+                                          x.dtype)
     if workspace is not None:
-        for buf in (workspace.dt, workspace.dA_cumsum, workspace.states):
+        for buf in (workspace.dt, workspace.dA_cumsum, workspace.states, workspace.starts):
             buf.fill_(float("nan"))
     res = fn(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"] if use_D else None, pool,
              meta, z=inp["z"] if use_z else None, dt_bias=inp["dt_bias"] if use_bias else None,
@@ -142,6 +143,17 @@ def test_public_scan_on_cpu_is_chunked_torch():
     out, pool = scan(ssd_scan, inp, meta)
     ref_out, ref_pool = scan(ssd_scan_chunked_torch, inp, meta)
     assert torch.equal(out, ref_out) and torch.equal(pool, ref_pool)
+
+
+def test_workspace_of_another_dtype_is_refused():
+    """The start states are kept in the activations' dtype: a bf16 scan given an fp32 workspace
+    (the allocator's default) would read them as the wrong type, so it says so instead."""
+    lens = [20]
+    meta = PrefillMetadata.build(lens, [0], [0], chunk_size=CHUNK)
+    inp = make_inputs(sum(lens), dtype=torch.bfloat16)
+    ws = SSDWorkspace.allocate(meta.max_chunks, H, 16, N, CHUNK, "cpu")
+    with pytest.raises(ValueError, match="workspace.starts .* dtype torch.bfloat16"):
+        scan(ssd_scan.triton, inp, meta, workspace=ws)
 
 
 @pytest.mark.parametrize("impl", ["triton", "chunked_torch", "ref"])
@@ -258,7 +270,7 @@ def test_gpu_graph_replay_allocates_nothing_and_never_syncs():
     meta = PrefillMetadata.build([100, 300], [0, 1], [1, 0], chunk_size=chunk, max_tokens=T,
                                  max_seqs=4, device=dev)
     inp = make_inputs(T, H=Hh, P=P, N=Nn, G=G, dtype=torch.bfloat16, device=dev)
-    ws = SSDWorkspace.allocate(meta.max_chunks, Hh, P, Nn, chunk, dev)
+    ws = SSDWorkspace.allocate(meta.max_chunks, Hh, P, Nn, chunk, dev, torch.bfloat16)
     out = torch.empty(T, Hh, P, dtype=torch.bfloat16, device=dev)
     pool = inp["ssm_state"].clone()
 

@@ -229,9 +229,11 @@ def _prefill_kernel(
     # One program: query head h, one block of BLOCK_M tokens of one sequence. Blocks are aligned
     # to sequence starts (sequence i owns cdiv(len_i, BLOCK_M) consecutive block ids), so a block
     # never holds two sequences and reads a single slot. The grid has cdiv(T, BLOCK_M) + max_seqs
-    # blocks per head, enough for every sequence block plus the padding rows after them.
+    # blocks per head, enough for every sequence block plus the padding rows after them. Blocks
+    # run last to first (the grid launches in order): a sequence's later blocks see more keys, so
+    # the longest programs start first and the short ones fill the tail.
     h = tl.program_id(0)
-    pid = tl.program_id(1)
+    pid = tl.num_programs(1) - 1 - tl.program_id(1)
 
     offs_s = tl.arange(0, BLOCK_S)
     mask_s = offs_s < num_seqs

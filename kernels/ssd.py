@@ -55,7 +55,7 @@ class SSDWorkspace:
 
     @classmethod
     def allocate(cls, max_chunks: int, H: int, P: int, N: int, chunk_size: int, device,
-                 dtype: torch.dtype = torch.float32) -> "SSDWorkspace":
+                 dtype: torch.dtype) -> "SSDWorkspace":
         """Workspace for up to ``max_chunks`` chunks (see ``varlen.max_chunks_for``) of a scan over
         ``dtype`` activations."""
         f32 = dict(dtype=torch.float32, device=device)
@@ -413,11 +413,11 @@ def _check(x, dt, A, B, C, D, z, dt_bias, ssm_state, meta, out, workspace):
     if ssm_state.dim() != 4 or tuple(ssm_state.shape[1:]) != (H, P, N):
         raise ValueError(f"ssm_state has shape {tuple(ssm_state.shape)}, expected [S, {H}, {P}, {N}]")
     if workspace is not None:
-        want = (meta.max_chunks, H, meta.chunk_size)
-        if tuple(workspace.dt.shape) != want or tuple(workspace.states.shape) != (*want[:2], P, N):
+        want, states = (meta.max_chunks, H, meta.chunk_size), (meta.max_chunks, H, P, N)
+        if tuple(workspace.dt.shape) != want or tuple(workspace.states.shape) != states:
             raise ValueError("workspace was sized for other static dims")
-        if tuple(workspace.starts.shape) != (*want[:2], P, N) or workspace.starts.dtype != x.dtype:
-            raise ValueError(f"workspace.starts must be {[*want[:2], P, N]} in x's dtype {x.dtype}, "
+        if tuple(workspace.starts.shape) != states or workspace.starts.dtype != x.dtype:
+            raise ValueError(f"workspace.starts must be {list(states)} in x's dtype {x.dtype}, "
                              f"got {list(workspace.starts.shape)} {workspace.starts.dtype}")
 
 # The torch references: a per-token loop (the oracle) and the SSD block decomposition per

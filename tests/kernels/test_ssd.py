@@ -146,12 +146,12 @@ def test_public_scan_on_cpu_is_chunked_torch():
 
 
 def test_workspace_of_another_dtype_is_refused():
-    """The start states are kept in the activations' dtype: a bf16 scan given an fp32 workspace
-    (the allocator's default) would read them as the wrong type, so it says so instead."""
+    """The start states are kept in the activations' dtype: a bf16 scan given a workspace made
+    for fp32 would read them as the wrong type, so it says so instead."""
     lens = [20]
     meta = PrefillMetadata.build(lens, [0], [0], chunk_size=CHUNK)
     inp = make_inputs(sum(lens), dtype=torch.bfloat16)
-    ws = SSDWorkspace.allocate(meta.max_chunks, H, 16, N, CHUNK, "cpu")
+    ws = SSDWorkspace.allocate(meta.max_chunks, H, 16, N, CHUNK, "cpu", torch.float32)
     with pytest.raises(ValueError, match="workspace.starts .* dtype torch.bfloat16"):
         scan(ssd_scan.triton, inp, meta, workspace=ws)
 

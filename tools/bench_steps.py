@@ -180,7 +180,8 @@ def _weights(model: Model):
         yield from _mixer_tensors(block.mixer)
 
 
-def _state_tensors(pool: StatePool):
+def state_tensors(pool: StatePool) -> list[torch.Tensor]:
+    """Every state tensor of the pool: conv and SSM states, keys and values."""
     return [*pool.conv.values(), *pool.ssm.values(), *pool.k.values(), *pool.v.values()]
 
 
@@ -200,7 +201,7 @@ def bench_preset(name: str, bandwidth: float, rate: float, progress: bool) -> di
     slots = max(DECODE_BATCHES) + max(MIXED_DECODE) + 1
     pool = StatePool(model.cfg, slots, max_context=CONTEXT + 2 * max(PREFILL_CHUNKS), dtype=torch.bfloat16,
                      device="cuda")
-    for t in _state_tensors(pool):
+    for t in state_tensors(pool):
         t.normal_(0, 0.1)
     buckets = BucketSet(decode=DECODE_BATCHES, mixed_decode=(0, *MIXED_DECODE), prefill=(256, 512, 2048),
                         max_prefill_seqs=1)

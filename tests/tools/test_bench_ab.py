@@ -1,0 +1,41 @@
+"""The A/B harness on the CPU (eager steps; the timings mean nothing there, the bookkeeping does):
+every variant starts each plan from the same states, its patches are in force around its
+steps, and its logits are compared with the first variant's."""
+
+import contextlib
+
+from mambastep.runtime.mixers.base import Norm
+from mambastep.runtime.plan import StepPlan
+from mambastep.tools.bench_ab import compare, table
+from mambastep.tools.bench_steps import decode_plan
+
+
+@contextlib.contextmanager
+def scaled_norms():
+    """Every block norm's output times 1.5: a variant whose logits must differ."""
+    plain = Norm.__call__
+
+    def scaled(self, x, **kwargs):
+        return plain(self, x, **kwargs).mul_(1.5)
+
+    Norm.__call__ = scaled
+    try:
+        yield
+    finally:
+        Norm.__call__ = plain
+
+
+def test_variants_start_from_the_same_states_and_are_told_apart():
+    plans = {"decode 2": decode_plan(2), "prefill 24": StepPlan.make([(list(range(3, 27)), 2, 0)])}
+    variants = {"main": contextlib.nullcontext, "again": contextlib.nullcontext, "scaled": scaled_norms}
+    rows = compare("tiny-hybrid", variants, plans, rounds=2)
+    assert [(r["plan"], r["variant"]) for r in rows] == [(p, v) for p in plans for v in variants]
+    by = {(r["plan"], r["variant"]): r for r in rows}
+    for p in plans:
+        # the same code from the same states: equal, though "main" ran first and moved the states
+        assert by[p, "again"]["equal"] and by[p, "again"]["max_abs_diff"] == 0.0
+        assert len(by[p, "main"]["sync_ms"]) == 2 and "back_to_back_ms" not in by[p, "main"]
+    assert not by["prefill 24", "scaled"]["equal"] and by["prefill 24", "scaled"]["max_abs_diff"] > 0
+    assert Norm.__call__.__name__ == "__call__"  # the patch is undone
+    text = table(rows)
+    assert text.count("\n") == 1 + len(rows) and "| prefill 24 | scaled |" in text and "max diff" in text

@@ -46,32 +46,38 @@ def _buckets(plans: Mapping[str, StepPlan]) -> BucketSet:
                      max_prefill_seqs=max([p.num_prefill for p in mixed] or [1]))
 
 
-def _pool(model: Model, plans: Mapping[str, StepPlan]) -> StatePool:
-    """A pool holding every slot the plans name, long enough for their contexts; random states."""
+def _pool(model: Model, plans: Mapping[str, StepPlan], max_context: int | None) -> StatePool:
+    """A pool holding every slot the plans name, ``max_context`` long (default: as long as their
+    contexts need); random states."""
     slots, context = 1, 1
     for p in plans.values():
         slots = max(slots, 1 + int(max(p.decode_slots.max(initial=0), p.prefill_slots.max(initial=0))))
         context = max(context, int((p.decode_context + 1).max(initial=0)),
                       int((p.prefill_context + p.prefill_lens).max(initial=0)))
-    pool = StatePool(model.cfg, slots, max_context=context + 1, dtype=model.dtype, device=model.device)
+    if max_context is not None and max_context < context:
+        raise ValueError(f"max_context {max_context}: the plans need {context} positions")
+    pool = StatePool(model.cfg, slots, max_context=max_context or context + 1, dtype=model.dtype,
+                     device=model.device)
     for t in state_tensors(pool):
         t.normal_(0, 0.1)
     return pool
 
 
 def compare(preset: str, variants: Mapping[str, Variant], plans: Mapping[str, StepPlan], *, rounds: int = 3,
-            back_to_back: int = 50, dtype: torch.dtype = torch.bfloat16, device: str | None = None,
-            seed: int = 0) -> list[dict]:
+            back_to_back: int = 50, max_context: int | None = None, dtype: torch.dtype = torch.bfloat16,
+            device: str | None = None, seed: int = 0) -> list[dict]:
     """One row a (plan, variant): its synchronised step times (ms, one median a round), steps
     launched back to back (ms a step, median of two rounds; CUDA only), and whether its logits
     equal the first variant's (with the largest difference). ``preset``: random weights of that
-    shape; ``variants``: name -> context manager factory, the first the baseline."""
+    shape; ``variants``: name -> context manager factory, the first the baseline; ``max_context``:
+    the pool's length (what a decode attention's split sizes follow; ``bench steps`` pools
+    ``CONTEXT + 2 * 2048``)."""
     if not variants or not plans:
         raise ValueError("compare needs at least one variant and one plan")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(seed)
     model = Model.from_preset(preset, dtype=dtype, device=device, seed=seed)
-    pool = _pool(model, plans)
+    pool = _pool(model, plans, max_context)
     buckets = _buckets(plans)
     runners = {}
     for name, variant in variants.items():

@@ -28,7 +28,7 @@ def scaled_norms():
 def test_variants_start_from_the_same_states_and_are_told_apart():
     plans = {"decode 2": decode_plan(2), "prefill 24": StepPlan.make([(list(range(3, 27)), 2, 0)])}
     variants = {"main": contextlib.nullcontext, "again": contextlib.nullcontext, "scaled": scaled_norms}
-    rows = compare("tiny-hybrid", variants, plans, rounds=2)
+    rows = compare("tiny-hybrid", variants, plans, rounds=2, max_context=300)
     assert [(r["plan"], r["variant"]) for r in rows] == [(p, v) for p in plans for v in variants]
     by = {(r["plan"], r["variant"]): r for r in rows}
     for p in plans:
@@ -39,3 +39,11 @@ def test_variants_start_from_the_same_states_and_are_told_apart():
     assert Norm.__call__.__name__ == "__call__"  # the patch is undone
     text = table(rows)
     assert text.count("\n") == 1 + len(rows) and "| prefill 24 | scaled |" in text and "max diff" in text
+
+
+def test_a_pool_too_short_for_the_plans_is_refused():
+    import pytest
+
+    with pytest.raises(ValueError, match="max_context 8: the plans need 24 positions"):
+        compare("tiny-hybrid", {"main": contextlib.nullcontext}, {"p": StepPlan.make([(list(range(3, 27)), 0, 0)])},
+                max_context=8)

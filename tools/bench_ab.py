@@ -67,11 +67,11 @@ def compare(preset: str, variants: Mapping[str, Variant], plans: Mapping[str, St
             back_to_back: int = 50, max_context: int | None = None, dtype: torch.dtype = torch.bfloat16,
             device: str | None = None, seed: int = 0) -> list[dict]:
     """One row a (plan, variant): its synchronised step times (ms, one median a round), steps
-    launched back to back (ms a step, median of two rounds; CUDA only), and whether its logits
-    equal the first variant's (with the largest difference). ``preset``: random weights of that
-    shape; ``variants``: name -> context manager factory, the first the baseline; ``max_context``:
-    the pool's length (what a decode attention's split sizes follow; ``bench steps`` pools
-    ``CONTEXT + 2 * 2048``)."""
+    launched back to back (ms a step, the median over the first two rounds; CUDA only), and
+    whether its logits equal the first variant's (with the largest difference). ``preset``:
+    random weights of that shape; ``variants``: name -> context manager factory, the first the
+    baseline; ``max_context``: the pool's length (what a decode attention's split sizes follow;
+    ``bench steps`` pools ``CONTEXT + 2 * 2048``)."""
     if not variants or not plans:
         raise ValueError("compare needs at least one variant and one plan")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -96,19 +96,20 @@ def compare(preset: str, variants: Mapping[str, Variant], plans: Mapping[str, St
             with variants[name]():
                 logits[name] = runner.logits(plan).float().clone()
         times = {name: [] for name in runners}
-        for _ in range(rounds):
+        streamed = {name: [] for name in runners}
+        for i in range(rounds):
             for name, runner in runners.items():
                 with variants[name]():
                     times[name].append(step_ms(runner, plan))
+                    if runner.cuda and i < 2:
+                        streamed[name].append(step_ms(runner, plan, steps=back_to_back, rounds=5))
         base = logits[next(iter(variants))]
-        for name, runner in runners.items():
+        for name in runners:
             row = {"plan": plan_name, "variant": name, "sync_ms": times[name],
                    "median_ms": statistics.median(times[name]), "equal": torch.equal(logits[name], base),
                    "max_abs_diff": (logits[name] - base).abs().max().item()}
-            if runner.cuda:
-                with variants[name]():
-                    row["back_to_back_ms"] = statistics.median(
-                        step_ms(runner, plan, steps=back_to_back, rounds=5) for _ in range(2))
+            if streamed[name]:
+                row["back_to_back_ms"] = statistics.median(streamed[name])
             rows.append(row)
     return rows
 

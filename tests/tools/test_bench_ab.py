@@ -4,6 +4,8 @@ steps, and its logits are compared with the first variant's."""
 
 import contextlib
 
+import pytest
+
 from mambastep.runtime.mixers.base import Norm
 from mambastep.runtime.plan import StepPlan
 from mambastep.tools.bench_ab import compare, table
@@ -42,8 +44,6 @@ def test_variants_start_from_the_same_states_and_are_told_apart():
 
 
 def test_a_pool_too_short_for_the_plans_is_refused():
-    import pytest
-
     with pytest.raises(ValueError, match="max_context 8: the plans need 24 positions"):
         compare("tiny-hybrid", {"main": contextlib.nullcontext}, {"p": StepPlan.make([(list(range(3, 27)), 0, 0)])},
                 max_context=8)

@@ -45,6 +45,10 @@ class StatePool:
             self.k[i] = torch.zeros(shape, dtype=dtype, device=device)
             self.v[i] = torch.zeros(shape, dtype=dtype, device=device)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every state tensor of the pool (conv, SSM, keys, values): to poison, randomise or snapshot."""
+        return [*self.conv.values(), *self.ssm.values(), *self.k.values(), *self.v.values()]
+
     @staticmethod
     def bytes_per_slot(cfg: ModelConfig, max_context: int, dtype: torch.dtype, ssm_dtype=torch.float32) -> int:
         es, ss = torch.finfo(dtype).bits // 8, torch.finfo(ssm_dtype).bits // 8

@@ -26,8 +26,3 @@ def tol(dtype) -> float:
 def assert_close(out, ref, dtype=torch.float32, factor=1.0):
     err = rel_err(out, ref)
     assert err <= tol(dtype) * factor, f"relative error {err:.3e} > {tol(dtype) * factor:.1e}"
-
-
-def state_tensors(pool):
-    """Every state tensor of a StatePool (conv, SSM, K, V), to poison or snapshot."""
-    return [*pool.conv.values(), *pool.ssm.values(), *pool.k.values(), *pool.v.values()]

@@ -29,7 +29,7 @@ from ..runtime.model import Model
 from ..runtime.plan import StepPlan
 from ..runtime.state_pool import StatePool
 from ..runtime.step_runner import StepRunner
-from .bench_steps import state_tensors, step_ms
+from .bench_steps import step_ms
 
 __all__ = ["compare", "table"]
 
@@ -58,7 +58,7 @@ def _pool(model: Model, plans: Mapping[str, StepPlan], max_context: int | None) 
         raise ValueError(f"max_context {max_context}: the plans need {context} positions")
     pool = StatePool(model.cfg, slots, max_context=max_context or context + 1, dtype=model.dtype,
                      device=model.device)
-    for t in state_tensors(pool):
+    for t in pool.tensors():
         t.normal_(0, 0.1)
     return pool
 
@@ -86,12 +86,12 @@ def compare(preset: str, variants: Mapping[str, Variant], plans: Mapping[str, St
             with variant():
                 runner.capture(sorted({runner.bucket_for(p) for p in plans.values()}, reverse=True), progress=False)
         runners[name] = runner
-    start = [t.clone() for t in state_tensors(pool)]
+    start = [t.clone() for t in pool.tensors()]
     rows = []
     for plan_name, plan in plans.items():
         logits = {}
         for name, runner in runners.items():
-            for t, s in zip(state_tensors(pool), start):
+            for t, s in zip(pool.tensors(), start):
                 t.copy_(s)
             with variants[name]():
                 logits[name] = runner.logits(plan).float().clone()

@@ -180,11 +180,6 @@ def _weights(model: Model):
         yield from _mixer_tensors(block.mixer)
 
 
-def state_tensors(pool: StatePool) -> list[torch.Tensor]:
-    """Every state tensor of the pool: conv and SSM states, keys and values."""
-    return [*pool.conv.values(), *pool.ssm.values(), *pool.k.values(), *pool.v.values()]
-
-
 def captured_with(model: Model, pool: StatePool, buckets: list, progress: bool, **options) -> StepRunner:
     """A runner whose graphs of ``buckets`` run ``model``'s weights with other decode options
     (forked as the default runner: a MoE layer's shared expert on the auxiliary stream)."""
@@ -201,7 +196,7 @@ def bench_preset(name: str, bandwidth: float, rate: float, progress: bool) -> di
     slots = max(DECODE_BATCHES) + max(MIXED_DECODE) + 1
     pool = StatePool(model.cfg, slots, max_context=CONTEXT + 2 * max(PREFILL_CHUNKS), dtype=torch.bfloat16,
                      device="cuda")
-    for t in state_tensors(pool):
+    for t in pool.tensors():
         t.normal_(0, 0.1)
     buckets = BucketSet(decode=DECODE_BATCHES, mixed_decode=(0, *MIXED_DECODE), prefill=(256, 512, 2048),
                         max_prefill_seqs=1)

@@ -25,7 +25,6 @@ from mambastep.graphs import Bucket, BucketSet
 from mambastep.runtime.engine import Engine
 from mambastep.runtime.model import Model
 from mambastep.runtime.request import SamplingParams
-from support import state_tensors
 
 # A 40-token prefill budget in at most two sequences a step: long prompts chunk; 4 slots: queueing.
 BUCKETS = BucketSet(decode=(1, 2, 4), mixed_decode=(0, 2, 4), prefill=(16, 40), max_prefill_seqs=2)
@@ -151,7 +150,7 @@ class EngineMachine(RuleBasedStateMachine):
         runner.buffers.arena.host.fill_(0xA5)
         free = list(self.engine.scheduler.free_slots)
         if free:
-            for t in state_tensors(runner.pool):
+            for t in runner.pool.tensors():
                 t[free] = float("nan")
             junk = torch.randint(0, 512, (len(free),), generator=self.poison)
             runner.slot_tokens[free] = junk.to(runner.slot_tokens.device)

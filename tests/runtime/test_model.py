@@ -17,7 +17,7 @@ from mambastep.runtime.presets import preset_config
 from mambastep.runtime.state_pool import StatePool
 from mambastep.runtime.step_runner import StepRunner
 from mambastep.runtime.weights import WeightError
-from support import assert_close, state_tensors
+from support import assert_close
 
 KINDS = ["mamba2", "nemotron_h"]
 PROMPT_LENS = [1, 7, 8, 9, 21]
@@ -133,7 +133,7 @@ def test_mixed_step_equals_separate_steps(pair):
     alone_prefill = step(apart, [(c, 2, 0)])
     alone_decode = step(apart, decode=decode)
     assert_close(both, torch.cat([alone_prefill, alone_decode]))
-    for x, y in zip(state_tensors(mixed.pool), state_tensors(apart.pool)):
+    for x, y in zip(mixed.pool.tensors(), apart.pool.tensors()):
         assert_close(x, y)
 
 
@@ -165,7 +165,7 @@ def test_fused_decode_equals_layer_by_layer(kind, tmp_path):
             for i in range(2):
                 logits.append(step(runner, decode=[(3 + i + s, s, pos[s]) for s in range(width)]))
                 pos[:width] = [n + 1 for n in pos[:width]]
-        runs.append((logits, state_tensors(runner.pool)))
+        runs.append((logits, runner.pool.tensors()))
     (a, states_a), (b, states_b) = runs
     for x, y in zip(a + states_a, b + states_b):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)

@@ -14,7 +14,6 @@ from mambastep.runtime.plan import StepPlan
 from mambastep.runtime.state_pool import StatePool
 from mambastep.runtime.step_buffers import StepBuffers
 from mambastep.runtime.step_runner import StepRunner
-from support import state_tensors
 
 MAX_DECODE, MAX_TOKENS, MAX_SEQS, CHUNK, SLOTS = 12, 64, 4, 8, 16
 
@@ -108,11 +107,11 @@ def test_padded_step_equals_unpadded(tiny, plan):
     results = []
     for bucket in (exact, padded):
         pool = StatePool(tiny.cfg, SLOTS, max_context=128, dtype=torch.float32)
-        for i, t in enumerate(state_tensors(pool)):
+        for i, t in enumerate(pool.tensors()):
             t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(i)))
         buckets = BucketSet(decode=(8,), mixed_decode=(8,), prefill=(48,), max_prefill_seqs=MAX_SEQS)
         runner = StepRunner(tiny, pool, buckets, max_decode=MAX_DECODE, max_prefill_tokens=MAX_TOKENS)
-        results.append((runner.logits(plan, bucket).clone(), [t.clone() for t in state_tensors(pool)]))
+        results.append((runner.logits(plan, bucket).clone(), [t.clone() for t in pool.tensors()]))
     (a, pool_a), (b, pool_b) = results
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     for x, y in zip(pool_a, pool_b):

@@ -16,7 +16,6 @@ from mambastep.runtime.model import Model
 from mambastep.runtime.plan import StepPlan
 from mambastep.runtime.state_pool import StatePool
 from mambastep.runtime.step_runner import StepRunner
-from support import state_tensors
 
 BUCKETS = BucketSet(decode=(1, 4, 8), mixed_decode=(0, 4, 8), prefill=(32, 64), max_prefill_seqs=4)
 SLOTS = 8
@@ -55,7 +54,7 @@ def poison(runner):
     and NaN in every slot the script does not use."""
     runner.logits(StepPlan.make([(tokens(60, 9), 6, 0)], [(1, s, 0) for s in (1, 2, 4, 7)]))
     runner.buffers.arena.host.fill_(0xAB)
-    for t in state_tensors(runner.pool):
+    for t in runner.pool.tensors():
         t[UNUSED_SLOTS] = float("nan")
 
 
@@ -84,14 +83,14 @@ def test_plans_above_every_bucket_run_eagerly(cpu_model):
 def check_drawn_tokens_feed_the_next_step(runner):
     """Decode rows whose token is -1 take the tokens their slots drew in the last step (kept on
     the device): the same logits as rows fed those tokens from the host."""
-    snapshot = [t.clone() for t in state_tensors(runner.pool)]
+    snapshot = [t.clone() for t in runner.pool.tensors()]
     prompts = StepPlan.make([(tokens(9, 1), 0, 0), (tokens(5, 2), 3, 0)])
     prompts.temperature, prompts.top_k = np.zeros(2, np.float32), np.zeros(2, np.int32)  # greedy
     prompts.top_p, prompts.seed, prompts.position = np.ones(2, np.float32), np.zeros(2, np.int64), np.zeros(2, np.int64)
     prompts.sample_slots = np.array([0, 3], np.int32)
     drawn = runner.launch(prompts).get()
     fed_on_device = runner.logits(StepPlan.make(decode=[(-1, 0, 9), (-1, 3, 5)])).clone()
-    for t, s in zip(state_tensors(runner.pool), snapshot):
+    for t, s in zip(runner.pool.tensors(), snapshot):
         t.copy_(s)
     runner.logits(prompts)
     given = runner.logits(StepPlan.make(decode=[(int(drawn[0]), 0, 9), (int(drawn[1]), 3, 5)]))

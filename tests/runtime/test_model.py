@@ -210,6 +210,27 @@ def test_misshaped_tensor_is_named(tmp_path):
         Model.from_pretrained(tmp_path, dtype=torch.float32)
 
 
+def test_router_weight_stays_fp32_in_a_bf16_model(tmp_path):
+    """The router's weight keeps the checkpoint's fp32 values in a bf16 model, as HF's NemotronH
+    keeps them (its own choice, checked here too); every other projection takes the dtype."""
+    from transformers import NemotronHForCausalLM
+
+    from mambastep.runtime.mixers.moe import MoEMixer
+
+    save_tiny("nemotron_h", tmp_path, **MOE)
+    tensors = load_file(tmp_path / "model.safetensors")
+    hf = NemotronHForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    ours = Model.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    routers = [b.mixer for b in ours.blocks if isinstance(b.mixer, MoEMixer)]
+    assert len(routers) == 3
+    for m in routers:
+        saved = next(v for k, v in tensors.items() if k.endswith(f"layers.{m.layer}.mixer.gate.weight"))
+        theirs = hf.model.layers[m.layer].mixer.gate.weight
+        assert saved.dtype == theirs.dtype == torch.float32
+        assert torch.equal(m.gate, saved) and torch.equal(m.gate, theirs)
+        assert m.up.dtype == torch.bfloat16
+
+
 def test_unknown_architecture_is_refused(tmp_path):
     save_tiny("mamba2", tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())

@@ -430,12 +430,14 @@ def _config(M: int, N: int, K: int, device: torch.device, tile_k: int | None = N
     prologue works through two 1536-wide rows, better spread over warps): 8 columns, 4 warps at
     one row, 8 at more. Chosen by sweeps in the whole Mamba2-130M decode step.
 
-    Otherwise K is streamed (Nemotron-H-8B's projections, the LM heads) in tiles of 512 columns
-    from K = 4096, else 256, 3 pipeline stages, 4 warps; 8 columns a program, 16 for
-    vocabulary-wide grids. One row through a tall projection from K = 4096 (N >= 4K: the 8B's
-    in_proj and up_proj) takes 16 x 1024 tiles in 2 stages, which win there and lose at two rows.
-    The tile narrows as the rows grow, so that the per-row partial sums keep their register
-    footprint.
+    Otherwise K is streamed (the Nemotron models' projections, the LM heads) in tiles of 512
+    columns from K = 4096 (one row: from 3072), else 256, 3 pipeline stages, 4 warps; 8 columns
+    a program, 16 for vocabulary-wide grids and, at one row, for grids that 8 columns would make
+    more than 8 programs an SM (Nemotron-3-Nano's in_proj, Nemotron-Nano-9B-v2's in_proj and
+    up_proj). One row through a tall projection from K = 4096 (N >= 4K: the 8B's in_proj and
+    up_proj) takes 16 x 1024 tiles in 2 stages where K is whole tiles of them, which win there
+    and lose at two rows (and at the 9B's ragged K of 4480). The tile narrows as the rows grow,
+    so that the per-row partial sums keep their register footprint.
     """
     if tile_k is not None:
         return _Config(True, 16, tile_k, 4, 2)
@@ -448,11 +450,15 @@ def _config(M: int, N: int, K: int, device: torch.device, tile_k: int | None = N
         return _Config(False, 8, block_k, 4 if M == 1 else 8, 1)
     rows = triton.next_power_of_2(M)
     vocabulary_wide = triton.cdiv(N, 16) >= 16 * sms
-    if M == 1 and N >= 4 * K and K >= 4096 and not vocabulary_wide:
+    if M == 1 and N >= 4 * K and K >= 4096 and K % 1024 == 0 and not vocabulary_wide:
         # one row through a tall block projection (Nemotron-H-8B's in_proj and up_proj)
         return _Config(True, 16, 1024, 4, 2)
-    block_k = (512 if K >= 4096 else 256) // rows
-    return _Config(True, 16 if vocabulary_wide else 8, max(32, block_k), 4, 3)
+    long_k = K >= 4096 or (M == 1 and K >= 3072)
+    block_k = (512 if long_k else 256) // rows
+    # one row: 16 columns a program once 8 would give more than 8 programs an SM (each reads
+    # its input tile for twice the columns); a ragged grid's last wave had few programs
+    many = M == 1 and triton.cdiv(N, 8) > 8 * sms
+    return _Config(True, 16 if vocabulary_wide or many else 8, max(32, block_k), 4, 3)
 
 
 def _check(name: str, t: torch.Tensor, shape: tuple) -> None:

@@ -101,10 +101,13 @@ def launch_moe() -> None:
 
 
 def launch_skinny() -> None:
-    """The streamed skinny projections as a Nemotron decode step chains them (PDL): in_proj with the block norm, out_proj, a relu2 up projection."""
+    """The streamed skinny projections as a Nemotron decode step chains them (PDL): in_proj with
+    the block norm (Nemotron-3-Nano's 16-column tiles, Nemotron-Nano-9B-v2's 16 x 512), out_proj,
+    a relu2 up projection, the shared expert's down projection (512-column tiles from K = 3072)."""
     from mambastep.kernels.decode_linear import norm_linear
 
-    for N, K, norm, relu2 in ((10304, 2688, True, False), (2688, 4096, False, False), (3712, 2688, True, True)):
+    for N, K, norm, relu2 in ((10304, 2688, True, False), (2688, 4096, False, False), (3712, 2688, True, True),
+                              (2688, 3712, False, False), (22656, 4480, True, False)):
         x = torch.randn(1, K).to(torch.bfloat16)
         w = torch.empty(N, K, dtype=torch.bfloat16)
         norm_linear.triton(x, torch.ones(K, dtype=torch.bfloat16) if norm else None, 1e-5, w, relu2=relu2,

@@ -130,8 +130,14 @@ def test_gated_norm_linear_into_residual(device, tile_k, G, M, early):
     assert_close(residual.cpu(), res_ref, BF16, factor=0.25)
 
 
-# a tall projection's tiles too, on the GPU (slow in the interpreter)
-@pytest.mark.parametrize("M,K,N", [(1, 2500, 20), (2, 4100, 20), pytest.param(1, 4096, 16400, marks=pytest.mark.gpu)])
+# on the GPU (slow in the interpreter) the one-row tiles of the presets' shapes too: a tall
+# projection's, 16 columns a program (Nemotron-3-Nano's in_proj), 512-column tiles from K = 3072
+# (its shared expert's down projection), a tall one whose K is not whole 1024-column tiles (9B-v2)
+_GPU_SHAPES = [pytest.param(1, K, N, marks=pytest.mark.gpu) for K, N in ((4096, 16400), (2688, 10304), (3712, 2688),
+                                                                         (4480, 22656))]
+
+
+@pytest.mark.parametrize("M,K,N", [(1, 2500, 20), (2, 4100, 20), *_GPU_SHAPES])
 def test_default_config_at_large_k(device, M, K, N):
     """K past one tile takes the streamed path with the tile sizes the launcher picks."""
     torch.manual_seed(M)

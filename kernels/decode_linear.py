@@ -455,8 +455,8 @@ def _config(M: int, N: int, K: int, device: torch.device, tile_k: int | None = N
         return _Config(True, 16, 1024, 4, 2)
     long_k = K >= 4096 or (M == 1 and K >= 3072)
     block_k = (512 if long_k else 256) // rows
-    # one row: 16 columns a program once 8 would give more than 8 programs an SM (each reads
-    # its input tile for twice the columns); a ragged grid's last wave had few programs
+    # one row: 16 columns a program once 8 would give more than 8 programs an SM, so that a
+    # program's loads of the input row (and the norm weight) serve twice the columns
     many = M == 1 and triton.cdiv(N, 8) > 8 * sms
     return _Config(True, 16 if vocabulary_wide or many else 8, max(32, block_k), 4, 3)
 

@@ -22,8 +22,9 @@ _PREFIXES = ("model.", "backbone.", "")
 
 def _keeps_fp32(name: str) -> bool:
     """A_log, D, dt_bias and the router (its weight and score bias) stay fp32: the SSM and routing
-    math use them so. HF's NemotronH keeps the router in fp32 whatever the model's dtype; rounded
-    to bf16, its weight would move the logits by about 1e-3 and change near-tied expert choices."""
+    math use them so. HF's NemotronH declares its router fp32 whatever the model's dtype (5.24
+    does; 5.17 rounded it); rounded to bf16, its weight moves the logits by about 1e-3 and can
+    change near-tied expert choices."""
     return name.endswith(("A_log", ".D", "dt_bias", "mixer.gate.weight", "e_score_correction_bias"))
 
 

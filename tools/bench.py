@@ -5,10 +5,11 @@
     mambastep bench steps [--json PATH]     decode steps eager vs graph vs HBM floor (and fused
                                             vs layer by layer); mixed steps with and without
                                             the forked stream
-    mambastep bench profile --preset P --batch B [--prefill T] [--timeline]
+    mambastep bench profile --preset P --batch B [--prefill T] [--timeline [--window LO:HI]]
                                             per-kernel time of one eager step: B decode rows
                                             (and a prefill chunk of T tokens); --timeline: what
-                                            each kernel adds to the captured step's span
+                                            each kernel adds to the captured step's span;
+                                            --window: kernels LO..HI-1 with start and end
     mambastep bench serve --url URL [--concurrency C] [--requests N]
                                             load generator over HTTP against `mambastep serve`
                                             (`mambastep bench serve --help`)
@@ -23,6 +24,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
@@ -32,6 +34,14 @@ from . import bench_kernels, bench_markdown, bench_profile, bench_steps
 from .args import Parser, writable_path
 
 SUITES = {"kernels": bench_kernels, "steps": bench_steps}
+
+
+def _window(text: str) -> tuple[int, int]:
+    """``LO:HI``, 0 <= LO < HI: a slice of kernels."""
+    lo, sep, hi = text.partition(":")
+    if not (sep and lo.isdigit() and hi.isdigit() and int(lo) < int(hi)):
+        raise argparse.ArgumentTypeError(f"expected LO:HI with 0 <= LO < HI, got {text!r}")
+    return int(lo), int(hi)
 
 
 def main(argv=None) -> int:
@@ -53,6 +63,9 @@ def main(argv=None) -> int:
     parser.add_argument("--prefill", type=int, default=0, help="profile: tokens of one prefill chunk (0: none)")
     parser.add_argument("--timeline", action="store_true",
                         help="profile: the captured graph's replays, each kernel charged what it adds to the step")
+    parser.add_argument("--window", metavar="LO:HI", type=_window,
+                        help="profile --timeline: also kernels LO to HI-1 of one replay, each with its start and end "
+                             "(what ran beside what)")
     parser.add_argument("--steps", metavar="JSON", nargs="*", default=[], help="markdown: JSONs of `bench steps`")
     parser.add_argument("--kernels", metavar="JSON", help="markdown: the JSON of `bench kernels`")
     parser.add_argument("--run", metavar="JSON", nargs="*", default=[], help="markdown: JSONs of `mambastep run`")
@@ -65,6 +78,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     writable_path(parser, "--json", args.json)
     writable_path(parser, "--out", args.out)
+    if args.window and not (args.what == "profile" and args.timeline):
+        parser.error("--window needs profile --timeline")
     if args.what == "markdown":
         if args.readme and not args.steps:
             parser.error("--readme needs --steps")
@@ -79,8 +94,11 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         parser.error("benchmarks need a CUDA device")
     if args.what == "profile":
-        how = bench_profile.timeline if args.timeline else bench_profile.profile
-        print(how((args.preset or ["mamba2-130m"])[0], args.batch, args.prefill))
+        preset = (args.preset or ["mamba2-130m"])[0]
+        if args.timeline:
+            print(bench_profile.timeline(preset, args.batch, args.prefill, window=args.window))
+        else:
+            print(bench_profile.profile(preset, args.batch, args.prefill))
         return 0
     suite = SUITES[args.what]
     result = suite.run(tuple(args.preset)) if (args.what == "steps" and args.preset) else suite.run()

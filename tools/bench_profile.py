@@ -7,6 +7,8 @@
   the charges add up to the step's span and kernels that overlap (programmatic dependents, a
   forked stream) are charged only what they add. A kernel is named with its neighbours in that
   order (``prev > KERNEL > next``), which tells apart the projections that share one kernel.
+  With a window, also a stretch of one replay kernel by kernel, each with its start and end, so
+  what ran beside what (a forked stream, a programmatic dependent's early start) shows.
 """
 
 from __future__ import annotations
@@ -96,9 +98,20 @@ def kernel_shares(replays: list[list[tuple[float, float, str]]]) -> tuple[float,
     return sum(r["share_us"] for r in rows), rows
 
 
-def timeline(preset: str, batch: int, prefill: int = 0, replays: int = 5, top: int = 30) -> str:
+def kernel_window(replay: list[tuple[float, float, str]], lo: int, hi: int) -> list[str]:
+    """Kernels ``lo`` to ``hi - 1`` of one replay in start order, as markdown table rows: index,
+    start and end (us from the replay's first kernel's start), own duration, short name."""
+    by_start = sorted(replay)
+    t0 = by_start[0][0] if by_start else 0.0
+    return [f"| {i} | {start - t0:.2f} | {end - t0:.2f} | {end - start:.2f} | {short_name(name)} |"
+            for i, (start, end, name) in enumerate(by_start[lo:hi], start=lo)]
+
+
+def timeline(preset: str, batch: int, prefill: int = 0, replays: int = 5, top: int = 30,
+             window: tuple[int, int] | None = None) -> str:
     """The step's graph replayed ``replays`` times under the profiler: each kernel's charge of
-    the step (see the module doc), the largest ``top``."""
+    the step (see the module doc), the largest ``top``; with ``window`` (lo, hi), also kernels lo
+    to hi - 1 of the middle replay, each with its start and end."""
     runner, plan = _step(preset, batch, prefill, overlap=True)
     bucket = runner.bucket_for(plan)
     runner.capture([bucket], progress=False)
@@ -111,7 +124,8 @@ def timeline(preset: str, batch: int, prefill: int = 0, replays: int = 5, top: i
             runner.graphs.forward(bucket)
             torch.cuda.synchronize()
             time.sleep(0.002)  # idle between replays, so they split apart
-    span, rows = kernel_shares(split_replays(_kernels(prof)))
+    split = split_replays(_kernels(prof))
+    span, rows = kernel_shares(split)
     out = [f"{preset}, {batch} decode rows" + (f" + a {prefill}-token chunk" if prefill else "")
            + f": graph replay span {span:.1f} us (mean of {replays})", "",
            "| charge a step (us) | a call (us) | own duration (us) | calls a step | prev > KERNEL > next |",
@@ -119,4 +133,8 @@ def timeline(preset: str, batch: int, prefill: int = 0, replays: int = 5, top: i
     for r in rows[:top]:
         out.append(f"| {r['share_us']:.1f} | {r['per_call_us']:.2f} | {r['duration_us']:.2f} | {r['calls']:g} | "
                    f"{r['prev']} > **{r['kernel']}** > {r['next']} |")
+    if window is not None and split:
+        out += ["", f"Kernels {window[0]} to {window[1] - 1} of replay {len(split) // 2 + 1}, by start (us from its "
+                f"first kernel's start):", "", "| # | start | end | own duration | kernel |", "| --- | --- | --- | --- | --- |"]
+        out += kernel_window(split[len(split) // 2], *window)
     return "\n".join(out)

@@ -1,7 +1,10 @@
 """The timeline profile's accounting (the profiling itself needs a GPU): replays split apart by
 the idle between them, and each kernel charged what it adds to its replay's span."""
 
-from mambastep.tools.bench_profile import kernel_shares, short_name, split_replays
+import pytest
+
+from mambastep.tools import bench
+from mambastep.tools.bench_profile import kernel_shares, kernel_window, short_name, split_replays
 
 
 def test_each_kernel_is_charged_what_it_adds_and_the_charges_sum_to_the_span():
@@ -34,3 +37,25 @@ def test_kernel_names_lose_their_template_arguments_and_signature():
         "void at::native::vectorized_elementwise_kernel"
     assert short_name("_grouped_kernel") == "_grouped_kernel"
     assert len(short_name("x" * 100)) == 48
+
+
+def test_a_window_lists_kernels_in_start_order_from_the_replays_start():
+    """Kernels that overlap keep their own start and end: b starts inside a (a programmatic
+    dependent), c beside b (another stream)."""
+    replay = [(108.0, 120.0, "b"), (100.0, 110.0, "void a<4>(int)"), (115.0, 125.5, "c")]
+    assert kernel_window(replay, 1, 3) == ["| 1 | 8.00 | 20.00 | 12.00 | b |", "| 2 | 15.00 | 25.50 | 10.50 | c |"]
+    assert kernel_window(replay, 0, 1) == ["| 0 | 0.00 | 10.00 | 10.00 | void a |"]
+    assert kernel_window(replay, 5, 9) == []
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["profile", "--window", "3:2", "--timeline"], "expected LO:HI"),
+    (["profile", "--window", "a:b", "--timeline"], "expected LO:HI"),
+    (["profile", "--window", "1:4"], "--window needs profile --timeline"),
+])
+def test_a_bad_window_is_a_one_line_error(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1

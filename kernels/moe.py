@@ -624,10 +624,10 @@ def _tma(t: torch.Tensor) -> bool:
 def _gemm_config(bm: int, n: int, k: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     """(block_n, block_k, warps, stages) for tiles of ``bm`` slots: at decode sizes a tile is a
     few rows against a weight slab (bandwidth-bound: narrow columns, long K tiles, deep
-    pipelining); for prefill chunks, wider square-ish tiles. 128-slot tiles (chunks of about
-    1400 tokens and more) take 256 columns in 4 stages, one program an SM: at the H200's power
-    cap, where a prefill chunk's step runs, they read each tile's rows of ``a`` half as often
-    and beat 128 x 128 by 4-6% (docs/experiments.md)."""
+    pipelining); for prefill chunks, wider square-ish tiles. 128-slot tiles (past 64 pairs an
+    expert: Nemotron-3-Nano's chunks of about 1400 tokens and more) take 256 columns in 4
+    stages, one program an SM: at the H200's power cap, where a prefill chunk's step runs, they
+    read each tile's rows of ``a`` half as often and beat 128 x 128 by 4-6% (docs/experiments.md)."""
     if dtype == torch.float32:
         return 32, 32, 4, 2
     if bm <= 16:

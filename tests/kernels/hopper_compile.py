@@ -84,11 +84,13 @@ def _registers(ptx: str) -> tuple[int, int]:
 
 
 def launch_moe() -> None:
-    """Every MoE path: routing of a few rows and of more, on tensor cores; the pair tiles, 16-row grouped tiles with the one-program align, and 128-row
-    TMA tiles with the two-pass align; each with and without PDL."""
+    """Every MoE path: routing of a few rows and of more, on tensor cores; the pair tiles, 16-row
+    grouped tiles with the one-program align, and 128-row TMA tiles with the two-pass align, the up
+    projection's narrow last column block launched apart (320 = 256 + 64); each with and without
+    PDL."""
     from mambastep.kernels import moe
 
-    D, E, I = 256, 16, 128
+    D, E, I = 384, 16, 320
     gate, bias = torch.randn(E, D), torch.zeros(E)
     up = torch.empty(E, I, D, dtype=torch.bfloat16)
     down = torch.empty(E, D, I, dtype=torch.bfloat16)

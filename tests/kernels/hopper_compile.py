@@ -90,7 +90,7 @@ def launch_moe() -> None:
     PDL."""
     from mambastep.kernels import moe
 
-    D, E, I = 384, 16, 320
+    D, E, I = 256, 16, 320
     gate, bias = torch.randn(E, D), torch.zeros(E)
     up = torch.empty(E, I, D, dtype=torch.bfloat16)
     down = torch.empty(E, D, I, dtype=torch.bfloat16)

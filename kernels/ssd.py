@@ -1,6 +1,6 @@
 """Chunked SSD scan (Mamba2 prefill) over packed variable-length sequences.
 
-Four kernels run over the *logical* chunks of ``PrefillMetadata`` (aligned to each sequence's
+Five kernels run over the *logical* chunks of ``PrefillMetadata`` (aligned to each sequence's
 start, never spanning two sequences), plus one that zeroes the output rows nobody owns:
 
 1. ``_chunk_cumsum_kernel``   per chunk, head block: dt' and the within-chunk cumsum of dt' A
@@ -10,10 +10,12 @@ start, never spanning two sequences), plus one that zeroes the output rows nobod
                               initial state, leaves each chunk's start state in the workspace (in
                               the activations' dtype, as the scan's products take it) and writes
                               the final state to the sequence's slot
-4. ``_chunk_scan_kernel``     per chunk, row block, head, head-dim block:
+4. ``_chunk_cb_kernel``       per chunk, group, causal (row, column) tile: C B^T, which every head
+                              of the group shares, into the workspace in fp32
+5. ``_chunk_scan_kernel``     per chunk, row block, head, head-dim block:
                               y = exp(cs) C h_start + (C B^T * decay * causal) (dt' x) + D x,
-                              gated by silu(z)
-5. ``_zero_skipped_rows_kernel`` zeroes rows of padding tokens and of skipped sequences
+                              gated by silu(z), with C B^T read from the workspace
+6. ``_zero_skipped_rows_kernel`` zeroes rows of padding tokens and of skipped sequences
 
 Launch shapes come from static sizes only (max_tokens, max_chunks, max_seqs, H, P, N) and block
 sizes from a fixed function of (chunk_size, P, N, dtype): no host sync, no autotuning (the scan
@@ -46,24 +48,28 @@ class SSDWorkspace:
     starts:    [max_chunks, H, P, N]        dtype the state each chunk starts from, rounded to the
                                                   activations' dtype (the scan's product with C
                                                   takes it so: half the bytes of fp32 at bf16)
+    cb:        [max_chunks, G, chunk, chunk] fp32 C B^T of each chunk and group, on and below the
+                                                  diagonal's tiles (what the causal scan reads)
     """
 
     dt: torch.Tensor
     dA_cumsum: torch.Tensor
     states: torch.Tensor
     starts: torch.Tensor
+    cb: torch.Tensor
 
     @classmethod
     def allocate(cls, max_chunks: int, H: int, P: int, N: int, chunk_size: int, device,
-                 dtype: torch.dtype) -> "SSDWorkspace":
+                 dtype: torch.dtype, *, groups: int) -> "SSDWorkspace":
         """Workspace for up to ``max_chunks`` chunks (see ``varlen.max_chunks_for``) of a scan over
-        ``dtype`` activations."""
+        ``dtype`` activations whose B and C have ``groups`` groups."""
         f32 = dict(dtype=torch.float32, device=device)
         return cls(
             dt=torch.empty(max_chunks, H, chunk_size, **f32),
             dA_cumsum=torch.empty(max_chunks, H, chunk_size, **f32),
             states=torch.empty(max_chunks, H, P, N, **f32),
             starts=torch.empty(max_chunks, H, P, N, dtype=dtype, device=device),
+            cb=torch.empty(max_chunks, groups, chunk_size, chunk_size, **f32),
         )
 
 
@@ -249,11 +255,54 @@ def _state_passing_kernel(
 
 
 @triton.jit
-def _chunk_scan_kernel(
-    x_ptr, z_ptr, B_ptr, C_ptr, D_ptr, out_ptr, dt_ptr, cs_ptr, starts_ptr,
+def _chunk_cb_kernel(
+    B_ptr, C_ptr, cb_ptr,
     chunk_seq_ptr, chunk_start_ptr, chunk_end_ptr, slot_idx_ptr,
-    H, P, N, heads_per_group,
-    s_x_t, s_x_h, s_x_p, s_z_t, s_z_h, s_z_p, s_B_t, s_B_g, s_B_n, s_C_t, s_C_g, s_C_n,
+    G, N,
+    s_B_t, s_B_g, s_B_n, s_C_t, s_C_g, s_C_n,
+    CHUNK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid_cm = tl.program_id(0)
+    g = tl.program_id(1)
+    k0 = tl.program_id(2) * BLOCK_K
+    n_blocks_m: tl.constexpr = (CHUNK_SIZE + BLOCK_M - 1) // BLOCK_M
+    c = pid_cm // n_blocks_m
+    m0 = (pid_cm % n_blocks_m) * BLOCK_M
+    # the scan reads only the tiles on and below the diagonal
+    if k0 >= m0 + BLOCK_M:
+        return
+    if _live_chunk(c, chunk_seq_ptr, slot_idx_ptr) < 0:
+        return
+    t0 = tl.load(chunk_start_ptr + c).to(tl.int64)
+    length = tl.load(chunk_end_ptr + c) - tl.load(chunk_start_ptr + c)
+    if m0 >= length:
+        return
+    dtype = C_ptr.dtype.element_ty
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_m = offs_m < length
+    mask_k = offs_k < length
+    mask_n = offs_n < N
+    # [BLOCK_M, BLOCK_N] and [BLOCK_N, BLOCK_K]: the state dim in one block, one dot
+    cmat = tl.load(C_ptr + (t0 + offs_m)[:, None] * s_C_t + g * s_C_g + offs_n[None, :] * s_C_n,
+                   mask=mask_m[:, None] & mask_n[None, :], other=0.0).to(dtype)
+    bT = tl.load(B_ptr + (t0 + offs_k)[None, :] * s_B_t + g * s_B_g + offs_n[:, None] * s_B_n,
+                 mask=mask_k[None, :] & mask_n[:, None], other=0.0).to(dtype)
+    cb = _dot(cmat, bT, PRECISION, UPCAST)
+    # cb: [max_chunks, G, CHUNK_SIZE, CHUNK_SIZE]; only rows and columns inside the chunk
+    ptrs = cb_ptr + ((c.to(tl.int64) * G + g) * CHUNK_SIZE + offs_m[:, None]) * CHUNK_SIZE + offs_k[None, :]
+    tl.store(ptrs, cb, mask=mask_m[:, None] & mask_k[None, :])
+
+
+@triton.jit
+def _chunk_scan_kernel(
+    x_ptr, z_ptr, C_ptr, D_ptr, out_ptr, dt_ptr, cs_ptr, starts_ptr, cb_ptr,
+    chunk_seq_ptr, chunk_start_ptr, chunk_end_ptr, slot_idx_ptr,
+    H, P, N, G, heads_per_group,
+    s_x_t, s_x_h, s_x_p, s_z_t, s_z_h, s_z_p, s_C_t, s_C_g, s_C_n,
     s_o_t, s_o_h, s_o_p,
     CHUNK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -283,25 +332,24 @@ def _chunk_scan_kernel(
     ws_row = (c.to(tl.int64) * H + h) * CHUNK_SIZE
     cs_m = tl.load(cs_ptr + ws_row + offs_m, mask=mask_m, other=0.0)
 
-    # [BLOCK_M, BLOCK_N], kept for the whole program: C against the start state and every B block
+    # inter-chunk part: C [BLOCK_M, BLOCK_N] against the start state decayed to each row,
+    # [BLOCK_N, BLOCK_P]; C is not needed past this product (C B^T comes from the workspace)
     cmat = tl.load(C_ptr + (t0 + offs_m)[:, None] * s_C_t + g * s_C_g + offs_n[None, :] * s_C_n,
                    mask=mask_m[:, None] & mask_n[None, :], other=0.0).to(dtype)
-
-    # inter-chunk part: the start state decayed to each row, [BLOCK_N, BLOCK_P]
     state = tl.load(starts_ptr + ((c.to(tl.int64) * H + h) * P + offs_p[None, :]) * N + offs_n[:, None],
                     mask=mask_n[:, None] & mask_p[None, :], other=0.0)
     acc = _dot(cmat, state.to(dtype), PRECISION, UPCAST) * tl.exp(cs_m)[:, None]
 
-    # intra-chunk part: causal C B^T weighted by the decay between positions, against dt' x
+    # intra-chunk part: the group's causal C B^T weighted by the head's decay between positions,
+    # against dt' x
+    cb_rows = cb_ptr + ((c.to(tl.int64) * G + g) * CHUNK_SIZE + offs_m[:, None]) * CHUNK_SIZE
     k_end = tl.minimum(m0 + BLOCK_M, length)
     for k0 in range(0, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < length
         tok_k = t0 + offs_k
-        # [BLOCK_N, BLOCK_K]
-        bT = tl.load(B_ptr + tok_k[None, :] * s_B_t + g * s_B_g + offs_n[:, None] * s_B_n,
-                     mask=mask_k[None, :] & mask_n[:, None], other=0.0).to(dtype)
-        scores = _dot(cmat, bT, PRECISION, UPCAST)  # [BLOCK_M, BLOCK_K]
+        # [BLOCK_M, BLOCK_K], written by _chunk_cb_kernel wherever both positions are in the chunk
+        scores = tl.load(cb_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         cs_k = tl.load(cs_ptr + ws_row + offs_k, mask=mask_k, other=0.0)
         dt_k = tl.load(dt_ptr + ws_row + offs_k, mask=mask_k, other=0.0)
         causal = (offs_m[:, None] >= offs_k[None, :]) & mask_k[None, :]
@@ -349,7 +397,8 @@ def _zero_skipped_rows_kernel(
 
 @dataclass(frozen=True)
 class _Blocks:
-    """Tile sizes per kernel: cumsum heads; state rows x P x N; passing P x N; scan rows x P x N."""
+    """Tile sizes per kernel: cumsum heads; state rows x P x N; passing P x N; scan rows x P x N
+    and its K loop's columns (C B^T is computed in scan_m x scan_m tiles)."""
 
     cumsum_h: int
     state_l: int
@@ -358,10 +407,12 @@ class _Blocks:
     pass_p: int
     pass_n: int
     scan_m: int
+    scan_k: int
     scan_p: int
     scan_n: int
     scan_stages: int
     warps: int
+    scan_warps: int
 
 
 # elements of the SSM state a state-passing program carries through a sequence's chunks (its
@@ -388,13 +439,17 @@ def _blocks(chunk_size: int, P: int, N: int, dtype: torch.dtype) -> _Blocks:
         pass_p=max(1, min(p2(P), PASS_TILE // pass_n)),
         pass_n=pass_n,
         scan_m=rows,
+        # 32-column K tiles keep a bf16 scan program at 128 registers (4 an SM; 64: 168, 3 an
+        # SM): Nano's 2048-token scan 110 -> 106 us a layer
+        scan_k=min(rows, 32),
         scan_p=max(16, min(64, p2(P))),
-        # the scan keeps C's whole state dim in one block: one dot per (C, B) pair
+        # C's whole state dim in one block: one dot per C B^T tile, and one for the start state
         scan_n=max(16, p2(N)),
-        # a scan program's K loop is one or two tiles long (its rows' causal part): pipelining
+        # a scan program's K loop is its rows' causal part, a few tiles: pipelining
         # it only held shared memory (3 stages: 37.4 ms for Nano's 2048-token prefill; 1: 36.8)
         scan_stages=2 if fp32 else 1,
         warps=8 if fp32 else 4,
+        scan_warps=8 if fp32 else 4,
     )
 
 
@@ -414,7 +469,9 @@ def _check(x, dt, A, B, C, D, z, dt_bias, ssm_state, meta, out, workspace):
         raise ValueError(f"ssm_state has shape {tuple(ssm_state.shape)}, expected [S, {H}, {P}, {N}]")
     if workspace is not None:
         want, states = (meta.max_chunks, H, meta.chunk_size), (meta.max_chunks, H, P, N)
-        if tuple(workspace.dt.shape) != want or tuple(workspace.states.shape) != states:
+        cb = (meta.max_chunks, G, meta.chunk_size, meta.chunk_size)
+        if (tuple(workspace.dt.shape) != want or tuple(workspace.states.shape) != states
+                or tuple(workspace.cb.shape) != cb):
             raise ValueError("workspace was sized for other static dims")
         if tuple(workspace.starts.shape) != states or workspace.starts.dtype != x.dtype:
             raise ValueError(f"workspace.starts must be {list(states)} in x's dtype {x.dtype}, "
@@ -575,7 +632,7 @@ def ssd_scan(x, dt, A, B, C, D, ssm_state, meta: PrefillMetadata, *, z=None, dt_
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if workspace is None:
-        workspace = SSDWorkspace.allocate(max_chunks, H, P, N, cs_size, x.device, x.dtype)
+        workspace = SSDWorkspace.allocate(max_chunks, H, P, N, cs_size, x.device, x.dtype, groups=G)
     ws = workspace
     bl = _blocks(cs_size, P, N, x.dtype)
     dot = dict(PRECISION="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=not x.is_cuda)
@@ -602,15 +659,21 @@ def ssd_scan(x, dt, A, B, C, D, ssm_state, meta: PrefillMetadata, *, z=None, dt_
     )
     if passed is not None:
         passed.record()
+    n_blocks_m = triton.cdiv(cs_size, bl.scan_m)
+    _chunk_cb_kernel[(max_chunks * n_blocks_m, G, n_blocks_m)](
+        B, C, ws.cb, *chunk_meta, G, N, *B.stride(), *C.stride(),
+        CHUNK_SIZE=cs_size, BLOCK_M=bl.scan_m, BLOCK_K=bl.scan_m, BLOCK_N=bl.scan_n, **dot,
+        num_warps=bl.warps,
+    )
     zs = z.stride() if z is not None else (0, 0, 0)
-    grid = (max_chunks * triton.cdiv(cs_size, bl.scan_m), H, triton.cdiv(P, bl.scan_p))
+    grid = (max_chunks * n_blocks_m, H, triton.cdiv(P, bl.scan_p))
     _chunk_scan_kernel[grid](
-        x, z if z is not None else x, B, C, D if D is not None else A, out,
-        ws.dt, ws.dA_cumsum, ws.starts, *chunk_meta,
-        H, P, N, H // G, *x.stride(), *zs, *B.stride(), *C.stride(), *out.stride(),
-        CHUNK_SIZE=cs_size, BLOCK_M=bl.scan_m, BLOCK_K=bl.scan_m, BLOCK_P=bl.scan_p,
+        x, z if z is not None else x, C, D if D is not None else A, out,
+        ws.dt, ws.dA_cumsum, ws.starts, ws.cb, *chunk_meta,
+        H, P, N, G, H // G, *x.stride(), *zs, *C.stride(), *out.stride(),
+        CHUNK_SIZE=cs_size, BLOCK_M=bl.scan_m, BLOCK_K=bl.scan_k, BLOCK_P=bl.scan_p,
         BLOCK_N=bl.scan_n, HAS_D=D is not None, HAS_Z=z is not None, **dot,
-        num_stages=bl.scan_stages, num_warps=bl.warps,
+        num_stages=bl.scan_stages, num_warps=bl.scan_warps,
     )
     block_t = 32
     _zero_skipped_rows_kernel[(triton.cdiv(T, block_t), H)](

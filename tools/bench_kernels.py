@@ -102,7 +102,7 @@ def bench_ssd(n_seqs: int, seq_len: int) -> dict:
 
     args = _ssd_inputs(n_seqs, seq_len)
     meta = args["meta"]
-    ws = SSDWorkspace.allocate(meta.max_chunks, H, P, N, CHUNK, "cuda", args["x"].dtype)
+    ws = SSDWorkspace.allocate(meta.max_chunks, H, P, N, CHUNK, "cuda", args["x"].dtype, groups=G)
     out = torch.empty_like(args["x"])
     tri_ms = median_ms(lambda: ssd_scan.triton(**args, out=out, workspace=ws))
     torch_ms = median_ms(lambda: ssd_scan_chunked_torch(**args), warmup_ms=10, rep_ms=50)

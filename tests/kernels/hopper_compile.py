@@ -38,6 +38,10 @@ def _aligned(v) -> bool:
 
 def _compile_instead(self, *args, grid, warmup, **kwargs):
     options = {k: kwargs.pop(k) for k in list(kwargs) if k in OPTIONS}
+    if "UPCAST" in kwargs:
+        # the SSD kernels' dots upcast bf16 operands only for the interpreter (CPU tensors, as
+        # here); compile the variant a GPU runs
+        kwargs["UPCAST"] = False
     bound = dict(zip([p.name for p in self.params], args), **kwargs)
     signature, constexprs, attrs = {}, {}, {}
     for i, p in enumerate(self.params):
@@ -142,7 +146,7 @@ def launch_prefill() -> None:
     bf16 = dict(dtype=torch.bfloat16)
     x, z = torch.empty(T, H, P, **bf16), torch.empty(T, H, P, **bf16)
     B, C = torch.empty(T, G, N, **bf16), torch.empty(T, G, N, **bf16)
-    ws = SSDWorkspace.allocate(meta.max_chunks, H, P, N, 128, "cpu", torch.bfloat16)
+    ws = SSDWorkspace.allocate(meta.max_chunks, H, P, N, 128, "cpu", torch.bfloat16, groups=G)
     ssd_scan.triton(x, torch.empty(T, H, **bf16), torch.empty(H), B, C, torch.empty(H), torch.empty(2, H, P, N), meta,
                     z=z, dt_bias=torch.empty(H), out=torch.empty_like(x), workspace=ws)
     # the conv state as the state pool keeps it, [S, K-1, D] seen as [S, D, K-1]

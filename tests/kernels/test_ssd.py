@@ -48,9 +48,9 @@ def scan(fn, inp, meta, *, use_z=True, use_D=True, use_bias=True, softplus=True,
     out = poisoned(x.shape, x.dtype, x.device)
     if fn is ssd_scan.triton and workspace is None:
         workspace = SSDWorkspace.allocate(meta.max_chunks, Hh, P, inp["B"].shape[2], meta.chunk_size, x.device,
-                                          x.dtype)
+                                          x.dtype, groups=inp["B"].shape[1])
     if workspace is not None:
-        for buf in (workspace.dt, workspace.dA_cumsum, workspace.states, workspace.starts):
+        for buf in (workspace.dt, workspace.dA_cumsum, workspace.states, workspace.starts, workspace.cb):
             buf.fill_(float("nan"))
     res = fn(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"] if use_D else None, pool,
              meta, z=inp["z"] if use_z else None, dt_bias=inp["dt_bias"] if use_bias else None,
@@ -116,7 +116,8 @@ def test_triton_bf16_state_pool(device):
 
 @pytest.mark.parametrize("dtype,chunk", [(torch.float32, 64), (torch.bfloat16, 128)], ids=["fp32", "bf16"])
 def test_triton_multiple_row_blocks(dtype, chunk, device):
-    # several row tiles per chunk (16 rows in fp32, 64 in bf16): the blocks below the diagonal
+    # several row tiles per chunk (16 rows in fp32, 64 in bf16, the scan's K tiles 32 wide): the
+    # blocks below the diagonal, and C B^T tiles of another shape than the scan's
     lens, slots = [chunk + 6, 5], [1, 2]
     meta = PrefillMetadata.build(lens, slots, [1, 0], chunk_size=chunk, device=device)
     inp = make_inputs(sum(lens), P=16, G=2, dtype=dtype, device=device)
@@ -151,7 +152,7 @@ def test_workspace_of_another_dtype_is_refused():
     lens = [20]
     meta = PrefillMetadata.build(lens, [0], [0], chunk_size=CHUNK)
     inp = make_inputs(sum(lens), dtype=torch.bfloat16)
-    ws = SSDWorkspace.allocate(meta.max_chunks, H, 16, N, CHUNK, "cpu", torch.float32)
+    ws = SSDWorkspace.allocate(meta.max_chunks, H, 16, N, CHUNK, "cpu", torch.float32, groups=2)
     with pytest.raises(ValueError, match="workspace.starts .* dtype torch.bfloat16"):
         scan(ssd_scan.triton, inp, meta, workspace=ws)
 
@@ -270,7 +271,7 @@ def test_gpu_graph_replay_allocates_nothing_and_never_syncs():
     meta = PrefillMetadata.build([100, 300], [0, 1], [1, 0], chunk_size=chunk, max_tokens=T,
                                  max_seqs=4, device=dev)
     inp = make_inputs(T, H=Hh, P=P, N=Nn, G=G, dtype=torch.bfloat16, device=dev)
-    ws = SSDWorkspace.allocate(meta.max_chunks, Hh, P, Nn, chunk, dev, torch.bfloat16)
+    ws = SSDWorkspace.allocate(meta.max_chunks, Hh, P, Nn, chunk, dev, torch.bfloat16, groups=G)
     out = torch.empty(T, Hh, P, dtype=torch.bfloat16, device=dev)
     pool = inp["ssm_state"].clone()
 

@@ -412,7 +412,6 @@ class _Blocks:
     scan_n: int
     scan_stages: int
     warps: int
-    scan_warps: int
 
 
 # elements of the SSM state a state-passing program carries through a sequence's chunks (its
@@ -449,7 +448,6 @@ def _blocks(chunk_size: int, P: int, N: int, dtype: torch.dtype) -> _Blocks:
         # it only held shared memory (3 stages: 37.4 ms for Nano's 2048-token prefill; 1: 36.8)
         scan_stages=2 if fp32 else 1,
         warps=8 if fp32 else 4,
-        scan_warps=8 if fp32 else 4,
     )
 
 
@@ -673,7 +671,7 @@ def ssd_scan(x, dt, A, B, C, D, ssm_state, meta: PrefillMetadata, *, z=None, dt_
         H, P, N, G, H // G, *x.stride(), *zs, *C.stride(), *out.stride(),
         CHUNK_SIZE=cs_size, BLOCK_M=bl.scan_m, BLOCK_K=bl.scan_k, BLOCK_P=bl.scan_p,
         BLOCK_N=bl.scan_n, HAS_D=D is not None, HAS_Z=z is not None, **dot,
-        num_stages=bl.scan_stages, num_warps=bl.scan_warps,
+        num_stages=bl.scan_stages, num_warps=bl.warps,
     )
     block_t = 32
     _zero_skipped_rows_kernel[(triton.cdiv(T, block_t), H)](

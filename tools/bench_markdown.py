@@ -176,9 +176,15 @@ def readme_table(steps, runs=(), kernels: str | None = None) -> str:
             r = run(name, 64)
             return f"{r['output_tokens_per_s']:,.0f}".replace(",", " ") if r else ""
 
-    # a file measured on another day than the first names its presets' date
+    # a file measured on another day than the first names its presets' date, and runs of the
+    # main job theirs
     later = [f"{', '.join(p['preset'] for p in d['presets'])} steps: {d['date']}"
              for d in measured[1:] if d["date"] != s["date"]]
+    run_days: dict[str, list[str]] = {}
+    for r in results:
+        if r.get("date", s["date"]) != s["date"] and r["model"] in names and r["model"] not in run_days.get(r["date"], []):
+            run_days.setdefault(r["date"], []).append(r["model"])
+    later += [f"`mambastep run` of {', '.join(models)}: {day}" for day, models in sorted(run_days.items())]
     when = s["date"] + (f" ({'; '.join(later)})" if later else "")
     lines = [f"Measured {when} on an {s['device']} (bf16, random weights) by `mambastep bench steps`, "
              "`bench kernels` and `mambastep run` (`.ci/gpu-bench` runs them); the tables in docs/BENCHMARKS.md.", "",

@@ -104,6 +104,9 @@ def test_markdown_writes_every_table_under_its_command(tmp_path):
     (tmp_path / "steps-8b.json").write_text(json.dumps(later))
     table = bench_markdown.readme_table([tmp_path / "steps.json", tmp_path / "steps-8b.json"], [tmp_path / "runs.json"])
     assert "Measured 2026-12-01 (nemotron-h-8b steps: 2026-12-02) on" in table
+    # and runs of the main job from another day than the first steps file theirs
+    table = bench_markdown.readme_table([tmp_path / "steps-8b.json", tmp_path / "steps.json"], [tmp_path / "runs.json"])
+    assert "Measured 2026-12-02 (mamba2-130m steps: 2026-12-01; `mambastep run` of mamba2-130m: 2026-12-01) on" in table
 
 
 def test_the_http_table_sets_each_server_run_beside_its_in_process_run(tmp_path):

@@ -255,6 +255,20 @@ def _state_passing_kernel(
 
 
 @triton.jit
+def _row_block(pid, chunk_seq_ptr, chunk_start_ptr, chunk_end_ptr, slot_idx_ptr, CHUNK_SIZE: tl.constexpr,
+               BLOCK_M: tl.constexpr):
+    """A (chunk, row block) program's chunk c, first row m0, first token t0 and the chunk's
+    length; live is 0 when the chunk is skipped or the block lies past its end."""
+    n_blocks_m: tl.constexpr = (CHUNK_SIZE + BLOCK_M - 1) // BLOCK_M
+    c = pid // n_blocks_m
+    m0 = (pid % n_blocks_m) * BLOCK_M
+    t0 = tl.load(chunk_start_ptr + c).to(tl.int64)
+    length = tl.load(chunk_end_ptr + c) - tl.load(chunk_start_ptr + c)
+    live = ((_live_chunk(c, chunk_seq_ptr, slot_idx_ptr) >= 0) & (m0 < length)).to(tl.int32)
+    return c, m0, t0, length, live
+
+
+@triton.jit
 def _chunk_cb_kernel(
     B_ptr, C_ptr, cb_ptr,
     chunk_seq_ptr, chunk_start_ptr, chunk_end_ptr, slot_idx_ptr,
@@ -263,20 +277,12 @@ def _chunk_cb_kernel(
     CHUNK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    pid_cm = tl.program_id(0)
     g = tl.program_id(1)
     k0 = tl.program_id(2) * BLOCK_K
-    n_blocks_m: tl.constexpr = (CHUNK_SIZE + BLOCK_M - 1) // BLOCK_M
-    c = pid_cm // n_blocks_m
-    m0 = (pid_cm % n_blocks_m) * BLOCK_M
+    c, m0, t0, length, live = _row_block(tl.program_id(0), chunk_seq_ptr, chunk_start_ptr, chunk_end_ptr,
+                                         slot_idx_ptr, CHUNK_SIZE, BLOCK_M)
     # the scan reads only the tiles on and below the diagonal
-    if k0 >= m0 + BLOCK_M:
-        return
-    if _live_chunk(c, chunk_seq_ptr, slot_idx_ptr) < 0:
-        return
-    t0 = tl.load(chunk_start_ptr + c).to(tl.int64)
-    length = tl.load(chunk_end_ptr + c) - tl.load(chunk_start_ptr + c)
-    if m0 >= length:
+    if (k0 >= m0 + BLOCK_M) | (live == 0):
         return
     dtype = C_ptr.dtype.element_ty
 
@@ -308,17 +314,11 @@ def _chunk_scan_kernel(
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    pid_cm = tl.program_id(0)
     h = tl.program_id(1)
     pid_p = tl.program_id(2)
-    n_blocks_m: tl.constexpr = (CHUNK_SIZE + BLOCK_M - 1) // BLOCK_M
-    c = pid_cm // n_blocks_m
-    m0 = (pid_cm % n_blocks_m) * BLOCK_M
-    if _live_chunk(c, chunk_seq_ptr, slot_idx_ptr) < 0:
-        return
-    t0 = tl.load(chunk_start_ptr + c).to(tl.int64)
-    length = tl.load(chunk_end_ptr + c) - tl.load(chunk_start_ptr + c)
-    if m0 >= length:
+    c, m0, t0, length, live = _row_block(tl.program_id(0), chunk_seq_ptr, chunk_start_ptr, chunk_end_ptr,
+                                         slot_idx_ptr, CHUNK_SIZE, BLOCK_M)
+    if live == 0:
         return
     g = h // heads_per_group
     dtype = x_ptr.dtype.element_ty

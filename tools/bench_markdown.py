@@ -180,10 +180,10 @@ def readme_table(steps, runs=(), kernels: str | None = None) -> str:
     # main job theirs
     later = [f"{', '.join(p['preset'] for p in d['presets'])} steps: {d['date']}"
              for d in measured[1:] if d["date"] != s["date"]]
-    run_days: dict[str, list[str]] = {}
+    run_days: dict[str, dict[str, None]] = {}  # day -> the models run that day, in order
     for r in results:
-        if r.get("date", s["date"]) != s["date"] and r["model"] in names and r["model"] not in run_days.get(r["date"], []):
-            run_days.setdefault(r["date"], []).append(r["model"])
+        if r["model"] in names and r.get("date", s["date"]) != s["date"]:
+            run_days.setdefault(r["date"], {})[r["model"]] = None
     later += [f"`mambastep run` of {', '.join(models)}: {day}" for day, models in sorted(run_days.items())]
     when = s["date"] + (f" ({'; '.join(later)})" if later else "")
     lines = [f"Measured {when} on an {s['device']} (bf16, random weights) by `mambastep bench steps`, "

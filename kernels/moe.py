@@ -4,13 +4,15 @@ pairs sorted by expert, two grouped GEMMs over those pairs only, and a weighted 
 Static shapes throughout, so a step is captured once per bucket and replays with no host sync:
 
 1. ``moe_route``: router logits in fp32 (a decode step's few rows on CUDA cores split over D,
-   more on tensor cores in TF32 x 3), then one kernel for sigmoid scores, the score-correction
-   bias for the choice, group-limited top-k, normalisation and routed scaling, exactly as HF's
-   NemotronH. A token's k experts come out in ascending expert order, the order HF's loop adds
-   them in.
+   more on tensor cores: bf16 rows against the router's exact bf16 terms, ``router_terms``, else
+   TF32 x 3), then one kernel for sigmoid scores, the score-correction bias for the choice,
+   group-limited top-k, normalisation and routed scaling, exactly as HF's NemotronH; it also
+   counts each block of tokens' pairs per expert (``block_counts``). A token's k experts come out
+   in ascending expert order, the order HF's loop adds them in.
 2. ``moe_experts`` (align): the pairs per expert are counted, each expert's run padded to the
    GEMM tile height ``block_m`` and every pair given its slot, tokens in order within an expert
-   (one program for a decode step's few pairs, two parallel passes for a prefill chunk's).
+   (one program for a decode step's few pairs; for a prefill chunk's, parallel programs over the
+   routing's block counts, or a counting pass and those programs).
    Buffers are sized by the bucket: P = tokens x k pairs take at most P + min(E, P) x
    (block_m - 1) slots, whatever the routing. Up to ``PAIR_TILES_MAX`` pairs (a decode step of
    a row or two) nothing is aligned: each pair is a tile of its own.
@@ -41,7 +43,8 @@ from .activation import relu2_ref
 from .decode_linear import hopper_or_newer
 from .dispatch import with_reference
 
-__all__ = ["block_m", "moe_experts", "moe_experts_ref", "moe_route", "moe_route_ref", "slot_count"]
+__all__ = ["block_counts_buffer", "block_m", "moe_experts", "moe_experts_ref", "moe_route", "moe_route_ref",
+           "router_terms", "slot_count"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -74,11 +77,12 @@ def _logits_kernel(x_ptr, gate_ptr, part_ptr, T, E, D, CHUNK, stride_x,
 
 
 @triton.jit
-def _topk_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, T, E, scale,
+def _topk_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, counts_ptr, T, E, scale,
                  TOP_K: tl.constexpr, N_GROUP: tl.constexpr, PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
                  NORM: tl.constexpr, SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                 BLOCK_G: tl.constexpr, USE_PDL: tl.constexpr):
-    """A block of tokens' top-k from their logits, given as SPLIT partial sums [SPLIT, T, E]."""
+                 BLOCK_G: tl.constexpr, COUNTS: tl.constexpr, USE_PDL: tl.constexpr):
+    """A block of tokens' top-k from their logits, given as SPLIT partial sums [SPLIT, T, E];
+    COUNTS: also the block's pairs per expert, counts[block, e] (the alignment's first pass)."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     row_ok, col_ok = rows < T, cols < E
@@ -116,6 +120,9 @@ def _topk_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, T, E, scale,
         hit = cols[None, :] == best[:, None]
         chosen = tl.where(hit, 1, chosen)
         choice = tl.where(hit, float("-inf"), choice)
+    if COUNTS:
+        tl.store(counts_ptr + tl.program_id(0) * E + cols, tl.sum(tl.where(row_ok[:, None], chosen, 0), axis=0),
+                 mask=col_ok)
     w = tl.where(chosen > 0, scores, 0.0)
     if NORM:
         w = w / (tl.sum(w, axis=1)[:, None] + 1e-20)
@@ -130,11 +137,14 @@ def _topk_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, T, E, scale,
 
 @triton.jit
 def _router_dot_kernel(x_ptr, gate_ptr, part_ptr, T, E, D, CHUNK, stride_x, BLOCK_T: tl.constexpr,
-                       BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+                       BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, TERMS: tl.constexpr):
     """More rows' router logits on tensor cores, split over D: part[s] = x[:, chunk s] @
-    gate[:, chunk s].T for a tile of rows and experts, x rounded up to fp32 (exact) and the
-    product in three TF32 products (``tf32x3``: about fp32's accuracy, as HF's fp32 GEMM). The
-    top-k kernel adds the chunks in order."""
+    gate[:, chunk s].T for a tile of rows and experts, to about fp32's accuracy (HF's fp32 GEMM).
+    The top-k kernel adds the chunks in order.
+
+    TERMS 0: gate [E, D] fp32, x rounded up to fp32 (exact), the product in three TF32 products
+    (``tf32x3``). TERMS n: x bf16 and gate [n, E, D] bf16 terms whose fp32 sum is the router's
+    weights (``router_terms``): n bf16 products, each exact, accumulated in fp32."""
     ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     es = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     s = tl.program_id(2)
@@ -144,15 +154,49 @@ def _router_dot_kernel(x_ptr, gate_ptr, part_ptr, T, E, D, CHUNK, stride_x, BLOC
         ds = d0 + tl.arange(0, BLOCK_K)
         d_ok = ds < D
         x = tl.load(x_ptr + ts[:, None].to(tl.int64) * stride_x + ds[None, :], mask=t_ok[:, None] & d_ok[None, :],
-                    other=0.0).to(tl.float32)
-        g = tl.load(gate_ptr + es[:, None] * D + ds[None, :], mask=e_ok[:, None] & d_ok[None, :], other=0.0)
-        acc = tl.dot(x, tl.trans(g), acc, input_precision=PRECISION)
+                    other=0.0)
+        g_tile = gate_ptr + es[:, None] * D + ds[None, :]
+        g_ok = e_ok[:, None] & d_ok[None, :]
+        if TERMS == 0:
+            g = tl.load(g_tile, mask=g_ok, other=0.0)
+            acc = tl.dot(x.to(tl.float32), tl.trans(g), acc, input_precision="tf32x3")
+        else:
+            for j in tl.static_range(TERMS):
+                g = tl.load(g_tile + j * E * D, mask=g_ok, other=0.0)
+                acc = tl.dot(x, tl.trans(g), acc)
     tl.store(part_ptr + s * T * E + ts[:, None].to(tl.int64) * E + es[None, :], acc,
              mask=t_ok[:, None] & e_ok[None, :])
 
 
+def router_terms(gate: torch.Tensor) -> torch.Tensor:
+    """The router's fp32 weights [E, D] as the fewest bf16 terms [n, E, D] whose fp32 sum is
+    exactly ``gate`` (n at most 3: each term carries 8 of fp32's 24 significand bits; a
+    checkpoint's bf16 router is one term). Against bf16 rows each term's products are exact, so
+    the logits cost n bf16 products where TF32 x 3 costs three TF32 ones."""
+    terms, rest = [], gate.float()
+    for _ in range(3):
+        terms.append(rest.to(torch.bfloat16))
+        rest = rest - terms[-1].float()
+        if not rest.any():
+            break
+    return torch.stack(terms)
+
+
+def block_counts_buffer(tokens: int, n_experts: int, device) -> torch.Tensor:
+    """An empty ``block_counts`` for ``moe_route`` and ``moe_experts``."""
+    return torch.empty(-(-tokens // ROUTE_BLOCK_T), n_experts, dtype=torch.int32, device=device)
+
+
+def block_counts_ref(idx: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """[cdiv(T, ROUTE_BLOCK_T), E] int32: each block of ``ROUTE_BLOCK_T`` tokens' pairs per expert."""
+    T = idx.shape[0]
+    blocks = torch.arange(T, device=idx.device).repeat_interleave(idx.shape[1]) // ROUTE_BLOCK_T
+    out = torch.zeros(-(-T // ROUTE_BLOCK_T), n_experts, dtype=torch.int32, device=idx.device)
+    return out.index_put_((blocks, idx.flatten().long()), torch.ones_like(blocks, dtype=torch.int32), accumulate=True)
+
+
 def moe_route_ref(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 1, norm_topk: bool = True,
-                  scale: float = 1.0, pdl: bool = False):
+                  scale: float = 1.0, gate_terms=None, block_counts=None, pdl: bool = False):
     scores = F.linear(x.float(), gate.float()).sigmoid()
     choice = scores + bias
     T, E = scores.shape
@@ -167,9 +211,13 @@ def moe_route_ref(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: in
     w = scores.gather(1, idx)
     if norm_topk:
         w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    if block_counts is not None:
+        block_counts.copy_(block_counts_ref(idx, E))
     return idx.to(torch.int32), w * scale
 
 
+# tokens a block of the top-k kernel (and of ``block_counts``) holds
+ROUTE_BLOCK_T = 16
 # tokens up to which the router logits are a CUDA-core kernel's (split over experts and D: a
 # decode step's few rows), beyond which a tensor-core kernel's
 ROUTER_KERNEL_MAX_T = 16
@@ -177,14 +225,17 @@ ROUTER_KERNEL_MAX_T = 16
 
 @with_reference(moe_route_ref)
 def moe_route(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 1, norm_topk: bool = True,
-              scale: float = 1.0, pdl: bool = False):
+              scale: float = 1.0, gate_terms=None, block_counts=None, pdl: bool = False):
     """A token's experts and weights, as HF's NemotronH router.
 
     x [T, D] (any float dtype), gate [E, D] fp32, bias [E] fp32 (the score-correction bias, which
     steers the choice but not the weights) -> (idx [T, top_k] int32 in ascending order, weights
     [T, top_k] fp32). ``n_group``/``topk_group``: the choice is limited to the ``topk_group``
-    groups (of E / n_group experts) with the best two-expert sums. ``pdl``: its kernels launch as
-    programmatic dependents of the previous kernel (``kernels.decode_linear``).
+    groups (of E / n_group experts) with the best two-expert sums. ``gate_terms``: ``router_terms(gate)``,
+    for bf16 rows past a decode step's few (the logits as bf16 products). ``block_counts``: an int32
+    [cdiv(T, ROUTE_BLOCK_T), E] buffer, filled with each block of tokens' pairs per expert (what
+    ``moe_experts`` takes to skip a counting pass). ``pdl``: its kernels launch as programmatic
+    dependents of the previous kernel (``kernels.decode_linear``).
     """
     T, D = x.shape
     E = gate.shape[0]
@@ -205,14 +256,20 @@ def moe_route(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 
         _logits_kernel[(triton.cdiv(E, 4), split)](x, gate, logits, T, E, D, chunk, x.stride(0), BLOCK_T=block_t,
                                                   BLOCK_E=4, BLOCK_D=block_d, USE_PDL=pdl, num_warps=4, **extra)
     else:
-        logits, split = _router_dot(x, gate)
+        terms = gate_terms if gate_terms is not None and x.dtype == torch.bfloat16 else None
+        logits, split = _router_dot(x, gate if terms is None else terms)
+    blocks = triton.cdiv(T, ROUTE_BLOCK_T)
+    if block_counts is not None and (block_counts.shape != (blocks, E) or block_counts.dtype != torch.int32):
+        raise ValueError(f"moe_route: block_counts must be int32 [{blocks}, {E}]; got {block_counts.dtype} "
+                         f"{list(block_counts.shape)}")
     idx = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
     w = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
-    block_t = min(16, triton.next_power_of_2(T))
-    _topk_kernel[(triton.cdiv(T, block_t),)](
-        logits, bias, idx, w, T, E, float(scale), TOP_K=top_k, N_GROUP=n_group, PER_GROUP=E // n_group,
-        TOPK_GROUP=topk_group, NORM=norm_topk, SPLIT=split, BLOCK_T=block_t, BLOCK_E=max(16, triton.next_power_of_2(E)),
-        BLOCK_G=max(2, triton.next_power_of_2(n_group)), USE_PDL=pdl, num_warps=1 if block_t < 4 else 4, **extra)
+    block_t = min(ROUTE_BLOCK_T, triton.next_power_of_2(T))
+    _topk_kernel[(blocks,)](
+        logits, bias, idx, w, block_counts if block_counts is not None else idx, T, E, float(scale), TOP_K=top_k,
+        N_GROUP=n_group, PER_GROUP=E // n_group, TOPK_GROUP=topk_group, NORM=norm_topk, SPLIT=split, BLOCK_T=block_t,
+        BLOCK_E=max(16, triton.next_power_of_2(E)), BLOCK_G=max(2, triton.next_power_of_2(n_group)),
+        COUNTS=block_counts is not None, USE_PDL=pdl, num_warps=1 if block_t < 4 else 4, **extra)
     return idx, w
 
 
@@ -224,18 +281,22 @@ ROUTER_PROGRAMS = 256
 def _router_dot(x, gate):
     """The logits' partial sums [split, T, E] on tensor cores and the split: split over D (chunks
     of 256 or more) until the grid is about ``ROUTER_PROGRAMS`` programs (a decode step of 64 rows
-    is one tile of rows)."""
+    is one tile of rows). gate: fp32 [E, D], or bf16 terms [n, E, D] (``router_terms``) for bf16 x.
+    A one-term router takes 128-wide K tiles and half the programs: at 2048 Nano rows 6.5 us
+    against 7.3 in the fp32 router's tiles (its partial sums, half as many, save the top-k 1.5 us)."""
     T, D = x.shape
-    E = gate.shape[0]
-    block_t, block_e, block_k = min(64, max(16, triton.next_power_of_2(T))), min(128, triton.next_power_of_2(E)), 32
+    E = gate.shape[-2]
+    terms = gate.shape[0] if gate.dim() == 3 else 0
+    block_k, programs = (128, ROUTER_PROGRAMS // 2) if terms == 1 else (32, ROUTER_PROGRAMS)
+    block_t, block_e = min(64, max(16, triton.next_power_of_2(T))), min(128, triton.next_power_of_2(E))
     tiles = triton.cdiv(T, block_t) * triton.cdiv(E, block_e)
-    want = max(1, min(triton.cdiv(D, 256), ROUTER_PROGRAMS // tiles))
+    want = max(1, min(triton.cdiv(D, 256), programs // tiles))
     chunk = block_k * triton.cdiv(D, want * block_k)
     split = triton.cdiv(D, chunk)
     part = torch.empty(split, T, E, dtype=torch.float32, device=x.device)
     _router_dot_kernel[(triton.cdiv(T, block_t), triton.cdiv(E, block_e), split)](
-        x, gate, part, T, E, D, chunk, x.stride(0), BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k,
-        PRECISION="tf32x3", num_warps=4, num_stages=3)
+        x, gate, part, T, E, D, chunk, x.stride(0), BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, TERMS=terms,
+        num_warps=4, num_stages=3)
     return part, split
 
 
@@ -333,11 +394,15 @@ def _count_kernel(idx_ptr, block_counts_ptr, P, E, SPAN, BLOCK_P: tl.constexpr, 
 
 @triton.jit
 def _assign_kernel(idx_ptr, block_counts_ptr, slot_of_pair_ptr, token_of_slot_ptr, starts_ptr, counts_ptr,
-                   P, E, SPAN, NB, TOP_K: tl.constexpr, BM: tl.constexpr, BLOCK_P: tl.constexpr,
-                   BLOCK_B: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Many programs: the slots of block b's pairs (the layout ``_align_kernel`` makes). Each
-    program sums the blocks' counts itself (the pairs per expert, and those of the blocks before
-    its own), so no pass between the two waits on one program."""
+                   P, E, SPAN, NB, PER, TOP_K: tl.constexpr, BM: tl.constexpr, BLOCK_P: tl.constexpr,
+                   BLOCK_B: tl.constexpr, BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr):
+    """Many programs: the slots of the pairs [b * SPAN, (b + 1) * SPAN), the span of PER of the
+    NB counted blocks (the layout ``_align_kernel`` makes). Each program sums the blocks' counts
+    itself (the pairs per expert, and those of the blocks before its own), so no pass between
+    the two waits on one program."""
+    if USE_PDL:  # the counts are the previous kernel's
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     cols = tl.arange(0, BLOCK_E)
     col_ok = cols < E
@@ -348,7 +413,7 @@ def _assign_kernel(idx_ptr, block_counts_ptr, slot_of_pair_ptr, token_of_slot_pt
         c = tl.load(block_counts_ptr + bs[:, None] * E + cols[None, :], mask=(bs < NB)[:, None] & col_ok[None, :],
                     other=0)
         counts += tl.sum(c, axis=0)
-        before += tl.sum(tl.where((bs < b)[:, None], c, 0), axis=0)
+        before += tl.sum(tl.where((bs < b * PER)[:, None], c, 0), axis=0)
     padded = _padded(counts, BM)
     starts = tl.cumsum(padded, axis=0) - padded
     if b == 0:
@@ -363,17 +428,20 @@ ALIGN_ONE_PROGRAM = 1024
 # blocks the two passes split the pairs into, at most (each assigning program sums every
 # block's counts: more blocks, more programs, but more reading each)
 ALIGN_BLOCKS = 64
+# the routing's counted blocks an assigning program takes
+ASSIGN_PER = 1
 # pairs up to which each is a GEMM tile of its own and nothing is aligned (a decode step of one or
 # two rows: its pairs have distinct experts or nearly, so the sorted layout would save no weight
 # read, and its alignment pass is a launch on the step's critical path)
 PAIR_TILES_MAX = 12
 
 
-def _align(idx, E: int, bm: int, S: int, pdl: bool = False):
+def _align(idx, E: int, bm: int, S: int, pdl: bool = False, block_counts=None):
     """(slot_of_pair [P], token_of_slot [S], starts [E], counts [E]) on the device: one program
     for a decode step's few pairs, two parallel passes (count, assign) for a prefill chunk's
-    many. Both make the same layout. ``pdl``: the one program launches as a programmatic
-    dependent."""
+    many, the first skipped where the routing counted its blocks (``block_counts``, from
+    ``moe_route``). All make the same layout. ``pdl``: the one program, or the assigning pass
+    after the routing's counts, launches as a programmatic dependent."""
     P, k, dev = idx.numel(), idx.shape[1], idx.device
     slot_of_pair = torch.empty(P, dtype=torch.int32, device=dev)
     token_of_slot = torch.empty(S, dtype=torch.int32, device=dev)
@@ -386,12 +454,19 @@ def _align(idx, E: int, bm: int, S: int, pdl: bool = False):
                             BLOCK_P=block_p, BLOCK_E=block_e, USE_PDL=pdl, num_warps=8,
                             **({"launch_pdl": True} if pdl else {}))
         return slot_of_pair, token_of_slot, starts, counts
-    span = max(block_p, triton.next_power_of_2(triton.cdiv(P, ALIGN_BLOCKS)))
-    nb = triton.cdiv(P, span)
-    block_counts = torch.empty(nb, E, dtype=torch.int32, device=dev)
-    _count_kernel[(nb,)](idx, block_counts, P, E, span, BLOCK_P=block_p, BLOCK_E=block_e, num_warps=4)
-    _assign_kernel[(nb,)](idx, block_counts, slot_of_pair, token_of_slot, starts, counts, P, E, span, nb, TOP_K=k,
-                          BM=bm, BLOCK_P=block_p, BLOCK_B=max(16, 4096 // block_e), BLOCK_E=block_e, num_warps=4)
+    if block_counts is None:
+        span = max(block_p, triton.next_power_of_2(triton.cdiv(P, ALIGN_BLOCKS)))
+        nb, per = triton.cdiv(P, span), 1
+        block_counts = torch.empty(nb, E, dtype=torch.int32, device=dev)
+        _count_kernel[(nb,)](idx, block_counts, P, E, span, BLOCK_P=block_p, BLOCK_E=block_e, num_warps=4)
+        extra = {}
+    else:  # the routing's blocks of ROUTE_BLOCK_T tokens, ASSIGN_PER of them a program
+        nb, per = block_counts.shape[0], ASSIGN_PER
+        span = per * ROUTE_BLOCK_T * k
+        extra = {"launch_pdl": True} if pdl else {}
+    _assign_kernel[(triton.cdiv(P, span),)](
+        idx, block_counts, slot_of_pair, token_of_slot, starts, counts, P, E, span, nb, per, TOP_K=k, BM=bm,
+        BLOCK_P=block_p, BLOCK_B=max(16, 4096 // block_e), BLOCK_E=block_e, USE_PDL=bool(extra), num_warps=4, **extra)
     return slot_of_pair, token_of_slot, starts, counts
 
 
@@ -538,7 +613,8 @@ def _finish_ref(r, shared, residual, out):
     return r if out is None else out.copy_(r)
 
 
-def moe_experts_ref(x, idx, w, up, down, *, shared=None, residual=None, out=None, shared_ready=None, pdl=False):
+def moe_experts_ref(x, idx, w, up, down, *, shared=None, residual=None, out=None, shared_ready=None,
+                    block_counts=None, pdl=False):
     """The dense math: every expert over every token, weighted by its routing weight (zero where
     the token did not choose it), summed in fp32 in expert order."""
     T, E = x.shape[0], up.shape[0]
@@ -551,7 +627,8 @@ def moe_experts_ref(x, idx, w, up, down, *, shared=None, residual=None, out=None
 
 
 @with_reference(moe_experts_ref)
-def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, shared_ready=None, pdl=False):
+def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, shared_ready=None, block_counts=None,
+                pdl=False):
     """sum_j w[t, j] * down_e(relu2(up_e(x[t]))) over each token's experts e = idx[t, j], over the
     routed pairs only.
 
@@ -560,6 +637,8 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
     (the shared expert's output) is added, and the result is written to ``out`` [T, D], or added
     into ``residual`` [T, D] in place. Returns what it wrote.
 
+    block_counts: the routing's pairs per expert in blocks of tokens (``moe_route``'s), so
+    the alignment does not count them again.
     shared_ready: a CUDA event recorded once ``shared`` is written on another stream (the shared
     expert computed beside the routed ones); the combine waits for it, nothing before it does.
     pdl: the kernels launch as programmatic dependents of the previous one (``kernels.decode_linear``),
@@ -591,7 +670,7 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
     else:
         bm = block_m(T, k, E)
         S = slot_count(T, k, E, bm)
-        slot_of_pair, token_of_slot, starts, counts = _align(idx, E, bm, S, pdl)
+        slot_of_pair, token_of_slot, starts, counts = _align(idx, E, bm, S, pdl, block_counts)
         block_e = max(16, triton.next_power_of_2(E))
     h = torch.empty(S, I, dtype=x.dtype, device=dev)
     y = torch.empty(S, D, dtype=x.dtype, device=dev)

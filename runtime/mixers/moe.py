@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ...kernels.decode_linear import norm_linear
-from ...kernels.moe import moe_experts, moe_route
+from ...kernels.moe import block_counts_buffer, moe_experts, moe_route, router_terms
 from ..config import ModelConfig
 from .base import Mixer, Norm, StepContext
 from .mlp import relu2_mlp
@@ -38,6 +38,7 @@ class MoEMixer(Mixer):
         self.layer = idx
         p = f"layers.{idx}.mixer."
         self.gate = w[p + "gate.weight"].float()
+        self.gate_terms = router_terms(self.gate)  # the logits of bf16 rows as bf16 products
         self.bias = w[p + "gate.e_score_correction_bias"].float()
         self.up, self.down = w[p + "experts.up_proj"], w[p + "experts.down_proj"]  # [E, I, L], [E, L, I]
         self.shared = None
@@ -77,14 +78,17 @@ class MoEMixer(Mixer):
                 ready = torch.cuda.Event()
                 ready.record(aux)
         pdl = ctx.options.pdl
-        idx, w = moe_route(h, self.gate, self.bias, **self.route, pdl=pdl)
+        counts = block_counts_buffer(h.shape[0], self.gate.shape[0], h.device)
+        idx, w = moe_route(h, self.gate, self.bias, **self.route, gate_terms=self.gate_terms, block_counts=counts,
+                           pdl=pdl)
         if ctx.observe is not None:
             ctx.observe(self.layer, idx)
         if self.latent is None:
             return moe_experts(h, idx, w, self.up, self.down, shared=shared, residual=residual, shared_ready=ready,
-                               pdl=pdl)
+                               block_counts=counts, pdl=pdl)
         down_w, down_b, up_w, up_b = self.latent
-        routed = F.linear(moe_experts(F.linear(h, down_w, down_b), idx, w, self.up, self.down), up_w, up_b)
+        routed = F.linear(moe_experts(F.linear(h, down_w, down_b), idx, w, self.up, self.down, block_counts=counts),
+                          up_w, up_b)
         if ready is not None:
             torch.cuda.current_stream(h.device).wait_event(ready)
         out = routed if shared is None else routed + shared

@@ -88,10 +88,11 @@ def _registers(ptx: str) -> tuple[int, int]:
 
 
 def launch_moe() -> None:
-    """Every MoE path: routing of a few rows and of more, on tensor cores; the pair tiles, 16-row
-    grouped tiles with the one-program align, and 128-row TMA tiles with the two-pass align, the up
-    projection's narrow last column block launched apart (320 = 256 + 64); each with and without
-    PDL."""
+    """Every MoE path: routing of a few rows and of more, on tensor cores (TF32 x 3, or one and
+    three bf16 terms of the router, the top-k counting its blocks' pairs); the pair tiles, 16-row
+    grouped tiles with the one-program align, and 128-row TMA tiles with the two-pass align (or the
+    routing's counts and one pass), the up projection's narrow last column block launched apart
+    (320 = 256 + 64); each with and without PDL."""
     from mambastep.kernels import moe
 
     D, E, I = 256, 16, 320
@@ -102,8 +103,13 @@ def launch_moe() -> None:
         x = torch.randn(T, D).to(torch.bfloat16)
         for pdl in (False, True):
             moe.moe_route.triton(x, gate, bias, top_k=k, pdl=pdl)
+            counts = moe.block_counts_buffer(T, E, "cpu")
+            for terms in (moe.router_terms(gate), moe.router_terms(gate.to(torch.bfloat16).float())):
+                moe.moe_route.triton(x, gate, bias, top_k=k, gate_terms=terms, block_counts=counts, pdl=pdl)
             idx = torch.stack([torch.randperm(E)[:k].sort()[0] for _ in range(T)]).to(torch.int32)
-            moe.moe_experts.triton(x, idx, torch.rand(T, k), up, down, residual=torch.empty_like(x), pdl=pdl)
+            for block_counts in (None, moe.block_counts_ref(idx, E)):
+                moe.moe_experts.triton(x, idx, torch.rand(T, k), up, down, residual=torch.empty_like(x),
+                                       block_counts=block_counts, pdl=pdl)
 
 
 def launch_skinny() -> None:

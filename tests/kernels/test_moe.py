@@ -72,6 +72,38 @@ def _assert_route_matches_hf(device, T, E, D, dtype, k, seed):
     torch.testing.assert_close(w.cpu(), ref_w, rtol=1e-5, atol=1e-6)
 
 
+def test_router_terms_sum_to_the_fp32_gate():
+    """A bf16 router is one term; fp32 weights take up to three, and their fp32 sum is exact."""
+    g = torch.Generator().manual_seed(0)
+    gate = torch.randn(16, 300, generator=g) * 0.1
+    terms = moe.router_terms(gate)
+    assert terms.dtype == BF16 and terms.shape == (3, 16, 300)
+    assert torch.equal(terms.float().sum(0), gate)
+    assert moe.router_terms(gate.to(BF16).float()).shape == (1, 16, 300)
+
+
+@pytest.mark.parametrize("bf16_gate", [False, True], ids=["fp32 router, three terms", "bf16 router, one term"])
+@pytest.mark.parametrize("T", [17, 100])
+def test_router_logits_from_bf16_terms_match_hf(device, T, bf16_gate):
+    """bf16 rows against the router's bf16 terms give HF's experts and weights, and the top-k
+    kernel counts each block of tokens' pairs per expert."""
+    g = torch.Generator().manual_seed(T)
+    E, D, k = 128, 600, 6
+    x = torch.randn(T, D, generator=g).to(BF16)
+    gate = torch.randn(E, D, generator=g) * 0.1
+    if bf16_gate:
+        gate = gate.to(BF16).float()
+    bias = torch.randn(E, generator=g) * 0.05
+    kw = dict(top_k=k, n_group=1, topk_group=1, norm_topk=True, scale=2.5)
+    counts = poisoned((-(-T // moe.ROUTE_BLOCK_T), E), torch.int32, device)
+    idx, w = moe_route.triton(x.to(device), gate.to(device), bias.to(device), **kw,
+                              gate_terms=moe.router_terms(gate).to(device), block_counts=counts)
+    ref_idx, ref_w = moe_route_ref(x, gate, bias, **kw)
+    assert torch.equal(idx.cpu(), ref_idx)
+    torch.testing.assert_close(w.cpu(), ref_w, rtol=1e-5, atol=1e-6)
+    assert torch.equal(counts.cpu(), moe.block_counts_ref(ref_idx, E))
+
+
 @pytest.mark.parametrize("programs", [2, 4], ids=["one chunk", "two chunks"])
 def test_router_logits_split_capped_by_the_program_count(device, monkeypatch, programs):
     """Where the row tiles alone are about ``ROUTER_PROGRAMS`` programs (long prefill chunks),
@@ -148,16 +180,23 @@ def test_grouped_gemms_without_the_tma_unit(device, case, monkeypatch):
     assert_close(out.cpu(), ref, torch.bfloat16)
 
 
-@pytest.mark.parametrize("T", [5, 600, 9000], ids=["one program", "two passes", "two passes, long blocks"])
-def test_pairs_take_their_expert_run_in_token_order(device, T):
+@pytest.mark.parametrize("T,routed_counts,per", [(5, False, 1), (600, False, 1), (9000, False, 1), (600, True, 1),
+                                                 (600, True, 3), (9000, True, 4)],
+                         ids=["one program", "two passes", "two passes, long blocks", "the routing's counts",
+                              "the routing's counts, three blocks a program", "the routing's counts, long"])
+def test_pairs_take_their_expert_run_in_token_order(device, monkeypatch, T, routed_counts, per):
     """The layout is a function of the routing: expert runs in expert order, each padded to the
-    tile height, a run's pairs in token order; the slot table and its inverse agree."""
+    tile height, a run's pairs in token order; the slot table and its inverse agree. It is the
+    same whether the alignment counts the pairs or takes the routing's counts."""
 
+    monkeypatch.setattr(moe, "ASSIGN_PER", per)
     E, k = 8, 2
     idx, _ = routing(T, E, k, seed=T, experts_used=[1, 2, 6])
     bm = block_m(T, k, E)
+    block_counts = moe.block_counts_ref(idx, E).to(device) if routed_counts else None
     slot_of_pair, token_of_slot, starts, counts = (t.cpu() for t in moe._align(idx.to(device), E, bm,
-                                                                                     slot_count(T, k, E, bm)))
+                                                                                     slot_count(T, k, E, bm),
+                                                                                     block_counts=block_counts))
     flat = idx.flatten().long()
     assert counts.tolist() == torch.bincount(flat, minlength=E).tolist()
     padded = (counts + bm - 1) // bm * bm

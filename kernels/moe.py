@@ -428,7 +428,9 @@ ALIGN_ONE_PROGRAM = 1024
 # blocks the two passes split the pairs into, at most (each assigning program sums every
 # block's counts: more blocks, more programs, but more reading each)
 ALIGN_BLOCKS = 64
-# the routing's counted blocks an assigning program takes
+# the routing's counted blocks an assigning program takes (each program sums every block's counts,
+# so fewer, longer programs lose: 2, 4 and 8 blocks took 13.7, 22.0 and 38.6 us against 11.0 at
+# 2048 Nano tokens)
 ASSIGN_PER = 1
 # block counts an assigning program loads at a time (its rows x E): each program sums every
 # block's, so its loop is a chain of L2 round trips; at 128 blocks of 128 experts, 8192 a load
@@ -665,6 +667,10 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
     target = residual if residual is not None else out
     if target.shape != (T, D) or target.stride(1) != 1 or (shared is not None and shared.shape != (T, D)):
         raise ValueError(f"moe_experts: out, residual and shared must be [{T}, {D}]")
+    blocks = triton.cdiv(T, ROUTE_BLOCK_T)
+    if block_counts is not None and (block_counts.shape != (blocks, E) or block_counts.dtype != torch.int32):
+        raise ValueError(f"moe_experts: block_counts must be int32 [{blocks}, {E}]; got {block_counts.dtype} "
+                         f"{list(block_counts.shape)}")
     dev = x.device
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     extra = {"launch_pdl": True} if pdl else {}

@@ -264,3 +264,8 @@ def test_ops_dispatch_on_the_device():
     assert torch.equal(moe_experts(x, idx, w, up, down), moe_experts_ref(x, idx, w, up, down))
     with pytest.raises(ValueError, match="do not fit"):
         moe_route.triton(x, gate, bias, top_k=3, n_group=2, topk_group=1)
+    # block counts of the wrong shape are refused by name, not read past their end
+    with pytest.raises(ValueError, match="block_counts must be int32 \\[1, 4\\]"):
+        moe_route.triton(x, gate, bias, top_k=2, block_counts=torch.zeros(1, 3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="block_counts must be int32"):
+        moe_experts.triton(x, idx, w, up, down, block_counts=torch.zeros(2, 4, dtype=torch.int32))

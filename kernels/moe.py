@@ -244,6 +244,10 @@ def moe_route(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 
                          f"{list(x.shape)}, {list(gate.shape)}, {list(bias.shape)}")
     if E % n_group or not 1 <= topk_group <= n_group or top_k > topk_group * (E // n_group):
         raise ValueError(f"moe_route: {top_k} of {E} experts in {topk_group} of {n_group} groups do not fit")
+    blocks = triton.cdiv(T, ROUTE_BLOCK_T)
+    if block_counts is not None and (block_counts.shape != (blocks, E) or block_counts.dtype != torch.int32):
+        raise ValueError(f"moe_route: block_counts must be int32 [{blocks}, {E}]; got {block_counts.dtype} "
+                         f"{list(block_counts.shape)}")
     extra = {"launch_pdl": True} if pdl else {}
     if T <= ROUTER_KERNEL_MAX_T:
         # the logits of a few rows: the cast and cuBLAS's fp32 product and its reduction took
@@ -258,10 +262,6 @@ def moe_route(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 
     else:
         terms = gate_terms if gate_terms is not None and x.dtype == torch.bfloat16 else None
         logits, split = _router_dot(x, gate if terms is None else terms)
-    blocks = triton.cdiv(T, ROUTE_BLOCK_T)
-    if block_counts is not None and (block_counts.shape != (blocks, E) or block_counts.dtype != torch.int32):
-        raise ValueError(f"moe_route: block_counts must be int32 [{blocks}, {E}]; got {block_counts.dtype} "
-                         f"{list(block_counts.shape)}")
     idx = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
     w = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
     block_t = min(ROUTE_BLOCK_T, triton.next_power_of_2(T))

@@ -184,15 +184,23 @@ def router_terms(gate: torch.Tensor) -> torch.Tensor:
 
 def block_counts_buffer(tokens: int, n_experts: int, device) -> torch.Tensor:
     """An empty ``block_counts`` for ``moe_route`` and ``moe_experts``."""
-    return torch.empty(-(-tokens // ROUTE_BLOCK_T), n_experts, dtype=torch.int32, device=device)
+    return torch.empty(triton.cdiv(tokens, ROUTE_BLOCK_T), n_experts, dtype=torch.int32, device=device)
 
 
 def block_counts_ref(idx: torch.Tensor, n_experts: int) -> torch.Tensor:
     """[cdiv(T, ROUTE_BLOCK_T), E] int32: each block of ``ROUTE_BLOCK_T`` tokens' pairs per expert."""
     T = idx.shape[0]
     blocks = torch.arange(T, device=idx.device).repeat_interleave(idx.shape[1]) // ROUTE_BLOCK_T
-    out = torch.zeros(-(-T // ROUTE_BLOCK_T), n_experts, dtype=torch.int32, device=idx.device)
+    out = torch.zeros(triton.cdiv(T, ROUTE_BLOCK_T), n_experts, dtype=torch.int32, device=idx.device)
     return out.index_put_((blocks, idx.flatten().long()), torch.ones_like(blocks, dtype=torch.int32), accumulate=True)
+
+
+def _check_block_counts(op: str, block_counts, tokens: int, n_experts: int) -> None:
+    """``block_counts`` (if given) is the int32 [cdiv(tokens, ROUTE_BLOCK_T), E] that ``block_counts_buffer`` makes."""
+    blocks = triton.cdiv(tokens, ROUTE_BLOCK_T)
+    if block_counts is not None and (block_counts.shape != (blocks, n_experts) or block_counts.dtype != torch.int32):
+        raise ValueError(f"{op}: block_counts must be int32 [{blocks}, {n_experts}]; got {block_counts.dtype} "
+                         f"{list(block_counts.shape)}")
 
 
 def moe_route_ref(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 1, norm_topk: bool = True,
@@ -244,10 +252,7 @@ def moe_route(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 
                          f"{list(x.shape)}, {list(gate.shape)}, {list(bias.shape)}")
     if E % n_group or not 1 <= topk_group <= n_group or top_k > topk_group * (E // n_group):
         raise ValueError(f"moe_route: {top_k} of {E} experts in {topk_group} of {n_group} groups do not fit")
-    blocks = triton.cdiv(T, ROUTE_BLOCK_T)
-    if block_counts is not None and (block_counts.shape != (blocks, E) or block_counts.dtype != torch.int32):
-        raise ValueError(f"moe_route: block_counts must be int32 [{blocks}, {E}]; got {block_counts.dtype} "
-                         f"{list(block_counts.shape)}")
+    _check_block_counts("moe_route", block_counts, T, E)
     extra = {"launch_pdl": True} if pdl else {}
     if T <= ROUTER_KERNEL_MAX_T:
         # the logits of a few rows: the cast and cuBLAS's fp32 product and its reduction took
@@ -265,7 +270,7 @@ def moe_route(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 
     idx = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
     w = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
     block_t = min(ROUTE_BLOCK_T, triton.next_power_of_2(T))
-    _topk_kernel[(blocks,)](
+    _topk_kernel[(triton.cdiv(T, ROUTE_BLOCK_T),)](
         logits, bias, idx, w, block_counts if block_counts is not None else idx, T, E, float(scale), TOP_K=top_k,
         N_GROUP=n_group, PER_GROUP=E // n_group, TOPK_GROUP=topk_group, NORM=norm_topk, SPLIT=split, BLOCK_T=block_t,
         BLOCK_E=max(16, triton.next_power_of_2(E)), BLOCK_G=max(2, triton.next_power_of_2(n_group)),
@@ -394,12 +399,11 @@ def _count_kernel(idx_ptr, block_counts_ptr, P, E, SPAN, BLOCK_P: tl.constexpr, 
 
 @triton.jit
 def _assign_kernel(idx_ptr, block_counts_ptr, slot_of_pair_ptr, token_of_slot_ptr, starts_ptr, counts_ptr,
-                   P, E, SPAN, NB, PER, TOP_K: tl.constexpr, BM: tl.constexpr, BLOCK_P: tl.constexpr,
+                   P, E, SPAN, NB, TOP_K: tl.constexpr, BM: tl.constexpr, BLOCK_P: tl.constexpr,
                    BLOCK_B: tl.constexpr, BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr):
-    """Many programs: the slots of the pairs [b * SPAN, (b + 1) * SPAN), the span of PER of the
-    NB counted blocks (the layout ``_align_kernel`` makes). Each program sums the blocks' counts
-    itself (the pairs per expert, and those of the blocks before its own), so no pass between
-    the two waits on one program."""
+    """Many programs: the slots of counted block b's SPAN pairs (the layout ``_align_kernel``
+    makes). Each program sums the NB blocks' counts itself (the pairs per expert, and those of
+    the blocks before its own), so no pass between the two waits on one program."""
     if USE_PDL:  # the counts are the previous kernel's
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -413,7 +417,7 @@ def _assign_kernel(idx_ptr, block_counts_ptr, slot_of_pair_ptr, token_of_slot_pt
         c = tl.load(block_counts_ptr + bs[:, None] * E + cols[None, :], mask=(bs < NB)[:, None] & col_ok[None, :],
                     other=0)
         counts += tl.sum(c, axis=0)
-        before += tl.sum(tl.where((bs < b * PER)[:, None], c, 0), axis=0)
+        before += tl.sum(tl.where((bs < b)[:, None], c, 0), axis=0)
     padded = _padded(counts, BM)
     starts = tl.cumsum(padded, axis=0) - padded
     if b == 0:
@@ -428,10 +432,6 @@ ALIGN_ONE_PROGRAM = 1024
 # blocks the two passes split the pairs into, at most (each assigning program sums every
 # block's counts: more blocks, more programs, but more reading each)
 ALIGN_BLOCKS = 64
-# the routing's counted blocks an assigning program takes (each program sums every block's counts,
-# so fewer, longer programs lose: 2, 4 and 8 blocks took 13.7, 22.0 and 38.6 us against 11.0 at
-# 2048 Nano tokens)
-ASSIGN_PER = 1
 # block counts an assigning program loads at a time (its rows x E): each program sums every
 # block's, so its loop is a chain of L2 round trips; at 128 blocks of 128 experts, 8192 a load
 # (two loads) took 9.4 us alone, 4096 (four) 11.0, 16384 over 8 warps 11.3
@@ -462,16 +462,16 @@ def _align(idx, E: int, bm: int, S: int, pdl: bool = False, block_counts=None):
         return slot_of_pair, token_of_slot, starts, counts
     if block_counts is None:
         span = max(block_p, triton.next_power_of_2(triton.cdiv(P, ALIGN_BLOCKS)))
-        nb, per = triton.cdiv(P, span), 1
+        nb = triton.cdiv(P, span)
         block_counts = torch.empty(nb, E, dtype=torch.int32, device=dev)
         _count_kernel[(nb,)](idx, block_counts, P, E, span, BLOCK_P=block_p, BLOCK_E=block_e, num_warps=4)
         extra = {}
-    else:  # the routing's blocks of ROUTE_BLOCK_T tokens, ASSIGN_PER of them a program
-        nb, per = block_counts.shape[0], ASSIGN_PER
-        span = per * ROUTE_BLOCK_T * k
+    else:  # the routing's blocks of ROUTE_BLOCK_T tokens, one a program (each program sums every
+        # block's counts, so programs of 2, 4 and 8 blocks lost: 13.7, 22.0 and 38.6 against 11.0 us)
+        nb, span = block_counts.shape[0], ROUTE_BLOCK_T * k
         extra = {"launch_pdl": True} if pdl else {}
-    _assign_kernel[(triton.cdiv(P, span),)](
-        idx, block_counts, slot_of_pair, token_of_slot, starts, counts, P, E, span, nb, per, TOP_K=k, BM=bm,
+    _assign_kernel[(nb,)](
+        idx, block_counts, slot_of_pair, token_of_slot, starts, counts, P, E, span, nb, TOP_K=k, BM=bm,
         BLOCK_P=block_p, BLOCK_B=max(16, ASSIGN_COUNT_TILE // block_e), BLOCK_E=block_e, USE_PDL=bool(extra),
         num_warps=4, **extra)
     return slot_of_pair, token_of_slot, starts, counts
@@ -667,10 +667,7 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
     target = residual if residual is not None else out
     if target.shape != (T, D) or target.stride(1) != 1 or (shared is not None and shared.shape != (T, D)):
         raise ValueError(f"moe_experts: out, residual and shared must be [{T}, {D}]")
-    blocks = triton.cdiv(T, ROUTE_BLOCK_T)
-    if block_counts is not None and (block_counts.shape != (blocks, E) or block_counts.dtype != torch.int32):
-        raise ValueError(f"moe_experts: block_counts must be int32 [{blocks}, {E}]; got {block_counts.dtype} "
-                         f"{list(block_counts.shape)}")
+    _check_block_counts("moe_experts", block_counts, T, E)
     dev = x.device
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     extra = {"launch_pdl": True} if pdl else {}

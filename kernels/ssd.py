@@ -103,6 +103,13 @@ def _live_chunk(c, chunk_seq_ptr, slot_idx_ptr):
 
 
 @triton.jit
+def _chunk_span(c, chunk_start_ptr, chunk_end_ptr):
+    """Chunk c's first token (int64, for row offsets) and its length."""
+    start = tl.load(chunk_start_ptr + c)
+    return start.to(tl.int64), tl.load(chunk_end_ptr + c) - start
+
+
+@triton.jit
 def _chunk_cumsum_kernel(
     dt_ptr, A_ptr, dt_bias_ptr, dt_out_ptr, cs_out_ptr,
     chunk_seq_ptr, chunk_start_ptr, chunk_end_ptr, slot_idx_ptr,
@@ -115,8 +122,7 @@ def _chunk_cumsum_kernel(
     pid_h = tl.program_id(1)
     if _live_chunk(c, chunk_seq_ptr, slot_idx_ptr) < 0:
         return
-    t0 = tl.load(chunk_start_ptr + c).to(tl.int64)
-    length = tl.load(chunk_end_ptr + c) - tl.load(chunk_start_ptr + c)
+    t0, length = _chunk_span(c, chunk_start_ptr, chunk_end_ptr)
 
     offs_l = tl.arange(0, BLOCK_L)
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -157,8 +163,7 @@ def _chunk_state_kernel(
     pid_pn = tl.program_id(2)
     if _live_chunk(c, chunk_seq_ptr, slot_idx_ptr) < 0:
         return
-    t0 = tl.load(chunk_start_ptr + c).to(tl.int64)
-    length = tl.load(chunk_end_ptr + c) - tl.load(chunk_start_ptr + c)
+    t0, length = _chunk_span(c, chunk_start_ptr, chunk_end_ptr)
     g = h // heads_per_group
 
     n_blocks_n = tl.cdiv(N, BLOCK_N)
@@ -262,8 +267,7 @@ def _row_block(pid, chunk_seq_ptr, chunk_start_ptr, chunk_end_ptr, slot_idx_ptr,
     n_blocks_m: tl.constexpr = (CHUNK_SIZE + BLOCK_M - 1) // BLOCK_M
     c = pid // n_blocks_m
     m0 = (pid % n_blocks_m) * BLOCK_M
-    t0 = tl.load(chunk_start_ptr + c).to(tl.int64)
-    length = tl.load(chunk_end_ptr + c) - tl.load(chunk_start_ptr + c)
+    t0, length = _chunk_span(c, chunk_start_ptr, chunk_end_ptr)
     live = ((_live_chunk(c, chunk_seq_ptr, slot_idx_ptr) >= 0) & (m0 < length)).to(tl.int32)
     return c, m0, t0, length, live
 

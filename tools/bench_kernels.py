@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import sys
+import time
 
 import torch
 from tqdm import tqdm
@@ -30,12 +31,26 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3)
 
 
-def matmul_rate(n: int = 8192) -> float:
-    """bf16 matrix-multiply rate in FLOP/s (cuBLAS, n x n x n): the yardstick of compute floors."""
+def matmul_rate(n: int = 8192, settle_s: float = 2.0) -> tuple[float, float]:
+    """bf16 matrix-multiply rate in FLOP/s (cuBLAS, n x n x n), the yardstick of compute floors:
+    (sustained, from idle).
+
+    The first is timed after ``settle_s`` seconds of GEMMs back to back, by when the board's
+    power limit has brought the SM clock down (on an H200 within a second: 1500-1600 MHz of 1980
+    at 690 W of 700). That is the clock a benchmark's back-to-back prefill steps run at, so their
+    FLOP floor uses this rate. The second is the first 100 ms from where the device stood, the
+    rate a short burst gets; it depends on what ran before and on the machine (689-784 TFLOP/s
+    on H200s where the sustained rate is 650-710; docs/experiments.md)."""
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    ms = median_ms(lambda: a @ b)
-    return 2 * n**3 / (ms * 1e-3)
+    flops = 2 * n**3
+    idle = flops / (median_ms(lambda: a @ b) * 1e-3)
+    end = time.perf_counter() + settle_s
+    while time.perf_counter() < end:
+        for _ in range(10):
+            a @ b
+        torch.cuda.synchronize()
+    return flops / (median_ms(lambda: a @ b, warmup_ms=0) * 1e-3), idle
 
 
 def bench_state_update(batch: int, state_dtype: torch.dtype, bandwidth: float) -> dict:

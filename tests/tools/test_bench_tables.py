@@ -75,6 +75,20 @@ def test_prefill_table_prints_the_roofline_where_measured(capsys):
         assert cells in out and ("weight bytes, the slower" in out) == ("roofline_ms" in row)
 
 
+def test_step_header_names_how_the_matrix_rate_was_measured(capsys):
+    """The FLOP floors' rate is the sustained one where a result has both; older results, timed
+    from idle only, say so."""
+    from mambastep.tools import bench_steps
+
+    base = {"device": "GPU", "date": "2026-12-02", "torch": "2", "copy_GB/s": 4274.0, "presets": []}
+    for extra, note in (({"matmul_TFLOP/s": 656.2, "matmul_idle_TFLOP/s": 694.4},
+                         ", bf16 matmul 656 TFLOP/s sustained (694 from idle);"),
+                        ({"matmul_TFLOP/s": 772.0}, ", bf16 matmul 772 TFLOP/s from idle;"),
+                        ({}, "copy bandwidth 4274 GB/s; bf16 weights")):
+        bench_steps.print_table({**base, **extra})
+        assert note in capsys.readouterr().out
+
+
 def test_markdown_writes_every_table_under_its_command(tmp_path):
     """docs/BENCHMARKS.md and the README's table come from the benchmarks' JSON alone."""
     import json

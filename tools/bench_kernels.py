@@ -36,11 +36,11 @@ def matmul_rate(n: int = 8192, settle_s: float = 2.0) -> tuple[float, float]:
     (sustained, from idle).
 
     The first is timed after ``settle_s`` seconds of GEMMs back to back, by when the board's
-    power limit has brought the SM clock down (on an H200 within a second: 1500-1600 MHz of 1980
-    at 690 W of 700). That is the clock a benchmark's back-to-back prefill steps run at, so their
-    FLOP floor uses this rate. The second is the first 100 ms from where the device stood, the
-    rate a short burst gets; it depends on what ran before and on the machine (689-784 TFLOP/s
-    on H200s where the sustained rate is 650-710; docs/experiments.md)."""
+    power limit holds the SM clock where it stays (on one H200, from a second on: 1500-1545 MHz
+    of 1980 at 688 W of 700). A benchmark's back-to-back prefill steps run under the same limit,
+    so their FLOP floor uses this rate. The second is the first 125 ms from where the device
+    stood, the rate a short burst gets; it depends on what ran before and on the machine
+    (689-784 TFLOP/s on H200s whose sustained rate was 652-707; docs/experiments.md)."""
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     flops = 2 * n**3

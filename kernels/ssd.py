@@ -4,18 +4,18 @@ Five kernels run over the *logical* chunks of ``PrefillMetadata`` (aligned to ea
 start, never spanning two sequences), plus one that zeroes the output rows nobody owns:
 
 1. ``_chunk_cumsum_kernel``   per chunk, head block: dt' and the within-chunk cumsum of dt' A
-2. ``_chunk_state_kernel``    per chunk, head, state tile: the chunk's own final state
-                              sum_l exp(cs_end - cs_l) dt'_l x_l B_l^T
-3. ``_state_passing_kernel``  per sequence, head, state tile: walks the sequence's chunks from its
-                              initial state, leaves each chunk's start state in the workspace (in
-                              the activations' dtype, as the scan's products take it) and writes
-                              the final state to the sequence's slot
-4. ``_chunk_cb_kernel``       per chunk, group, causal (row, column) tile: C B^T, which every head
+2. ``_state_chain_kernel``    per sequence, head, state tile: walks the sequence's chunks from its
+                              initial state; each chunk's own final state
+                              sum_l exp(cs_end - cs_l) dt'_l x_l B_l^T (in registers) passes the
+                              state on; leaves each chunk's start state in the workspace (in the
+                              activations' dtype, as the scan's products take it) and writes the
+                              final state to the sequence's slot
+3. ``_chunk_cb_kernel``       per chunk, group, causal (row, column) tile: C B^T, which every head
                               of the group shares, into the workspace in fp32
-5. ``_chunk_scan_kernel``     per chunk, row block, head, head-dim block:
+4. ``_chunk_scan_kernel``     per chunk, row block, head, head-dim block:
                               y = exp(cs) C h_start + (C B^T * decay * causal) (dt' x) + D x,
                               gated by silu(z), with C B^T read from the workspace
-6. ``_zero_skipped_rows_kernel`` zeroes rows of padding tokens and of skipped sequences
+5. ``_zero_skipped_rows_kernel`` zeroes rows of padding tokens and of skipped sequences
 
 Launch shapes come from static sizes only (max_tokens, max_chunks, max_seqs, H, P, N) and block
 sizes from a fixed function of (chunk_size, P, N, dtype): no host sync, no autotuning (the scan
@@ -44,7 +44,6 @@ class SSDWorkspace:
 
     dt:        [max_chunks, H, chunk_size]  fp32  dt' per chunk position, 0 past the chunk's end
     dA_cumsum: [max_chunks, H, chunk_size]  fp32  within-chunk inclusive cumsum of dt' A
-    states:    [max_chunks, H, P, N]        fp32  each chunk's own final state
     starts:    [max_chunks, H, P, N]        dtype the state each chunk starts from, rounded to the
                                                   activations' dtype (the scan's product with C
                                                   takes it so: half the bytes of fp32 at bf16)
@@ -54,7 +53,6 @@ class SSDWorkspace:
 
     dt: torch.Tensor
     dA_cumsum: torch.Tensor
-    states: torch.Tensor
     starts: torch.Tensor
     cb: torch.Tensor
 
@@ -67,7 +65,6 @@ class SSDWorkspace:
         return cls(
             dt=torch.empty(max_chunks, H, chunk_size, **f32),
             dA_cumsum=torch.empty(max_chunks, H, chunk_size, **f32),
-            states=torch.empty(max_chunks, H, P, N, **f32),
             starts=torch.empty(max_chunks, H, P, N, dtype=dtype, device=device),
             cb=torch.empty(max_chunks, groups, chunk_size, chunk_size, **f32),
         )
@@ -150,112 +147,63 @@ def _chunk_cumsum_kernel(
 
 
 @triton.jit
-def _chunk_state_kernel(
-    x_ptr, B_ptr, dt_ptr, cs_ptr, states_ptr,
-    chunk_seq_ptr, chunk_start_ptr, chunk_end_ptr, slot_idx_ptr,
+def _state_chain_kernel(
+    x_ptr, B_ptr, dt_ptr, cs_ptr, starts_ptr, ssm_state_ptr,
+    chunk_start_ptr, chunk_end_ptr, slot_idx_ptr, has_initial_state_ptr, seq_chunk_start_ptr,
     H, P, N, heads_per_group,
-    s_x_t, s_x_h, s_x_p, s_B_t, s_B_g, s_B_n,
+    s_x_t, s_x_h, s_x_p, s_B_t, s_B_g, s_B_n, s_st_s, s_st_h, s_st_p, s_st_n,
     CHUNK_SIZE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    c = tl.program_id(0)
+    """Per sequence, head, state tile: each chunk's start state, then its own final state from
+    zero (x^T against B weighted by dt' and the decay to the chunk's end), which passes the state
+    on. A chunk's loads do not depend on the state, so they are pipelined across the loop; only
+    the multiply-add passing the state on is serial, and the chunks' own states never leave
+    registers (two kernels and an fp32 round trip of every chunk's state before: Nemotron-H-8B's
+    2048-token prefill 1.7% faster, Nemotron-3-Nano's a tie; docs/experiments.md)."""
+    s = tl.program_id(0)
     h = tl.program_id(1)
     pid_pn = tl.program_id(2)
-    if _live_chunk(c, chunk_seq_ptr, slot_idx_ptr) < 0:
+    slot = tl.load(slot_idx_ptr + s).to(tl.int64)
+    c0 = tl.load(seq_chunk_start_ptr + s).to(tl.int64)
+    c1 = tl.load(seq_chunk_start_ptr + s + 1).to(tl.int64)
+    if (slot < 0) | (c1 <= c0):
         return
-    t0, length = _chunk_span(c, chunk_start_ptr, chunk_end_ptr)
     g = h // heads_per_group
-
     n_blocks_n = tl.cdiv(N, BLOCK_N)
     offs_p = (pid_pn // n_blocks_n) * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_n = (pid_pn % n_blocks_n) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_p = offs_p < P
     mask_n = offs_n < N
-    ws_row = (c.to(tl.int64) * H + h) * CHUNK_SIZE
-    cs_end = tl.load(cs_ptr + ws_row + CHUNK_SIZE - 1)
-
-    acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
-    for l0 in range(0, length, BLOCK_L):
-        offs_l = l0 + tl.arange(0, BLOCK_L)
-        mask_l = offs_l < length
-        tok = t0 + offs_l
-        # [BLOCK_P, BLOCK_L]: x transposed so the chunk's tokens are the contraction dim
-        xT = tl.load(x_ptr + tok[None, :] * s_x_t + h * s_x_h + offs_p[:, None] * s_x_p,
-                     mask=mask_l[None, :] & mask_p[:, None], other=0.0)
-        # [BLOCK_L, BLOCK_N]
-        b = tl.load(B_ptr + tok[:, None] * s_B_t + g * s_B_g + offs_n[None, :] * s_B_n,
-                    mask=mask_l[:, None] & mask_n[None, :], other=0.0)
-        cs = tl.load(cs_ptr + ws_row + offs_l, mask=mask_l, other=0.0)
-        dt = tl.load(dt_ptr + ws_row + offs_l, mask=mask_l, other=0.0)
-        # cs is non-increasing within the chunk, so the decay to its end is <= 1
-        w = tl.exp(cs_end - cs) * dt
-        b = (b.to(tl.float32) * w[:, None]).to(xT.dtype)
-        acc += _dot(xT, b, PRECISION, UPCAST)
-
-    # states: [max_chunks, H, P, N]
-    ptrs = states_ptr + ((c.to(tl.int64) * H + h) * P + offs_p[:, None]) * N + offs_n[None, :]
-    tl.store(ptrs, acc, mask=mask_p[:, None] & mask_n[None, :])
-
-
-@triton.jit
-def _chunk_own(states_ptr, cs_ptr, c, c1, h, H, P, N, tile, mask, CHUNK_SIZE: tl.constexpr):
-    """Chunk c's own final state (from zero), its log decay and its tile mask; zeros, and a
-    mask of nothing, past the last chunk c1 - 1."""
-    # (tl.where, not mask & (c < c1): the interpreter turns a bool tensor & a bool scalar into ints)
-    live = tl.where(c < c1, mask, False)
-    local = tl.load(states_ptr + (c * H + h) * P * N + tile, mask=live, other=0.0)
-    log_decay = tl.load(cs_ptr + (tl.minimum(c, c1 - 1) * H + h) * CHUNK_SIZE + CHUNK_SIZE - 1)
-    return local, tl.where(c < c1, log_decay, 0.0), live
-
-
-@triton.jit
-def _pass_on(starts_ptr, state, local, log_decay, live, c, h, H, P, N, tile):
-    """Chunk c's initial state (``state``) stored as it starts, and its final one returned."""
-    tl.store(starts_ptr + (c * H + h) * P * N + tile, state.to(starts_ptr.dtype.element_ty), mask=live)
-    return tl.exp(log_decay) * state + local
-
-
-@triton.jit
-def _state_passing_kernel(
-    states_ptr, starts_ptr, cs_ptr, ssm_state_ptr,
-    slot_idx_ptr, has_initial_state_ptr, seq_chunk_start_ptr,
-    H, P, N,
-    s_st_s, s_st_h, s_st_p, s_st_n,
-    CHUNK_SIZE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    s = tl.program_id(0)
-    h = tl.program_id(1)
-    pid_pn = tl.program_id(2)
-    slot = tl.load(slot_idx_ptr + s).to(tl.int64)
-    # int64 so the loop variable below indexes the workspace without overflow
-    c0 = tl.load(seq_chunk_start_ptr + s).to(tl.int64)
-    c1 = tl.load(seq_chunk_start_ptr + s + 1).to(tl.int64)
-    if (slot < 0) | (c1 <= c0):
-        return
-
-    n_blocks_n = tl.cdiv(N, BLOCK_N)
-    offs_p = (pid_pn // n_blocks_n) * BLOCK_P + tl.arange(0, BLOCK_P)
-    offs_n = (pid_pn % n_blocks_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (offs_p[:, None] < P) & (offs_n[None, :] < N)
+    mask = mask_p[:, None] & mask_n[None, :]
     pool = ssm_state_ptr + slot * s_st_s + h * s_st_h + offs_p[:, None] * s_st_p + offs_n[None, :] * s_st_n
-    # read the slot before this same program overwrites it at the end
     state = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
     if tl.load(has_initial_state_ptr + s) != 0:
         state = tl.load(pool, mask=mask, other=0.0).to(tl.float32)
-
-    # the loop is serial in the state but not in its loads: four chunks' own states and decays
-    # are asked for at once, so four are in flight where one was (a chunk past the sequence
-    # loads as a zero state and no decay, and passes the state on unchanged)
     tile = offs_p[:, None] * N + offs_n[None, :]
-    for c in range(c0, c1, 4):
-        l0, a0, m0 = _chunk_own(states_ptr, cs_ptr, c, c1, h, H, P, N, tile, mask, CHUNK_SIZE)
-        l1, a1, m1 = _chunk_own(states_ptr, cs_ptr, c + 1, c1, h, H, P, N, tile, mask, CHUNK_SIZE)
-        l2, a2, m2 = _chunk_own(states_ptr, cs_ptr, c + 2, c1, h, H, P, N, tile, mask, CHUNK_SIZE)
-        l3, a3, m3 = _chunk_own(states_ptr, cs_ptr, c + 3, c1, h, H, P, N, tile, mask, CHUNK_SIZE)
-        state = _pass_on(starts_ptr, state, l0, a0, m0, c, h, H, P, N, tile)
-        state = _pass_on(starts_ptr, state, l1, a1, m1, c + 1, h, H, P, N, tile)
-        state = _pass_on(starts_ptr, state, l2, a2, m2, c + 2, h, H, P, N, tile)
-        state = _pass_on(starts_ptr, state, l3, a3, m3, c + 3, h, H, P, N, tile)
+    L_TILES: tl.constexpr = (CHUNK_SIZE + BLOCK_L - 1) // BLOCK_L
+    for c in range(c0, c1):
+        t0, length = _chunk_span(c, chunk_start_ptr, chunk_end_ptr)
+        ws_row = (c * H + h) * CHUNK_SIZE
+        # the decay of the whole chunk (cs is 0-padded past its end: see the cumsum kernel)
+        cs_end = tl.load(cs_ptr + ws_row + CHUNK_SIZE - 1)
+        local = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+        for j in tl.static_range(L_TILES):
+            offs_l = j * BLOCK_L + tl.arange(0, BLOCK_L)
+            mask_l = offs_l < length
+            tok = t0 + offs_l
+            # [BLOCK_P, BLOCK_L]: x transposed so the chunk's tokens are the contraction dim
+            xT = tl.load(x_ptr + tok[None, :] * s_x_t + h * s_x_h + offs_p[:, None] * s_x_p,
+                         mask=mask_l[None, :] & mask_p[:, None], other=0.0)
+            b = tl.load(B_ptr + tok[:, None] * s_B_t + g * s_B_g + offs_n[None, :] * s_B_n,
+                        mask=mask_l[:, None] & mask_n[None, :], other=0.0)
+            cs = tl.load(cs_ptr + ws_row + offs_l, mask=mask_l, other=0.0)
+            dt = tl.load(dt_ptr + ws_row + offs_l, mask=mask_l, other=0.0)
+            w = tl.exp(cs_end - cs) * dt
+            b = (b.to(tl.float32) * w[:, None]).to(xT.dtype)
+            local += _dot(xT, b, PRECISION, UPCAST)
+        tl.store(starts_ptr + (c * H + h) * P * N + tile, state.to(starts_ptr.dtype.element_ty), mask=mask)
+        state = tl.exp(cs_end) * state + local
     tl.store(pool, state.to(ssm_state_ptr.dtype.element_ty), mask=mask)
 
 
@@ -401,15 +349,15 @@ def _zero_skipped_rows_kernel(
 
 @dataclass(frozen=True)
 class _Blocks:
-    """Tile sizes per kernel: cumsum heads; state rows x P x N; passing P x N; scan rows x P x N
-    and its K loop's columns (C B^T is computed in scan_m x scan_m tiles)."""
+    """Tile sizes per kernel: cumsum heads; the state chain's chunk rows a dot x P x N and its
+    stages; scan rows x P x N and its K loop's columns (C B^T is computed in scan_m x scan_m
+    tiles)."""
 
     cumsum_h: int
-    state_l: int
-    state_p: int
-    state_n: int
-    pass_p: int
-    pass_n: int
+    chain_l: int
+    chain_p: int
+    chain_n: int
+    chain_stages: int
     scan_m: int
     scan_k: int
     scan_p: int
@@ -418,9 +366,6 @@ class _Blocks:
     warps: int
 
 
-# elements of the SSM state a state-passing program carries through a sequence's chunks (its
-# loop is serial, so smaller tiles, more programs, keep more of the chunks' states in flight)
-PASS_TILE = 2048
 
 
 def _blocks(chunk_size: int, P: int, N: int, dtype: torch.dtype) -> _Blocks:
@@ -433,14 +378,14 @@ def _blocks(chunk_size: int, P: int, N: int, dtype: torch.dtype) -> _Blocks:
     p2 = triton.next_power_of_2
     fp32 = dtype == torch.float32
     rows = max(16, min(16 if fp32 else 64, p2(chunk_size)))
-    pass_n = p2(N)
     return _Blocks(
         cumsum_h=16,
-        state_l=rows,
-        state_p=max(16, min(64, p2(P))),
-        state_n=max(16, min(64 if fp32 else 128, p2(N))),
-        pass_p=max(1, min(p2(P), PASS_TILE // pass_n)),
-        pass_n=pass_n,
+        # a whole 128-token chunk a dot; 64 x 32 state tiles give Nano's and the 8B's heads 256
+        # and 512 programs (32 x 64 and 64 x 32 in two stages tie; 32 x 32 lost 1-1.5%)
+        chain_l=max(16, min(32 if fp32 else 128, p2(chunk_size))),
+        chain_p=max(16, min(16 if fp32 else 64, p2(P))),
+        chain_n=max(16, min(32, p2(N))),
+        chain_stages=2 if fp32 else 3,
         scan_m=rows,
         # 32-column K tiles keep a bf16 scan program at 128 registers (4 an SM; 64: 168, 3 an
         # SM): Nano's 2048-token scan 110 -> 106 us a layer
@@ -472,8 +417,7 @@ def _check(x, dt, A, B, C, D, z, dt_bias, ssm_state, meta, out, workspace):
     if workspace is not None:
         want, states = (meta.max_chunks, H, meta.chunk_size), (meta.max_chunks, H, P, N)
         cb = (meta.max_chunks, G, meta.chunk_size, meta.chunk_size)
-        if (tuple(workspace.dt.shape) != want or tuple(workspace.states.shape) != states
-                or tuple(workspace.cb.shape) != cb):
+        if tuple(workspace.dt.shape) != want or tuple(workspace.cb.shape) != cb:
             raise ValueError("workspace was sized for other static dims")
         if tuple(workspace.starts.shape) != states or workspace.starts.dtype != x.dtype:
             raise ValueError(f"workspace.starts must be {list(states)} in x's dtype {x.dtype}, "
@@ -646,18 +590,12 @@ def ssd_scan(x, dt, A, B, C, D, ssm_state, meta: PrefillMetadata, *, z=None, dt_
         CHUNK_SIZE=cs_size, BLOCK_L=triton.next_power_of_2(cs_size), BLOCK_H=bl.cumsum_h,
         HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus),
     )
-    grid = (max_chunks, H, triton.cdiv(P, bl.state_p) * triton.cdiv(N, bl.state_n))
-    _chunk_state_kernel[grid](
-        x, B, ws.dt, ws.dA_cumsum, ws.states, *chunk_meta,
-        H, P, N, H // G, *x.stride(), *B.stride(),
-        CHUNK_SIZE=cs_size, BLOCK_L=bl.state_l, BLOCK_P=bl.state_p, BLOCK_N=bl.state_n, **dot,
-        num_warps=bl.warps,
-    )
-    grid = (max_seqs, H, triton.cdiv(P, bl.pass_p) * triton.cdiv(N, bl.pass_n))
-    _state_passing_kernel[grid](
-        ws.states, ws.starts, ws.dA_cumsum, ssm_state, meta.slot_idx, meta.has_initial_state,
-        meta.seq_chunk_start, H, P, N, *ssm_state.stride(),
-        CHUNK_SIZE=cs_size, BLOCK_P=bl.pass_p, BLOCK_N=bl.pass_n,
+    grid = (max_seqs, H, triton.cdiv(P, bl.chain_p) * triton.cdiv(N, bl.chain_n))
+    _state_chain_kernel[grid](
+        x, B, ws.dt, ws.dA_cumsum, ws.starts, ssm_state, meta.chunk_start, meta.chunk_end, meta.slot_idx,
+        meta.has_initial_state, meta.seq_chunk_start, H, P, N, H // G, *x.stride(), *B.stride(),
+        *ssm_state.stride(), CHUNK_SIZE=cs_size, BLOCK_L=bl.chain_l, BLOCK_P=bl.chain_p, BLOCK_N=bl.chain_n,
+        **dot, num_warps=4, num_stages=bl.chain_stages,
     )
     if passed is not None:
         passed.record()

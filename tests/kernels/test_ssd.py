@@ -50,7 +50,7 @@ def scan(fn, inp, meta, *, use_z=True, use_D=True, use_bias=True, softplus=True,
         workspace = SSDWorkspace.allocate(meta.max_chunks, Hh, P, inp["B"].shape[2], meta.chunk_size, x.device,
                                           x.dtype, groups=inp["B"].shape[1])
     if workspace is not None:
-        for buf in (workspace.dt, workspace.dA_cumsum, workspace.states, workspace.starts, workspace.cb):
+        for buf in (workspace.dt, workspace.dA_cumsum, workspace.starts, workspace.cb):
             buf.fill_(float("nan"))
     res = fn(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"] if use_D else None, pool,
              meta, z=inp["z"] if use_z else None, dt_bias=inp["dt_bias"] if use_bias else None,
@@ -77,9 +77,10 @@ CASES = {
     "no_softplus_limit": dict(lens=[18, 7], slots=[1, 3], init=[1, 1], G=4, softplus=False,
                               dt_limit=(0.02, 0.2), use_D=False),
     "chunk8": dict(lens=[8, 13], slots=[4, 5], init=[1, 0], G=2, chunk=8, P=20, use_bias=False),
-    # 10 and 5 chunks: the state passing takes them four at a time, so past a first four and
-    # into a ragged last four
+    # 10 and 5 chunks: the state chain walks each sequence's chunks in one loop
     "many_chunks": dict(lens=[150, 70], slots=[3, 6], init=[1, 0], G=2),
+    # chunks longer than the state chain's dot (two of its tiles a chunk, the last one ragged)
+    "chunk64": dict(lens=[100, 40], slots=[2, 7], init=[0, 1], G=2, chunk=64),
 }
 
 

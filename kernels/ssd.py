@@ -159,8 +159,11 @@ def _state_chain_kernel(
     zero (x^T against B weighted by dt' and the decay to the chunk's end), which passes the state
     on. A chunk's loads do not depend on the state, so they are pipelined across the loop; only
     the multiply-add passing the state on is serial, and the chunks' own states never leave
-    registers (two kernels and an fp32 round trip of every chunk's state before: Nemotron-H-8B's
-    2048-token prefill 1.7% faster, Nemotron-3-Nano's a tie; docs/experiments.md)."""
+    registers. Against the two kernels before it (a chunk's own state a program, then a pass over
+    them through an fp32 workspace), a 2048-token prefill: Nemotron-H-8B 1.7% faster,
+    Nemotron-3-Nano 0.3-0.6%, Mamba2-130M 5.6% slower (24 heads, 256-token chunks: each program
+    walks 8 long chunks where the old grid took one a program; no tile won it back), in
+    docs/experiments.md."""
     s = tl.program_id(0)
     h = tl.program_id(1)
     pid_pn = tl.program_id(2)
@@ -381,7 +384,8 @@ def _blocks(chunk_size: int, P: int, N: int, dtype: torch.dtype) -> _Blocks:
     return _Blocks(
         cumsum_h=16,
         # a whole 128-token chunk a dot; 64 x 32 state tiles give Nano's and the 8B's heads 256
-        # and 512 programs (32 x 64 and 64 x 32 in two stages tie; 32 x 32 lost 1-1.5%)
+        # and 512 programs (Nano: 32 x 64, 64 x 16 and 2 stages tie, 32 x 32 and 32 x 16 lose
+        # 1-2%; 130M: 64 x 16 ties, wider or narrower tiles and 64-token dots lose 2-20%)
         chain_l=max(16, min(32 if fp32 else 128, p2(chunk_size))),
         chain_p=max(16, min(16 if fp32 else 64, p2(P))),
         chain_n=max(16, min(32, p2(N))),

@@ -1,11 +1,11 @@
 """NemotronH's mixture of relu2 experts with a shared expert, over the routed pairs only
 (``kernels.moe``): route, the routed experts, the shared expert beside them, combine.
 
-In a step of up to ``SHARED_BESIDE_MAX_TOKENS`` tokens with an auxiliary stream, the shared
-expert runs on that stream, forked after the block norm and joined at the combine, so its
-weight read overlaps the routing's short, latency-bound kernels and the grouped GEMMs. In longer
-steps (both sides compute-bound: beside each other they only contend) and without one (the
-CPU, an unforked runner) it runs first, in turn.
+In a step of up to ``SHARED_BESIDE_MAX_TOKENS`` tokens with an expert stream (``StepContext``),
+the shared expert runs on that stream, forked after the block norm and joined at the combine, so
+its weight read overlaps the routing's short, latency-bound kernels and the grouped GEMMs. In
+longer steps (both sides compute-bound: beside each other they only contend) and without one
+(the CPU, an unforked runner) it runs first, in turn.
 
 With ``moe_latent_size`` (the larger Nemotron 3 models) the routed experts work in a smaller
 latent space: the input is projected down before them and their sum back up after; the router
@@ -66,7 +66,7 @@ class MoEMixer(Mixer):
         over h): returned, or added into ``residual``."""
         shared = ready = None
         if self.shared is not None:
-            aux = ctx.aux_stream if h.shape[0] <= SHARED_BESIDE_MAX_TOKENS else None
+            aux = ctx.expert_stream if h.shape[0] <= SHARED_BESIDE_MAX_TOKENS else None
             if aux is None:
                 shared = shared_expert()
             else:

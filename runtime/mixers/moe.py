@@ -70,7 +70,7 @@ class MoEMixer(Mixer):
             if aux is None:
                 shared = shared_expert()
             else:
-                # Its buffers come from the auxiliary stream's pool and go back to it once freed
+                # Its buffers come from the expert stream's pool and go back to it once freed
                 # here, after the join; that stream uses them again only after its next fork.
                 aux.wait_stream(torch.cuda.current_stream(h.device))
                 with torch.cuda.stream(aux):
@@ -96,7 +96,7 @@ class MoEMixer(Mixer):
 
     def _shared_fused(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """The shared expert as two skinny kernels. The first is no programmatic dependent: on
-        the auxiliary stream, what it follows is the other stream's."""
+        the expert stream, what it follows is the other stream's."""
         up, down, up_bias, down_bias = self.shared
         pdl, tile_k = ctx.options.pdl, ctx.options.tile_k
         a = torch.empty(h.shape[0], up.shape[0], dtype=h.dtype, device=h.device)

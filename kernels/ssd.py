@@ -161,13 +161,14 @@ def _state_chain_kernel(
     the multiply-add passing the state on is serial, and the chunks' own states never leave
     registers. Against the two kernels before it (a chunk's own state a program, then a pass over
     them through an fp32 workspace), a 2048-token prefill: Nemotron-H-8B 1.7% faster,
-    Nemotron-3-Nano 0.3-0.6%, Mamba2-130M 5.6% slower (24 heads, 256-token chunks: each program
+    Nemotron-3-Nano 0.3-0.6%, Mamba2-130M 5.6-5.8% slower (24 heads, 256-token chunks: each program
     walks 8 long chunks where the old grid took one a program; no tile won it back), in
     docs/experiments.md."""
     s = tl.program_id(0)
     h = tl.program_id(1)
     pid_pn = tl.program_id(2)
     slot = tl.load(slot_idx_ptr + s).to(tl.int64)
+    # int64 so the loop variable below indexes the workspace without overflow
     c0 = tl.load(seq_chunk_start_ptr + s).to(tl.int64)
     c1 = tl.load(seq_chunk_start_ptr + s + 1).to(tl.int64)
     if (slot < 0) | (c1 <= c0):
@@ -180,6 +181,7 @@ def _state_chain_kernel(
     mask_n = offs_n < N
     mask = mask_p[:, None] & mask_n[None, :]
     pool = ssm_state_ptr + slot * s_st_s + h * s_st_h + offs_p[:, None] * s_st_p + offs_n[None, :] * s_st_n
+    # read the slot before this same program overwrites it at the end
     state = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
     if tl.load(has_initial_state_ptr + s) != 0:
         state = tl.load(pool, mask=mask, other=0.0).to(tl.float32)
@@ -202,6 +204,7 @@ def _state_chain_kernel(
                         mask=mask_l[:, None] & mask_n[None, :], other=0.0)
             cs = tl.load(cs_ptr + ws_row + offs_l, mask=mask_l, other=0.0)
             dt = tl.load(dt_ptr + ws_row + offs_l, mask=mask_l, other=0.0)
+            # cs is non-increasing within the chunk, so the decay to its end is <= 1
             w = tl.exp(cs_end - cs) * dt
             b = (b.to(tl.float32) * w[:, None]).to(xT.dtype)
             local += _dot(xT, b, PRECISION, UPCAST)
@@ -367,8 +370,6 @@ class _Blocks:
     scan_n: int
     scan_stages: int
     warps: int
-
-
 
 
 def _blocks(chunk_size: int, P: int, N: int, dtype: torch.dtype) -> _Blocks:

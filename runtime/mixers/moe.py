@@ -66,17 +66,17 @@ class MoEMixer(Mixer):
         over h): returned, or added into ``residual``."""
         shared = ready = None
         if self.shared is not None:
-            aux = ctx.expert_stream if h.shape[0] <= SHARED_BESIDE_MAX_TOKENS else None
-            if aux is None:
+            side = ctx.expert_stream if h.shape[0] <= SHARED_BESIDE_MAX_TOKENS else None
+            if side is None:
                 shared = shared_expert()
             else:
                 # Its buffers come from the expert stream's pool and go back to it once freed
                 # here, after the join; that stream uses them again only after its next fork.
-                aux.wait_stream(torch.cuda.current_stream(h.device))
-                with torch.cuda.stream(aux):
+                side.wait_stream(torch.cuda.current_stream(h.device))
+                with torch.cuda.stream(side):
                     shared = shared_expert()
                 ready = torch.cuda.Event()
-                ready.record(aux)
+                ready.record(side)
         pdl = ctx.options.pdl
         counts = block_counts_buffer(h.shape[0], self.gate.shape[0], h.device)
         idx, w = moe_route(h, self.gate, self.bias, **self.route, gate_terms=self.gate_terms, block_counts=counts,

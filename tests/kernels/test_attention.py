@@ -70,6 +70,26 @@ def test_decode_matches_reference(device, dtype, h, kvh):
     assert torch.equal(kc.cpu(), kr) and torch.equal(vc.cpu(), vr)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_short_rows_in_a_long_pool(device, dtype):
+    """A pool past 32 x 64 positions has static splits of several tiles; a row's splits follow
+    its own length (one tile a split for short rows), and splits past it stay unread (NaN)."""
+    torch.manual_seed(2)
+    h, kvh, max_ctx = 4, 2, 4160
+    slots = torch.tensor([0, 1, PAD_SLOT_ID, 2, 3], dtype=torch.int32, device=device)
+    lens = torch.tensor([1, 130, 9, 2000, max_ctx], dtype=torch.int32, device=device)
+    B = slots.shape[0]
+    q, k, v = _qkv(B, h, kvh, dtype, device)
+    kc, vc = _pool(kvh, dtype, device, slots=4, max_ctx=max_ctx)
+    kr, vr = kc.cpu().clone(), vc.cpu().clone()
+    out = poisoned((B, h, DH), dtype, device)
+    ws = poisoned(decode_workspace(B, h, DH, max_ctx).shape, torch.float32, device)
+    decode_attention.triton(q, k, v, kc, vc, slots, lens, scale=DH**-0.5, out=out, workspace=ws)
+    ref = decode_attention_ref(q.cpu(), k.cpu(), v.cpu(), kr, vr, slots.cpu(), lens.cpu(), scale=DH**-0.5)
+    assert_close(out.cpu(), ref, dtype)
+    assert (out.cpu()[2] == 0).all()
+
+
 def test_decode_odd_head_dim_and_sliced_workspace(device):
     # Dh = 20 (masked to a 32-wide tile) and a workspace allocated for a larger batch, sliced
     torch.manual_seed(1)

@@ -325,8 +325,8 @@ def _prefill_kernel(
 # cutting max_ctx into pieces of a multiple of _SPLIT_QUANTUM positions gives. 32 splits of a 4096
 # context give 256 programs at batch 1 with 8 KV heads, about two per H200 SM; the partials they
 # write are ~3% of the KV bytes they read. Each row spreads its own length over the splits
-# (``_split_len``): against a static split_len, a 100-token row in a 4352-position pool runs two
-# one-tile programs instead of one program of three serial tiles (Nano batch 1: -1.3% a step).
+# (``_split_len``): in a 4352-position pool a 256-position row runs four one-tile programs, where a
+# static split of 192 positions gave one program three serial tiles (Nano batch 1: -1.3% a step).
 _DECODE_SPLITS = 32
 _SPLIT_QUANTUM = 64
 

@@ -11,9 +11,9 @@ the probabilities are rounded to bf16 before the ``p @ V`` product, as HF's eage
   splits (set by the static ``max_ctx``), and each row spreads its own length over them, so a short
   row runs several one-tile programs rather than one program looping over a long static split. One
   program per (row, KV head, split) covers the group's query heads, and a combine kernel merges the
-  splits' partial softmaxes from a workspace. The program whose split
-  holds the new token stores it and takes that position from registers, so no separate write
-  kernel runs and no program reads a cache row another program writes.
+  splits' partial softmaxes from a workspace. The program whose split holds the new token stores
+  it and takes that position from registers, so no separate write kernel runs and no program
+  reads a cache row another program writes.
 - ``prefill_attention``: packed varlen tokens (see ``varlen.PrefillMetadata``). ``write_kv`` first
   stores every token's key/value at position ``context_lens[i] + j``; then each token attends to
   its slot's positions ``[0, context_lens[i] + j]``, which includes earlier chunks of the prompt.

@@ -89,59 +89,66 @@ def _conv1d_varlen_out_kernel(
     sb_d,
     so_t, so_d,
     K: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_T: tl.constexpr,
+    RUN: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
 ):
-    # grid: (token blocks of T, channel blocks); reads the old states, never writes them
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    # grid: (runs of RUN tokens, channel blocks); reads the old states, never writes them.
+    # The run's rows and the K - 1 before it are each loaded once, first (a program is short, and
+    # its lifetime is its round trips to memory); token i's tap j is row i + j of them.
+    t0 = tl.program_id(0) * RUN
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    t_ok = t < T
     d_ok = d < D
-
-    # tap k of token t reads position p = t - (K-1) + k: all K taps' rows of x are asked for
-    # first, so they are on their way while the sequences' metadata (two dependent loads) comes
-    # in (a program is short, and its lifetime is its round trips to memory). Rows of another
-    # sequence are read and not used.
-    kk = tl.arange(0, BLOCK_K)
-    p = t[:, None] - (K - 1) + kk[None, :]  # [BLOCK_T, BLOCK_K]
-    tap_ok = t_ok[:, None] & (kk < K)[None, :]
-    x = tl.load(x_ptr + p.to(tl.int64)[:, :, None] * sx_t + d[None, None, :] * sx_d,
-                mask=(tap_ok & (p >= 0))[:, :, None] & d_ok[None, None, :], other=0.0)
-    w = tl.load(w_ptr + d[None, :] * sw_d + kk[:, None] * sw_k, mask=(kk < K)[:, None] & d_ok[None, :],
-                other=0.0).to(tl.float32)
-
-    # per token [BLOCK_T]: its sequence's first token, slot and initial-state flag
-    seq = tl.load(seq_idx_ptr + t, mask=t_ok, other=-1)
-    live = seq >= 0
-    seq = tl.maximum(seq, 0)
-    start = tl.load(cu_ptr + seq, mask=live, other=0)
-    slot = tl.load(slot_ptr + seq, mask=live, other=-1)
-    live = live & (slot >= 0)
-    use_init = live & (tl.load(init_ptr + seq, mask=live, other=0) != 0)
-
-    # positions before the sequence's start come from its initial window (state column
-    # K-1 - (start - p)) or are zero; only a program holding a sequence's first K-1 tokens reads one
-    v = tl.where((tap_ok & live[:, None] & (p >= start[:, None]))[:, :, None], x.to(tl.float32), 0.0)
-    from_state = tap_ok & use_init[:, None] & (p < start[:, None])
-    if tl.max(from_state.to(tl.int32)) > 0:
-        s_row = state_ptr + tl.maximum(slot, 0).to(tl.int64) * ss_s
-        col = tl.where(from_state, K - 1 - (start[:, None] - p), 0)
-        v += tl.load(s_row[:, None, None] + d[None, None, :] * ss_d + col[:, :, None] * ss_k,
-                     mask=from_state[:, :, None] & d_ok[None, None, :], other=0.0).to(tl.float32)
-    acc = tl.sum(v * w[None, :, :], axis=1)
+    rows = ()
+    for m in tl.static_range(RUN + K - 1):
+        p = t0 - (K - 1) + m
+        rows = rows + (tl.load(x_ptr + p.to(tl.int64) * sx_t + d * sx_d, mask=d < tl.where((p >= 0) & (p < T), D, 0),
+                               other=0.0),)
+    w = ()
+    for j in tl.static_range(K):
+        w = w + (tl.load(w_ptr + d * sw_d + j * sw_k, mask=d_ok, other=0.0).to(tl.float32),)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + d * sb_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-    if SILU:
-        acc = acc * tl.sigmoid(acc)
-    acc = tl.where(live[:, None], acc, 0.0)
-    tl.store(
-        out_ptr + t.to(tl.int64)[:, None] * so_t + d[None, :] * so_d,
-        acc.to(out_ptr.dtype.element_ty),
-        mask=t_ok[:, None] & d_ok[None, :],
-    )
+        bias = tl.load(b_ptr + d * sb_d, mask=d_ok, other=0.0).to(tl.float32)
+    else:
+        bias = tl.zeros((BLOCK_D,), tl.float32)
+
+    # Most runs lie, with the K - 1 rows before them, inside one live sequence: sequences are
+    # contiguous, so the first row's and the last row's sequence tell, and every tap is a row.
+    first = tl.load(seq_idx_ptr + tl.maximum(t0 - (K - 1), 0))
+    last = tl.load(seq_idx_ptr + tl.minimum(t0 + RUN - 1, T - 1))
+    inside = (t0 >= K - 1) & (t0 + RUN <= T) & (first == last) & (last >= 0)
+    if inside & (tl.load(slot_ptr + tl.maximum(last, 0)) >= 0):
+        for i in tl.static_range(RUN):
+            acc = bias
+            for j in tl.static_range(K):
+                acc += w[j] * rows[i + j].to(tl.float32)
+            if SILU:
+                acc = acc * tl.sigmoid(acc)
+            tl.store(out_ptr + (t0 + i).to(tl.int64) * so_t + d * so_d, acc.to(out_ptr.dtype.element_ty), mask=d_ok)
+    else:
+        # a run holding a sequence's start, padding or a sequence without a slot: token by token,
+        # a tap before its sequence's start comes from the initial window (state column
+        # K-1 - (start - p)) or is zero
+        for i in tl.static_range(RUN):
+            t = t0 + i
+            seq = tl.load(seq_idx_ptr + t, mask=t < T, other=-1)
+            start = tl.load(cu_ptr + tl.maximum(seq, 0))
+            slot = tl.load(slot_ptr + tl.maximum(seq, 0))
+            live = (seq >= 0) & (slot >= 0)
+            use_init = live & (tl.load(init_ptr + tl.maximum(seq, 0)) != 0)
+            s_row = state_ptr + tl.maximum(slot, 0).to(tl.int64) * ss_s + d * ss_d
+            acc = bias
+            for j in tl.static_range(K):
+                p = t - (K - 1) + j
+                col = tl.maximum(K - 1 - (start - p), 0)
+                old = tl.load(s_row + col * ss_k, mask=d < tl.where(use_init & (p < start), D, 0), other=0.0)
+                acc += w[j] * tl.where(p >= start, rows[i + j].to(tl.float32), old.to(tl.float32))
+            if SILU:
+                acc = acc * tl.sigmoid(acc)
+            acc = tl.where(live, acc, 0.0)
+            tl.store(out_ptr + t.to(tl.int64) * so_t + d * so_d, acc.to(out_ptr.dtype.element_ty),
+                     mask=d < tl.where(t < T, D, 0))
 
 
 @triton.jit
@@ -189,8 +196,10 @@ def _conv1d_varlen_state_kernel(
     tl.store(s_row + j[None, :] * ss_k, new, mask=col_ok[None, :] & d_ok[:, None])
 
 
-# tokens a program of the prefill conv takes (each reads K - 1 more for its window)
-CONV_BLOCK_T = 16
+# the prefill conv's tile: runs of CONV_RUN tokens (each reads K - 1 rows more) x CONV_BLOCK_D
+# channels in 4 warps, 4 channels a thread. At Nemotron-3-Nano's 2048-token chunk (6144 channels)
+# on an H200: 23 us against 41 for 16 x 128 tiles of every tap loaded apart (docs/experiments.md)
+CONV_RUN, CONV_BLOCK_D = 8, 512
 
 
 def _block_d(D: int, cap: int) -> int:
@@ -374,9 +383,7 @@ def conv1d_varlen(
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
     )
 
-    # CONV_BLOCK_T x 128 tiles in 8 warps (at 16 rows, one 16-byte bf16 load per tap and thread)
-    block_t, block_d = CONV_BLOCK_T, _block_d(D, 128)
-    grid = (triton.cdiv(T, block_t), triton.cdiv(D, block_d))
+    grid = (triton.cdiv(T, CONV_RUN), triton.cdiv(D, CONV_BLOCK_D))
     _conv1d_varlen_out_kernel[grid](
         x, conv_state, weight, weight if bias is None else bias, out,
         meta.cu_seqlens, meta.seq_idx, meta.slot_idx, meta.has_initial_state,
@@ -385,9 +392,9 @@ def conv1d_varlen(
         weight.stride(0), weight.stride(1),
         0 if bias is None else bias.stride(0),
         out.stride(0), out.stride(1),
-        K=K, BLOCK_K=triton.next_power_of_2(K), BLOCK_T=block_t, BLOCK_D=block_d,
+        K=K, RUN=CONV_RUN, BLOCK_D=CONV_BLOCK_D,
         HAS_BIAS=bias is not None, SILU=activation == "silu",
-        num_warps=_num_warps(block_t * block_d, 8),
+        num_warps=4,
     )
 
     # stream order puts every read of an old state (above) before its overwrite (here)

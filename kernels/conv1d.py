@@ -197,9 +197,10 @@ def _conv1d_varlen_state_kernel(
 
 
 # the prefill conv's tile: runs of CONV_RUN tokens (each reads K - 1 rows more) x CONV_BLOCK_D
-# channels in 4 warps, 4 channels a thread. At Nemotron-3-Nano's 2048-token chunk (6144 channels)
-# on an H200: 23 us against 41 for 16 x 128 tiles of every tap loaded apart (docs/experiments.md)
-CONV_RUN, CONV_BLOCK_D = 8, 512
+# channels in CONV_WARPS warps, 4 channels a thread. At Nemotron-3-Nano's 2048-token chunk (6144
+# channels) on an H200: 23 us against 41 for 16 x 128 tiles of every tap loaded apart
+# (docs/experiments.md)
+CONV_RUN, CONV_BLOCK_D, CONV_WARPS = 8, 512, 4
 
 
 def _block_d(D: int, cap: int) -> int:
@@ -394,7 +395,7 @@ def conv1d_varlen(
         out.stride(0), out.stride(1),
         K=K, RUN=CONV_RUN, BLOCK_D=CONV_BLOCK_D,
         HAS_BIAS=bias is not None, SILU=activation == "silu",
-        num_warps=4,
+        num_warps=CONV_WARPS,
     )
 
     # stream order puts every read of an old state (above) before its overwrite (here)

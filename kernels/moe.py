@@ -19,10 +19,9 @@ Static shapes throughout, so a step is captured once per bucket and replays with
 3. Grouped GEMMs: a program per (block of columns, tile of slots), columns fastest, finds its
    tile's expert from the device counts and exits when the tile lies past the last expert's
    run, so the grid is fixed by the bucket and only routed experts' weights are read; on Hopper
-   the TMA unit copies the tiles. A last column block of at most a quarter of a tile runs as a
-   launch of its own in narrower tiles, beside the rest. Up projection with relu2 (each rounded
-   to the activations' dtype, as HF's two ops; a run's padding rows written as zeros), then down
-   projection.
+   the TMA unit copies the tiles. A last column block narrower than a tile takes tiles of its
+   own width in the same launch. Up projection with relu2 (each rounded to the activations'
+   dtype, as HF's two ops; a run's padding rows written as zeros), then down projection.
 4. Combine: a token's k rows weighted and summed in fp32 in expert order, rounded, plus the
    shared expert's output, optionally added into the residual stream. No atomics anywhere, so a
    step is deterministic run to run.
@@ -527,28 +526,23 @@ def _tile_product(a_ptr, src, ok, slots, e, w_ptr, out_ptr, n0, N, K, stride_a, 
 
 
 @triton.jit
-def _grouped_kernel(a_ptr, token_ptr, w_ptr, out_ptr, starts_ptr, counts_ptr, N, K, E, n_base,
+def _grouped_kernel(a_ptr, token_ptr, w_ptr, w_last_ptr, out_ptr, starts_ptr, counts_ptr, N, K, E,
                     stride_a, stride_we, stride_wn, stride_out,
                     GATHER: tl.constexpr, RELU2: tl.constexpr, PRECISION: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_E: tl.constexpr,
                     USE_PDL: tl.constexpr, A_TMA: tl.constexpr, W_TMA: tl.constexpr, ZERO_PAD: tl.constexpr,
-                    PDL_MODE: tl.constexpr = 0):
+                    BN_LAST: tl.constexpr):
     """The sorted layout: out[slot] = a[row] @ w[expert].T for a tile of BM slots of one
-    expert's run, over the columns from ``n_base`` (row: the slot's token when GATHER, else the
-    slot itself; A_TMA and W_TMA as ``_tile_product``). The grid is (column blocks, tiles),
-    columns fastest: the programs running together share their tiles' rows of a, read once from
-    HBM (a prefill chunk's h, a down projection's input, is larger than L2), and every weight
-    tile is read once whatever the order.
+    expert's run (row: the slot's token when GATHER, else the slot itself; A_TMA and W_TMA as
+    ``_tile_product``). The grid is (column blocks, tiles), columns fastest: the programs running
+    together share their tiles' rows of a, read once from HBM (a prefill chunk's h, a down
+    projection's input, is larger than L2), and every weight tile is read once whatever the order.
 
-    PDL_MODE (with USE_PDL), for a projection split into its last, narrow column block and the
-    rest (``moe_experts``): 0, wait, then signal after the K loop; 1 (the narrow part, launched
-    first), wait, then signal at once, so the rest starts beside it; 2 (the rest, whose inputs
-    are two launches back), read and multiply at once, wait for the narrow part only at the
-    end, then signal."""
-    if USE_PDL and PDL_MODE != 2:  # the layout and a are the kernels' before
+    BN_LAST (0: none): the last column block, narrower than a tile, is a tile that wide, from
+    w_last_ptr (W_TMA: a descriptor in [1, BN_LAST, BK] blocks), so its tensor cores do not
+    multiply the zero columns past N."""
+    if USE_PDL:  # the layout and a are the kernels' before
         tl.extra.cuda.gdc_wait()
-    if USE_PDL and PDL_MODE == 1:
-        tl.extra.cuda.gdc_launch_dependents()
     slot0 = tl.program_id(1) * BM
     cols = tl.arange(0, BLOCK_E)
     starts = tl.load(starts_ptr + cols, mask=cols < E, other=0)
@@ -561,12 +555,17 @@ def _grouped_kernel(a_ptr, token_ptr, w_ptr, out_ptr, starts_ptr, counts_ptr, N,
         slots = slot0 + tl.arange(0, BM)
         ok = slots - start < count
         src = tl.load(token_ptr + slots, mask=ok, other=0) if GATHER else slots
-        _tile_product(a_ptr, src, ok, slots, e, w_ptr, out_ptr, n_base + tl.program_id(0) * BN, N, K, stride_a,
-                      stride_we, stride_wn, stride_out, RELU2, PRECISION, BM, BN, BK, USE_PDL and PDL_MODE == 0,
-                      A_TMA, W_TMA, ZERO_PAD)
-    if USE_PDL and PDL_MODE == 2:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        n0 = tl.program_id(0) * BN
+        if BN_LAST > 0:
+            if n0 + BN > N:
+                _tile_product(a_ptr, src, ok, slots, e, w_last_ptr, out_ptr, n0, N, K, stride_a, stride_we, stride_wn,
+                              stride_out, RELU2, PRECISION, BM, BN_LAST, BK, USE_PDL, A_TMA, W_TMA, ZERO_PAD)
+            else:
+                _tile_product(a_ptr, src, ok, slots, e, w_ptr, out_ptr, n0, N, K, stride_a, stride_we, stride_wn,
+                              stride_out, RELU2, PRECISION, BM, BN, BK, USE_PDL, A_TMA, W_TMA, ZERO_PAD)
+        else:
+            _tile_product(a_ptr, src, ok, slots, e, w_ptr, out_ptr, n0, N, K, stride_a, stride_we, stride_wn,
+                          stride_out, RELU2, PRECISION, BM, BN, BK, USE_PDL, A_TMA, W_TMA, ZERO_PAD)
 
 
 @triton.jit
@@ -695,14 +694,16 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
             # the TMA unit copies the weight tiles (and the down projection's input tiles, whose
             # rows are a tile's slots in order), where it can
             tma = _tma(weight) and (up_proj or _tma(a))
-            for n_base, width, (bn, bk, warps, stages), mode in _column_parts(bm, n, kk, x.dtype):
-                w_arg = TensorDescriptor.from_tensor(weight, [1, bn, bk]) if tma else weight
-                a_arg = TensorDescriptor.from_tensor(a, [bm, bk]) if tma and not up_proj else a
-                _grouped_kernel[(triton.cdiv(width, bn), triton.cdiv(S, bm))](
-                    a_arg, token_of_slot, w_arg, result, starts, counts, n_base + width, kk, E, n_base, *common,
-                    GATHER=up_proj, RELU2=up_proj, PRECISION=precision, BM=bm, BN=bn, BK=bk, BLOCK_E=block_e,
-                    USE_PDL=pdl, A_TMA=tma and not up_proj, W_TMA=tma, ZERO_PAD=up_proj, PDL_MODE=mode,
-                    num_warps=warps, num_stages=stages, **extra)
+            bn, bk, warps, stages = _gemm_config(bm, n, kk, x.dtype)
+            bn_last = _last_block_width(bn, n)
+            w_arg = TensorDescriptor.from_tensor(weight, [1, bn, bk]) if tma else weight
+            w_last = TensorDescriptor.from_tensor(weight, [1, bn_last, bk]) if tma and bn_last else w_arg
+            a_arg = TensorDescriptor.from_tensor(a, [bm, bk]) if tma and not up_proj else a
+            _grouped_kernel[(triton.cdiv(n, bn), triton.cdiv(S, bm))](
+                a_arg, token_of_slot, w_arg, w_last, result, starts, counts, n, kk, E, *common, GATHER=up_proj,
+                RELU2=up_proj, PRECISION=precision, BM=bm, BN=bn, BK=bk, BLOCK_E=block_e, USE_PDL=pdl,
+                A_TMA=tma and not up_proj, W_TMA=tma, ZERO_PAD=up_proj, BN_LAST=bn_last, num_warps=warps,
+                num_stages=stages, **extra)
     if shared_ready is not None:
         # its launch waits for another stream, a full dependency: a plain launch, but with
         # USE_PDL it still signals its dependents (its wait returns at once), so the next kernel
@@ -742,19 +743,13 @@ def _gemm_config(bm: int, n: int, k: int, dtype: torch.dtype) -> tuple[int, int,
     return 128, 64, 4 if bm == 32 else 8, 3
 
 
-def _column_parts(bm: int, n: int, k: int, dtype: torch.dtype) -> list[tuple[int, int, tuple, int]]:
-    """How the grouped kernel covers ``n`` columns: (first column, width, config, PDL mode) per
-    launch. Where the tile width does not divide n and the last block is at most a quarter of a
-    tile (Nemotron-3-Nano's up projection at 128-slot tiles: 1856 = 7 x 256 + 64), that block's
-    tensor-core work is mostly on zero columns while its weights are a fraction of a tile's: it
-    runs as a launch of its own in tiles of its width, first, and the rest starts beside it
-    (the 2048-token prefill 1% faster). Half a tile (its down projection's 2688 = 10 x 256 +
-    128, the up projection's 64 of 128 at 512 tokens) lost 0.5-1.5% so: the narrow launch
-    reads each tile's rows of ``a`` once more (docs/experiments.md)."""
-    config = _gemm_config(bm, n, k, dtype)
-    bn = config[0]
+def _last_block_width(bn: int, n: int) -> int:
+    """The tile width of the grouped kernel's last column block where tiles of ``bn`` do not
+    divide ``n`` and a narrower power of two covers the rest (0: the last block is a whole tile).
+    Nemotron-3-Nano at 128-slot tiles: its up projection's 1856 = 7 x 256 + 64 and down
+    projection's 2688 = 10 x 256 + 128 end in 64- and 128-wide tiles. In the same launch, beside
+    the rest, they read their tiles' rows of ``a`` from L2 while the rest's programs do
+    (docs/experiments.md)."""
     rest = n % bn
-    if n < bn or rest == 0 or rest > bn // 4:
-        return [(0, n, config, 0)]
     narrow = max(16, triton.next_power_of_2(rest))
-    return [(n - rest, rest, (narrow, config[1], 4, config[3]), 1), (0, n - rest, config, 2)]
+    return narrow if rest and narrow < bn else 0

@@ -91,8 +91,8 @@ def launch_moe() -> None:
     """Every MoE path: routing of a few rows and of more, on tensor cores (TF32 x 3, or one and
     three bf16 terms of the router, the top-k counting its blocks' pairs); the pair tiles, 16-row
     grouped tiles with the one-program align, and 128-row TMA tiles with the two-pass align (or the
-    routing's counts and one pass), the up projection's narrow last column block launched apart
-    (320 = 256 + 64); each with and without PDL."""
+    routing's counts and one pass), the up projection's last column block in narrower tiles (320 =
+    256 + 64); each with and without PDL."""
     from mambastep.kernels import moe
 
     D, E, I = 256, 16, 320

@@ -137,7 +137,7 @@ CASES = {
     "64-row tiles": dict(T=112, E=4, k=2),
     "128-row tiles (prefill-sized)": dict(T=200, E=4, k=2),
     # 320 = 256 + 64 and 264 = 256 + 8 (bf16), 264 = 8 x 32 + 8 (fp32): the last column blocks
-    # run as launches of their own
+    # take narrower tiles
     "128-row tiles, narrow last column blocks": dict(T=200, E=4, k=2, I=320, D=264),
     "many pairs (aligned in two passes)": dict(T=600, E=4, k=2),
 }
@@ -215,15 +215,13 @@ def test_tile_height_follows_the_bucket():
     assert slot_count(256, 6, 128, 16) == 1536 + 128 * 15
 
 
-def test_a_narrow_last_column_block_runs_apart():
-    bf16 = torch.bfloat16
+def test_a_narrow_last_column_block_takes_tiles_of_its_width():
     # Nemotron-3-Nano's experts at a 2048-token chunk: 1856 = 7 x 256 + 64, 2688 = 10 x 256 + 128
-    assert moe._column_parts(128, 1856, 2688, bf16) == [(1792, 64, (64, 64, 4, 4), 1), (0, 1792, (256, 64, 8, 4), 2)]
-    # a block wider than a quarter of a tile, a width the tiles divide, or one narrower than a
-    # tile: one launch
-    assert moe._column_parts(128, 2688, 1856, bf16) == [(0, 2688, (256, 64, 8, 4), 0)]
-    assert moe._column_parts(128, 512, 64, bf16) == [(0, 512, (256, 64, 8, 4), 0)]
-    assert moe._column_parts(128, 24, 64, bf16) == [(0, 24, (256, 64, 8, 4), 0)]
+    assert moe._last_block_width(256, 1856) == 64 and moe._last_block_width(256, 2688) == 128
+    # a width the tiles divide, a rest that only a whole tile covers, at least 16 columns, a
+    # projection narrower than one tile
+    assert moe._last_block_width(256, 512) == 0 and moe._last_block_width(256, 256 + 200) == 0
+    assert moe._last_block_width(32, 264) == 16 and moe._last_block_width(256, 24) == 32
 
 
 @settings(max_examples=12, deadline=None)

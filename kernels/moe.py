@@ -567,9 +567,10 @@ def _grouped_kernel(a_ptr, token_ptr, w_ptr, w_last_ptr, out_ptr, starts_ptr, co
 @triton.jit
 def _pair_kernel(a_ptr, idx_ptr, w_ptr, out_ptr, N, K, stride_a, stride_we, stride_wn, stride_out,
                  GATHER: tl.constexpr, TOP_K: tl.constexpr, RELU2: tl.constexpr, PRECISION: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_PDL: tl.constexpr):
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_PDL: tl.constexpr, W_TMA: tl.constexpr):
     """A few pairs, each a tile of its own (no alignment pass): out[p] = a[row] @ w[idx[p]].T
-    for pair p (row: its token p // TOP_K when GATHER, else p), the tile's other rows masked."""
+    for pair p (row: its token p // TOP_K when GATHER, else p), the tile's other rows masked.
+    W_TMA as ``_tile_product``'s."""
     if USE_PDL:  # the routing and a are the kernels' before
         tl.extra.cuda.gdc_wait()
     p = tl.program_id(0)
@@ -578,7 +579,7 @@ def _pair_kernel(a_ptr, idx_ptr, w_ptr, out_ptr, N, K, stride_a, stride_we, stri
     ok = tl.arange(0, BM) == 0
     src = slots // TOP_K if GATHER else slots
     _tile_product(a_ptr, src, ok, slots, e, w_ptr, out_ptr, tl.program_id(1) * BN, N, K, stride_a, stride_we,
-                  stride_wn, stride_out, RELU2, PRECISION, BM, BN, BK, USE_PDL)
+                  stride_wn, stride_out, RELU2, PRECISION, BM, BN, BK, USE_PDL, W_TMA=W_TMA)
 
 
 @triton.jit
@@ -643,9 +644,8 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
     the alignment does not count them again.
     shared_ready: a CUDA event recorded once ``shared`` is written on another stream (the shared
     expert computed beside the routed ones); the combine waits for it, nothing before it does.
-    pdl: the kernels launch as programmatic dependents of the previous one (``kernels.decode_linear``),
-    all but a combine that waits for ``shared_ready``, which launches plainly and still signals
-    its own dependents.
+    pdl: the kernels launch as programmatic dependents of the previous one (``kernels.decode_linear``);
+    a combine that waits for ``shared_ready`` is one of the shared expert's last kernel too.
     """
     T, K = x.shape
     E, I, _ = up.shape
@@ -678,19 +678,20 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
     h = torch.empty(S, I, dtype=x.dtype, device=dev)
     y = torch.empty(S, D, dtype=x.dtype, device=dev)
     # up (gathering each slot's token row, relu2 after), then down
+    # the TMA unit copies the weight tiles (and, in the sorted layout, the down projection's
+    # input tiles, whose rows are a tile's slots in order), where it can
     for a, weight, result, up_proj in ((x, up, h, True), (h, down, y, False)):
         n, kk = weight.shape[1], weight.shape[2]
         common = (a.stride(0), weight.stride(0), weight.stride(1), result.stride(0))
+        bn, bk, warps, stages = _gemm_config(bm, n, kk, x.dtype)
         if pairs:
-            bn, bk, warps, stages = _gemm_config(bm, n, kk, x.dtype)
+            w_tma = _tma(weight)
+            w_arg = TensorDescriptor.from_tensor(weight, [1, bn, bk]) if w_tma else weight
             _pair_kernel[(S, triton.cdiv(n, bn))](
-                a, idx, weight, result, n, kk, *common, GATHER=up_proj, TOP_K=k, RELU2=up_proj, PRECISION=precision,
-                BM=bm, BN=bn, BK=bk, USE_PDL=pdl, num_warps=warps, num_stages=stages, **extra)
+                a, idx, w_arg, result, n, kk, *common, GATHER=up_proj, TOP_K=k, RELU2=up_proj, PRECISION=precision,
+                BM=bm, BN=bn, BK=bk, USE_PDL=pdl, W_TMA=w_tma, num_warps=warps, num_stages=stages, **extra)
         else:
-            # the TMA unit copies the weight tiles (and the down projection's input tiles, whose
-            # rows are a tile's slots in order), where it can
             tma = _tma(weight) and (up_proj or _tma(a))
-            bn, bk, warps, stages = _gemm_config(bm, n, kk, x.dtype)
             bn_last = _last_block_width(bn, n)
             w_arg = TensorDescriptor.from_tensor(weight, [1, bn, bk]) if tma else weight
             w_last = TensorDescriptor.from_tensor(weight, [1, bn_last, bk]) if tma and bn_last else w_arg
@@ -701,11 +702,9 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
                 A_TMA=tma and not up_proj, W_TMA=tma, ZERO_PAD=up_proj, BN_LAST=bn_last, num_warps=warps,
                 num_stages=stages, **extra)
     if shared_ready is not None:
-        # its launch waits for another stream, a full dependency: a plain launch, but with
-        # USE_PDL it still signals its dependents (its wait returns at once), so the next kernel
-        # in the chain (the next block's first projection) starts its weight reads as it runs
+        # Captured, the combine then depends on both streams' last kernels; as a programmatic
+        # dependent it launches as they drain, and its wait returns once both have completed
         torch.cuda.current_stream(dev).wait_event(shared_ready)
-        extra = {}
     block_d = min(1024, triton.next_power_of_2(D))
     _combine_kernel[(T, triton.cdiv(D, block_d))](
         y, slot_of_pair, w, shared if shared is not None else y, target, D, y.stride(0),

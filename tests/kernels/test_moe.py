@@ -265,3 +265,47 @@ def test_ops_dispatch_on_the_device():
         moe_route.triton(x, gate, bias, top_k=2, block_counts=torch.zeros(1, 3, dtype=torch.int32))
     with pytest.raises(ValueError, match="block_counts must be int32"):
         moe_experts.triton(x, idx, w, up, down, block_counts=torch.zeros(2, 4, dtype=torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 2, 8], ids=["pair tiles", "pair tiles, 2 rows", "sorted layout"])
+def test_the_combine_waits_for_the_shared_expert_across_the_join(T):
+    """Captured with programmatic launches, the combine depends on both streams' last kernels: it
+    reads the shared expert's output only once the other stream has written it (here after a
+    sleep of about a millisecond), and adds it into the residual as an unforked eager call does."""
+    from mambastep.kernels.decode_linear import pdl_supported
+
+    dev = torch.device("cuda")
+    if not pdl_supported(dev):
+        pytest.skip("programmatic dependent launch needs sm_90+ and a Triton that launches with it")
+    E, K, I, D, k = 16, 256, 128, 256, 6
+    idx, w = routing(T, E, k, seed=3)
+    idx, w = idx.to(dev), w.to(dev)
+    x = torch.randn(T, K, device=dev).to(torch.bfloat16)
+    up, down = experts(E, I, K, D, torch.bfloat16, dev)
+    shared_out = torch.randn(T, D, device=dev).to(torch.bfloat16)
+    start = torch.randn(T, D, device=dev).to(torch.bfloat16)
+    expect = moe_experts(x, idx, w, up, down, shared=shared_out, residual=start.clone())
+
+    shared = torch.full_like(shared_out, float("nan"))
+    residual = start.clone()
+    side = torch.cuda.Stream(dev)
+
+    def step():
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(2_000_000)
+            shared.copy_(shared_out)
+        ready = torch.cuda.Event()
+        ready.record(side)
+        moe_experts(x, idx, w, up, down, shared=shared, residual=residual, shared_ready=ready, pdl=True)
+
+    step()  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    shared.fill_(float("nan"))
+    residual.copy_(start)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(residual, expect)

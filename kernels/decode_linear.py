@@ -35,9 +35,9 @@ run in several waves, only after its K loop, so that dependents take SM slots as
 drains rather than idle in them through it (docs/experiments.md). Every kernel calls ``gdc_wait`` before reading
 its direct predecessor's output, so the chain stays ordered end to end.
 
-A kernel that also waits on another stream (the MoE combine, after the shared expert's join) is
-a programmatic dependent of both streams' last kernels once captured: it launches as they drain,
-and its wait returns once both have completed, so the rule holds across the join. The gated
+A kernel that also waits on another stream (the MoE combine, after the shared expert's join)
+launches as a programmatic dependent all the same: its wait returns only once the other stream's
+work has completed too, so the rule holds across the join. The gated
 norm before a streamed product (``kernels.norm``) and the decode attention's two kernels
 (``kernels.attention``) take part in the chain like a one-tile kernel here: every program waits,
 then signals, before anything else it reads.

@@ -644,8 +644,8 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
     the alignment does not count them again.
     shared_ready: a CUDA event recorded once ``shared`` is written on another stream (the shared
     expert computed beside the routed ones); the combine waits for it, nothing before it does.
-    pdl: the kernels launch as programmatic dependents of the previous one (``kernels.decode_linear``);
-    a combine that waits for ``shared_ready`` is one of the shared expert's last kernel too.
+    pdl: the kernels launch as programmatic dependents of the previous one (``kernels.decode_linear``),
+    the combine too when it also waits for ``shared_ready``.
     """
     T, K = x.shape
     E, I, _ = up.shape
@@ -677,9 +677,9 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
         block_e = max(16, triton.next_power_of_2(E))
     h = torch.empty(S, I, dtype=x.dtype, device=dev)
     y = torch.empty(S, D, dtype=x.dtype, device=dev)
-    # up (gathering each slot's token row, relu2 after), then down
-    # the TMA unit copies the weight tiles (and, in the sorted layout, the down projection's
-    # input tiles, whose rows are a tile's slots in order), where it can
+    # up (gathering each slot's token row, relu2 after), then down; the TMA unit copies the
+    # weight tiles (and, in the sorted layout, the down projection's input tiles, whose rows are
+    # a tile's slots in order), where it can
     for a, weight, result, up_proj in ((x, up, h, True), (h, down, y, False)):
         n, kk = weight.shape[1], weight.shape[2]
         common = (a.stride(0), weight.stride(0), weight.stride(1), result.stride(0))
@@ -702,8 +702,9 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
                 A_TMA=tma and not up_proj, W_TMA=tma, ZERO_PAD=up_proj, BN_LAST=bn_last, num_warps=warps,
                 num_stages=stages, **extra)
     if shared_ready is not None:
-        # Captured, the combine then depends on both streams' last kernels; as a programmatic
-        # dependent it launches as they drain, and its wait returns once both have completed
+        # the combine still launches as a programmatic dependent: it may start as the routed
+        # down projection drains, and its wait returns only once the other stream's work has
+        # completed too (the join is a full dependency; a GPU test checks the order)
         torch.cuda.current_stream(dev).wait_event(shared_ready)
     block_d = min(1024, triton.next_power_of_2(D))
     _combine_kernel[(T, triton.cdiv(D, block_d))](

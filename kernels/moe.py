@@ -684,16 +684,14 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
         n, kk = weight.shape[1], weight.shape[2]
         common = (a.stride(0), weight.stride(0), weight.stride(1), result.stride(0))
         bn, bk, warps, stages = _gemm_config(bm, n, kk, x.dtype)
+        tma = _tma(weight) and (pairs or up_proj or _tma(a))
+        w_arg = TensorDescriptor.from_tensor(weight, [1, bn, bk]) if tma else weight
         if pairs:
-            w_tma = _tma(weight)
-            w_arg = TensorDescriptor.from_tensor(weight, [1, bn, bk]) if w_tma else weight
             _pair_kernel[(S, triton.cdiv(n, bn))](
                 a, idx, w_arg, result, n, kk, *common, GATHER=up_proj, TOP_K=k, RELU2=up_proj, PRECISION=precision,
-                BM=bm, BN=bn, BK=bk, USE_PDL=pdl, W_TMA=w_tma, num_warps=warps, num_stages=stages, **extra)
+                BM=bm, BN=bn, BK=bk, USE_PDL=pdl, W_TMA=tma, num_warps=warps, num_stages=stages, **extra)
         else:
-            tma = _tma(weight) and (up_proj or _tma(a))
             bn_last = _last_block_width(bn, n)
-            w_arg = TensorDescriptor.from_tensor(weight, [1, bn, bk]) if tma else weight
             w_last = TensorDescriptor.from_tensor(weight, [1, bn_last, bk]) if tma and bn_last else w_arg
             a_arg = TensorDescriptor.from_tensor(a, [bm, bk]) if tma and not up_proj else a
             _grouped_kernel[(triton.cdiv(n, bn), triton.cdiv(S, bm))](

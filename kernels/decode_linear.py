@@ -25,9 +25,9 @@ their own that move almost nothing. Here one kernel does all three:
 
 Programmatic dependent launch (sm_90+): with ``pdl=True`` a kernel may start while the previous
 one drains. Before ``gdc_wait`` it loads only what the previous kernel cannot be writing: its
-first weight tile (and a one-tile kernel's norm weight), the conv weights and state (no other
-kernel touches a layer's conv state within a step), and with ``early=True`` the gate z and the
-residual. Those are safe because a kernel here signals its dependents (``gdc_launch_dependents``)
+first weight tile (and a one-tile kernel's norm weight), the biases, the conv weights and state (no
+other kernel touches a layer's conv state within a step), and with ``early=True`` the gate z and
+the residual; so the epilogue after the product waits on no load. Those are safe because a kernel here signals its dependents (``gdc_launch_dependents``)
 only after its own wait returned, i.e. after its predecessor completed: so when a kernel starts,
 everything two or more launches back in the stream is complete. A one-tile kernel (one wave; or
 an LM head, the step's last kernel) signals right after its wait; a streamed one, whose programs
@@ -251,17 +251,18 @@ def _streamed_rows(
 
 @triton.jit
 def _finish_row(
-    m, acc, res, window, shifted, cw, slot, n, n_ok, c, c_ok,
-    bias_ptr, out_ptr, cs_ptr, cb_ptr, stride_out, stride_cs_s, stride_cs_d, stride_cs_k,
+    m, acc, res, window, shifted, cw, slot, n, n_ok, c, c_ok, bias, conv_bias,
+    out_ptr, cs_ptr, stride_out, stride_cs_s, stride_cs_d, stride_cs_k,
     EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, CONV_K: tl.constexpr, BLOCK_C: tl.constexpr,
     CONV_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, EARLY: tl.constexpr, ACT_DTYPE: tl.constexpr,
 ):
     """Bias, rounding and epilogue of output row m (acc: its fp32 product, [1, BLOCK_N]), stored.
-    The [BLOCK_M, ...] tiles are what the kernel loaded before the wait."""
+    The [BLOCK_M, ...] tiles, and the biases ([BLOCK_N] fp32), are what the kernel loaded before the
+    wait: nothing here waits on memory."""
     row = m + tl.arange(0, 1)  # [1]
     row_ok = row >= 0
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        acc += bias[None, :]
     y = acc.to(ACT_DTYPE).to(tl.float32)  # what F.linear would hand on
     out_mask = row_ok[:, None] & n_ok[None, :]
     out_ptrs = out_ptr + row.to(tl.int64)[:, None] * stride_out + n.to(tl.int64)[None, :]
@@ -284,7 +285,7 @@ def _finish_row(
         win = tl.where(taps == CONV_K - 1, new, _pick3(window, m, BLOCK_M).to(tl.float32))
         conv = tl.sum(win * cw, axis=2)
         if CONV_BIAS:
-            conv += tl.load(cb_ptr + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+            conv += conv_bias[None, :]
         conv = conv * tl.sigmoid(conv)
         y = tl.where(c_ok[None, :], tl.where(live, conv, 0.0), y)
         nxt = tl.where(taps == CONV_K - 2, new, _pick3(shifted, m, BLOCK_M).to(tl.float32))
@@ -330,6 +331,9 @@ def _skinny_kernel(
     # read them); one name each, whatever the variant, keeps single helper signatures.
     z0, res, window, shifted, cw, wn = w0, w0, w0, w0, w0, w0
     slot, c, c_ok = rows, n, n_ok
+    bias, conv_bias = n_ok, n_ok
+    if HAS_BIAS:  # a weight: before the wait, not in the tail after the product
+        bias = tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
     if PROLOGUE != 0 and not LOOP:
         wn = tl.load(wn_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)[None, :]
     if EARLY:
@@ -351,6 +355,8 @@ def _skinny_kernel(
         shifted = tl.load(s_ptrs + stride_cs_k, mask=live[:, :, None] & (taps < CONV_K - 2), other=0.0)
         cw = tl.load(cw_ptr + c[None, :, None] * stride_cw_d + taps, mask=c_ok[None, :, None] & (taps < CONV_K),
                      other=0.0).to(tl.float32)
+        if CONV_BIAS:
+            conv_bias = tl.load(cb_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
         # the rows' state is written back per row below; threads holding copies of one element
         # must all have read it first
         tl.debug_barrier()
@@ -376,8 +382,8 @@ def _skinny_kernel(
                 PROLOGUE, ROUND_FIRST, NUM_GROUPS, BLOCK_G, HAS_ROW_IDX, BLOCK_M, EARLY,
             )
         _finish_row(
-            m, acc_m, res, window, shifted, cw, slot, n, n_ok, c, c_ok,
-            bias_ptr, out_ptr, cs_ptr, cb_ptr, stride_out, stride_cs_s, stride_cs_d, stride_cs_k,
+            m, acc_m, res, window, shifted, cw, slot, n, n_ok, c, c_ok, bias, conv_bias,
+            out_ptr, cs_ptr, stride_out, stride_cs_s, stride_cs_d, stride_cs_k,
             EPILOGUE, HAS_BIAS, CONV_K, BLOCK_C, CONV_BIAS, BLOCK_M, EARLY, w_ptr.dtype.element_ty,
         )
 
@@ -553,7 +559,7 @@ def _epilogue_ref(y, residual, relu2, conv, out):
 
 
 def norm_linear_ref(x, norm_w, eps, weight, *, bias=None, round_first=True, rows=None, residual=None,
-                    relu2=False, conv=None, out=None, pdl=False, tile_k=None):
+                    relu2=False, conv=None, out=None, pdl=False, tile_k=None, early=False):
     """The unfused composition: :func:`rms_norm_ref`, a rounded fp32 product, the epilogue."""
     _epilogue(residual, relu2, conv)
     src = x if rows is None else x.index_select(0, rows.long())
@@ -566,7 +572,7 @@ def norm_linear_ref(x, norm_w, eps, weight, *, bias=None, round_first=True, rows
 
 @with_reference(norm_linear_ref)
 def norm_linear(x, norm_w, eps, weight, *, bias=None, round_first=True, rows=None, residual=None,
-                relu2=False, conv=None, out=None, pdl=False, tile_k=None):
+                relu2=False, conv=None, out=None, pdl=False, tile_k=None, early=False):
     """``epilogue(rms_norm(x[rows]) @ weight.T + bias)`` for at most ``MAX_ROWS`` rows.
 
     x:        [T, K] activations (bf16, or the fp32 residual stream); row-strided views allowed
@@ -580,6 +586,8 @@ def norm_linear(x, norm_w, eps, weight, *, bias=None, round_first=True, rows=Non
     out:      [R, N] (any float dtype; the product is rounded to weight's dtype first)
     pdl:      launch as a programmatic dependent of the previous kernel (CUDA, sm_90+)
     tile_k:   stream K in tiles of this many columns whatever the shape (None: by the table)
+    early:    the residual was written two or more kernels back in this stream, so a programmatic
+              dependent launch may read it before its wait, not in its tail
 
     CUDA tensors run the Triton kernel (capturable, no host sync); CPU tensors the reference.
     """
@@ -592,7 +600,7 @@ def norm_linear(x, norm_w, eps, weight, *, bias=None, round_first=True, rows=Non
     spec, dst = _out_rows(x, rows, out, residual, weight.shape[0], weight.dtype)
     return _launch(x, None, norm_w, weight, bias, dst, spec, eps=eps, group_size=K,
                    prologue=_PRO_NONE if norm_w is None else _PRO_RMS, round_first=round_first,
-                   epilogue=epi, conv=conv, pdl=pdl, tile_k=tile_k)
+                   epilogue=epi, conv=conv, pdl=pdl, early=early, tile_k=tile_k)
 
 
 def gated_norm_linear_ref(y, z, norm_w, group_size, eps, weight, *, bias=None, residual=None, out=None,

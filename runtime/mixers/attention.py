@@ -72,5 +72,6 @@ class AttentionMixer(Mixer):
         work = self._split(qkv)
         self.decode(work, ctx, pdl=opts.pdl)  # in the chain of programmatic dependents
         out = work[1]
+        # the residual is the previous block's, four kernels back
         norm_linear(out.view(out.shape[0], -1), None, norm.eps, self.o_proj, bias=self.o_bias, residual=residual,
-                    pdl=opts.pdl, tile_k=opts.tile_k)
+                    pdl=opts.pdl, tile_k=opts.tile_k, early=True)

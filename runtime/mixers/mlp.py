@@ -36,5 +36,6 @@ class MLPMixer(Mixer):
         h = torch.empty(residual.shape[0], self.up.shape[0], dtype=self.up.dtype, device=residual.device)
         norm_linear(residual, norm.weight, norm.eps, self.up, bias=self.up_bias, round_first=norm.round_first,
                     relu2=True, out=h, pdl=opts.pdl, tile_k=opts.tile_k)
+        # the residual is the previous block's, two kernels back
         norm_linear(h, None, norm.eps, self.down, bias=self.down_bias, residual=residual, pdl=opts.pdl,
-                    tile_k=opts.tile_k)
+                    tile_k=opts.tile_k, early=True)

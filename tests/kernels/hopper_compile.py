@@ -114,8 +114,9 @@ def launch_moe() -> None:
 
 def launch_skinny() -> None:
     """The streamed skinny projections as a Nemotron decode step chains them (PDL): in_proj with
-    the block norm (Nemotron-3-Nano's 16-column tiles, Nemotron-Nano-9B-v2's 16 x 512), out_proj,
-    a relu2 up projection, the shared expert's down projection (512-column tiles from K = 3072)."""
+    the block norm (Nemotron-3-Nano's 16-column tiles, Nemotron-Nano-9B-v2's 16 x 512), with the
+    conv epilogue too, out_proj, o_proj adding into the residual, a relu2 up projection, the shared
+    expert's down projection (512-column tiles from K = 3072)."""
     from mambastep.kernels.decode_linear import norm_linear
 
     for N, K, norm, relu2 in ((10304, 2688, True, False), (2688, 4096, False, False), (3712, 2688, True, True),
@@ -124,6 +125,18 @@ def launch_skinny() -> None:
         w = torch.empty(N, K, dtype=torch.bfloat16)
         norm_linear.triton(x, torch.ones(K, dtype=torch.bfloat16) if norm else None, 1e-5, w, relu2=relu2,
                            out=torch.empty(1, N, dtype=torch.bfloat16), pdl=True)
+    # Nano's in_proj with the conv update of its xBC columns in the epilogue (the conv state as the
+    # pool keeps it, [S, K-1, D] seen as [S, D, K-1]), and o_proj's residual read before its wait
+    from mambastep.kernels.decode_linear import ConvTail
+
+    D, W, lo = 6144, 4, 4096
+    conv = ConvTail(torch.empty(2, W - 1, D, dtype=torch.bfloat16).transpose(1, 2), torch.empty(D, W, dtype=torch.bfloat16),
+                    torch.empty(D, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.int32), lo)
+    norm_linear.triton(torch.randn(1, 2688), torch.ones(2688, dtype=torch.bfloat16), 1e-5,
+                       torch.empty(10304, 2688, dtype=torch.bfloat16), conv=conv,
+                       out=torch.empty(1, 10304, dtype=torch.bfloat16), pdl=True)
+    norm_linear.triton(torch.randn(1, 4096).to(torch.bfloat16), None, 1e-5, torch.empty(2688, 4096, dtype=torch.bfloat16),
+                       residual=torch.empty(1, 2688), pdl=True, early=True)
 
 
 def launch_decode_attention() -> None:

@@ -61,14 +61,16 @@ def test_logit_rows_and_fp32_out(device, tile_k):
 
 
 @pytest.mark.parametrize("res_dtype", [torch.float32, BF16])
-def test_residual_epilogue_adds_in_place(device, tile_k, res_dtype):
+@pytest.mark.parametrize("early", [False, True])
+def test_residual_epilogue_adds_in_place(device, tile_k, res_dtype, early):
+    """early: the residual read before the (programmatic launch) wait; the bias is, always."""
     torch.manual_seed(2)
     M, K, N = 4, 64, 24
     x = torch.randn(M, K, device=device).to(BF16)
     w, b = _weights(N, K, device, True)
     residual = torch.randn(M, N, device=device).to(res_dtype)
     res_ref = residual.cpu().clone()
-    norm_linear.triton(x, None, 1e-5, w, bias=b, residual=residual, tile_k=tile_k)
+    norm_linear.triton(x, None, 1e-5, w, bias=b, residual=residual, tile_k=tile_k, early=early)
     norm_linear_ref(x.cpu(), None, 1e-5, w.cpu(), bias=b.cpu(), residual=res_ref)
     assert_close(residual.cpu(), res_ref, res_dtype if res_dtype == BF16 else BF16, factor=0.25)
 
@@ -189,7 +191,8 @@ def test_pdl_chain_in_a_graph_equals_plain_launches(tile_k):
 
         def block():
             norm_linear.triton(residual, norm_w, 1e-5, w[0], out=h, pdl=pdl, tile_k=tile_k)
-            norm_linear.triton(h, None, 1e-5, w[1], residual=residual, pdl=pdl, tile_k=tile_k)
+            # the residual is two or more kernels back here, as o_proj's and the MLP's are
+            norm_linear.triton(h, None, 1e-5, w[1], residual=residual, pdl=pdl, tile_k=tile_k, early=True)
             norm_linear.triton(residual, norm_w, 1e-5, w[2], relu2=True, out=h, pdl=pdl, tile_k=tile_k)
             gated_norm_linear.triton(h, z, norm_w, K // 2, 1e-5, w[3], residual=residual, pdl=pdl,
                                      tile_k=tile_k)

@@ -23,17 +23,18 @@ their own that move almost nothing. Here one kernel does all three:
   ReLU; or, for Mamba2's in_proj, the causal conv1d decode update (state shift and SiLU) on the
   ``xBC`` columns, which one program owns per channel, so the conv state has a single writer.
 
-Programmatic dependent launch (sm_90+): with ``pdl=True`` a kernel may start while the previous
-one drains. Before ``gdc_wait`` it loads only what the previous kernel cannot be writing: its
-first weight tile (and a one-tile kernel's norm weight), the biases, the conv weights and state (no
-other kernel touches a layer's conv state within a step), and with ``early=True`` the gate z and
-the residual; so the epilogue after the product waits on no load. Those are safe because a kernel here signals its dependents (``gdc_launch_dependents``)
-only after its own wait returned, i.e. after its predecessor completed: so when a kernel starts,
-everything two or more launches back in the stream is complete. A one-tile kernel (one wave; or
-an LM head, the step's last kernel) signals right after its wait; a streamed one, whose programs
-run in several waves, only after its K loop, so that dependents take SM slots as its last wave
-drains rather than idle in them through it (docs/experiments.md). Every kernel calls ``gdc_wait`` before reading
-its direct predecessor's output, so the chain stays ordered end to end.
+Programmatic dependent launch (sm_90+): with ``pdl=True`` a kernel may start while the previous one
+drains. Before ``gdc_wait`` it loads only what the previous kernel cannot be writing: its first
+weight tile (and a one-tile kernel's norm weight), the biases, the conv weights and state (no other
+kernel touches a layer's conv state within a step), and with ``early=True`` the gate z and the
+residual (then the epilogue after the product loads nothing). Those are safe because a kernel here
+signals its dependents (``gdc_launch_dependents``) only after its own wait returned, i.e. after its
+predecessor completed: so when a kernel starts, everything two or more launches back in the stream
+is complete. A one-tile kernel (one wave; or an LM head, the step's last kernel) signals right
+after its wait; a streamed one, whose programs run in several waves, only after its K loop, so that
+dependents take SM slots as its last wave drains rather than idle in them through it
+(docs/experiments.md). Every kernel calls ``gdc_wait`` before reading its direct predecessor's
+output, so the chain stays ordered end to end.
 
 A kernel that also waits on another stream (the MoE combine, after the shared expert's join)
 launches as a programmatic dependent all the same: its wait returns only once the other stream's

@@ -130,12 +130,12 @@ def launch_skinny() -> None:
     from mambastep.kernels.decode_linear import ConvTail
 
     D, W, lo = 6144, 4, 4096
-    conv = ConvTail(torch.empty(2, W - 1, D, dtype=torch.bfloat16).transpose(1, 2), torch.empty(D, W, dtype=torch.bfloat16),
-                    torch.empty(D, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.int32), lo)
-    norm_linear.triton(torch.randn(1, 2688), torch.ones(2688, dtype=torch.bfloat16), 1e-5,
-                       torch.empty(10304, 2688, dtype=torch.bfloat16), conv=conv,
-                       out=torch.empty(1, 10304, dtype=torch.bfloat16), pdl=True)
-    norm_linear.triton(torch.randn(1, 4096).to(torch.bfloat16), None, 1e-5, torch.empty(2688, 4096, dtype=torch.bfloat16),
+    bf16 = dict(dtype=torch.bfloat16)
+    conv = ConvTail(torch.empty(2, W - 1, D, **bf16).transpose(1, 2), torch.empty(D, W, **bf16),
+                    torch.empty(D, **bf16), torch.zeros(1, dtype=torch.int32), lo)
+    norm_linear.triton(torch.randn(1, 2688), torch.ones(2688, **bf16), 1e-5, torch.empty(10304, 2688, **bf16),
+                       conv=conv, out=torch.empty(1, 10304, **bf16), pdl=True)
+    norm_linear.triton(torch.randn(1, 4096).to(torch.bfloat16), None, 1e-5, torch.empty(2688, 4096, **bf16),
                        residual=torch.empty(1, 2688), pdl=True, early=True)
 
 

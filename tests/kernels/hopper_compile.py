@@ -117,7 +117,7 @@ def launch_skinny() -> None:
     the block norm (Nemotron-3-Nano's 16-column tiles, Nemotron-Nano-9B-v2's 16 x 512), with the
     conv epilogue too, out_proj, o_proj adding into the residual, a relu2 up projection, the shared
     expert's down projection (512-column tiles from K = 3072)."""
-    from mambastep.kernels.decode_linear import norm_linear
+    from mambastep.kernels.decode_linear import ConvTail, norm_linear
 
     for N, K, norm, relu2 in ((10304, 2688, True, False), (2688, 4096, False, False), (3712, 2688, True, True),
                               (2688, 3712, False, False), (22656, 4480, True, False)):
@@ -127,8 +127,6 @@ def launch_skinny() -> None:
                            out=torch.empty(1, N, dtype=torch.bfloat16), pdl=True)
     # Nano's in_proj with the conv update of its xBC columns in the epilogue (the conv state as the
     # pool keeps it, [S, K-1, D] seen as [S, D, K-1]), and o_proj's residual read before its wait
-    from mambastep.kernels.decode_linear import ConvTail
-
     D, W, lo = 6144, 4, 4096
     bf16 = dict(dtype=torch.bfloat16)
     conv = ConvTail(torch.empty(2, W - 1, D, **bf16).transpose(1, 2), torch.empty(D, W, **bf16),

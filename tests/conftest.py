@@ -8,6 +8,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist each worker's CPU work (the references, HF models) gets its share of the
+# cores. With torch's default of one thread per core in every worker, 8 workers on the H200
+# host's 16 cores stalled CPU tests that take seconds alone for minutes.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _workers))
+
 
 def _fix_interpreter_bf16_dot():
     """Triton 3.9's interpreter multiplies bf16 ``tl.dot`` operands as their raw uint16 bits;

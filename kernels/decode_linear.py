@@ -17,8 +17,9 @@ their own that move almost nothing. Here one kernel does all three:
   - streamed: wider K (Nemotron-H-8B) and vocabulary-wide grids (LM heads) loop over K tiles
     with software pipelining, each tile read once for all rows. A block norm is applied after
     the product (each row's sum of squares comes along in the same pass, and its rstd scales the
-    sums at the end); a gated norm runs as a kernel of its own first, which measured faster
-    than recomputing its groups tile by tile.
+    sums at the end); its weight is a third input stream in every tile unless the model folded
+    it into the projection (``unit_norm``). A gated norm runs as a kernel of its own first,
+    which measured faster than recomputing its groups tile by tile.
 - epilogue: store the rounded product; or add it into the residual stream in place; or squared
   ReLU; or, for Mamba2's in_proj, the causal conv1d decode update (state shift and SiLU) on the
   ``xBC`` columns, which one program owns per channel, so the conv state has a single writer.
@@ -199,9 +200,10 @@ def _tile_row(
 
 @triton.jit
 def _stream_tile(acc, sq, w, k, ks, x_ptr, wn_ptr, src, row_ok, K, stride_x,
-                 NORM: tl.constexpr, EVEN_K: tl.constexpr):
+                 NORM: tl.constexpr, EVEN_K: tl.constexpr, NORM_WEIGHT: tl.constexpr):
     """One K tile of the streamed product, elementwise (reduced once after the loop): acc += w *
-    input (times the norm weight), and with a norm sq += input^2."""
+    input (times the norm weight, unless NORM_WEIGHT is off: a unit weight, folded into w), and
+    with a norm sq += input^2."""
     cols = k + ks
     col_ok = cols < K
     if EVEN_K:
@@ -209,7 +211,8 @@ def _stream_tile(acc, sq, w, k, ks, x_ptr, wn_ptr, src, row_ok, K, stride_x,
     a = _input_rows(x_ptr, src, src, row_ok, cols, col_ok, stride_x, False)  # [BLOCK_M, BLOCK_K]
     if NORM:
         sq += a * a
-        a = a * tl.load(wn_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if NORM_WEIGHT:
+            a = a * tl.load(wn_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     acc += w.to(tl.float32)[None, :, :] * a[:, None, :]
     return acc, sq
 
@@ -218,7 +221,7 @@ def _stream_tile(acc, sq, w, k, ks, x_ptr, wn_ptr, src, row_ok, K, stride_x,
 def _streamed_rows(
     w0, n64, n_ok, x_ptr, wn_ptr, w_ptr, row_ptr, M, K, eps, stride_x, stride_w,
     NORM: tl.constexpr, HAS_ROW_IDX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr, NORM_WEIGHT: tl.constexpr,
 ):
     """The product of all rows with the program's [BLOCK_N, K] weight slice in fp32, as
     [BLOCK_M, BLOCK_N], in one pass over K tiles (w0 is the first), each weight tile read once
@@ -235,7 +238,7 @@ def _streamed_rows(
         src = rows.to(tl.int64)
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-    acc, sq = _stream_tile(acc, sq, w0, 0, ks, x_ptr, wn_ptr, src, row_ok, K, stride_x, NORM, EVEN_K)
+    acc, sq = _stream_tile(acc, sq, w0, 0, ks, x_ptr, wn_ptr, src, row_ok, K, stride_x, NORM, EVEN_K, NORM_WEIGHT)
     for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         cols = k + ks
         w_ptrs = w_ptr + n64[:, None] * stride_w + cols[None, :]
@@ -243,7 +246,7 @@ def _streamed_rows(
             w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
         else:
             w = tl.load(w_ptrs, mask=n_ok[:, None] & (cols < K)[None, :], other=0.0)
-        acc, sq = _stream_tile(acc, sq, w, k, ks, x_ptr, wn_ptr, src, row_ok, K, stride_x, NORM, EVEN_K)
+        acc, sq = _stream_tile(acc, sq, w, k, ks, x_ptr, wn_ptr, src, row_ok, K, stride_x, NORM, EVEN_K, NORM_WEIGHT)
     y = tl.sum(acc, axis=2)
     if NORM:
         y = y * tl.rsqrt(tl.sum(sq, axis=1) / K + eps)[:, None]
@@ -308,6 +311,7 @@ def _skinny_kernel(
     CONV_K: tl.constexpr, BLOCK_C: tl.constexpr, CONV_BIAS: tl.constexpr,
     M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     LOOP: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr, EARLY: tl.constexpr, USE_PDL: tl.constexpr,
+    NORM_WEIGHT: tl.constexpr,
 ):
     # grid: (cdiv(N, BLOCK_N),): all M rows over BLOCK_N output columns. Without LOOP, the whole
     # K is one tile held in registers and the rows are taken one after the other in the tile's
@@ -369,7 +373,7 @@ def _skinny_kernel(
         tl.static_assert(PROLOGUE != 2, "a gated norm runs as its own kernel before a streamed product")
         acc = _streamed_rows(
             w0, n64, n_ok, x_ptr, wn_ptr, w_ptr, row_ptr, M, K, eps, stride_x, stride_w,
-            PROLOGUE == 1, HAS_ROW_IDX, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, STAGES,
+            PROLOGUE == 1, HAS_ROW_IDX, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, STAGES, NORM_WEIGHT,
         )
         if USE_PDL:
             # several waves of programs: the dependents take slots only as the last one drains
@@ -482,7 +486,8 @@ def _check_weight(weight: torch.Tensor, K: int) -> None:
 
 
 def _launch(x, z, norm_w, weight, bias, out, rows: _Rows, *, eps, group_size, prologue, round_first,
-            epilogue, conv: ConvTail | None, pdl: bool, early: bool = False, tile_k: int | None = None):
+            epilogue, conv: ConvTail | None, pdl: bool, early: bool = False, tile_k: int | None = None,
+            unit_norm: bool = False):
     M, (N, K) = rows.n, weight.shape
     if M > MAX_ROWS:
         raise ValueError(f"{M} rows: the skinny projection takes at most {MAX_ROWS}; use a GEMM")
@@ -510,7 +515,7 @@ def _launch(x, z, norm_w, weight, bias, out, rows: _Rows, *, eps, group_size, pr
         CONV_K=conv_k, BLOCK_C=triton.next_power_of_2(conv_k), CONV_BIAS=conv is not None and conv.bias is not None,
         M=M, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, LOOP=cfg.loop,
         EVEN_K=K % cfg.block_k == 0, STAGES=cfg.stages, EARLY=early, USE_PDL=pdl, num_warps=cfg.num_warps,
-        **extra,
+        NORM_WEIGHT=not unit_norm, **extra,
     )
     return out
 
@@ -560,7 +565,7 @@ def _epilogue_ref(y, residual, relu2, conv, out):
 
 
 def norm_linear_ref(x, norm_w, eps, weight, *, bias=None, round_first=True, rows=None, residual=None,
-                    relu2=False, conv=None, out=None, pdl=False, tile_k=None, early=False):
+                    relu2=False, conv=None, out=None, pdl=False, tile_k=None, early=False, unit_norm=False):
     """The unfused composition: :func:`rms_norm_ref`, a rounded fp32 product, the epilogue."""
     _epilogue(residual, relu2, conv)
     src = x if rows is None else x.index_select(0, rows.long())
@@ -573,7 +578,7 @@ def norm_linear_ref(x, norm_w, eps, weight, *, bias=None, round_first=True, rows
 
 @with_reference(norm_linear_ref)
 def norm_linear(x, norm_w, eps, weight, *, bias=None, round_first=True, rows=None, residual=None,
-                relu2=False, conv=None, out=None, pdl=False, tile_k=None, early=False):
+                relu2=False, conv=None, out=None, pdl=False, tile_k=None, early=False, unit_norm=False):
     """``epilogue(rms_norm(x[rows]) @ weight.T + bias)`` for at most ``MAX_ROWS`` rows.
 
     x:        [T, K] activations (bf16, or the fp32 residual stream); row-strided views allowed
@@ -589,6 +594,8 @@ def norm_linear(x, norm_w, eps, weight, *, bias=None, round_first=True, rows=Non
     tile_k:   stream K in tiles of this many columns whatever the shape (None: by the table)
     early:    the residual was written two or more kernels back in this stream, so a programmatic
               dependent launch may read it before its wait, not in its tail
+    unit_norm: norm_w is all ones (the model folded the norm's weight into ``weight``,
+              ``Model``'s ``fold_norms``): the streamed path does not read or multiply it
 
     CUDA tensors run the Triton kernel (capturable, no host sync); CPU tensors the reference.
     """
@@ -601,7 +608,8 @@ def norm_linear(x, norm_w, eps, weight, *, bias=None, round_first=True, rows=Non
     spec, dst = _out_rows(x, rows, out, residual, weight.shape[0], weight.dtype)
     return _launch(x, None, norm_w, weight, bias, dst, spec, eps=eps, group_size=K,
                    prologue=_PRO_NONE if norm_w is None else _PRO_RMS, round_first=round_first,
-                   epilogue=epi, conv=conv, pdl=pdl, early=early, tile_k=tile_k)
+                   epilogue=epi, conv=conv, pdl=pdl, early=early, tile_k=tile_k,
+                   unit_norm=unit_norm and norm_w is not None)
 
 
 def gated_norm_linear_ref(y, z, norm_w, group_size, eps, weight, *, bias=None, residual=None, out=None,

@@ -12,6 +12,13 @@ one of two ways, chosen by one rule fixed when the model is built (``takes_fused
 
 Either way the first kernel gathers the embeddings into the residual stream, resolving a decode
 row's -1 id to the token its slot drew last step (``kernels.embedding``).
+
+``fold_norms``: a block norm whose output only one projection reads (Mamba2's in_proj,
+attention's qkv, the MLP's up) has its weight folded into that projection's columns when the
+model is built, and keeps a unit weight. By default where the fused decode streams K (the
+Nemotron sizes): there the norm weight was a third input stream in every K tile, about 0.8 us a
+projection at one row (docs/experiments.md). The folded weight is rounded once to the weights'
+dtype; in bf16 that moves the products by about as much as HF's own rounding of the normed row.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import torch.nn.functional as F
 from ..kernels.decode_linear import norm_linear
 from ..kernels.embedding import embed_rows
 from .config import ModelConfig
-from .decode_options import DecodeOptions
+from .decode_options import DecodeOptions, one_tile
 from .mixers import MIXERS, Block, Norm, StepContext
 from .presets import preset_config
 from .state_pool import StatePool
@@ -36,9 +43,11 @@ __all__ = ["Model"]
 
 
 class Model:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], options: DecodeOptions | None = None):
-        """weights: the checkpoint's tensors by name (``runtime.weights``); options: how small
-        decode steps run (default: ``DecodeOptions()``, resolved for the model and device)."""
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], options: DecodeOptions | None = None,
+                 fold_norms: bool | None = None):
+        """weights: the checkpoint's tensors by name (``runtime.weights``, not modified); options:
+        how small decode steps run (default: ``DecodeOptions()``, resolved for the model and
+        device); fold_norms: see the module doc (None: where the fused decode streams K)."""
         self.cfg = cfg
         self.embed = weights["embeddings.weight"]
         self.dtype, self.device = self.embed.dtype, self.embed.device
@@ -46,6 +55,10 @@ class Model:
         round_first = cfg.architecture == "mamba2"
         self.blocks = [Block(Norm(weights[f"layers.{i}.norm.weight"], cfg.norm_eps, round_first),
                              MIXERS[kind](cfg, i, weights)) for i, kind in enumerate(cfg.layer_types)]
+        if fold_norms is None:
+            fold_norms = not one_tile(cfg)
+        if fold_norms:
+            self.blocks = [_folded(block) for block in self.blocks]
         self.final_norm = Norm(weights["norm_f.weight"], cfg.norm_eps, round_first)
         self.residual_dtype = torch.float32 if cfg.residual_in_fp32 else self.dtype
         self.options = self._resolve(options or DecodeOptions())
@@ -56,17 +69,17 @@ class Model:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype=torch.bfloat16, device="cpu",
-                        options: DecodeOptions | None = None) -> "Model":
+                        options: DecodeOptions | None = None, fold_norms: bool | None = None) -> "Model":
         """Load an HF checkpoint directory (config.json + safetensors)."""
         cfg = ModelConfig.from_pretrained(path)
-        return cls(cfg, load_weights(path, cfg, dtype=dtype, device=device), options)
+        return cls(cfg, load_weights(path, cfg, dtype=dtype, device=device), options, fold_norms)
 
     @classmethod
     def from_preset(cls, name: str, *, dtype=torch.bfloat16, device="cpu", seed: int = 0,
-                    options: DecodeOptions | None = None) -> "Model":
+                    options: DecodeOptions | None = None, fold_norms: bool | None = None) -> "Model":
         """A built-in model shape with random weights made on ``device``."""
         cfg = preset_config(name)
-        return cls(cfg, random_weights(cfg, dtype=dtype, device=device, seed=seed), options)
+        return cls(cfg, random_weights(cfg, dtype=dtype, device=device, seed=seed), options, fold_norms)
 
     def with_options(self, options: DecodeOptions) -> "Model":
         """The same weights run with other decode options (a variant to compare against)."""
@@ -123,3 +136,11 @@ class Model:
         h = norm(residual.index_select(0, rows),
                  out=torch.empty(rows.shape[0], residual.shape[1], dtype=self.dtype, device=residual.device))
         return F.linear(h, self.lm_head).float()
+
+
+def _folded(block: Block) -> Block:
+    """The block with its norm's weight folded into its mixer's one reader, if it has one."""
+    norm = block.norm
+    if not block.mixer.absorb_norm(norm.weight):
+        return block
+    return Block(Norm(torch.ones_like(norm.weight), norm.eps, norm.round_first, unit=True), block.mixer)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from ...kernels.attention import decode_attention, prefill_attention
 from ...kernels.decode_linear import norm_linear
 from ..config import ModelConfig
-from .base import Mixer, Norm, StepContext
+from .base import Mixer, Norm, StepContext, scale_columns
 
 __all__ = ["AttentionMixer"]
 
@@ -64,11 +64,15 @@ class AttentionMixer(Mixer):
         _, out = work
         return F.linear(out.view(out.shape[0], -1), self.o_proj, self.o_bias)
 
+    def absorb_norm(self, weight: torch.Tensor) -> bool:
+        self.qkv = scale_columns(self.qkv, weight)
+        return True
+
     def fused_decode(self, residual: torch.Tensor, norm: Norm, ctx: StepContext) -> None:
         opts = ctx.options
         qkv = torch.empty(residual.shape[0], self.qkv.shape[0], dtype=self.qkv.dtype, device=residual.device)
         norm_linear(residual, norm.weight, norm.eps, self.qkv, bias=self.qkv_bias, round_first=norm.round_first,
-                    out=qkv, pdl=opts.pdl, tile_k=opts.tile_k)
+                    out=qkv, pdl=opts.pdl, tile_k=opts.tile_k, unit_norm=norm.unit)
         work = self._split(qkv)
         self.decode(work, ctx, pdl=opts.pdl)  # in the chain of programmatic dependents
         out = work[1]

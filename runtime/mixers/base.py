@@ -30,21 +30,29 @@ from ..decode_options import DecodeOptions
 from ..state_pool import StatePool
 from ..step_inputs import StepInputs
 
-__all__ = ["Block", "Mixer", "Norm", "StepContext", "run_branches"]
+__all__ = ["Block", "Mixer", "Norm", "StepContext", "run_branches", "scale_columns"]
 
 
 @dataclass(frozen=True)
 class Norm:
     """A block's RMSNorm. ``round_first``: HF's Mamba2 rounds the normalised row before its weight,
-    NemotronH only the product (only bf16 tells them apart)."""
+    NemotronH only the product (only bf16 tells them apart). ``unit``: the weight is all ones, the
+    checkpoint's folded into the projection after it (``Model``'s ``fold_norms``), so a fused
+    kernel need not read it."""
 
     weight: torch.Tensor
     eps: float
     round_first: bool
+    unit: bool = False
 
     def __call__(self, x: torch.Tensor, *, residual: torch.Tensor | None = None,
                  out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps, residual=residual, out=out, round_first=self.round_first, pdl=pdl)
+
+
+def scale_columns(w: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``w[:, k] * weight[k]`` in fp32, rounded once to w's dtype: a new tensor."""
+    return (w.float() * weight.float()).to(w.dtype)
 
 
 @dataclass(frozen=True)
@@ -102,6 +110,13 @@ class Mixer:
     def fused_decode(self, residual: torch.Tensor, norm: Norm, ctx: StepContext) -> None:
         """``residual += mixer(norm(residual))`` in place, for a small decode-only step."""
         raise NotImplementedError(f"{type(self).__name__} has no fused decode")
+
+    def absorb_norm(self, weight: torch.Tensor) -> bool:
+        """Fold the block norm's ``weight`` [D] into the one projection that reads the norm's
+        output, ``W[:, k] * weight[k]`` rounded once to W's dtype (a new tensor: the checkpoint's
+        is left as it was); False where more than one op reads it (MoE: the router and both kinds
+        of expert), which leaves everything as it was."""
+        return False
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from ...kernels.norm import gated_rms_norm
 from ...kernels.ssd import ssd_scan
 from ...kernels.state_update import selective_state_update
 from ..config import ModelConfig
-from .base import Mixer, Norm, StepContext
+from .base import Mixer, Norm, StepContext, scale_columns
 
 __all__ = ["Mamba2Mixer"]
 
@@ -100,6 +100,10 @@ class Mamba2Mixer(Mixer):
         normed = gated_rms_norm(y.view(T, self.inner), self._z(proj), self.norm_w, self.inner // self.G, self.eps)
         return F.linear(normed, self.out_proj, self.out_proj_bias)
 
+    def absorb_norm(self, weight: torch.Tensor) -> bool:
+        self.in_proj = scale_columns(self.in_proj, weight)
+        return True
+
     def fused_decode(self, residual: torch.Tensor, norm: Norm, ctx: StepContext) -> None:
         T, opts, slots = residual.shape[0], ctx.options, ctx.inputs.decode_slots
         proj = torch.empty(T, self.in_proj.shape[0], dtype=self.in_proj.dtype, device=residual.device)
@@ -107,7 +111,8 @@ class Mamba2Mixer(Mixer):
         # come out already convolved, as ``decode`` writes them into xbc
         conv = ConvTail(ctx.pool.conv[self.idx], self.conv_w, self.conv_b, slots, self.inner)
         norm_linear(residual, norm.weight, norm.eps, self.in_proj, bias=self.in_proj_bias,
-                    round_first=norm.round_first, conv=conv, out=proj, pdl=opts.pdl, tile_k=opts.tile_k)
+                    round_first=norm.round_first, conv=conv, out=proj, pdl=opts.pdl, tile_k=opts.tile_k,
+                    unit_norm=norm.unit)
         x, B, C = self._ssm_operands(self._xbc(proj))
         y = torch.empty(T, self.H, self.P, dtype=proj.dtype, device=proj.device)
         selective_state_update(ctx.pool.ssm[self.idx], x, self._dt(proj), self.A, B, C, self.D, slots,

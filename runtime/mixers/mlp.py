@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from ...kernels.activation import relu2
 from ...kernels.decode_linear import norm_linear
 from ..config import ModelConfig
-from .base import Mixer, Norm, StepContext
+from .base import Mixer, Norm, StepContext, scale_columns
 
 __all__ = ["MLPMixer", "relu2_mlp"]
 
@@ -31,11 +31,15 @@ class MLPMixer(Mixer):
     def forward(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         return relu2_mlp(h, self.up, self.down, self.up_bias, self.down_bias)
 
+    def absorb_norm(self, weight: torch.Tensor) -> bool:
+        self.up = scale_columns(self.up, weight)
+        return True
+
     def fused_decode(self, residual: torch.Tensor, norm: Norm, ctx: StepContext) -> None:
         opts = ctx.options
         h = torch.empty(residual.shape[0], self.up.shape[0], dtype=self.up.dtype, device=residual.device)
         norm_linear(residual, norm.weight, norm.eps, self.up, bias=self.up_bias, round_first=norm.round_first,
-                    relu2=True, out=h, pdl=opts.pdl, tile_k=opts.tile_k)
+                    relu2=True, out=h, pdl=opts.pdl, tile_k=opts.tile_k, unit_norm=norm.unit)
         # the residual is the previous block's, two kernels back
         norm_linear(h, None, norm.eps, self.down, bias=self.down_bias, residual=residual, pdl=opts.pdl,
                     tile_k=opts.tile_k, early=True)

@@ -46,6 +46,26 @@ def test_norm_linear_matches_reference(device, tile_k, M, K, round_first, bias):
     assert_close(out.cpu(), ref, BF16, factor=0.25)
 
 
+@pytest.mark.parametrize("M", [1, 3])
+def test_unit_norm_is_folded_into_the_weight(device, M):
+    """A norm weight folded into the projection's columns (``Model``'s fold_norms): the streamed
+    product with ``unit_norm`` never reads the norm weight it is handed (NaNs here) and equals
+    the checkpoint's norm and projection, to the rounding of the folded weight."""
+    torch.manual_seed(40 + M)
+    K, N = 72, 29
+    x = torch.randn(M, K, device=device).to(BF16)
+    norm_w = (1 + 0.3 * torch.randn(K, device=device)).to(BF16)
+    w, b = _weights(N, K, device, True)
+    folded = (w.float() * norm_w.float()).to(BF16)
+    out = poisoned((M, N), BF16, device)
+    nan_norm = torch.full((K,), float("nan"), device=device, dtype=BF16)
+    norm_linear.triton(x, nan_norm, 1e-5, folded, bias=b, round_first=False, out=out, tile_k=16, unit_norm=True)
+    ref = norm_linear_ref(x.cpu(), norm_w.cpu(), 1e-5, w.cpu(), bias=b.cpu(), round_first=False)
+    assert_close(out.cpu(), ref, BF16, factor=0.25)
+    unfolded = norm_linear.triton(x, nan_norm, 1e-5, folded, bias=b, round_first=False, tile_k=16)
+    assert unfolded.isnan().all()  # without the flag the weight is read
+
+
 def test_logit_rows_and_fp32_out(device, tile_k):
     """Rows picked by index (the LM head over logit rows) and an fp32 destination."""
     torch.manual_seed(1)

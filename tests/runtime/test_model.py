@@ -16,7 +16,7 @@ from mambastep.runtime.plan import StepPlan
 from mambastep.runtime.presets import preset_config
 from mambastep.runtime.state_pool import StatePool
 from mambastep.runtime.step_runner import StepRunner
-from mambastep.runtime.weights import WeightError
+from mambastep.runtime.weights import WeightError, load_weights
 from support import assert_close
 
 KINDS = ["mamba2", "nemotron_h"]
@@ -169,6 +169,41 @@ def test_fused_decode_equals_layer_by_layer(kind, tmp_path):
     (a, states_a), (b, states_b) = runs
     for x, y in zip(a + states_a, b + states_b):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@torch.no_grad()
+def test_folded_norms_give_the_checkpoints_logits(kind, tmp_path):
+    """Block norm weights folded into the projections that read them (the default only where the
+    fused decode streams K; asked for here): prefill and decode logits, layered and fused, equal
+    the unfolded model's in fp32, and greedy tokens HF's. MoE blocks keep their norms (three
+    readers); the checkpoint's tensors are left as they were."""
+    hf = save_tiny(kind, tmp_path, **(MOE if kind == "nemotron_h" else {}))
+    cfg = ModelConfig.from_pretrained(tmp_path)
+    weights = load_weights(tmp_path, cfg, dtype=torch.float32)
+    before = {name: t.clone() for name, t in weights.items()}
+    folded = Model(cfg, weights, DecodeOptions(fused=True), fold_norms=True)
+    assert all(torch.equal(weights[name], t) for name, t in before.items())
+    plain = Model.from_pretrained(tmp_path, dtype=torch.float32)
+    assert not any(block.norm.unit for block in plain.blocks)
+    for i, kind_ in enumerate(cfg.layer_types):
+        assert folded.blocks[i].norm.unit == (kind_ != "moe")
+        assert torch.equal(folded.blocks[i].norm.weight, plain.blocks[i].norm.weight) == (kind_ == "moe")
+    ps = prompts([5, 12], seed=9)
+    runs = []
+    for model in (plain, folded, folded.with_options(DecodeOptions(fused=False))):
+        runner = new_runner(model, 2)
+        logits = [step(runner, [(p, slot, 0) for slot, p in enumerate(ps)])]
+        pos = [len(p) for p in ps]
+        for i in range(3):
+            logits.append(step(runner, decode=[(3 + i, s, pos[s]) for s in range(2)]))
+            pos = [n + 1 for n in pos]
+        runs.append(torch.cat(logits))
+    for other in runs[1:]:
+        torch.testing.assert_close(other, runs[0], rtol=1e-4, atol=1e-5)
+    hf.generation_config.eos_token_id = None
+    for p, tokens in zip(ps, greedy(folded, ps, 12)):
+        assert tokens == hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0, len(p):].tolist()
 
 
 def test_fused_rows_follow_the_projection_shapes():

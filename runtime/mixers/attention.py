@@ -14,13 +14,14 @@ import torch.nn.functional as F
 from ...kernels.attention import decode_attention, prefill_attention
 from ...kernels.decode_linear import norm_linear
 from ..config import ModelConfig
-from .base import Mixer, Norm, StepContext, scale_columns
+from .base import Mixer, Norm, StepContext
 
 __all__ = ["AttentionMixer"]
 
 
 class AttentionMixer(Mixer):
     fuses_decode = True
+    norm_reader = "qkv"
 
     def __init__(self, cfg: ModelConfig, idx: int, w: dict[str, torch.Tensor]):
         p = f"layers.{idx}.mixer."
@@ -63,10 +64,6 @@ class AttentionMixer(Mixer):
     def finish(self, work) -> torch.Tensor:
         _, out = work
         return F.linear(out.view(out.shape[0], -1), self.o_proj, self.o_bias)
-
-    def absorb_norm(self, weight: torch.Tensor) -> bool:
-        self.qkv = scale_columns(self.qkv, weight)
-        return True
 
     def fused_decode(self, residual: torch.Tensor, norm: Norm, ctx: StepContext) -> None:
         opts = ctx.options

@@ -30,7 +30,7 @@ from ..decode_options import DecodeOptions
 from ..state_pool import StatePool
 from ..step_inputs import StepInputs
 
-__all__ = ["Block", "Mixer", "Norm", "StepContext", "run_branches", "scale_columns"]
+__all__ = ["Block", "Mixer", "Norm", "StepContext", "run_branches"]
 
 
 @dataclass(frozen=True)
@@ -48,11 +48,6 @@ class Norm:
     def __call__(self, x: torch.Tensor, *, residual: torch.Tensor | None = None,
                  out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps, residual=residual, out=out, round_first=self.round_first, pdl=pdl)
-
-
-def scale_columns(w: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``w[:, k] * weight[k]`` in fp32, rounded once to w's dtype: a new tensor."""
-    return (w.float() * weight.float()).to(w.dtype)
 
 
 @dataclass(frozen=True)
@@ -76,10 +71,14 @@ class StepContext:
 class Mixer:
     """A block's mixer (see the module doc). ``fuses_decode``: the mixer offers ``fused_decode``.
     ``staggered``: in a forked step the decode branch waits for an event the prefill branch
-    records part-way (``prefill``'s ``passed``), rather than starting at the fork."""
+    records part-way (``prefill``'s ``passed``), rather than starting at the fork.
+    ``norm_reader``: the attribute holding the one projection weight [N, D] that reads the block
+    norm's output, or None where more than one op reads it (MoE: the router and both kinds of
+    expert)."""
 
     fuses_decode = False
     staggered = False
+    norm_reader: str | None = None
 
     def forward(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """The mixer over the step's packed tokens: h [T, D] normed input -> out [T, D]."""
@@ -112,11 +111,14 @@ class Mixer:
         raise NotImplementedError(f"{type(self).__name__} has no fused decode")
 
     def absorb_norm(self, weight: torch.Tensor) -> bool:
-        """Fold the block norm's ``weight`` [D] into the one projection that reads the norm's
-        output, ``W[:, k] * weight[k]`` rounded once to W's dtype (a new tensor: the checkpoint's
-        is left as it was); False where more than one op reads it (MoE: the router and both kinds
-        of expert), which leaves everything as it was."""
-        return False
+        """Fold the block norm's ``weight`` [D] into the ``norm_reader`` projection, ``W[:, k] *
+        weight[k]`` in fp32 rounded once to W's dtype (a new tensor: the checkpoint's is left as
+        it was); False, changing nothing, where the mixer has no one reader."""
+        if self.norm_reader is None:
+            return False
+        w = getattr(self, self.norm_reader)
+        setattr(self, self.norm_reader, (w.float() * weight.float()).to(w.dtype))
+        return True
 
 
 @dataclass(frozen=True)

@@ -18,13 +18,14 @@ from ...kernels.norm import gated_rms_norm
 from ...kernels.ssd import ssd_scan
 from ...kernels.state_update import selective_state_update
 from ..config import ModelConfig
-from .base import Mixer, Norm, StepContext, scale_columns
+from .base import Mixer, Norm, StepContext
 
 __all__ = ["Mamba2Mixer"]
 
 
 class Mamba2Mixer(Mixer):
     fuses_decode = True
+    norm_reader = "in_proj"
     # Forked, the decode branch waits until the scan's chunk states are passed: its state update
     # streams the decode rows' whole state, and beside the scan's first, short, latency-bound
     # kernels it slows them down; beside the chunk scan it costs less.
@@ -99,10 +100,6 @@ class Mamba2Mixer(Mixer):
         T = y.shape[0]
         normed = gated_rms_norm(y.view(T, self.inner), self._z(proj), self.norm_w, self.inner // self.G, self.eps)
         return F.linear(normed, self.out_proj, self.out_proj_bias)
-
-    def absorb_norm(self, weight: torch.Tensor) -> bool:
-        self.in_proj = scale_columns(self.in_proj, weight)
-        return True
 
     def fused_decode(self, residual: torch.Tensor, norm: Norm, ctx: StepContext) -> None:
         T, opts, slots = residual.shape[0], ctx.options, ctx.inputs.decode_slots

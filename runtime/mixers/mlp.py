@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from ...kernels.activation import relu2
 from ...kernels.decode_linear import norm_linear
 from ..config import ModelConfig
-from .base import Mixer, Norm, StepContext, scale_columns
+from .base import Mixer, Norm, StepContext
 
 __all__ = ["MLPMixer", "relu2_mlp"]
 
@@ -22,6 +22,7 @@ def relu2_mlp(x, up, down, up_bias=None, down_bias=None):
 
 class MLPMixer(Mixer):
     fuses_decode = True
+    norm_reader = "up"
 
     def __init__(self, cfg: ModelConfig, idx: int, w: dict[str, torch.Tensor]):
         p = f"layers.{idx}.mixer."
@@ -30,10 +31,6 @@ class MLPMixer(Mixer):
 
     def forward(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         return relu2_mlp(h, self.up, self.down, self.up_bias, self.down_bias)
-
-    def absorb_norm(self, weight: torch.Tensor) -> bool:
-        self.up = scale_columns(self.up, weight)
-        return True
 
     def fused_decode(self, residual: torch.Tensor, norm: Norm, ctx: StepContext) -> None:
         opts = ctx.options

@@ -7,16 +7,23 @@ take preallocated ``out=`` buffers, never sync with the host, and skip rows whos
 ``PAD_SLOT_ID`` (see ``varlen``).
 """
 
-from .activation import relu2
-from .attention import decode_attention, prefill_attention
-from .conv1d import conv1d_update, conv1d_varlen
-from .decode_linear import ConvTail, gated_norm_linear, norm_linear
-from .embedding import embed_rows
-from .norm import gated_rms_norm, rms_norm
-from .sample import sample
-from .ssd import SSDWorkspace, ssd_scan
-from .state_update import selective_state_update
-from .varlen import PAD_SLOT_ID, PrefillMetadata, fill_prefill_metadata, max_chunks_for
+if __name__ == "kernels":
+    # Imported by the bare name: the checkout's root is on sys.path and this folder shadows HF's
+    # `kernels` package (see _bare_name); the installed package takes the name.
+    from ._bare_name import hand_over
+
+    hand_over()
+else:
+    from .activation import relu2
+    from .attention import decode_attention, prefill_attention
+    from .conv1d import conv1d_update, conv1d_varlen
+    from .decode_linear import ConvTail, gated_norm_linear, norm_linear
+    from .embedding import embed_rows
+    from .norm import gated_rms_norm, rms_norm
+    from .sample import sample
+    from .ssd import SSDWorkspace, ssd_scan
+    from .state_update import selective_state_update
+    from .varlen import PAD_SLOT_ID, PrefillMetadata, fill_prefill_metadata, max_chunks_for
 
 __all__ = [
     "PAD_SLOT_ID", "PrefillMetadata", "fill_prefill_metadata", "max_chunks_for",

@@ -1,12 +1,16 @@
 import pytest
 import torch
-from transformers.models.mamba2.modeling_mamba2 import Mamba2RMSNorm, MambaRMSNormGated
+from transformers.models.mamba2 import modeling_mamba2
+from transformers.models.mamba2.modeling_mamba2 import Mamba2RMSNorm
 from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHRMSNorm
 
 from hf_models import HF_5_23
 
 from mambastep.kernels.norm import gated_rms_norm_ref, gated_rms_norm, rms_norm_ref, rms_norm
 from support import assert_close, poisoned
+
+# HF's gated norm: Mamba2RMSNormGated from transformers 5.25, MambaRMSNormGated before
+HFGatedNorm = getattr(modeling_mamba2, "Mamba2RMSNormGated", None) or modeling_mamba2.MambaRMSNormGated
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -71,7 +75,7 @@ def test_references_match_hf(groups):
     D = 32
     if not HF_5_23:
         pytest.skip("HF's gated norm takes a group size from transformers 5.23")
-    hf = MambaRMSNormGated(D, group_size=D // groups, eps=1e-6)
+    hf = HFGatedNorm(D, group_size=D // groups, eps=1e-6)
     hf.weight.data = torch.randn(D)
     x, z = torch.randn(3, D), torch.randn(3, D)
     assert_close(gated_rms_norm_ref(x, z, hf.weight, D // groups, 1e-6), hf(x, z))

@@ -1,6 +1,7 @@
 """`pip install .` ships every subpackage: each folder with an __init__.py is listed in pyproject;
 imports run one way; and the tests run from a checkout under any directory name."""
 
+import importlib.metadata
 import shutil
 import subprocess
 import sys
@@ -77,3 +78,33 @@ def test_the_tests_run_from_a_checkout_under_any_directory_name(tmp_path):
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            "tests/kernels/test_activation.py"], cwd=copy, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:]
+
+
+def _hf_kernels_installed() -> bool:
+    try:
+        importlib.metadata.distribution("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def test_the_bare_name_kernels_never_resolves_to_the_checkout():
+    """transformers 5.25 imports HF's ``kernels`` package. With the checkout's root on sys.path
+    (``python3 -m pytest`` or ``python3 -c`` run from it, a script kept in it) the bare name
+    reaches that package, in this process and in one started from the root, and HF's models
+    import; with no such package it fails as if there were none."""
+    import kernels
+
+    where = Path(kernels.__file__).resolve()
+    code = "import kernels; print(kernels.__file__); import transformers.models.nemotron_h.modeling_nemotron_h"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    if _hf_kernels_installed():
+        assert not where.is_relative_to(ROOT)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert not Path(done.stdout.splitlines()[0]).resolve().is_relative_to(ROOT)
+    # without site-packages (-S): only the checkout has the name, and it refuses it
+    alone = subprocess.run([sys.executable, "-S", "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); import kernels"],
+                           capture_output=True, text=True, timeout=60)
+    assert alone.returncode != 0
+    assert "ModuleNotFoundError: No module named 'kernels'" in alone.stderr
+    assert "is mambastep.kernels" in alone.stderr

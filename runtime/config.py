@@ -1,7 +1,10 @@
 """One flat, validated model config, read from an HF ``config.json`` or built from a preset.
 
 Two HF architectures map onto it: ``Mamba2ForCausalLM`` (every layer a Mamba2 mixer) and
-``NemotronHForCausalLM`` (a hybrid pattern of Mamba2, attention, MLP and MoE layers).
+``NemotronHForCausalLM`` (a hybrid pattern of Mamba2, attention, MLP and MoE layers); and
+mamba_ssm's own ``config.json`` (``d_model``, ``n_layer``, ``ssm_cfg``: the official
+state-spaces/mamba2-* checkpoints). What cannot be read exactly (quantized weights, other
+families, multimodal wrappers) is refused by name.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ class ModelConfig:
     chunk_size: int = 256
     use_conv_bias: bool = True
     mamba_proj_bias: bool = False
-    # dt is clamped to this range in prefill only (as HF does)
+    # prefill dt is clamped to this range (config.json's time_step_limit), decode dt is not, as in HF
     dt_limit: tuple[float, float] = (0.0, math.inf)
     # attention (GQA, no rotary embedding: NemotronH)
     num_attention_heads: int = 0
@@ -144,6 +147,13 @@ class ModelConfig:
             raise ConfigError(f"{path}: unreadable ({e})") from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+        modelopt = path.parent / "hf_quant_config.json"  # ModelOpt's exports carry it beside config.json
+        if modelopt.exists() and isinstance(hf, dict) and "quantization_config" not in hf:
+            try:
+                quant = json.loads(modelopt.read_text()).get("quantization", {})
+            except (OSError, ValueError, AttributeError):
+                quant = {}
+            hf = {**hf, "quantization_config": {"quant_method": "modelopt", **quant}}
         try:
             return cls.from_hf_dict(hf)
         except ConfigError as e:
@@ -153,15 +163,26 @@ class ModelConfig:
     def from_hf_dict(cls, hf: dict) -> "ModelConfig":
         if not isinstance(hf, dict):
             raise ConfigError(f"expected a JSON object of config fields, got a {type(hf).__name__}")
+        if hf.get("quantization_config") is not None:
+            raise ConfigError(f"quantization_config: {_quantization(hf['quantization_config'])} weights are not "
+                              "read yet; use the checkpoint's bf16 release")
         model_type = hf.get("model_type")
         archs = hf.get("architectures") or []
         if model_type == "mamba2" or "Mamba2ForCausalLM" in archs:
             return cls._from_mamba2(hf)
         if model_type == "nemotron_h" or "NemotronHForCausalLM" in archs:
             return cls._from_nemotron_h(hf)
+        if model_type is None and "d_model" in hf and "n_layer" in hf:
+            return cls._from_mamba_ssm(hf)
+        inner = hf.get("text_config") or hf.get("llm_config")
+        if isinstance(inner, dict):
+            name = inner.get("model_type") or (inner.get("architectures") or [None])[0]
+            raise ConfigError(f"text_config: a multimodal checkpoint ({model_type!r}, architectures {archs}) "
+                              f"around a {name!r} text model; mambastep reads text-only checkpoints: "
+                              "use the text model's own release")
         raise ConfigError(
             f"model_type: unsupported {model_type!r} (architectures {archs}); "
-            "mambastep reads Mamba2ForCausalLM and NemotronHForCausalLM checkpoints"
+            "mambastep reads Mamba2ForCausalLM and NemotronHForCausalLM checkpoints, and mamba_ssm's Mamba2"
         )
 
     @classmethod
@@ -226,11 +247,12 @@ class ModelConfig:
             chunk_size=hf.get("chunk_size", 128),
             use_conv_bias=hf.get("use_conv_bias", True),
             mamba_proj_bias=hf.get("mamba_proj_bias", False),
-            # HF's NemotronH mixer clamps prefill dt to (time_step_min, inf), whatever time_step_limit says
-            dt_limit=(hf.get("time_step_min", hf.get("mamba_dt_min", 1e-3)), math.inf),
+            # prefill dt is clamped to time_step_limit, as HF (from 5.25), mamba_ssm and vLLM do;
+            # time_step_min only sets dt_bias's initial range (HF up to 5.24 clamped at it instead)
+            dt_limit=_pair("time_step_limit", hf.get("time_step_limit", hf.get("mamba_dt_limit", (0.0, math.inf)))),
             num_attention_heads=attn_heads,
             num_key_value_heads=hf.get("num_key_value_heads") or attn_heads,
-            attention_head_dim=hf.get("head_dim") or hf["hidden_size"] // attn_heads,
+            attention_head_dim=_attention_head_dim(hf),
             attention_bias=hf.get("attention_bias", False),
             intermediate_size=hf.get("intermediate_size", 21504),
             mlp_bias=hf.get("mlp_bias", False),
@@ -245,6 +267,71 @@ class ModelConfig:
             routed_scaling_factor=hf.get("routed_scaling_factor", 1.0),
             moe_latent_size=hf.get("moe_latent_size"),
         )
+
+    @classmethod
+    def _from_mamba_ssm(cls, hf: dict) -> "ModelConfig":
+        """mamba_ssm's MambaConfig (the official state-spaces/mamba2-* checkpoints), with the
+        defaults of its Mamba2 module where ``ssm_cfg`` names none."""
+        ssm = hf.get("ssm_cfg") or {}
+        if ssm.get("layer", "Mamba1") != "Mamba2":
+            raise ConfigError(f"ssm_cfg.layer: {ssm.get('layer', 'Mamba1')!r} (mamba_ssm's default is Mamba1); "
+                              "mambastep reads Mamba2 layers")
+        for key, supported in (("d_intermediate", 0), ("attn_layer_idx", [])):
+            if hf.get(key, supported) not in (supported, None):
+                raise ConfigError(f"{key}: {hf[key]!r}; mambastep reads mamba_ssm checkpoints of Mamba2 layers only")
+        for key, supported in (("rmsnorm", True), ("norm_before_gate", False), ("D_has_hdim", False)):
+            if ssm.get(key, supported) != supported:
+                raise ConfigError(f"ssm_cfg.{key}: only {supported} is supported, got {ssm[key]!r}")
+        if hf.get("rms_norm", True) is not True:
+            raise ConfigError("rms_norm: only RMSNorm blocks are supported")
+        d_model, expand, head_dim = hf["d_model"], ssm.get("expand", 2), ssm.get("headdim", 64)
+        if ssm.get("d_ssm") not in (None, d_model * expand):
+            raise ConfigError(f"ssm_cfg.d_ssm: {ssm['d_ssm']} (a Mamba2 narrower than d_model * expand is not supported)")
+        _require(hf, "vocab_size")
+        pad = hf.get("pad_vocab_size_multiple", 8)
+        vocab = hf["vocab_size"] + (-hf["vocab_size"] % pad)  # mamba_ssm pads the embedding table
+        if d_model * expand % head_dim:
+            raise ConfigError(f"ssm_cfg.headdim: {head_dim} does not divide d_model * expand = {d_model * expand}")
+        return cls(
+            architecture="mamba2",
+            vocab_size=vocab,
+            hidden_size=d_model,
+            layer_types=("mamba",) * hf["n_layer"],
+            norm_eps=1e-5,
+            tie_word_embeddings=hf.get("tie_embeddings", True),
+            residual_in_fp32=hf.get("residual_in_fp32", True),
+            mamba_num_heads=d_model * expand // head_dim,
+            mamba_head_dim=head_dim,
+            ssm_state_size=ssm.get("d_state", 128),
+            n_groups=ssm.get("ngroups", 1),
+            conv_kernel=ssm.get("d_conv", 4),
+            chunk_size=ssm.get("chunk_size", 256),
+            use_conv_bias=ssm.get("conv_bias", True),
+            mamba_proj_bias=ssm.get("bias", False),
+            dt_limit=_pair("ssm_cfg.dt_limit", ssm.get("dt_limit", (0.0, math.inf))),
+        )
+
+
+def _quantization(quant) -> str:
+    """A quantization_config in words: its method, and its algorithm or block size."""
+    if not isinstance(quant, dict):
+        return repr(quant)
+    method = quant.get("quant_method")
+    if method == "modelopt" or "quant_algo" in quant:
+        return f"ModelOpt {quant.get('quant_algo')} ({method})"
+    if method == "fp8" and quant.get("weight_block_size"):
+        return f"FP8 with {'x'.join(map(str, quant['weight_block_size']))} block scales ({method})"
+    return f"{method!r}"
+
+
+def _attention_head_dim(hf: dict) -> int:
+    """``head_dim`` (HF's name) or ``attention_head_dim`` (NVIDIA's); both default to 128."""
+    names = [n for n in ("head_dim", "attention_head_dim") if hf.get(n) is not None]
+    values = {hf[n] for n in names}
+    if len(values) > 1:
+        raise ConfigError(f"head_dim: {hf['head_dim']} disagrees with attention_head_dim: {hf['attention_head_dim']}")
+    return values.pop() if values else 128
+
 
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)

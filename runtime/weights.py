@@ -1,8 +1,10 @@
-"""Load HF safetensors checkpoints (single file or sharded with an index) into a flat dict.
+"""Load HF safetensors checkpoints (single file or sharded with an index), or mamba_ssm's
+``pytorch_model.bin``, into a flat dict.
 
 Names are HF's without the ``model.``/``backbone.`` prefix (``layers.3.mixer.in_proj.weight``);
-``weight_shapes`` lists every tensor a config needs and its shape, so a missing or mis-shaped
-tensor is reported by name before anything is moved to the device.
+``weight_shapes`` lists every tensor a config needs and its shape. Every needed tensor's name,
+shape and dtype are checked before any is read, so a missing, mis-shaped or quantized tensor is
+reported by name and nothing is half-loaded.
 """
 
 from __future__ import annotations
@@ -18,6 +20,13 @@ from .config import ModelConfig
 __all__ = ["WeightError", "weight_shapes", "load_weights", "random_weights"]
 
 _PREFIXES = ("model.", "backbone.", "")
+# mamba_ssm's names where they differ from HF's
+_ALIASES = {"embeddings.weight": "embedding.weight"}
+# weight dtypes read exactly (safetensors' names and torch's)
+_FLOATS = {"F16", "BF16", "F32", "F64", torch.float16, torch.bfloat16, torch.float32, torch.float64}
+# tensors that only quantized checkpoints carry (ModelOpt and FP8 scales, GPTQ/AWQ packs)
+_QUANT_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".weight_scale_2", ".input_scale", ".k_scale",
+                   ".v_scale", ".qweight", ".qzeros", ".scales")
 
 
 def _keeps_fp32(name: str) -> bool:
@@ -112,12 +121,23 @@ def _read_index(index: Path) -> dict[str, str]:
 
 
 class _Checkpoint:
-    """Name -> file lookup over a single safetensors file or an indexed set of shards."""
+    """Name -> file lookup over a single safetensors file, an indexed set of shards, or a
+    ``pytorch_model.bin`` (mamba_ssm's checkpoints, read as plain tensors: ``weights_only``)."""
 
     def __init__(self, path: Path):
         index = path / "model.safetensors.index.json"
         single = path / "model.safetensors"
-        if index.exists():
+        self._open: dict[Path, object] = {}
+        self._state: dict[str, torch.Tensor] | None = None
+        if not index.exists() and not single.exists() and (path / "pytorch_model.bin").exists():
+            try:
+                self._state = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True, mmap=True)
+            except Exception as e:  # pickle, zip and torch's own errors on a bad file
+                raise WeightError(f"{path / 'pytorch_model.bin'}: not a readable tensor file ({e})") from None
+            if not isinstance(self._state, dict):
+                raise WeightError(f"{path / 'pytorch_model.bin'}: expected a state dict of tensors")
+            self.files = {name: path / "pytorch_model.bin" for name in self._state}
+        elif index.exists():
             self.files = {name: path / shard for name, shard in _read_index(index).items()}
         elif single.exists():
             with _open_shard(single) as f:
@@ -130,33 +150,44 @@ class _Checkpoint:
             for shard in shards:
                 with _open_shard(shard) as f:
                     self.files.update({name: shard for name in f.keys()})
-        self._open: dict[Path, object] = {}
 
     def find(self, name: str) -> str | None:
-        for prefix in _PREFIXES:
-            if prefix + name in self.files:
-                return prefix + name
+        for candidate in (name, _ALIASES.get(name)):
+            for prefix in _PREFIXES if candidate else ():
+                if prefix + candidate in self.files:
+                    return prefix + candidate
         return None
 
-    def get(self, full_name: str) -> torch.Tensor:
+    def _shard(self, full_name: str):
         path = self.files[full_name]
         if path not in self._open:
             if not path.exists():
                 raise WeightError(f"{full_name}: shard {path.name} listed in the index is missing")
             self._open[path] = _open_shard(path)
+        return self._open[path]
+
+    def describe(self, full_name: str) -> tuple[object, tuple[int, ...]]:
+        """(dtype, shape) of a tensor, from the file's header alone."""
+        if self._state is not None:
+            t = self._state[full_name]
+            return t.dtype, tuple(t.shape)
+        meta = self._shard(full_name).get_slice(full_name)
+        return meta.get_dtype(), tuple(meta.get_shape())
+
+    def get(self, full_name: str) -> torch.Tensor:
+        if self._state is not None:
+            return self._state[full_name]
         try:
-            return self._open[path].get_tensor(full_name)
+            return self._shard(full_name).get_tensor(full_name)
         except Exception as e:  # a truncated file fails only when its tensor is read
-            raise WeightError(f"{path}: cannot read {full_name} ({e})") from None
+            raise WeightError(f"{self.files[full_name]}: cannot read {full_name} ({e})") from None
 
 
-def _stacked_experts(ckpt: _Checkpoint, name: str, n_experts: int) -> torch.Tensor | None:
+def _stacked_expert_names(ckpt: _Checkpoint, name: str, n_experts: int) -> list[str] | None:
     """Older NemotronH checkpoints store experts one by one (``experts.{j}.up_proj.weight``)."""
     base, proj = name.rsplit(".", 1)  # "...mixer.experts", "up_proj"
     parts = [ckpt.find(f"{base}.{j}.{proj}.weight") for j in range(n_experts)]
-    if any(p is None for p in parts):
-        return None
-    return torch.stack([ckpt.get(p) for p in parts])
+    return None if any(p is None for p in parts) else parts
 
 
 def load_weights(path: str | Path, cfg: ModelConfig, *, dtype: torch.dtype, device="cpu") -> dict[str, torch.Tensor]:
@@ -166,19 +197,29 @@ def load_weights(path: str | Path, cfg: ModelConfig, *, dtype: torch.dtype, devi
     WeightError naming the first missing or mis-shaped tensor.
     """
     ckpt = _Checkpoint(Path(path))
-    out: dict[str, torch.Tensor] = {}
-    for name, shape in weight_shapes(cfg).items():
-        found = ckpt.find(name)
-        if found is not None:
-            t = ckpt.get(found)
-        elif name.endswith(("experts.up_proj", "experts.down_proj")):
-            t = _stacked_experts(ckpt, name, cfg.n_routed_experts)
-        else:
-            t = None
-        if t is None:
+    scales = sorted(n for n in ckpt.files if n.endswith(_QUANT_SUFFIXES))
+    if scales:
+        raise WeightError(f"{scales[0]}: a quantized checkpoint's scale tensor ({len(scales)} such) with no "
+                          "quantization_config; mambastep reads bf16, fp16 and fp32 weights")
+    shapes, found = weight_shapes(cfg), {}
+    for name, shape in shapes.items():  # everything checked before anything is read
+        full = ckpt.find(name)
+        if full is None and name.endswith(("experts.up_proj", "experts.down_proj")):
+            full = _stacked_expert_names(ckpt, name, cfg.n_routed_experts)
+        if full is None:
             raise WeightError(f"{name}: missing from the checkpoint at {path}")
-        if tuple(t.shape) != shape:
-            raise WeightError(f"{name}: expected shape {list(shape)}, checkpoint has {list(t.shape)}")
+        described = [ckpt.describe(f) for f in ([full] if isinstance(full, str) else full)]
+        got = described[0][1] if isinstance(full, str) else (len(full), *described[0][1])
+        stored = next((d for d, _ in described if d not in _FLOATS), None)
+        if stored is not None:
+            raise WeightError(f"{name}: stored as {stored} (quantized weights); mambastep reads bf16, fp16 and "
+                              "fp32 weights")
+        if got != shape:
+            raise WeightError(f"{name}: expected shape {list(shape)}, checkpoint has {list(got)}")
+        found[name] = full
+    out: dict[str, torch.Tensor] = {}
+    for name, full in found.items():
+        t = ckpt.get(full) if isinstance(full, str) else torch.stack([ckpt.get(f) for f in full])
         out[name] = t.to(device=device, dtype=torch.float32 if _keeps_fp32(name) else dtype)
     return out
 

@@ -4,6 +4,7 @@ byte-level BPE tokenizer to save beside one."""
 import inspect
 import json
 
+import pytest
 import torch
 import transformers
 from packaging.version import Version
@@ -15,6 +16,9 @@ VOCAB = 96
 # groups everywhere. Tests that drive HF's layer-level APIs directly need 5.23 too.
 HF_5_23 = Version(transformers.__version__) >= Version("5.23")
 MAMBA2_GROUPS = 2 if HF_5_23 else 1
+# NemotronH clamps prefill dt to time_step_limit from transformers 5.25, as mambastep does; before,
+# it clamped at time_step_min, so older versions are no oracle for it (.ci/gpu carries 5.25)
+HF_5_25 = Version(transformers.__version__) >= Version("5.25")
 # routed experts in a latent space (moe_latent_size), where the installed NemotronH has them
 HF_LATENT_MOE = "fc1_latent_proj" in inspect.getsource(transformers.models.nemotron_h.modeling_nemotron_h.NemotronHMoE)
 
@@ -36,8 +40,9 @@ def nemotron_h_config(**kw):
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
         moe_shared_expert_intermediate_size=24, n_group=2, topk_group=1,
-        # NemotronH clamps dt at time_step_min in prefill only: keep it small (DESIGN.md)
-        time_step_min=1e-6, eos_token_id=0, pad_token_id=0, bos_token_id=0,
+        # the released configs' dt range: time_step_min 1e-3 sets dt_bias's initial range and
+        # time_step_limit [0, inf] the clamp, so a clamp at time_step_min fails (DESIGN.md)
+        time_step_min=1e-3, time_step_limit=(0.0, float("inf")), eos_token_id=0, pad_token_id=0, bos_token_id=0,
     )
     return NemotronHConfig(**{**base, **kw})
 
@@ -45,23 +50,37 @@ def nemotron_h_config(**kw):
 def save_tiny(kind: str, path, seed: int = 0, **kw):
     """Build a tiny random model of ``kind`` ("mamba2" or "nemotron_h"), perturb the parameters
     HF initialises to constants (so the test sees them), save it to ``path`` and return it."""
+    if kind != "mamba2" and not HF_5_25:
+        pytest.skip(f"transformers {transformers.__version__} clamps NemotronH's prefill dt at time_step_min")
     torch.manual_seed(seed)
     if kind == "mamba2":
         model = Mamba2ForCausalLM(mamba2_config(**kw))
     else:
         model = NemotronHForCausalLM(nemotron_h_config(**kw))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith((".D", "norm.weight", "norm_f.weight", "conv1d.bias", "e_score_correction_bias")):
-                p.add_(0.1 * torch.randn_like(p))
-            elif name.endswith("gate.weight") or name.endswith(("experts.up_proj", "experts.down_proj")):
-                p.normal_(0, 0.3)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.normal_(0, 0.1)
-    model.eval()
+    perturb(model)
     model.save_pretrained(path)
     return model
+
+
+@torch.no_grad()
+def perturb(model) -> None:
+    """Perturb the parameters HF initialises to constants (so a test sees them), spread dt as
+    trained models do, and give the router and experts weights large enough that expert choices
+    differ between tokens."""
+    for name, p in model.named_parameters():
+        if name.endswith("dt_bias"):
+            # dt spread log-uniformly over [1e-5, 1e-1], as in trained models, whose long-memory
+            # heads sit far below time_step_min (HF's initial range, [1e-3, 1e-1], hides a clamp)
+            dt = torch.exp(torch.empty_like(p).uniform_(-11.5, -2.3))
+            p.copy_(dt + torch.log(-torch.expm1(-dt)))
+        elif name.endswith((".D", "norm.weight", "norm_f.weight", "conv1d.bias", "e_score_correction_bias")):
+            p.add_(0.1 * torch.randn_like(p))
+        elif name.endswith("gate.weight") or name.endswith(("experts.up_proj", "experts.down_proj")):
+            p.normal_(0, 0.3)
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            b.normal_(0, 0.1)
+    model.eval()
 
 
 TEXT_VOCAB = 300  # a byte-level BPE: 256 bytes, 2 special tokens, merges

@@ -1,0 +1,138 @@
+"""Tiny checkpoints in the layout of each released config.json (every field and value kept, only
+sizes shrunk) generate HF's greedy tokens through the Engine, in fp32: prompts of 1, 33, 70 and
+300 tokens, the long ones prefilled in chunks beside the others' decodes; on a GPU through the
+Triton kernels and CUDA graphs."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, Mamba2Config, Mamba2ForCausalLM, NemotronHConfig, NemotronHForCausalLM
+
+from hf_models import HF_5_23, HF_5_25, HF_LATENT_MOE, VOCAB, perturb
+
+from mambastep import Engine, SamplingParams
+from mambastep.graphs import BucketSet
+
+INF = float("inf")
+_NEMOTRON_H = dict(
+    architectures=["NemotronHForCausalLM"], model_type="nemotron_h", attention_bias=False, attention_dropout=0.0,
+    bos_token_id=1, chunk_size=16, conv_kernel=4, eos_token_id=2, expand=2, hidden_dropout=0.0,
+    initializer_range=0.02, layer_norm_epsilon=1e-5, mamba_hidden_act="silu", mamba_proj_bias=False,
+    mlp_bias=False, mlp_hidden_act="relu2", num_logits_to_keep=1, pad_token_id=0, rescale_prenorm_residual=True,
+    residual_in_fp32=False, sliding_window=None, tie_word_embeddings=False, time_step_floor=1e-4,
+    time_step_limit=[0.0, INF], time_step_max=0.1, time_step_min=0.001, use_bias=False, use_cache=True,
+    use_conv_bias=True, use_mamba_kernels=True, vocab_size=VOCAB, torch_dtype="bfloat16",
+)
+_MOE = dict(n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5, n_shared_experts=1)
+# Each: the released config's layout; sizes shrunk (hidden 32, heads of 8, a few layers); the
+# released name in the comment. HF reads only `head_dim` (default 128), NVIDIA's configs name it
+# `attention_head_dim`: tiny configs give both where the release gives the latter.
+RELEASED = {
+    # nvidia/Nemotron-H-8B-Base-8K: attention_head_dim, hybrid_override_pattern, max 8k
+    "nemotron-h-8b": dict(_NEMOTRON_H, hidden_size=32, hybrid_override_pattern="M-M*-M-", num_hidden_layers=7,
+                          mamba_num_heads=8, mamba_head_dim=8, n_groups=2, ssm_state_size=16,
+                          num_attention_heads=4, num_key_value_heads=2, attention_head_dim=8, head_dim=8,
+                          intermediate_size=48, max_position_embeddings=8192),
+    # nvidia/NVIDIA-Nemotron-Nano-9B-v2: head_dim (not hidden / heads), mamba heads of 80 -> 10
+    "nemotron-nano-9b-v2": dict(_NEMOTRON_H, hidden_size=40, hybrid_override_pattern="M-MM*-M-", num_hidden_layers=8,
+                                mamba_num_heads=8, mamba_head_dim=10, n_groups=2, ssm_state_size=16,
+                                num_attention_heads=5, num_key_value_heads=1, head_dim=16, intermediate_size=56,
+                                max_position_embeddings=131072),
+    # nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B: MoE (top-6, routed scaling 2.5, one shared expert)
+    "nemotron-3-nano-30b-a3b": dict(_NEMOTRON_H, **_MOE, hidden_size=32, hybrid_override_pattern="MEM*EME",
+                                    num_hidden_layers=7, mamba_num_heads=8, mamba_head_dim=8, n_groups=2,
+                                    ssm_state_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                    n_routed_experts=16, num_experts_per_tok=6, moe_intermediate_size=16,
+                                    moe_shared_expert_intermediate_size=32, max_position_embeddings=262144),
+    # the larger Nemotron 3 (Super, Ultra): routed experts in a latent space, and MTP layers
+    "nemotron-3-latent-mtp": dict(_NEMOTRON_H, **_MOE, hidden_size=32, hybrid_override_pattern="MEM*EME",
+                                  num_hidden_layers=7, mamba_num_heads=8, mamba_head_dim=8, n_groups=2,
+                                  ssm_state_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                  n_routed_experts=16, num_experts_per_tok=6, moe_intermediate_size=16,
+                                  moe_shared_expert_intermediate_size=32, moe_latent_size=16,
+                                  num_nextn_predict_layers=1, mtp_hybrid_override_pattern="*E",
+                                  max_position_embeddings=262144),
+    # the HF conversion of state-spaces/mamba2-130m
+    "mamba2-130m": dict(architectures=["Mamba2ForCausalLM"], model_type="mamba2", hidden_size=32, expand=2,
+                        num_heads=8, head_dim=8, n_groups=1, state_size=16, conv_kernel=4, chunk_size=16,
+                        num_hidden_layers=3, vocab_size=VOCAB, tie_word_embeddings=True, residual_in_fp32=True,
+                        rms_norm=True, norm_before_gate=False, use_bias=False, use_conv_bias=True,
+                        layer_norm_epsilon=1e-5, time_step_limit=[0.0, INF], time_step_min=0.001,
+                        time_step_max=0.1, time_step_floor=1e-4, hidden_act="silu", bos_token_id=0,
+                        eos_token_id=0, pad_token_id=0),
+    # mistralai/Mamba-Codestral-7B-v0.1: groups (8 -> 2), no tied embeddings
+    "codestral-mamba": dict(architectures=["Mamba2ForCausalLM"], model_type="mamba2", hidden_size=32, expand=2,
+                            num_heads=8, head_dim=8, n_groups=2, state_size=16, conv_kernel=4, chunk_size=16,
+                            num_hidden_layers=3, vocab_size=VOCAB, tie_word_embeddings=False,
+                            residual_in_fp32=True, rms_norm=True, norm_before_gate=False, use_bias=False,
+                            use_conv_bias=True, layer_norm_epsilon=1e-5, time_step_limit=[0.0, INF],
+                            time_step_min=0.001, time_step_max=0.1, time_step_floor=1e-4, hidden_act="silu",
+                            bos_token_id=0, eos_token_id=0, pad_token_id=0),
+}
+NEEDS = {
+    "codestral-mamba": (HF_5_23, "HF's Mamba2 gated norm ignores n_groups before transformers 5.23"),
+    "nemotron-3-latent-mtp": (HF_LATENT_MOE, "the installed transformers has no latent MoE"),
+}
+PROMPT_LENS = (1, 33, 70, 300)
+NEW_TOKENS = 12
+# 64-token prefill chunks: the 300-token prompt takes five steps, beside the others' decodes
+BUCKETS = BucketSet(decode=(1, 2, 4), mixed_decode=(0, 2, 4), prefill=(16, 64), max_prefill_seqs=4)
+
+
+def save_released(name: str, path) -> torch.nn.Module:
+    """HF's model of the released layout, with random weights, saved to ``path`` under that
+    layout's config.json (HF rewrites its own on save); returns the HF model read back from it."""
+    fields = RELEASED[name]
+    hf_cls, cfg_cls = (Mamba2ForCausalLM, Mamba2Config) if fields["model_type"] == "mamba2" else \
+        (NemotronHForCausalLM, NemotronHConfig)
+    torch.manual_seed(0)
+    model = hf_cls(cfg_cls(**{k: v for k, v in fields.items() if k not in ("architectures", "model_type")}))
+    perturb(model)
+    model.save_pretrained(path)
+    (path / "config.json").write_text(json.dumps(fields, indent=2))
+    if fields.get("num_nextn_predict_layers"):  # MTP tensors, as the releases ship them (HF ignores them)
+        tensors = load_file(path / "model.safetensors")
+        tensors["mtp.layers.0.mixer.q_proj.weight"] = torch.randn(32, 32)
+        tensors["mtp.layers.1.mixer.experts.0.up_proj.weight"] = torch.randn(16, 32)
+        save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    return hf
+
+
+def prompts(vocab: int):
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+_gpu = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module", params=[
+    pytest.param((name, device), id=f"{name}-{device}", marks=[_gpu] if device == "cuda" else [])
+    for device in ("cpu", "cuda") for name in RELEASED
+])
+def released(request, tmp_path_factory):
+    name, device = request.param
+    ok, why = NEEDS.get(name, (True, ""))
+    if not ok:
+        pytest.skip(why)
+    if RELEASED[name]["model_type"] == "nemotron_h" and not HF_5_25:
+        pytest.skip("NemotronH clamps prefill dt to time_step_limit from transformers 5.25")
+    path = tmp_path_factory.mktemp(name)
+    return save_released(name, path), path, device
+
+
+@torch.no_grad()
+def test_greedy_tokens_equal_hf(released):
+    hf, path, device = released
+    ps = prompts(hf.config.vocab_size)
+    engine = Engine.from_pretrained(path, dtype=torch.float32, device=device, buckets=BUCKETS, num_slots=4,
+                                    max_context=512, progress=False)
+    assert (engine.capture_report is not None) == (device == "cuda")
+    got = engine.generate(ps, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    for p, tokens in zip(ps, got):
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(p):].tolist()
+        assert tokens == ref, f"prompt of {len(p)} tokens"

@@ -43,8 +43,10 @@ def _error(e: BadRequest) -> JSONResponse:
     return JSONResponse(body, status_code=e.status)
 
 
-def _sampling(body: dict, default_max_tokens: int) -> SamplingParams:
-    kw = {"max_tokens": default_max_tokens, "temperature": 1.0}
+def _sampling(body: dict, default_max_tokens: int, defaults: dict) -> SamplingParams:
+    """The request's sampling fields, over the checkpoint's generation_config.json defaults,
+    over OpenAI's (temperature 1)."""
+    kw = {"max_tokens": default_max_tokens, "temperature": 1.0, **defaults}
     for name in _SAMPLING:
         if body.get(name) is not None:
             kw[name] = body[name]
@@ -119,7 +121,7 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str, default_max_to
         return body
 
     async def submit(prompt, body: dict):
-        params, stop = _sampling(body, default_max_tokens), _stop(body)
+        params, stop = _sampling(body, default_max_tokens, loop.sampling_defaults), _stop(body)
         try:
             return await loop.submit(prompt, params, stop)
         except Overloaded as e:

@@ -143,6 +143,7 @@ class EngineLoop(_Streams):
         Overloaded (None: unbounded, the engine queues)."""
         super().__init__(max_requests)
         self.text = text
+        self.sampling_defaults = text.tokenizer.sampling_defaults
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="mambastep-engine", daemon=True)
         self._thread.start()
@@ -320,6 +321,7 @@ class EngineClient(_Streams):
             raise ValueError(arg[0])
         self._free, tokenizer, self.api_processes = arg
         self._texts = TextStreams(tokenizer)  # touched by the reader thread only
+        self.sampling_defaults = tokenizer.sampling_defaults
         self._send_lock = threading.Lock()
         # submissions the engine has not answered: (future, its event loop, prompt ids, stop strings)
         self._pending: dict[int, tuple[Future, asyncio.AbstractEventLoop, list[int], tuple]] = {}

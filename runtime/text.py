@@ -122,11 +122,13 @@ class TextEngine:
         self.streams = TextStreams(tokenizer)
 
     @classmethod
-    def load(cls, model: str | None = None, preset: str | None = None, **engine_kw) -> "TextEngine":
+    def load(cls, model: str | None = None, preset: str | None = None, chat_template=None,
+             **engine_kw) -> "TextEngine":
         """Over a checkpoint directory and its tokenizer, or a preset (text as bytes);
-        ``engine_kw`` as ``Engine.from_pretrained`` takes them."""
+        ``chat_template``: a template file in place of the checkpoint's; ``engine_kw`` as
+        ``Engine.from_pretrained`` takes them."""
         engine = Engine.from_pretrained(model, **engine_kw) if model else Engine.from_preset(preset, **engine_kw)
-        return cls(engine, load_tokenizer(model, engine.cfg.vocab_size))
+        return cls(engine, load_tokenizer(model, engine.cfg.vocab_size, chat_template))
 
     def add(self, prompt: str | list[dict], params: SamplingParams | None = None, stop=()) -> int:
         """Queue a text prompt, token ids, or chat messages ([{"role", "content"}]) rendered with

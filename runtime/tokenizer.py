@@ -1,6 +1,7 @@
-"""A checkpoint's tokenizer: ``tokenizer.json`` through HF ``tokenizers``, the chat template of
-``tokenizer_config.json`` rendered with jinja2 the way HF renders it, and a byte-level fallback
-for presets, which have random weights and no tokenizer."""
+"""A checkpoint's tokenizer: ``tokenizer.json`` through HF ``tokenizers``, the chat template
+(found where HF finds it) rendered with jinja2 the way HF renders it, the sampling defaults of
+``generation_config.json``, and a byte-level fallback for presets, which have random weights and
+no tokenizer."""
 
 from __future__ import annotations
 
@@ -22,22 +23,31 @@ def _token_text(value) -> str | None:
     return value if isinstance(value, str) else None
 
 
+# generation_config.json's fields that set a request's sampling where it names none (as vLLM does)
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k")
+
+
 class Tokenizer:
     """encode / decode over HF ``tokenizers``; ``eos_token_ids``: every id that ends a generation
-    (the config's EOS token, and the checkpoint's generation_config.json ones)."""
+    (the config's EOS token, and the checkpoint's generation_config.json ones);
+    ``sampling_defaults``: generation_config.json's temperature, top_p and top_k."""
 
     def __init__(self, backend, *, chat_template: str | None = None, bos_token: str | None = None,
-                 eos_token: str | None = None, eos_token_ids: tuple[int, ...] = (), source: str = "tokenizer"):
+                 eos_token: str | None = None, eos_token_ids: tuple[int, ...] = (), source: str = "tokenizer",
+                 sampling_defaults: dict | None = None):
         self.backend, self.chat_template, self.source = backend, chat_template, source
         self.bos_token, self.eos_token = bos_token, eos_token
+        self.sampling_defaults = dict(sampling_defaults or {})
         ids = set(eos_token_ids)
         if eos_token is not None and backend.token_to_id(eos_token) is not None:
             ids.add(backend.token_to_id(eos_token))
         self.eos_token_ids = tuple(sorted(ids))
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> "Tokenizer":
-        """tokenizer.json and, when present, tokenizer_config.json and generation_config.json."""
+    def from_pretrained(cls, path: str | Path, chat_template: str | Path | None = None) -> "Tokenizer":
+        """tokenizer.json and, when present, tokenizer_config.json, the chat template files and
+        generation_config.json; ``chat_template``: a template file that takes their place (the
+        template itself, or a JSON object with a "chat_template" field)."""
         from tokenizers import Tokenizer as Backend
 
         path = Path(path)
@@ -52,11 +62,11 @@ class Tokenizer:
         generation = _read_json(path / "generation_config.json")
         eos = generation.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
-        template = config.get("chat_template")
-        if isinstance(template, list):  # named templates: HF takes the one called "default"
-            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        template = _template_file(Path(chat_template)) if chat_template is not None else _find_template(path, config)
+        defaults = {k: generation[k] for k in SAMPLING_DEFAULTS if generation.get(k) is not None}
         return cls(backend, chat_template=template, bos_token=_token_text(config.get("bos_token")),
-                   eos_token=_token_text(config.get("eos_token")), eos_token_ids=eos_ids, source=str(path))
+                   eos_token=_token_text(config.get("eos_token")), eos_token_ids=eos_ids, source=str(path),
+                   sampling_defaults=defaults)
 
     @property
     def vocab_size(self) -> int:
@@ -71,7 +81,8 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The chat rendered as text, as HF's ``apply_chat_template(..., tokenize=False)``."""
         if not self.chat_template:
-            raise TokenizerError(f"{self.source}: tokenizer_config.json has no chat_template")
+            raise TokenizerError(f"{self.source}: no chat template (none in chat_template.jinja, tokenizer_config.json "
+                                 "or chat_template.json); give one with --chat-template PATH")
         try:
             return _compiled(self.chat_template).render(
                 messages=messages, add_generation_prompt=add_generation_prompt,
@@ -92,6 +103,7 @@ class ByteTokenizer:
 
     chat_template = None
     eos_token_ids: tuple[int, ...] = ()
+    sampling_defaults: dict = {}
     source = "the byte-level fallback"
 
     def __init__(self, vocab_size: int):
@@ -113,11 +125,48 @@ class ByteTokenizer:
         return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
 
 
-def load_tokenizer(path: str | Path | None, vocab_size: int):
-    """The checkpoint's tokenizer at ``path``, or the byte-level fallback without one."""
+def load_tokenizer(path: str | Path | None, vocab_size: int, chat_template: str | Path | None = None):
+    """The checkpoint's tokenizer at ``path``, or the byte-level fallback without one;
+    ``chat_template``: a template file in place of the checkpoint's (needs a tokenizer)."""
     if path is not None and (Path(path) / "tokenizer.json").exists():
-        return Tokenizer.from_pretrained(path)
+        return Tokenizer.from_pretrained(path, chat_template)
+    if chat_template is not None:
+        raise TokenizerError(f"--chat-template: needs the checkpoint's tokenizer.json ({path or 'a preset'} has none)")
     return ByteTokenizer(vocab_size)
+
+
+def _find_template(path: Path, config: dict) -> str | None:
+    """The default chat template where HF looks for it: chat_template.jinja (transformers 5
+    writes it there) or additional_chat_templates/default.jinja, before tokenizer_config.json's
+    chat_template (a string, or named templates of which HF takes "default"); then the legacy
+    chat_template.json that processors write."""
+    for file in (path / "chat_template.jinja", path / "additional_chat_templates" / "default.jinja"):
+        if file.exists():
+            return _template_file(file)
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
+    if template is None and (path / "chat_template.json").exists():
+        template = _template_file(path / "chat_template.json")
+    return template
+
+
+def _template_file(file: Path) -> str:
+    """A chat template from a file: the template itself, or JSON with a "chat_template" field."""
+    try:
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise TokenizerError(f"{file}: unreadable chat template ({e})") from None
+    if file.suffix == ".json":
+        try:
+            template = json.loads(text).get("chat_template")
+        except (ValueError, AttributeError):
+            template = None
+        if not isinstance(template, str):
+            raise TokenizerError(f"{file}: expected a JSON object with a \"chat_template\" string")
+        return template
+    return text
 
 
 def _read_json(file: Path) -> dict:

@@ -9,7 +9,8 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["Parser", "add_sampling", "bucket_file", "device", "sampling", "text_engine", "writable_path"]
+__all__ = ["Parser", "add_sampling", "bucket_file", "device", "sampling", "template_file", "text_engine",
+           "writable_path"]
 
 
 class Parser(argparse.ArgumentParser):
@@ -24,25 +25,44 @@ class Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def add_sampling(parser: Parser) -> None:
-    """--temperature, --top-k and --top-p, greedy by default."""
-    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
-    parser.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: off)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of tokens whose "
-                        "probability reaches p (1: off)")
+# add_sampling's options, greedy where neither the command line nor the checkpoint names one
+_GREEDY = dict(temperature=0.0, top_k=0, top_p=1.0)
 
 
-def sampling(parser: Parser, args, **fields) -> dict:
-    """The SamplingParams fields of ``add_sampling``'s options (and ``fields``), checked: a bad
-    value is a one-line error."""
+def add_sampling(parser: Parser, checkpoint_defaults: bool = False) -> None:
+    """--temperature, --top-k and --top-p; unset, greedy, or with ``checkpoint_defaults`` those
+    of the checkpoint's generation_config.json first."""
+    unset = " (default: the checkpoint's generation_config.json, else %s)" if checkpoint_defaults else " (default: %s)"
+    parser.add_argument("--temperature", type=float, help="sampling temperature, 0 greedy" + unset % 0)
+    parser.add_argument("--top-k", type=int, help="sample from the k most likely tokens, 0 off" + unset % 0)
+    parser.add_argument("--top-p", type=float, help="sample from the smallest set of tokens whose "
+                        "probability reaches p, 1 off" + unset % 1)
+
+
+def sampling(parser: Parser, args, defaults: dict | None = None, **fields) -> dict:
+    """The SamplingParams fields of ``add_sampling``'s options (and ``fields``), over
+    ``defaults`` (generation_config.json's) where an option is unset, checked: a bad value is a
+    one-line error naming where it came from."""
     from ..runtime.request import SamplingParams
 
-    kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, **fields)
+    given = {k: v for k, v in dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p).items()
+             if v is not None}
+    kw = {**_GREEDY, **(defaults or {}), **given, **fields}
+    try:
+        SamplingParams(**{**_GREEDY, **given, **fields})
+    except ValueError as e:
+        parser.error(str(e))
     try:
         SamplingParams(**kw)
     except ValueError as e:
-        parser.error(str(e))
+        parser.error(f"generation_config.json: {e}")
     return kw
+
+
+def template_file(parser: Parser, path: str | None) -> None:
+    """--chat-template PATH: a readable file, checked before the engine's minutes of start."""
+    if path is not None and not os.path.isfile(path):
+        parser.error(f"--chat-template: {path} is not a file")
 
 
 def device(parser: Parser, value: str | None) -> str:
@@ -88,8 +108,9 @@ def bucket_file(parser: Parser, flag: str, path: str | None):
 
 
 def text_engine(parser: Parser, model: str | None, preset: str | None, **engine_kw):
-    """A TextEngine over ``--model PATH`` (its tokenizer) or ``--preset NAME`` (text as bytes);
-    a bad checkpoint is a one-line error naming what is wrong."""
+    """A TextEngine over ``--model PATH`` (its tokenizer) or ``--preset NAME`` (text as bytes),
+    ``engine_kw`` as ``TextEngine.load`` takes them; a bad checkpoint is a one-line error naming
+    what is wrong."""
     from ..runtime.config import ConfigError
     from ..runtime.text import TextEngine
     from ..runtime.tokenizer import TokenizerError

@@ -3,9 +3,11 @@
     mambastep generate --model PATH "The capital of France is"
     mambastep generate --model PATH --chat --system "Be brief." "What is a state space model?"
 
-The checkpoint's tokenizer.json encodes the prompt (with --chat, the messages go through the
-chat template of its tokenizer_config.json) and decodes the tokens as complete UTF-8 text. A
-preset (random weights, no tokenizer) reads and writes text as bytes, to try the path.
+The checkpoint's tokenizer.json encodes the prompt (with --chat, the messages go through its
+chat template: chat_template.jinja, tokenizer_config.json's, or --chat-template PATH) and decodes
+the tokens as complete UTF-8 text. Sampling options left unset take the checkpoint's
+generation_config.json values, else greedy. A preset (random weights, no tokenizer) reads and
+writes text as bytes, to try the path.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from ..graphs import BucketSet
 from ..runtime.presets import PRESETS
 from ..runtime.request import SamplingParams
 from ..runtime.tokenizer import TokenizerError
-from .args import Parser, add_sampling, device as device_arg, sampling, text_engine
+from .args import Parser, add_sampling, device as device_arg, sampling, template_file, text_engine
 
 # one request: a decode graph of one row and prompt chunks of up to 512 tokens
 BUCKETS = BucketSet(decode=(1,), mixed_decode=(0,), prefill=(512,), max_prefill_seqs=1)
@@ -34,8 +36,10 @@ def main(argv=None) -> int:
     parser.add_argument("--chat", action="store_true",
                         help="send the prompt as a user message through the chat template")
     parser.add_argument("--system", help="with --chat: a system message before it")
+    parser.add_argument("--chat-template", metavar="PATH", help="with --chat: a chat template file (the template, "
+                        "or JSON with a \"chat_template\" field) in place of the checkpoint's")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
-    add_sampling(parser)
+    add_sampling(parser, checkpoint_defaults=True)
     parser.add_argument("--seed", type=int, default=None, help="sampling seed")
     parser.add_argument("--stop", action="append", default=[], help="a string that ends the text (repeatable)")
     parser.add_argument("--max-context", type=int, default=4096, help="prompt + output tokens")
@@ -44,15 +48,19 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     device = device_arg(parser, args.device)
-    if args.system is not None and not args.chat:
-        parser.error("--system: goes with --chat")
+    for flag, value in (("--system", args.system), ("--chat-template", args.chat_template)):
+        if value is not None and not args.chat:
+            parser.error(f"{flag}: goes with --chat")
+    template_file(parser, args.chat_template)
     if any(not s for s in args.stop):
         parser.error("--stop: expected a non-empty string")
-    params = SamplingParams(**sampling(parser, args, seed=args.seed, max_tokens=args.max_tokens))
+    sampling(parser, args, seed=args.seed, max_tokens=args.max_tokens)  # the options alone, checked now
     gpu = device.startswith("cuda")
     common = dict(dtype=torch.bfloat16 if gpu else torch.float32, device=device, num_slots=1,
                   max_context=args.max_context, buckets=BUCKETS, use_graphs=gpu and not args.eager, progress=False)
-    text = text_engine(parser, args.model, args.preset, **common)
+    text = text_engine(parser, args.model, args.preset, chat_template=args.chat_template, **common)
+    params = SamplingParams(**sampling(parser, args, text.tokenizer.sampling_defaults, seed=args.seed,
+                                       max_tokens=args.max_tokens))
     messages = [{"role": "user", "content": args.prompt}]
     if args.system is not None:
         messages.insert(0, {"role": "system", "content": args.system})

@@ -8,8 +8,10 @@ and usage counts), /v1/models, /health. One loop owns the engine and steps while
 arrive, in a process of its own (or with --engine thread, a thread of the server), behind
 --api-processes N HTTP server processes on the same port (two by default); a client that
 disconnects frees its slot; a bad request gets a 400 and touches nothing else; past
---max-requests a request gets a 503. A preset (random weights, no tokenizer) serves
-text as bytes and token-id prompts, for load tests. Needs `pip install -e ".[serve]"`.
+--max-requests a request gets a 503. Sampling fields a request leaves out take the checkpoint's
+generation_config.json values (temperature, top_p, top_k), else OpenAI's defaults. A preset
+(random weights, no tokenizer) serves text as bytes and token-id prompts, for load tests. Needs
+`pip install -e ".[serve]"`.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 
 from ..runtime.presets import PRESETS
 from ..runtime.text import TextEngine
-from .args import Parser, bucket_file, device as device_arg, text_engine
+from .args import Parser, bucket_file, device as device_arg, template_file, text_engine
 
 
 def main(argv=None) -> int:
@@ -34,6 +36,8 @@ def main(argv=None) -> int:
     source.add_argument("--model", metavar="PATH", help="HF checkpoint directory (with tokenizer.json)")
     source.add_argument("--preset", choices=sorted(PRESETS), help="built-in shape with random weights")
     parser.add_argument("--name", help="the model name clients send (default: the path or preset)")
+    parser.add_argument("--chat-template", metavar="PATH", help="a chat template file (the template, or JSON with "
+                        "a \"chat_template\" field) in place of the checkpoint's")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free one)")
     parser.add_argument("--max-requests", type=int, default=None,
@@ -79,9 +83,10 @@ def main(argv=None) -> int:
     except OSError as e:
         parser.error(f"--host {args.host} --port {args.port}: {e.strerror or e}")
     gpu = device.startswith("cuda")
+    template_file(parser, args.chat_template)
     common = dict(dtype=torch.bfloat16 if gpu else torch.float32, device=device, max_context=args.max_context,
                   buckets=bucket_file(parser, "--buckets", args.buckets), use_graphs=gpu and not args.eager,
-                  pipelined=args.pipelined)
+                  pipelined=args.pipelined, chat_template=args.chat_template)
     if args.engine == "process":
         try:
             loop = EngineProcess(functools.partial(TextEngine.load, args.model, args.preset, **common),

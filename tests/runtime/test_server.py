@@ -420,3 +420,23 @@ def test_the_bound_counts_every_api_process_together(checkpoint):
     finally:
         other.close()
         owner.close()
+
+
+def test_the_checkpoint_sampling_defaults_fill_what_a_request_leaves_out(checkpoint, tmp_path):
+    """generation_config.json's temperature (0 here: greedy) where a request names none, in place
+    of OpenAI's 1; a request's own value wins."""
+    import shutil
+
+    shutil.copytree(checkpoint, tmp_path / "c")
+    (tmp_path / "c" / "generation_config.json").write_text(json.dumps({"temperature": 0.0}))
+    s = Server(tmp_path / "c")
+    try:
+        texts = {}
+        for label, extra in (("unset", {}), ("greedy", {"temperature": 0}), ("hot", {"temperature": 1.5})):
+            r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "the cat", "max_tokens": 12, "seed": 1,
+                                                            "ignore_eos": True, **extra}, timeout=60)
+            assert r.status_code == 200, r.text
+            texts[label] = r.json()["choices"][0]["text"]
+        assert texts["unset"] == texts["greedy"] != texts["hot"]
+    finally:
+        s.stop()

@@ -2,6 +2,8 @@
 checkpoint; generation equals HF generate decoded by the same tokenizer, streamed pieces join to
 the whole text (multi-byte characters too), chat templates render as HF renders them."""
 
+import json
+
 import pytest
 from hypothesis import given, settings, strategies as st
 import torch
@@ -142,3 +144,46 @@ def test_streamed_pieces_join_to_the_decode_of_any_ids(checkpoint, data):
     joined = "".join([detok.push([i]) for i in ids] + [detok.flush()])
     context = prompt[-detok.context:]
     assert joined == tok.decode(context + ids)[len(tok.decode(context)):]
+
+
+def test_chat_templates_are_found_where_hf_finds_them(checkpoint, tmp_path):
+    """transformers 5's save_pretrained writes chat_template.jinja (and named templates under
+    additional_chat_templates/); it wins over tokenizer_config.json's, as in HF; a processor's
+    legacy chat_template.json is read where nothing else has one."""
+    from transformers import PreTrainedTokenizerFast
+
+    _, path = checkpoint
+    messages = [{"role": "user", "content": "hi"}]
+    other = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+    hf_tok = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), bos_token="<s>",
+                                     eos_token="<|endoftext|>", chat_template={"default": other, "terse": "x"})
+    hf_tok.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": "{{ 1 }}"}))
+    reloaded = PreTrainedTokenizerFast.from_pretrained(tmp_path)
+    want = reloaded.apply_chat_template(messages, tokenize=False)
+    assert want == "<<hi>>"
+    assert Tokenizer.from_pretrained(tmp_path).apply_chat_template(messages) == want
+    for name in ("chat_template.jinja", "tokenizer_config.json"):
+        (tmp_path / name).unlink()
+    (tmp_path / "chat_template.json").write_text('{"chat_template": "[{{ messages[0].content }}]"}')
+    assert Tokenizer.from_pretrained(tmp_path).apply_chat_template(messages) == "[hi]"
+    (tmp_path / "chat_template.json").unlink()
+    with pytest.raises(TokenizerError, match="no chat template .* --chat-template PATH"):
+        Tokenizer.from_pretrained(tmp_path).apply_chat_template(messages)
+    given = tmp_path / "mine.jinja"
+    given.write_text("({{ messages[0].content }})")
+    assert Tokenizer.from_pretrained(tmp_path, given).apply_chat_template(messages) == "(hi)"
+
+
+def test_generation_config_sampling_defaults_are_read(checkpoint, tmp_path):
+    import shutil
+
+    _, path = checkpoint
+    shutil.copytree(path, tmp_path / "c")
+    (tmp_path / "c" / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.95, "top_k": None, "eos_token_id": [0, 1], "max_new_tokens": 9}))
+    tok = Tokenizer.from_pretrained(tmp_path / "c")
+    assert tok.sampling_defaults == {"temperature": 0.6, "top_p": 0.95}
+    assert set(tok.eos_token_ids) >= {0, 1}
+    assert ByteTokenizer(256).sampling_defaults == {}

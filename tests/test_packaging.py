@@ -102,8 +102,8 @@ def test_the_bare_name_kernels_never_resolves_to_the_checkout():
         assert not where.is_relative_to(ROOT)
         assert done.returncode == 0, done.stderr[-2000:]
         assert not Path(done.stdout.splitlines()[0]).resolve().is_relative_to(ROOT)
-    # without site-packages (-S): only the checkout has the name, and it refuses it
-    alone = subprocess.run([sys.executable, "-S", "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); import kernels"],
+    # without site-packages or PYTHONPATH (-S -E): only the checkout has the name, and it refuses it
+    alone = subprocess.run([sys.executable, "-S", "-E", "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); import kernels"],
                            capture_output=True, text=True, timeout=60)
     assert alone.returncode != 0
     assert "ModuleNotFoundError: No module named 'kernels'" in alone.stderr

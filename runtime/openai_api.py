@@ -3,23 +3,31 @@
     POST /v1/completions        prompt (text or token ids) -> text; "stream": true for SSE
     POST /v1/chat/completions   messages -> assistant message; "stream": true for SSE
     GET  /v1/models             the one model served
-    GET  /health                200 while the engine loop runs and every API process listens
+    GET  /health                200 while the engine loop runs and every API process listens;
+                                503 "starting", "draining", "failed" (the engine's fault) or "stopped"
 
-Handlers only validate, submit, await outputs and abort when the client goes away; a bad
-request gets a 400 with an OpenAI-style error body and touches nothing else, and a request past
-the loop's bound a 503.
+    GET  /v1/models/{id}        that model, or a 404
+
+Handlers only validate, submit, await outputs and abort when the client goes away (streamed or
+not, queued or running). A request is checked whole before it reaches the engine: a bad one
+gets a 4xx with an OpenAI-style error body and touches nothing else, a request past the loop's
+bound or during shutdown a 503. A request the engine cannot finish (it failed, or the server is
+shutting down) gets a 500 or 503, or in a stream an error event: never a 200 with partial text.
+Every error, unknown routes and methods included, has the OpenAI-style JSON body.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
 import uuid
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .request import SamplingParams
@@ -38,26 +46,36 @@ class BadRequest(ValueError):
         self.param, self.status, self.kind = param, status, kind
 
 
+def _error_body(e: BadRequest) -> dict:
+    return {"error": {"message": str(e), "type": e.kind, "param": e.param, "code": None}}
+
+
 def _error(e: BadRequest) -> JSONResponse:
-    body = {"error": {"message": str(e), "type": e.kind, "param": e.param, "code": None}}
-    return JSONResponse(body, status_code=e.status)
+    return JSONResponse(_error_body(e), status_code=e.status)
 
 
-def _sampling(body: dict, default_max_tokens: int, defaults: dict) -> SamplingParams:
+def _sampling(body: dict, default_max_tokens: int | None, defaults: dict) -> tuple[SamplingParams, bool]:
     """The request's sampling fields, over the checkpoint's generation_config.json defaults,
-    over OpenAI's (temperature 1)."""
-    kw = {"max_tokens": default_max_tokens, "temperature": 1.0, **defaults}
+    over OpenAI's (temperature 1); and whether max_tokens is the server's to cap (the request
+    named none: the default, or the rest of the context)."""
+    kw = {"temperature": 1.0, **defaults}
     for name in _SAMPLING:
         if body.get(name) is not None:
             kw[name] = body[name]
-    if "max_completion_tokens" in body and body["max_completion_tokens"] is not None:
+    if body.get("max_completion_tokens") is not None:
         kw["max_tokens"] = body["max_completion_tokens"]
+    cap = "max_tokens" not in kw
+    if cap:
+        kw["max_tokens"] = default_max_tokens or _UNBOUNDED
     if body.get("n", 1) != 1:
         raise BadRequest("n: only 1 choice is supported", "n")
     try:
-        return SamplingParams(**kw)
+        return SamplingParams(**kw), cap
     except ValueError as e:
         raise BadRequest(str(e), str(e).split(":")[0]) from None
+
+
+_UNBOUNDED = 1 << 30  # max_tokens where neither the request nor the server names one: the context's room
 
 
 def _stop(body: dict) -> tuple[str, ...]:
@@ -68,6 +86,19 @@ def _stop(body: dict) -> tuple[str, ...]:
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
         raise BadRequest("stop: expected a string or up to 4 non-empty strings", "stop")
     return tuple(stop)
+
+
+def _streaming(body: dict) -> tuple[bool, bool]:
+    """(stream, stream_options.include_usage), checked."""
+    stream, options = body.get("stream", False), body.get("stream_options")
+    if stream is not None and not isinstance(stream, bool):
+        raise BadRequest(f"stream: expected true or false, got {stream!r}", "stream")
+    if options is not None and not (isinstance(options, dict) and isinstance(options.get("include_usage", False), bool)):
+        raise BadRequest(f"stream_options: expected {{\"include_usage\": true|false}}, got {options!r}",
+                         "stream_options")
+    if options is not None and not stream:
+        raise BadRequest("stream_options: only with \"stream\": true", "stream_options")
+    return bool(stream), bool((options or {}).get("include_usage"))
 
 
 class _Chunks:
@@ -101,35 +132,60 @@ class _Chunks:
         return self._head + json.dumps(text, ensure_ascii=False).encode() + self._tail
 
 
-def create_app(loop: EngineLoop | EngineProcess, model_name: str, default_max_tokens: int = 16,
-               listening=None) -> Starlette:
+def create_app(loop: EngineLoop | EngineProcess, model_name: str, default_max_tokens: int | None = None,
+               listening=None, api_key: str | None = None, max_body_bytes: int = 16 << 20,
+               draining=lambda: False) -> Starlette:
     """The API over ``loop``, serving ``model_name``; ``default_max_tokens`` where a request
-    names none. ``listening``: None, or a callable giving how many of the ``loop.api_processes``
-    HTTP server processes listen yet; until all do, /health answers 503 "starting" (a client
-    that waits for it then finds every process taking connections)."""
+    names none (None: the rest of the context). ``listening``: None, or a callable giving how
+    many of the ``loop.api_processes`` HTTP server processes listen yet; until all do, /health
+    answers 503 "starting". ``api_key``: a Bearer token every route but /health asks for.
+    ``max_body_bytes``: a larger body is a 413, read no further. ``draining``: a callable, true
+    once the server is shutting down: /health and new requests then get a 503 "draining"."""
 
     async def read_body(request: Request) -> dict:
+        if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
+            raise BadRequest("missing or wrong API key (Authorization: Bearer ...)", status=401,
+                             kind="authentication_error")
+        if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
+            raise BadRequest("the request body must be JSON (Content-Type: application/json)", status=415)
+        if int(request.headers.get("content-length") or 0) > max_body_bytes:
+            raise BadRequest(f"the request body is larger than {max_body_bytes} bytes", status=413)
+        raw = bytearray()
+        async for piece in request.stream():
+            raw += piece
+            if len(raw) > max_body_bytes:
+                raise BadRequest(f"the request body is larger than {max_body_bytes} bytes", status=413)
         try:
-            body = json.loads(await request.body())
+            body = json.loads(raw)
+            # a lone surrogate (\ud800) parses, but is no text: refuse it here, not in the tokenizer
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise BadRequest("the request body holds a lone surrogate (not valid Unicode text)") from None
         except (ValueError, UnicodeDecodeError):
             raise BadRequest("the request body is not valid JSON") from None
         if not isinstance(body, dict):
             raise BadRequest("the request body must be a JSON object")
         if body.get("model") not in (None, model_name):
             raise BadRequest(f"model {body.get('model')!r} is not served here; this server serves {model_name!r}",
-                             "model", kind="model_not_found")
+                             "model", status=404, kind="model_not_found")
+        if draining() or loop.closed:
+            raise BadRequest(f"server unavailable: {loop.failure or 'shutting down'}", status=503,
+                             kind="server_error")
         return body
 
     async def submit(prompt, body: dict):
-        params, stop = _sampling(body, default_max_tokens, loop.sampling_defaults), _stop(body)
+        """Every field checked, then the request handed to the engine; its Stream."""
+        (params, cap), stop = _sampling(body, default_max_tokens, loop.sampling_defaults), _stop(body)
         try:
-            return await loop.submit(prompt, params, stop)
+            return await loop.submit(prompt, params, stop, cap=cap)
         except Overloaded as e:
             raise BadRequest(f"server overloaded: {e}", status=503, kind="server_error") from None
         except RuntimeError as e:  # the loop has stopped
             raise BadRequest(f"server unavailable: {e}", status=503, kind="server_error") from None
         except (ValueError, TokenizerError, KeyError) as e:
-            raise BadRequest(str(e), "prompt" if "prompt" in str(e) else None) from None
+            message = str(e)
+            raise BadRequest(message, next((f for f in ("max_tokens", "prompt") if message.startswith(f)), None)) \
+                from None
 
     async def completions(request: Request):
         try:
@@ -141,10 +197,11 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str, default_max_to
                 raise BadRequest("prompt: expected a string or a list of token ids", "prompt")
             if not isinstance(prompt, (str, list)):
                 raise BadRequest("prompt: expected a string or a list of token ids", "prompt")
+            streaming = _streaming(body)
             stream = await submit(prompt, body)
         except BadRequest as e:
             return _error(e)
-        return await respond(request, body, stream, chat=False)
+        return await respond(request, stream, streaming, chat=False)
 
     async def chat(request: Request):
         try:
@@ -154,40 +211,61 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str, default_max_to
                     isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                     for m in messages)):
                 raise BadRequest("messages: expected a non-empty list of {role, content} strings", "messages")
+            streaming = _streaming(body)
             stream = await submit([{"role": m["role"], "content": m["content"]} for m in messages], body)
         except BadRequest as e:
             return _error(e)
-        return await respond(request, body, stream, chat=True)
+        return await respond(request, stream, streaming, chat=True)
 
-    async def respond(request: Request, body: dict, stream, chat: bool):
+    def failed() -> BadRequest:
+        """The error of a request the engine could not finish (it failed, or the server is
+        shutting down): a 500 or 503 with an OpenAI-style body, never partial text."""
+        if loop.failure:
+            return BadRequest(f"the engine failed: {loop.failure}", status=500, kind="server_error")
+        return BadRequest("the server is shutting down", status=503, kind="server_error")
+
+    async def respond(request: Request, stream, streaming: tuple[bool, bool], chat: bool):
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
+        streamed, include_usage = streaming
 
         def usage(tokens: int) -> dict:
             return {"prompt_tokens": stream.prompt_tokens, "completion_tokens": tokens,
                     "total_tokens": stream.prompt_tokens + tokens}
 
-        if not body.get("stream"):
-            pieces, tokens, reason = [], 0, None
-            try:
+        if not streamed:
+            pieces, tokens = [], 0
+
+            async def collect() -> str:
+                nonlocal tokens
                 while True:
                     out = await stream.next()
                     pieces.append(out.text)
                     tokens += len(out.token_ids)
                     if out.finished:
-                        reason = out.finish_reason
-                        break
+                        return out.finish_reason
+
+            # a plain response is not told that its client left: watch for it beside the request
+            collector, watcher = asyncio.ensure_future(collect()), asyncio.ensure_future(_disconnected(request))
+            try:
+                await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
             finally:
-                if reason is None:  # cancelled: the client went away
+                watcher.cancel()
+                gone = not collector.done()
+                if gone:  # the client went away (queued or running): free its slot
+                    collector.cancel()
                     loop.abort(stream.id)
+            if gone:
+                return Response(status_code=499)  # nobody reads it
+            reason = collector.result()
+            if reason not in ("stop", "length"):
+                return _error(failed())
             text = "".join(pieces)
             choice = {"index": 0, "finish_reason": reason, "logprobs": None}
             choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
             return JSONResponse({"id": rid, "object": kind, "created": created, "model": model_name,
                                  "choices": [choice], "usage": usage(tokens)})
-
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
         chunk = _Chunks(rid, kind, created, model_name, chat)
 
@@ -203,6 +281,11 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str, default_max_to
                     tokens += sum(len(o.token_ids) for o in outs)
                     finished = outs[-1].finished
                     text = "".join(o.text for o in outs)
+                    if finished and outs[-1].finish_reason not in ("stop", "length"):
+                        # the engine failed or the server is going down: an error event, no [DONE]
+                        error = failed()
+                        yield f"data: {json.dumps(_error_body(error))}\n\n".encode()
+                        return
                     yield chunk(text, outs[-1].finish_reason) if finished else chunk.text(text)
                 if include_usage:
                     yield chunk.usage(usage(tokens))
@@ -214,23 +297,59 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str, default_max_to
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": 0, "owned_by": "mambastep"}
+
     async def models(request: Request):
-        return JSONResponse({"object": "list", "data": [
-            {"id": model_name, "object": "model", "created": 0, "owned_by": "mambastep"}]})
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    async def model(request: Request):
+        if request.path_params["model"] != model_name:
+            return _error(BadRequest(f"model {request.path_params['model']!r} is not served here; this server "
+                                     f"serves {model_name!r}", "model", status=404, kind="model_not_found"))
+        return JSONResponse(model_card())
 
     async def health(request: Request):
         if loop.closed:
-            return JSONResponse({"status": "stopped"}, status_code=503)
+            return JSONResponse({"status": "failed" if loop.failure else "stopped", "error": loop.failure},
+                                status_code=503)
+        if draining():
+            return JSONResponse({"status": "draining", "open_requests": loop.open_requests()}, status_code=503)
         if listening is not None and listening() < loop.api_processes:
             return JSONResponse({"status": "starting", "api_processes": loop.api_processes,
                                  "listening": listening()}, status_code=503)
-        return JSONResponse({"status": "ok", "open_requests": loop.open_requests(), "steps": loop.steps,
+        return JSONResponse({"status": "ok", "open_requests": loop.open_requests(), "free_slots": loop.free_slots(),
+                             "steps": loop.steps,
                              "engine": loop.kind, "api_processes": loop.api_processes,
                              "pid": os.getpid()})  # which API process answered
+
+    def guarded(handler):
+        """The API key on a GET route too (POST routes check it with their body)."""
+        async def route(request: Request):
+            if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
+                return _error(BadRequest("missing or wrong API key (Authorization: Bearer ...)", status=401,
+                                         kind="authentication_error"))
+            return await handler(request)
+        return route
+
+    async def http_error(request: Request, exc: HTTPException):
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return _error(BadRequest(message, status=exc.status_code, kind=kind))
+
+    async def server_error(request: Request, exc: Exception):
+        return _error(BadRequest(f"internal error: {type(exc).__name__}: {exc}", status=500, kind="server_error"))
 
     return Starlette(routes=[
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models", guarded(models), methods=["GET"]),
+        Route("/v1/models/{model:path}", guarded(model), methods=["GET"]),
         Route("/health", health, methods=["GET"]),
-    ])
+    ], exception_handlers={HTTPException: http_error, Exception: server_error})
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has disconnected (the body already read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

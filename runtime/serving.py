@@ -4,11 +4,17 @@ submit, await their outputs and abort.
 The loop takes submissions (add, abort) between steps, so nothing a caller does waits on a step
 or makes a step wait, and hands each request's outputs to the event loop that submitted it. A
 bound on the requests in the engine turns away the one past it (``Overloaded``) and changes
-nothing else. ``close`` aborts what is in flight: every open stream ends, with finish_reason
-"abort". Two placements, one interface: ``EngineLoop`` runs the engine in a thread of this
+nothing else. Two placements, one interface: ``EngineLoop`` runs the engine in a thread of this
 process, ``EngineProcess`` in a process of its own (a pipe carries submissions one way and each
 step's outputs the other), to which further API processes may attach, each an ``EngineClient``
 on a pipe of its own.
+
+Faults (docs/ARCHITECTURE.md, "Serving"): neither side ever blocks on the other (each sends
+through an ``_Outbox``, a bounded queue and a thread; a peer that stops reading is given up);
+an API process that leaves has its requests aborted and their slots freed; a watchdog ends
+every open request when the engine stops making progress or its process dies. A stream that
+can get no more ends with finish_reason "abort" (the caller aborted it) or "error" (the engine
+failed, or the loop closed under it: ``failure`` says why).
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ import itertools
 import multiprocessing
 import multiprocessing.connection
 import queue
+import signal
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -29,6 +37,42 @@ __all__ = ["EngineClient", "EngineLoop", "EngineProcess", "Overloaded", "Stream"
 
 class Overloaded(RuntimeError):
     """The engine holds as many requests as it was told to; try again later."""
+
+
+class _Outbox:
+    """Messages to one connection, sent in order by a thread of their own, so that the sender
+    never blocks on a peer that stopped reading: past ``bound`` unsent messages, or once a send
+    fails, the peer is ``dead`` and ``put`` refuses."""
+
+    def __init__(self, conn, bound: int = 4096, name: str = "mambastep-outbox"):
+        self.conn, self.dead = conn, threading.Event()
+        self._queue: queue.Queue = queue.Queue(bound)
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def put(self, msg) -> bool:
+        """Queue ``msg``; False (and nothing queued) once the peer is dead."""
+        if self.dead.is_set():
+            return False
+        try:
+            self._queue.put_nowait(msg)
+        except queue.Full:  # the peer has read nothing for ``bound`` messages: wedged
+            self.dead.set()
+            return False
+        return True
+
+    def stop(self) -> None:
+        """Send what is queued, then end the thread (it ends at once where the peer is dead)."""
+        try:
+            self._queue.put_nowait(None)
+        except queue.Full:
+            self.dead.set()
+
+    def _run(self) -> None:
+        while (msg := self._queue.get()) is not None and not self.dead.is_set():
+            try:
+                self.conn.send(msg)
+            except (OSError, ValueError):  # the peer is gone (or the connection closed here)
+                self.dead.set()
 
 
 def _past_bound(in_flight: int, bound: int | None) -> Overloaded | None:
@@ -58,10 +102,10 @@ class Stream:
         return outs
 
 
-def _admit(text: TextEngine, prompt, params, stop) -> tuple[int, int]:
+def _admit(text: TextEngine, prompt, params, stop, cap: bool) -> tuple[int, int]:
     """Add a request to the engine: (its id, its prompt's tokens); raises on bad input, having
     changed nothing."""
-    rid = text.add(prompt, params, stop)
+    rid = text.add(prompt, params, stop, cap=cap)
     return rid, text.prompt_tokens(rid)
 
 
@@ -86,11 +130,24 @@ class _Streams:
 
     api_processes = 1  # the API processes in front of the engine (each with a loop of its own)
 
-    def __init__(self, max_requests: int | None):
+    def __init__(self, max_requests: int | None, watchdog: float | None = None):
+        """watchdog: seconds without a sign of progress from the engine, while it holds requests,
+        after which it is taken for wedged and every open request ends with an error (None: off)."""
         self.max_requests = max_requests
         self._streams: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._closed = threading.Event()
+        self._lock = threading.Lock()  # the streams, between the loop's thread and the watchdog's
         self.steps = 0
+        self.failure: str | None = None  # why the loop stopped serving, where it did not choose to
+        self._closing = False  # closed on purpose: what ends then is no failure
+        self._progress = time.monotonic()
+        self._watchdog = watchdog
+
+    def _start_watchdog(self) -> None:
+        """Once the loop is set up (the subclass's constructor ends with it)."""
+        if self._watchdog is not None:
+            threading.Thread(target=self._watch, args=(self._watchdog,), name="mambastep-watchdog",
+                             daemon=True).start()
 
     def open_requests(self) -> int:
         return len(self._streams)
@@ -107,6 +164,42 @@ class _Streams:
     def _overloaded(self, pending: int = 0) -> Overloaded | None:
         return _past_bound(len(self._streams) + pending, self.max_requests)
 
+    def _outstanding(self) -> int:
+        """Requests the engine owes an answer: open streams (and, in a client, submissions)."""
+        return len(self._streams)
+
+    def _alive(self) -> str | None:
+        """Why the engine cannot be running (None: it may be)."""
+        return None
+
+    def _exit_cause(self) -> str | None:
+        """Why the engine's connection closed, where it can be told (its process's exit)."""
+        return self._alive()
+
+    def _watch(self, timeout: float) -> None:
+        while not self._closed.wait(min(0.5, timeout / 4)):
+            if (dead := self._alive()) is not None:
+                self._fail(dead)
+            elif not self._outstanding():
+                self._progress = time.monotonic()  # idle: nothing is owed
+            elif time.monotonic() - self._progress > timeout:
+                self._fail(f"the engine made no progress for {timeout:g} s (wedged)")
+
+    def end_all(self) -> None:
+        """End every open request with an error, aborted in the engine (a shutdown's last step:
+        the loop goes on for other API processes)."""
+        for rid in list(self._streams):
+            self.abort(rid)
+            self._end(rid, "error")
+
+    def _fail(self, cause: str) -> None:
+        """The engine failed: every open request ends with an error, and nothing more is served."""
+        if self.failure is None and not self._closed.is_set() and not self._closing:
+            self.failure = cause
+        self._closed.set()
+        for rid in list(self._streams):
+            self._end(rid, "error")
+
     def _open(self, rid: int, prompt_tokens: int, loop: asyncio.AbstractEventLoop) -> Stream:
         outputs: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = (loop, outputs)
@@ -114,22 +207,34 @@ class _Streams:
 
     def _deliver(self, outs: list[TextOutput]) -> None:
         """Hand a step's outputs over: one wake-up per event loop a step, however many streams."""
+        self._progress = time.monotonic()
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for out in outs:
-            if out.id not in self._streams:  # ended meanwhile (aborted, the loop closing)
-                continue
-            loop, outputs = self._streams[out.id]
-            by_loop.setdefault(loop, []).append((outputs, out))
-            if out.finished:
-                del self._streams[out.id]
+        with self._lock:
+            for out in outs:
+                if out.id not in self._streams:  # ended meanwhile (aborted, the loop closing)
+                    continue
+                loop, outputs = self._streams[out.id]
+                by_loop.setdefault(loop, []).append((outputs, out))
+                if out.finished:
+                    del self._streams[out.id]
         for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, items)
+            _call_soon(loop, _put_all, items)
 
-    def _end(self, rid: int) -> None:
-        """Close a stream that will get no more outputs (aborted, or the loop closing)."""
-        if rid in self._streams:
-            loop, outputs = self._streams.pop(rid)
-            loop.call_soon_threadsafe(outputs.put_nowait, TextOutput(rid, "", [], True, "abort"))
+    def _end(self, rid: int, reason: str = "abort") -> None:
+        """Close a stream that will get no more outputs: "abort" (the caller aborted it) or
+        "error" (the engine failed, or the loop closed under it)."""
+        with self._lock:
+            entry = self._streams.pop(rid, None)
+        if entry is not None:
+            loop, outputs = entry
+            _call_soon(loop, outputs.put_nowait, TextOutput(rid, "", [], True, reason))
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, *call) -> None:
+    try:
+        loop.call_soon_threadsafe(*call)
+    except RuntimeError:  # that event loop has closed: nobody is waiting there
+        pass
 
 
 class EngineLoop(_Streams):
@@ -138,23 +243,27 @@ class EngineLoop(_Streams):
 
     kind = "thread"
 
-    def __init__(self, text: TextEngine, max_requests: int | None = None):
+    def __init__(self, text: TextEngine, max_requests: int | None = None, watchdog: float | None = None):
         """max_requests: requests queued or running at once, beyond which ``submit`` raises
-        Overloaded (None: unbounded, the engine queues)."""
-        super().__init__(max_requests)
+        Overloaded (None: unbounded, the engine queues); watchdog: see ``_Streams``."""
+        super().__init__(max_requests, watchdog)
         self.text = text
+        self.max_context = text.engine.max_context
         self.sampling_defaults = text.tokenizer.sampling_defaults
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="mambastep-engine", daemon=True)
         self._thread.start()
+        self._start_watchdog()
 
-    async def submit(self, prompt, params, stop=()) -> Stream:
-        """Add a request; its Stream. Raises what the engine raises for bad input (ValueError,
-        TokenizerError), Overloaded, or RuntimeError once closed."""
+    async def submit(self, prompt, params, stop=(), cap: bool = False) -> Stream:
+        """Add a request; its Stream. ``cap``: the request named no max_tokens, so
+        ``params.max_tokens`` is cut to the room its prompt leaves in the context (a max_tokens
+        asked for past it is a ValueError). Raises what the engine raises for bad input
+        (ValueError, TokenizerError), Overloaded, or RuntimeError once closed."""
         if self._closed.is_set():
-            raise RuntimeError("the engine loop is closed")
+            raise RuntimeError(self.failure or "the engine loop is closed")
         done: Future = Future()
-        self._inbox.put(("add", (prompt, params, stop, asyncio.get_running_loop(), done)))
+        self._inbox.put(("add", (prompt, params, stop, cap, asyncio.get_running_loop(), done)))
         return await asyncio.wrap_future(done)
 
     def abort(self, request_id: int) -> None:
@@ -165,7 +274,8 @@ class EngineLoop(_Streams):
         return _free_slots(self.text)
 
     def close(self, timeout: float = 10.0) -> None:
-        """Abort every request in flight, end their streams, and stop the thread."""
+        """Abort every request in flight, end their streams (with "error"), and stop the thread."""
+        self._closing = True
         self._inbox.put(("close", None))
         self._thread.join(timeout)
 
@@ -182,19 +292,24 @@ class EngineLoop(_Streams):
                     pass
                 self.steps += 1
                 self._deliver(self.text.step())
+        except BaseException as e:
+            self._fail(f"the engine failed: {type(e).__name__}: {e}")
+            raise
         finally:
             self._closed.set()
             for rid in list(self._streams):
-                self._abort(rid)
+                if self.failure is None:
+                    _drop(self.text, rid)
+                self._end(rid, "error")
 
     def _handle(self, kind: str, arg) -> None:
         if kind == "add":
-            prompt, params, stop, loop, done = arg
+            prompt, params, stop, cap, loop, done = arg
             if (refused := self._overloaded()) is not None:
                 done.set_exception(refused)
                 return
             try:
-                rid, prompt_tokens = _admit(self.text, prompt, params, stop)
+                rid, prompt_tokens = _admit(self.text, prompt, params, stop, cap)
             except Exception as e:  # bad input: the caller's error, nothing changed here
                 done.set_exception(e)
                 return
@@ -205,13 +320,16 @@ class EngineLoop(_Streams):
             self._closed.set()
 
     def _abort(self, rid: int) -> None:
-        if rid in self._streams:
-            _drop(self.text, rid)
-            self._end(rid)
+        _drop(self.text, rid)
+        self._end(rid)
 
 
 def _child(build, conns, max_requests: int | None = None) -> None:
-    """The engine process: build the TextEngine, then serve its clients (``_EngineServer``)."""
+    """The engine process: build the TextEngine, then serve its clients (``_EngineServer``). It
+    ignores SIGINT and SIGTERM (a Ctrl-C or a supervisor's signal reaches the whole group): the
+    server drains first, then closes the owner's connection, which ends this process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         text = build()
     except Exception as e:  # a bad checkpoint: the parent reports it
@@ -232,12 +350,20 @@ class _EngineServer:
     def __init__(self, text: TextEngine, conns, max_requests: int | None = None):
         self.text, self.engine, self.max_requests = text, text.engine, max_requests
         self.live = dict(enumerate(conns))
+        # each connection's messages go through a bounded outbox: an API process that stops
+        # reading (stopped, wedged) is given up on, never waited for
+        self.outboxes = {i: _Outbox(c, name=f"mambastep-outbox-{i}") for i, c in self.live.items()}
         self.owner: dict[int, int] = {}  # request id -> the index of the connection that added it
 
     def run(self) -> None:
         for i in list(self.live):
-            self._send(i, "ready", _free_slots(self.text), self.text.tokenizer, len(self.live))
+            self._send(i, "ready", _free_slots(self.text), self.text.tokenizer, len(self.live),
+                       self.engine.max_context)
         while 0 in self.live:
+            for i in [i for i in self.live if self.outboxes[i].dead.is_set()]:
+                self._leave(i)
+            if 0 not in self.live:
+                break
             busy = self.engine.has_unfinished()
             ready = multiprocessing.connection.wait(list(self.live.values()), 0 if busy else None)
             if not ready:
@@ -283,16 +409,14 @@ class _EngineServer:
             self._leave(i)
 
     def _send(self, i: int, *msg) -> None:
-        if i in self.live:
-            try:
-                self.live[i].send(msg)
-            except OSError:  # that API process is gone
-                self._leave(i)
+        if i in self.live and not self.outboxes[i].put(msg):  # that API process is gone or wedged
+            self._leave(i)
 
     def _leave(self, i: int) -> None:
         """Connection i is done: closed (so its reader ends), its requests dropped."""
         if i not in self.live:
             return
+        self.outboxes[i].stop()
         self.live.pop(i).close()
         for rid in [r for r, j in self.owner.items() if j == i]:
             _drop(self.text, rid)
@@ -308,8 +432,9 @@ class EngineClient(_Streams):
 
     kind = "process"
 
-    def __init__(self, conn, max_requests: int | None = None, start_timeout: float = 600.0):
-        super().__init__(max_requests)
+    def __init__(self, conn, max_requests: int | None = None, start_timeout: float = 600.0,
+                 watchdog: float | None = None):
+        super().__init__(max_requests, watchdog)
         self._conn = conn
         if not conn.poll(start_timeout):
             raise RuntimeError(f"the engine process did not start within {start_timeout:.0f} s")
@@ -319,27 +444,35 @@ class EngineClient(_Streams):
             raise RuntimeError("the engine process exited before it was ready") from None
         if kind == "failed":
             raise ValueError(arg[0])
-        self._free, tokenizer, self.api_processes = arg
+        self._free, tokenizer, self.api_processes, self.max_context = arg
         self._texts = TextStreams(tokenizer)  # touched by the reader thread only
         self.sampling_defaults = tokenizer.sampling_defaults
-        self._send_lock = threading.Lock()
+        self._outbox = _Outbox(conn, name="mambastep-outbox")
         # submissions the engine has not answered: (future, its event loop, prompt ids, stop strings)
         self._pending: dict[int, tuple[Future, asyncio.AbstractEventLoop, list[int], tuple]] = {}
         self._tokens = itertools.count()
         self._reader = threading.Thread(target=self._read, name="mambastep-engine-reader", daemon=True)
         self._reader.start()
+        self._start_watchdog()
 
     def _send(self, *msg) -> None:
-        with self._send_lock:
-            self._conn.send(msg)
+        """Queue a message to the engine; OSError where it no longer reads (wedged or gone)."""
+        if not self._outbox.put(msg):
+            self._fail(self._alive() or "the engine process stopped reading its connection (wedged)")
+            raise OSError("the engine process is not reading")
 
-    async def submit(self, prompt, params, stop=()) -> Stream:
+    def _outstanding(self) -> int:
+        return len(self._streams) + len(self._pending)
+
+    async def submit(self, prompt, params, stop=(), cap: bool = False) -> Stream:
         """As EngineLoop.submit."""
         if self._closed.is_set():
-            raise RuntimeError("the engine loop is closed")
+            raise RuntimeError(self.failure or "the engine loop is closed")
         if (refused := self._overloaded(len(self._pending))) is not None:
             raise refused
-        ids, params, stop = self._texts.encode(prompt, params, stop)  # raises on bad input
+        ids, params, stop = self._texts.encode(prompt, params, stop, self.max_context, cap)  # raises on bad input
+        if not self._outstanding():
+            self._progress = time.monotonic()
         done: Future = Future()
         token = next(self._tokens)
         self._pending[token] = (done, asyncio.get_running_loop(), ids, stop)
@@ -347,7 +480,7 @@ class EngineClient(_Streams):
             self._send("add", token, ids, params)
         except OSError:
             self._pending.pop(token, None)
-            raise RuntimeError("the engine loop is closed") from None
+            raise RuntimeError(self.failure or "the engine loop is closed") from None
         return await asyncio.wrap_future(done)
 
     def abort(self, request_id: int) -> None:
@@ -362,11 +495,13 @@ class EngineClient(_Streams):
 
     def close(self, timeout: float = 10.0) -> None:
         """Leave the engine process, its requests from here aborted; every open stream ends with
-        finish_reason "abort"."""
+        finish_reason "error"."""
+        self._closing = True
         try:
             self._send("close")
         except OSError:
             pass
+        self._outbox.stop()
         self._reader.join(timeout)  # it ends as the engine process closes its end
         self._conn.close()
 
@@ -385,6 +520,7 @@ class EngineClient(_Streams):
         try:
             while True:
                 kind, *arg = self._conn.recv()
+                self._progress = time.monotonic()
                 if kind == "step":
                     self.steps += 1
                     outs, self._free = arg
@@ -404,11 +540,13 @@ class EngineClient(_Streams):
         except (EOFError, OSError):
             pass
         finally:
+            if not self._closing:
+                self._fail(self._exit_cause() or "the engine process closed its connection")
             self._closed.set()
             for rid in list(self._streams):
-                self._end(rid)
+                self._end(rid, "error")
             for done, *_ in self._pending.values():
-                done.set_exception(RuntimeError("the engine loop is closed"))
+                done.set_exception(RuntimeError(self.failure or "the engine loop is closed"))
             self._pending.clear()
 
 
@@ -418,7 +556,8 @@ class EngineProcess(EngineClient):
     e.g. ``functools.partial(TextEngine.load, ...)``). ``attach``: connections made for that many
     more API processes, in ``self.attached``, each for an ``EngineClient`` there."""
 
-    def __init__(self, build, max_requests: int | None = None, start_timeout: float = 600.0, attach: int = 0):
+    def __init__(self, build, max_requests: int | None = None, start_timeout: float = 600.0, attach: int = 0,
+                 watchdog: float | None = None):
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: CUDA starts in the child
         pipes = [ctx.Pipe() for _ in range(1 + attach)]
         self._process = ctx.Process(target=_child, args=(build, [child for _, child in pipes], max_requests),
@@ -428,7 +567,7 @@ class EngineProcess(EngineClient):
             child.close()
         self.attached = [conn for conn, _ in pipes[1:]]
         try:
-            super().__init__(pipes[0][0], max_requests, start_timeout)
+            super().__init__(pipes[0][0], max_requests, start_timeout, watchdog)
         except RuntimeError:  # it did not start in time, or exited before it was ready
             self._process.kill()
             raise
@@ -436,13 +575,26 @@ class EngineProcess(EngineClient):
             self._process.join()
             raise
 
+    def _alive(self) -> str | None:
+        code = self._process.exitcode
+        if code is None:
+            return None
+        return f"the engine process was killed by signal {-code}" if code < 0 else \
+            f"the engine process exited with code {code}"
+
+    def _exit_cause(self) -> str | None:
+        self._process.join(2.0)  # its pipe closes a moment before it can be reaped
+        return self._alive()
+
     def close(self, timeout: float = 10.0) -> None:
         """Stop the engine process (attached API processes lose it too); every open stream here
-        ends with finish_reason "abort"."""
+        ends with finish_reason "error"."""
+        self._closing = True
         try:
             self._send("close")
         except OSError:
             pass
+        self._outbox.stop()
         self._process.join(timeout)
         if self._process.is_alive():
             self._process.kill()

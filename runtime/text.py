@@ -51,10 +51,12 @@ class TextStreams:
         self.tokenizer = tokenizer
         self._streams: dict[int, _Stream] = {}
 
-    def encode(self, prompt: str | list, params: SamplingParams | None = None,
-               stop=()) -> tuple[list[int], SamplingParams, tuple[str, ...]]:
+    def encode(self, prompt: str | list, params: SamplingParams | None = None, stop=(),
+               max_context: int | None = None, cap: bool = False) -> tuple[list[int], SamplingParams, tuple[str, ...]]:
         """(token ids, params with the tokenizer's EOS ids, stop strings) of a request, as
-        ``TextEngine.add`` takes them; raises ValueError (or TokenizerError) on bad input."""
+        ``TextEngine.add`` takes them; raises ValueError (or TokenizerError) on bad input.
+        ``max_context``: prompt plus output tokens at most; a max_tokens past what the prompt
+        leaves is refused, or with ``cap`` (the caller named none) cut to it."""
         params = SamplingParams() if params is None else params
         if isinstance(stop, str):
             stop = (stop,)
@@ -71,6 +73,16 @@ class TextStreams:
             ids = list(prompt)  # token ids as they are
         else:
             raise ValueError("prompt: expected a string, token ids, or a list of {'role', 'content'} messages")
+        if max_context is not None:
+            room = max_context - len(ids)
+            if room < 1:
+                raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within the context of "
+                                 f"{max_context} tokens")
+            if cap:
+                params = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
+            elif params.max_tokens > room:
+                raise ValueError(f"max_tokens: {params.max_tokens} past the {room} tokens the prompt's {len(ids)} "
+                                 f"leave in the context of {max_context}")
         eos = getattr(self.tokenizer, "eos_token_ids", ())
         if eos and not params.ignore_eos:
             params = dataclasses.replace(params, stop_token_ids=tuple(dict.fromkeys(params.stop_token_ids + eos)))
@@ -130,12 +142,13 @@ class TextEngine:
         engine = Engine.from_pretrained(model, **engine_kw) if model else Engine.from_preset(preset, **engine_kw)
         return cls(engine, load_tokenizer(model, engine.cfg.vocab_size, chat_template))
 
-    def add(self, prompt: str | list[dict], params: SamplingParams | None = None, stop=()) -> int:
+    def add(self, prompt: str | list[dict], params: SamplingParams | None = None, stop=(), cap: bool = False) -> int:
         """Queue a text prompt, token ids, or chat messages ([{"role", "content"}]) rendered with
         the checkpoint's chat template. ``stop``: strings that end the request, cut from its text.
-        The tokenizer's EOS ids stop it too unless ``params.ignore_eos``. Raises ValueError
-        (or TokenizerError) and changes nothing on bad input."""
-        ids, params, stop = self.streams.encode(prompt, params, stop)
+        The tokenizer's EOS ids stop it too unless ``params.ignore_eos``. A max_tokens past the
+        room the prompt leaves in the engine's context is refused, or with ``cap`` cut to it.
+        Raises ValueError (or TokenizerError) and changes nothing on bad input."""
+        ids, params, stop = self.streams.encode(prompt, params, stop, self.engine.max_context, cap)
         rid = self.engine.add_request(ids, params)
         self.streams.open(rid, ids, stop)
         return rid

@@ -181,6 +181,20 @@ def main(argv=None) -> int:
     except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
         parser.error(f"--url {args.url}: no server answers ({e})")
     jobs = workload(args.requests, args.vocab, args.seed, max_context=args.max_context)
+    # one request first: a wrong --model or --vocab is the server's one-line answer, not a traceback
+    highest = max((job[0] for job in jobs), key=max)  # the prompt with the largest id any job sends
+    probe = {"prompt": list(highest), "max_tokens": 1, **({"model": args.model} if args.model else {})}
+    try:
+        r = httpx.post(args.url + "/v1/completions", json=probe, timeout=60)
+    except httpx.HTTPError as e:
+        parser.error(f"--url {args.url}: the first request failed ({e})")
+    if r.status_code != 200:
+        try:
+            message = r.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = r.text[:200]
+        parser.error(f"--url {args.url}: the server refused the first request (HTTP {r.status_code}: {message}); "
+                     "check --model and --vocab")
     before = health.get("steps")
     timings = load(args.url, jobs, args.concurrency, args.model, progress=not args.quiet, processes=processes)
     after = httpx.get(args.url + "/health", timeout=10).json().get("steps")

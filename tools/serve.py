@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import functools
 import multiprocessing
-import signal
 import socket
 import sys
 import threading
+import time
+from dataclasses import dataclass
 
 import torch
 
@@ -42,7 +43,8 @@ def main(argv=None) -> int:
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free one)")
     parser.add_argument("--max-requests", type=int, default=None,
                         help="requests queued or running at once; past it a 503 (default: no bound, they queue)")
-    parser.add_argument("--max-tokens", type=int, default=16, help="max_tokens where a request names none")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="max_tokens where a request names none (default: the rest of the context)")
     parser.add_argument("--max-context", type=int, default=4096, help="prompt + output tokens per request")
     parser.add_argument("--buckets", metavar="PATH", help="graph buckets from `mambastep tune`")
     parser.add_argument("--pipelined", action="store_true", help="launch step N+1 before reading step N's tokens")
@@ -57,6 +59,17 @@ def main(argv=None) -> int:
                              "(Linux; --max-requests bounds them together; default 2 with --engine process on Linux, "
                              "where Mamba2-130M at 64 streams kept 94%% of its in-process tokens/s against 85%% "
                              "behind one; else 1)")
+    parser.add_argument("--api-key", help="a key every request but /health must send (Authorization: Bearer KEY, "
+                        "as the OpenAI client does)")
+    parser.add_argument("--max-body-bytes", type=int, default=16 << 20, help="a larger request body is a 413")
+    parser.add_argument("--max-connections", type=int, default=2048,
+                        help="open connections per HTTP server process; past them a 503")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="on SIGTERM or SIGINT: seconds to let requests in flight finish (new ones get a "
+                             "503, /health says draining) before the rest end with an error and the server exits")
+    parser.add_argument("--watchdog-timeout", type=float, default=120.0,
+                        help="seconds without a step while requests wait, after which the engine is taken for "
+                             "wedged: every request ends with an error, /health says failed, the server exits 1")
     args = parser.parse_args(argv)
     try:  # the extra, checked before anything starts; ``_serve`` uses the first two
         import uvicorn  # noqa: F401
@@ -71,9 +84,13 @@ def main(argv=None) -> int:
     if not 0 <= args.port < 65536:
         parser.error(f"--port: expected 0..65535, got {args.port}")
     for flag, value in (("--max-requests", args.max_requests), ("--max-tokens", args.max_tokens),
-                        ("--api-processes", args.api_processes)):
+                        ("--api-processes", args.api_processes), ("--max-body-bytes", args.max_body_bytes),
+                        ("--max-connections", args.max_connections)):
         if value is not None and value < 1:
             parser.error(f"{flag}: must be at least 1, got {value}")
+    for flag, value in (("--shutdown-timeout", args.shutdown_timeout), ("--watchdog-timeout", args.watchdog_timeout)):
+        if not value > 0:
+            parser.error(f"{flag}: must be a positive number of seconds, got {value}")
     if args.api_processes > 1 and args.engine != "process":
         parser.error("--api-processes: more than one needs the engine in its own process (--engine process)")
     if args.api_processes > 1 and not hasattr(socket, "SO_REUSEPORT"):
@@ -90,32 +107,68 @@ def main(argv=None) -> int:
     if args.engine == "process":
         try:
             loop = EngineProcess(functools.partial(TextEngine.load, args.model, args.preset, **common),
-                                 max_requests=args.max_requests, attach=args.api_processes - 1)
+                                 max_requests=args.max_requests, attach=args.api_processes - 1,
+                                 watchdog=args.watchdog_timeout)
         except ValueError as e:
             parser.error(str(e))
     else:
-        loop = EngineLoop(text_engine(parser, args.model, args.preset, **common), max_requests=args.max_requests)
+        loop = EngineLoop(text_engine(parser, args.model, args.preset, **common), max_requests=args.max_requests,
+                          watchdog=args.watchdog_timeout)
         # The engine thread lets go of the GIL while it waits for the GPU; with the default 5 ms
         # switch interval a busy event loop then keeps it for up to 5 ms, a 130M model's twenty
         # decode steps.
         sys.setswitchinterval(2e-4)
-    name = args.name or args.model or args.preset
+    settings = _Settings(args.name or args.model or args.preset, args.max_tokens, args.api_key, args.max_body_bytes,
+                         args.max_connections, args.shutdown_timeout, args.watchdog_timeout, args.max_requests)
     workers = []
     try:
         ctx = multiprocessing.get_context("spawn")
         listening = ctx.Value("i", 0)  # the HTTP server processes taking connections yet
         for conn in getattr(loop, "attached", []):  # they bind the port this process got
             workers.append(ctx.Process(target=_api_process, name="mambastep-api", args=(
-                conn, args.host, sock.getsockname()[1], name, args.max_tokens, args.max_requests, listening)))
+                conn, args.host, sock.getsockname()[1], settings, listening)))
             workers[-1].start()
-        _serve(loop, name, args.max_tokens, sock, listening)
+            # the worker holds its own copy now: with this one closed, the engine sees its
+            # pipe end when the worker dies, and aborts its requests
+            conn.close()
+        _watch_workers(workers, loop)
+        # a signal here drains every HTTP server process, each its own requests
+        _serve(loop, settings, sock, listening, on_signal=lambda: [w.terminate() for w in workers if w.is_alive()])
     finally:
         for w in workers:
-            w.terminate()  # uvicorn's SIGTERM: it stops serving; its client leaves the engine
-        for w in workers:
-            w.join(10)
+            w.join(args.shutdown_timeout + 10)
+            if w.is_alive():
+                w.kill()
         loop.close()
+    if loop.failure:
+        print(f"mambastep serve: error: {loop.failure}; every request in flight ended with an error", file=sys.stderr)
+        return 1
     return 0
+
+
+@dataclass(frozen=True)
+class _Settings:
+    """What every HTTP server process serves with (picklable, for the spawned ones)."""
+
+    name: str
+    max_tokens: int | None
+    api_key: str | None
+    max_body_bytes: int
+    max_connections: int
+    shutdown_timeout: float
+    watchdog_timeout: float
+    max_requests: int | None
+
+
+def _watch_workers(workers, loop) -> None:
+    """Say in the log when an HTTP server process dies on its own (the engine drops its requests)."""
+    def watch(w):
+        w.join()
+        if w.exitcode not in (0, None) and not loop.closed:
+            print(f"mambastep serve: HTTP server process {w.pid} exited with code {w.exitcode}; its requests "
+                  "were aborted, the others go on", file=sys.stderr, flush=True)
+    for w in workers:
+        threading.Thread(target=watch, args=(w,), daemon=True).start()
 
 
 def _listen(host: str, port: int, shared: bool) -> socket.socket:
@@ -129,19 +182,47 @@ def _listen(host: str, port: int, shared: bool) -> socket.socket:
     return sock
 
 
-def _serve(engine_loop, name: str, default_max_tokens: int, sock: socket.socket, listening) -> None:
+def _serve(engine_loop, settings: _Settings, sock: socket.socket, listening, on_signal=None) -> None:
     """Serve the API over ``engine_loop`` on ``sock`` until a signal, or until the loop stops (the
-    engine process gone: an API process then has nothing to serve); ``listening`` (a shared
-    counter) counts this process once it takes connections, and /health waits for them all.
-    uvicorn re-raises the signal it stopped on; for SIGTERM that would end the process before
-    its ``finally``, so it exits instead. (The server's extra is installed: ``main`` checked.)"""
+    engine failed or went away: an API process then has nothing to serve); ``listening`` (a
+    shared counter) counts this process once it takes connections, and /health waits for them
+    all. SIGTERM or SIGINT drains: new requests and /health get a 503 "draining", requests in
+    flight have ``shutdown_timeout`` to finish, then the rest end with an error and the server
+    exits; a second signal exits at once. (The server's extra is installed: ``main`` checked.)"""
     import uvicorn
 
     from ..runtime.openai_api import create_app
 
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    app = create_app(engine_loop, name, default_max_tokens=default_max_tokens, listening=lambda: listening.value)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    draining = threading.Event()
+    app = create_app(engine_loop, settings.name, default_max_tokens=settings.max_tokens,
+                     listening=lambda: listening.value, api_key=settings.api_key,
+                     max_body_bytes=settings.max_body_bytes, draining=draining.is_set)
+
+    seen = set()
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # uvicorn's signal handler; nothing is re-raised after
+            # the same signal twice (Ctrl-C, Ctrl-C) exits at once; another one, as the serve
+            # process's SIGTERM after a Ctrl-C that reached the whole group, does not
+            if sig in seen:
+                self.should_exit = self.force_exit = True
+            seen.add(sig)
+            if draining.is_set():
+                return
+            draining.set()
+            if on_signal is not None:
+                on_signal()
+            threading.Thread(target=drain, daemon=True).start()
+
+    def drain():
+        end = time.monotonic() + settings.shutdown_timeout
+        while engine_loop.open_requests() and time.monotonic() < end and not engine_loop.closed:
+            time.sleep(0.05)
+        engine_loop.end_all()  # what is left ends with an error (a 503, or an error event)
+        server.should_exit = True
+
+    server = Server(uvicorn.Config(app, log_level="warning", limit_concurrency=settings.max_connections,
+                                   timeout_keep_alive=5, timeout_graceful_shutdown=5))
 
     def stop_with_the_engine():
         engine_loop.wait_closed()
@@ -159,13 +240,13 @@ def _serve(engine_loop, name: str, default_max_tokens: int, sock: socket.socket,
     server.run(sockets=[sock])
 
 
-def _api_process(conn, host: str, port: int, name: str, default_max_tokens: int, max_requests, listening) -> None:
+def _api_process(conn, host: str, port: int, settings: _Settings, listening) -> None:
     """One more HTTP server process: the same app over its own connection to the engine process."""
     from ..runtime.serving import EngineClient
 
-    client = EngineClient(conn, max_requests=max_requests)
+    client = EngineClient(conn, max_requests=settings.max_requests, watchdog=settings.watchdog_timeout)
     try:
-        _serve(client, name, default_max_tokens, _listen(host, port, shared=True), listening)
+        _serve(client, settings, _listen(host, port, shared=True), listening)
     finally:
         client.close()
 

@@ -145,10 +145,11 @@ def test_raw_http_and_bad_requests(server, checkpoint):
                                                "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"] == {"prompt_tokens": 3, "completion_tokens": 4,
                                                              "total_tokens": 7}
+        r = http.post("/v1/completions", json={"model": "gpt-4", "prompt": "x"})
+        assert r.status_code == 404 and r.json()["error"]["type"] == "model_not_found"
         bad = [
             (b"{ not json", "not valid JSON"),
-            (json.dumps({"model": "gpt-4", "prompt": "x"}), "not served here"),
-            (json.dumps({"prompt": "x " * 200, "max_tokens": 4}), "max_context"),
+            (json.dumps({"prompt": "x " * 200, "max_tokens": 4}), "leave no room to generate"),
             (json.dumps({"prompt": "x", "temperature": -1}), "temperature"),
             (json.dumps({"prompt": "x", "top_p": 0}), "top_p"),
             (json.dumps({"prompt": [1, 99999]}), "vocabulary"),
@@ -195,7 +196,7 @@ def test_concurrent_streams_with_disconnects(server, checkpoint):
 
     *got, = asyncio.run(main())
     got, statuses = got[:32], got[32:]
-    assert statuses == [400] * 4
+    assert statuses == [400, 404, 400, 400]
     for i, text in enumerate(got):
         if i % 3:
             assert text == alone(checkpoint, prompts[i], 10), i
@@ -238,7 +239,8 @@ def test_bench_serve_measures_a_running_server(server, tmp_path, capsys):
 
 @pytest.mark.parametrize("kind", ["thread", "process"])
 def test_closing_the_loop_ends_every_stream(checkpoint, kind):
-    """Shutdown aborts what is in flight: each open stream ends with finish_reason "abort"."""
+    """Shutdown aborts what is in flight: each open stream ends with finish_reason "error" (no
+    failure: the server chose it), and the HTTP side then answers 503s."""
     loop = engine_loop(kind, checkpoint, max_context=8192)
 
     async def main():
@@ -254,8 +256,8 @@ def test_closing_the_loop_ends_every_stream(checkpoint, kind):
             ends.append(out.finish_reason)
         return ends
 
-    assert asyncio.run(main()) == ["abort"] * 3
-    assert loop.closed and not loop.open_requests()
+    assert asyncio.run(main()) == ["error"] * 3
+    assert loop.closed and not loop.open_requests() and loop.failure is None
     if kind == "thread":
         assert not loop.text.engine.requests
     app = create_app(loop, NAME)  # a stopped loop: 503s, not tracebacks
@@ -375,12 +377,12 @@ def test_an_attached_client_shares_the_engine_and_leaves_alone(checkpoint):
             long = SamplingParams(temperature=0, max_tokens=8000, ignore_eos=True)
             stream = await other.submit("the cat", long)
             await stream.next()
-            other.close()  # leaves mid-request: it ends here with "abort", and frees its slot there
+            other.close()  # leaves mid-request: it ends here with "error", and frees its slot there
             while not (out := await stream.next()).finished:
                 pass
             return out.finish_reason, await text(await owner.submit("the cat 0", greedy))
 
-        assert asyncio.run(leave()) == ("abort", (alone(checkpoint, "the cat 0", 10), "length"))
+        assert asyncio.run(leave()) == ("error", (alone(checkpoint, "the cat 0", 10), "length"))
         assert other.closed and not owner.closed
         end = time.time() + 20
         while owner.free_slots() != SLOTS and time.time() < end:

@@ -1,0 +1,288 @@
+"""Faults a deployment meets, injected into real `mambastep serve` processes with requests in
+flight: an HTTP server process killed, the engine process killed or stopped, SIGTERM and SIGINT,
+a client that leaves a plain request, a bench pointed at the wrong model. No client waits past a
+bound, every survivor's text is whole and equals its run alone, no slot leaks, /health tells the
+truth, and the exit code says what happened."""
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("uvicorn")
+
+SLOTS = 16  # the CPU default's largest decode bucket
+PROMPT = [5, 6, 7, 8]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Serve:
+    """`mambastep serve` on a tiny preset, in a session of its own (so a signal can reach the
+    whole group, as a terminal's Ctrl-C does)."""
+
+    def __init__(self, *extra: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mambastep.tools.cli", "serve", "--preset", "tiny-hybrid", "--device", "cpu",
+             "--port", str(self.port), "--name", "tiny", "--max-context", "4096", *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        end = time.time() + 120
+        while time.time() < end:
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        self.stop()
+        pytest.fail("the server did not come up: " + self.output())
+
+    def health(self) -> tuple[int, dict]:
+        r = httpx.get(self.url + "/health", timeout=5)
+        return r.status_code, r.json()
+
+    def children(self) -> list[int]:
+        """The server's child processes (the engine, the other HTTP server processes), by /proc."""
+        kids = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == self.proc.pid and "spawn_main" in Path(stat.parent, "cmdline").read_text():
+                kids.append(int(stat.parent.name))
+        return kids
+
+    def api_pids(self) -> set[int]:
+        """The HTTP server processes, each by the pid its /health answers with."""
+        pids = set()
+        for _ in range(40):
+            with httpx.Client(base_url=self.url, timeout=5) as http:
+                pids.add(http.get("/health").json()["pid"])
+        return pids
+
+    def engine_pid(self) -> int:
+        api = self.api_pids()
+        (pid,) = [p for p in self.children() if p not in api]
+        return pid
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+    def output(self) -> str:
+        if self.proc.poll() is None:
+            return ""
+        return self.proc.stdout.read().decode(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+def body(max_tokens: int, **kw) -> dict:
+    return {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **kw}
+
+
+async def streamed(url: str, max_tokens: int, started: asyncio.Event | None = None) -> tuple[str, str | None]:
+    """A streamed completion on a connection of its own: (its text, its finish reason, or the
+    error event's message as "error: ..."); ("", "gone") if the connection broke."""
+    pieces, reason = [], None
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            async with http.stream("POST", "/v1/completions", json=body(max_tokens, stream=True)) as r:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    data = json.loads(line[6:])
+                    if "error" in data:
+                        return "".join(pieces), "error: " + data["error"]["message"]
+                    pieces.append(data["choices"][0]["text"])
+                    reason = data["choices"][0]["finish_reason"] or reason
+                    if started is not None:
+                        started.set()
+    except httpx.HTTPError:
+        return "".join(pieces), "gone"
+    return "".join(pieces), reason
+
+
+def alone(url: str, max_tokens: int) -> str:
+    r = httpx.post(url + "/v1/completions", json=body(max_tokens), timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def settle(server: Serve, timeout: float = 20) -> dict:
+    """/health once nothing is open and every slot is free again (or the last answer)."""
+    end = time.time() + timeout
+    while True:
+        status, health = server.health()
+        if (status == 200 and not health["open_requests"] and health["free_slots"] == SLOTS) or time.time() > end:
+            return health
+        time.sleep(0.05)
+
+
+def full_batch_at_once(url: str, max_tokens: int = 8) -> list[int]:
+    """SLOTS requests together (no slot leaked: all run in one batch); their status codes."""
+    async def main():
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            rs = await asyncio.gather(*(http.post("/v1/completions", json=body(max_tokens)) for _ in range(SLOTS)))
+            return [r.status_code for r in rs]
+    return asyncio.run(main())
+
+
+def test_a_killed_http_server_process_leaves_the_rest_serving():
+    """kill -9 of one of two HTTP server processes with 8 streams in flight: the engine drops its
+    requests and frees their slots (it used to block for ever writing to the dead process's
+    pipe, whose other end the serve process still held); the other process's streams finish
+    whole, equal to their runs alone; a full batch runs at once afterwards."""
+    server = Serve("--api-processes", "2")
+    try:
+        workers = server.api_pids() - {server.proc.pid}
+        (worker,) = workers
+
+        async def main():
+            starts = [asyncio.Event() for _ in range(8)]
+            tasks = [asyncio.create_task(streamed(server.url, 300, s)) for s in starts]
+            await asyncio.wait_for(asyncio.gather(*(s.wait() for s in starts)), 60)
+            os.kill(worker, signal.SIGKILL)
+            return await asyncio.wait_for(asyncio.gather(*tasks), 120)
+
+        results = asyncio.run(main())
+        survivors = [text for text, reason in results if reason == "length"]
+        assert all(reason in ("length", "gone") for _, reason in results), results
+        assert settle(server)["free_slots"] == SLOTS
+        solo = alone(server.url, 300)
+        assert survivors and all(text == solo for text in survivors)
+        assert full_batch_at_once(server.url) == [200] * SLOTS
+        assert server.health()[0] == 200
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+def test_an_engine_that_dies_or_wedges_ends_every_request_with_an_error(fault):
+    """The engine process killed (kill -9) or stopped (SIGSTOP, as a wedged GPU): every request
+    in flight ends at once with an error (a 500 with an OpenAI-style body, or an error event;
+    never a 200 with partial text), /health says failed, and the server exits 1 naming the
+    cause (it used to answer 200 "abort", or hang for ever, and exit 0)."""
+    server = Serve("--api-processes", "1", "--watchdog-timeout", "2")
+    try:
+        engine = server.engine_pid()
+
+        async def main():
+            started = asyncio.Event()
+            stream = asyncio.create_task(streamed(server.url, 3000, started))
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+                plain = asyncio.create_task(http.post("/v1/completions", json=body(3000)))
+                await asyncio.wait_for(started.wait(), 60)
+                await asyncio.sleep(0.2)
+                os.kill(engine, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+                t0 = time.time()
+                r = await asyncio.wait_for(plain, 30)
+                return r, await asyncio.wait_for(stream, 30), time.time() - t0
+
+        r, (_, reason), waited = asyncio.run(main())
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error", r.text
+        cause = "killed by signal 9" if fault == "kill" else "no progress for 2 s"
+        assert cause in r.json()["error"]["message"] and reason.startswith("error: ") and cause in reason
+        assert waited < 15
+        assert server.wait(30) == 1
+        assert cause in server.output()
+    finally:
+        if fault == "stop":
+            try:
+                os.kill(engine, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        server.stop()
+
+
+@pytest.mark.parametrize("how", ["SIGTERM to the serve process", "SIGINT to the group (Ctrl-C)"])
+def test_a_signal_drains_within_the_bound_then_exits_cleanly(how):
+    """SIGTERM (or Ctrl-C to the whole group): /health says draining and new requests get a 503
+    at once, on every HTTP server process; short requests in flight finish whole; what is still
+    running at --shutdown-timeout ends with an error; the server exits 0, with no traceback
+    (it used to wait without bound while the other process took new requests, or, on Ctrl-C,
+    abort everything with a traceback)."""
+    server = Serve("--api-processes", "2", "--shutdown-timeout", "3")
+    try:
+        async def main():
+            long_started, short_started = asyncio.Event(), asyncio.Event()
+            long = asyncio.create_task(streamed(server.url, 3500, long_started))
+            await asyncio.wait_for(long_started.wait(), 60)
+            short = asyncio.create_task(streamed(server.url, 40, short_started))
+            await asyncio.wait_for(short_started.wait(), 60)
+            if how.startswith("SIGTERM"):
+                os.kill(server.proc.pid, signal.SIGTERM)
+            else:
+                os.killpg(server.proc.pid, signal.SIGINT)
+            t0 = time.time()
+            await asyncio.sleep(0.5)
+            async with httpx.AsyncClient(base_url=server.url, timeout=10) as http:
+                answers = []
+                for _ in range(6):  # each on a connection of its own: both processes are asked
+                    async with httpx.AsyncClient(base_url=server.url, timeout=10) as one:
+                        answers.append(((await one.get("/health")).json()["status"],
+                                        (await one.post("/v1/completions", json=body(4))).status_code))
+            return answers, await asyncio.wait_for(short, 30), await asyncio.wait_for(long, 30), time.time() - t0
+
+        answers, (short_text, short_reason), (_, long_reason), waited = asyncio.run(main())
+        assert all(a == ("draining", 503) for a in answers), answers
+        assert short_reason == "length" and len(short_text) > 0
+        assert long_reason.startswith("error: ") and "shutting down" in long_reason
+        assert 2.5 < waited < 15
+        assert server.wait(30) == 0
+        assert "Traceback" not in server.output()
+    finally:
+        server.stop()
+
+
+def test_a_plain_request_whose_client_leaves_frees_its_slot():
+    """A non-streamed request whose client disconnects, running or still queued, is cancelled
+    (it used to run to max_tokens for nobody, holding its slot)."""
+    server = Serve("--api-processes", "1", "--max-requests", "64")
+    try:
+        async def main():
+            async with httpx.AsyncClient(base_url=server.url, timeout=1.0) as http:
+                # more than the slots: some are still queued when their clients leave
+                tries = [http.post("/v1/completions", json=body(4000)) for _ in range(SLOTS + 4)]
+                results = await asyncio.gather(*tries, return_exceptions=True)
+            return results
+
+        assert all(isinstance(r, httpx.TimeoutException) for r in asyncio.run(main()))
+        health = settle(server, timeout=10)
+        assert health["open_requests"] == 0 and health["free_slots"] == SLOTS
+        t0 = time.time()
+        assert alone(server.url, 4) and time.time() - t0 < 10
+    finally:
+        server.stop()
+
+
+def test_bench_serve_against_the_wrong_model_or_vocabulary_says_so_in_one_line():
+    server = Serve("--api-processes", "1")
+    try:
+        for extra, named in ((["--model", "gpt-4"], "not served here"), (["--vocab", "100000"], "vocabulary")):
+            done = subprocess.run([sys.executable, "-m", "mambastep.tools.cli", "bench", "serve", "--url", server.url,
+                                   "--requests", "2", "--concurrency", "1", "--quiet", *extra],
+                                  capture_output=True, text=True, timeout=120)
+            assert done.returncode == 2 and named in done.stderr and "Traceback" not in done.stderr, done.stderr
+            assert len(done.stderr.strip().splitlines()) == 1
+    finally:
+        server.stop()

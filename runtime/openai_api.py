@@ -7,6 +7,7 @@
                                 503 "starting", "draining", "failed" (the engine's fault) or "stopped"
 
     GET  /v1/models/{id}        that model, or a 404
+    GET  /version               the package's version
 
 Handlers only validate, submit, await outputs and abort when the client goes away (streamed or
 not, queued or running). A request is checked whole before it reaches the engine: a bad one
@@ -19,7 +20,9 @@ Every error, unknown routes and methods included, has the OpenAI-style JSON body
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
+import logging
 import os
 import time
 import uuid
@@ -35,6 +38,8 @@ from .serving import EngineLoop, EngineProcess, Overloaded
 from .tokenizer import TokenizerError
 
 __all__ = ["create_app"]
+
+_access = logging.getLogger("mambastep.access")
 
 # request fields that are SamplingParams fields of the same name (OpenAI's, plus top_k and ignore_eos)
 _SAMPLING = ("temperature", "top_p", "top_k", "seed", "max_tokens", "ignore_eos")
@@ -134,13 +139,15 @@ class _Chunks:
 
 def create_app(loop: EngineLoop | EngineProcess, model_name: str, default_max_tokens: int | None = None,
                listening=None, api_key: str | None = None, max_body_bytes: int = 16 << 20,
-               draining=lambda: False) -> Starlette:
+               draining=lambda: False, access_log: bool = False):
     """The API over ``loop``, serving ``model_name``; ``default_max_tokens`` where a request
     names none (None: the rest of the context). ``listening``: None, or a callable giving how
     many of the ``loop.api_processes`` HTTP server processes listen yet; until all do, /health
     answers 503 "starting". ``api_key``: a Bearer token every route but /health asks for.
     ``max_body_bytes``: a larger body is a 413, read no further. ``draining``: a callable, true
-    once the server is shutting down: /health and new requests then get a 503 "draining"."""
+    once the server is shutting down: /health and new requests then get a 503 "draining".
+    Every response carries an X-Request-Id (the client's, where it sent one); ``access_log``:
+    a line a request on the "mambastep.access" logger."""
 
     async def read_body(request: Request) -> dict:
         if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
@@ -340,13 +347,54 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str, default_max_to
     async def server_error(request: Request, exc: Exception):
         return _error(BadRequest(f"internal error: {type(exc).__name__}: {exc}", status=500, kind="server_error"))
 
-    return Starlette(routes=[
+    async def version(request: Request):
+        return JSONResponse({"version": _version()})
+
+    app = Starlette(routes=[
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/models", guarded(models), methods=["GET"]),
         Route("/v1/models/{model:path}", guarded(model), methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
     ], exception_handlers={HTTPException: http_error, Exception: server_error})
+    return _RequestIds(app, access_log)
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("mambastep")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class _RequestIds:
+    """ASGI middleware: an X-Request-Id on every response (the client's, where it sent one) and,
+    with ``log``, one access-log line a request: client, method, path, status, time, id."""
+
+    def __init__(self, app, log: bool):
+        self.app, self.log = app, log
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        rid = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")[:128] or uuid.uuid4().hex
+        status, start = None, time.monotonic()
+
+        async def send_with_id(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid.encode("latin-1"))]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            if self.log:
+                client = scope.get("client") or ("-", 0)
+                _access.info('%s:%s "%s %s" %s %.1f ms id=%s', client[0], client[1], scope["method"], scope["path"],
+                             status if status is not None else "-", 1e3 * (time.monotonic() - start), rid)
 
 
 async def _disconnected(request: Request) -> None:

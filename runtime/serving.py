@@ -102,11 +102,12 @@ class Stream:
         return outs
 
 
-def _admit(text: TextEngine, prompt, params, stop, cap: bool) -> tuple[int, int]:
-    """Add a request to the engine: (its id, its prompt's tokens); raises on bad input, having
-    changed nothing."""
-    rid = text.add(prompt, params, stop, cap=cap)
-    return rid, text.prompt_tokens(rid)
+def _admit(text: TextEngine, ids: list[int], params, stop) -> tuple[int, int]:
+    """Add an encoded request (``TextStreams.encode``) to the engine: (its id, its prompt's
+    tokens); raises on bad input, having changed nothing."""
+    rid = text.engine.add_request(ids, params)
+    text.streams.open(rid, ids, stop)
+    return rid, len(ids)
 
 
 def _drop(text: TextEngine, rid: int) -> None:
@@ -262,8 +263,12 @@ class EngineLoop(_Streams):
         (ValueError, TokenizerError), Overloaded, or RuntimeError once closed."""
         if self._closed.is_set():
             raise RuntimeError(self.failure or "the engine loop is closed")
+        # tokenizing (a long prompt takes seconds) in a worker thread: not on the event loop, not
+        # in the engine's thread
+        ids, params, stop = await asyncio.get_running_loop().run_in_executor(
+            None, self.text.streams.encode, prompt, params, stop, self.max_context, cap)
         done: Future = Future()
-        self._inbox.put(("add", (prompt, params, stop, cap, asyncio.get_running_loop(), done)))
+        self._inbox.put(("add", (ids, params, stop, asyncio.get_running_loop(), done)))
         return await asyncio.wrap_future(done)
 
     def abort(self, request_id: int) -> None:
@@ -304,12 +309,12 @@ class EngineLoop(_Streams):
 
     def _handle(self, kind: str, arg) -> None:
         if kind == "add":
-            prompt, params, stop, cap, loop, done = arg
+            ids, params, stop, loop, done = arg
             if (refused := self._overloaded()) is not None:
                 done.set_exception(refused)
                 return
             try:
-                rid, prompt_tokens = _admit(self.text, prompt, params, stop, cap)
+                rid, prompt_tokens = _admit(self.text, ids, params, stop)
             except Exception as e:  # bad input: the caller's error, nothing changed here
                 done.set_exception(e)
                 return
@@ -470,7 +475,9 @@ class EngineClient(_Streams):
             raise RuntimeError(self.failure or "the engine loop is closed")
         if (refused := self._overloaded(len(self._pending))) is not None:
             raise refused
-        ids, params, stop = self._texts.encode(prompt, params, stop, self.max_context, cap)  # raises on bad input
+        # tokenizing in a worker thread, off the event loop (raises on bad input)
+        ids, params, stop = await asyncio.get_running_loop().run_in_executor(
+            None, self._texts.encode, prompt, params, stop, self.max_context, cap)
         if not self._outstanding():
             self._progress = time.monotonic()
         done: Future = Future()

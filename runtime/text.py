@@ -63,6 +63,8 @@ class TextStreams:
         stop = tuple(stop)
         if not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"stop: expected non-empty strings, got {stop!r}")
+        if max_context is not None:
+            self._check_length(prompt, max_context)
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
@@ -87,6 +89,19 @@ class TextStreams:
         if eos and not params.ignore_eos:
             params = dataclasses.replace(params, stop_token_ids=tuple(dict.fromkeys(params.stop_token_ids + eos)))
         return ids, params, stop
+
+    def _check_length(self, prompt, max_context: int) -> None:
+        """Refuse, before tokenizing it, a text too long to fit the context whatever its tokens:
+        more characters than max_context tokens could spell (with room for normalisers that
+        merge characters, 4x)."""
+        if isinstance(prompt, str):
+            chars = len(prompt)
+        elif isinstance(prompt, list):
+            chars = sum(len(m["content"]) for m in prompt if isinstance(m, dict) and isinstance(m.get("content"), str))
+        else:
+            return  # not text: encode names what it is
+        if chars > 4 * max_context * getattr(self.tokenizer, "max_token_chars", 1):
+            raise ValueError(f"prompt: {chars} characters cannot fit in the context of {max_context} tokens")
 
     def open(self, rid: int, ids: list[int], stop: tuple[str, ...]) -> None:
         """Follow request ``rid``, whose prompt was ``ids``."""

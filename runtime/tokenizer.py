@@ -42,6 +42,8 @@ class Tokenizer:
         if eos_token is not None and backend.token_to_id(eos_token) is not None:
             ids.add(backend.token_to_id(eos_token))
         self.eos_token_ids = tuple(sorted(ids))
+        # the most characters one token's string spells: a text past max_context of them cannot fit
+        self.max_token_chars = max((len(t) for t in backend.get_vocab(with_added_tokens=True)), default=1)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, chat_template: str | Path | None = None) -> "Tokenizer":
@@ -104,6 +106,7 @@ class ByteTokenizer:
     chat_template = None
     eos_token_ids: tuple[int, ...] = ()
     sampling_defaults: dict = {}
+    max_token_chars = 1
     source = "the byte-level fallback"
 
     def __init__(self, vocab_size: int):

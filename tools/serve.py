@@ -17,6 +17,7 @@ generation_config.json values (temperature, top_p, top_k), else OpenAI's default
 from __future__ import annotations
 
 import functools
+import logging
 import multiprocessing
 import socket
 import sys
@@ -67,6 +68,7 @@ def main(argv=None) -> int:
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGTERM or SIGINT: seconds to let requests in flight finish (new ones get a "
                              "503, /health says draining) before the rest end with an error and the server exits")
+    parser.add_argument("--no-access-log", action="store_true", help="no log line a request (on standard error)")
     parser.add_argument("--watchdog-timeout", type=float, default=120.0,
                         help="seconds without a step while requests wait, after which the engine is taken for "
                              "wedged: every request ends with an error, /health says failed, the server exits 1")
@@ -119,7 +121,8 @@ def main(argv=None) -> int:
         # decode steps.
         sys.setswitchinterval(2e-4)
     settings = _Settings(args.name or args.model or args.preset, args.max_tokens, args.api_key, args.max_body_bytes,
-                         args.max_connections, args.shutdown_timeout, args.watchdog_timeout, args.max_requests)
+                         args.max_connections, args.shutdown_timeout, args.watchdog_timeout, args.max_requests,
+                         not args.no_access_log)
     workers = []
     try:
         ctx = multiprocessing.get_context("spawn")
@@ -158,6 +161,7 @@ class _Settings:
     shutdown_timeout: float
     watchdog_timeout: float
     max_requests: int | None
+    access_log: bool
 
 
 def _watch_workers(workers, loop) -> None:
@@ -194,9 +198,15 @@ def _serve(engine_loop, settings: _Settings, sock: socket.socket, listening, on_
     from ..runtime.openai_api import create_app
 
     draining = threading.Event()
+    if settings.access_log:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(process)d %(message)s"))
+        access = logging.getLogger("mambastep.access")
+        access.addHandler(handler)
+        access.setLevel(logging.INFO)
     app = create_app(engine_loop, settings.name, default_max_tokens=settings.max_tokens,
                      listening=lambda: listening.value, api_key=settings.api_key,
-                     max_body_bytes=settings.max_body_bytes, draining=draining.is_set)
+                     max_body_bytes=settings.max_body_bytes, draining=draining.is_set, access_log=settings.access_log)
 
     seen = set()
 

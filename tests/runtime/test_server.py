@@ -442,3 +442,109 @@ def test_the_checkpoint_sampling_defaults_fill_what_a_request_leaves_out(checkpo
         assert texts["unset"] == texts["greedy"] != texts["hot"]
     finally:
         s.stop()
+
+
+def test_requests_are_checked_whole_before_admission_and_every_error_is_json(checkpoint):
+    """The table's request rows: a bad stream_options is a 400 before the engine sees the request
+    (it used to be a 500 after admission, the engine generating for nobody); a request with no
+    max_tokens gets the rest of the context, one past it a 400; unknown routes, wrong methods,
+    /v1/models/{id}, a lone surrogate, a body that is not JSON or too large: OpenAI-style JSON
+    errors; with an API key, every route but /health asks for it."""
+    loop = EngineLoop(text_engine(checkpoint, max_context=40))
+    app = create_app(loop, NAME, api_key="sesame", max_body_bytes=2000)
+    key = {"authorization": "Bearer sesame"}
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://x", headers=key, timeout=60) as http:
+            out = {}
+            for name, kw in {
+                "stream_options": dict(json={"prompt": "the cat", "stream": True, "stream_options": 5}),
+                "stream": dict(json={"prompt": "the cat", "stream": "yes"}),
+                "past the context": dict(json={"prompt": "the cat", "max_tokens": 39}),
+                "surrogate": dict(content=b'{"prompt": "\\ud800"}', headers={"content-type": "application/json"}),
+                "text/plain": dict(content=b'{"prompt": "x"}', headers={"content-type": "text/plain"}),
+                "too large": dict(json={"prompt": "x" * 3000}),
+            }.items():
+                r = await http.post("/v1/completions", **kw)
+                out[name] = r.status_code, r.json()["error"]
+            assert loop.open_requests() == 0 and loop.text.engine.requests == {}
+            r = await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                              "temperature": 0, "ignore_eos": True})
+            out["no max_tokens"] = r.status_code, r.json()
+            for method, path in (("GET", "/v1/nothing"), ("GET", "/v1/completions"), ("DELETE", "/v1/models"),
+                                 ("GET", "/v1/models/other"), ("GET", "/v1/models/" + NAME)):
+                r = await http.request(method, path)
+                out[f"{method} {path}"] = r.status_code, r.json()
+            no_key = httpx.AsyncClient(transport=transport, base_url="http://x")
+            out["no key"] = (await no_key.post("/v1/completions", json={"prompt": "x"})).status_code, None
+            out["no key, models"] = (await no_key.get("/v1/models")).status_code, None
+            out["no key, health"] = (await no_key.get("/health")).status_code, None
+            return out
+
+    try:
+        out = asyncio.run(main())
+    finally:
+        loop.close()
+    for name, param in (("stream_options", "stream_options"), ("stream", "stream"), ("past the context", "max_tokens")):
+        assert out[name][0] == 400 and out[name][1]["param"] == param, out[name]
+    assert "lone surrogate" in out["surrogate"][1]["message"] and out["surrogate"][0] == 400
+    assert out["text/plain"][0] == 415 and out["too large"][0] == 413
+    status, chat = out["no max_tokens"]
+    assert status == 200 and chat["choices"][0]["finish_reason"] == "length"
+    assert chat["usage"]["total_tokens"] == 40  # the whole context
+    assert out["GET /v1/nothing"][0] == 404 and out["GET /v1/nothing"][1]["error"]["type"] == "not_found_error"
+    assert out["GET /v1/completions"][0] == 405 and out["DELETE /v1/models"][0] == 405
+    assert out["GET /v1/models/other"][0] == 404 and out["GET /v1/models/other"][1]["error"]["type"] == "model_not_found"
+    assert out["GET /v1/models/" + NAME] == (200, {"id": NAME, "object": "model", "created": 0, "owned_by": "mambastep"})
+    assert out["no key"][0] == 401 and out["no key, models"][0] == 401 and out["no key, health"][0] == 200
+
+
+def test_the_openai_client_raises_the_status_and_body_of_each_error(server):
+    """The official client's APIStatusError for a server error status, with the JSON body."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    assert client.models.retrieve(NAME).id == NAME
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4")
+    assert e.value.status_code == 404 and "not served here" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=NAME, prompt="the cat", max_tokens=10**6)
+    assert e.value.status_code == 400 and "max_tokens" in e.value.message
+
+
+def test_a_huge_prompt_is_refused_before_it_is_tokenized_and_stalls_no_stream(server):
+    """A prompt too long for the context whatever its tokens is a 400 at once (it used to be
+    tokenized on the event loop, stalling every stream for seconds); a long one that might fit is
+    tokenized in a worker thread while streams go on."""
+    huge = "the cat " * 2_000_000  # 16 MB of text
+    t0 = time.time()
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": huge, "max_tokens": 4}, timeout=60)
+    assert r.status_code == 400 and "cannot fit in the context" in r.json()["error"]["message"]
+    assert time.time() - t0 < 10
+    assert server.idle()
+
+
+def test_every_response_carries_a_request_id_and_is_logged_once(checkpoint, caplog):
+    import logging
+
+    loop = EngineLoop(text_engine(checkpoint))
+    app = create_app(loop, NAME, access_log=True)
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://x") as http:
+            mine = await http.post("/v1/completions", json={"prompt": "the cat", "max_tokens": 2},
+                                   headers={"x-request-id": "abc-123"})
+            other = await http.get("/nowhere")
+            version = await http.get("/version")
+            return mine, other, version
+
+    try:
+        with caplog.at_level(logging.INFO, logger="mambastep.access"):
+            mine, other, version = asyncio.run(main())
+    finally:
+        loop.close()
+    assert mine.status_code == 200 and mine.headers["x-request-id"] == "abc-123"
+    assert other.status_code == 404 and len(other.headers["x-request-id"]) == 32
+    assert version.json()["version"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "mambastep.access"]
+    assert len(lines) == 3 and '"POST /v1/completions" 200' in lines[0] and lines[0].endswith("id=abc-123")

@@ -108,3 +108,18 @@ def test_the_bare_name_kernels_never_resolves_to_the_checkout():
     assert alone.returncode != 0
     assert "ModuleNotFoundError: No module named 'kernels'" in alone.stderr
     assert "is mambastep.kernels" in alone.stderr
+
+
+def test_the_engine_room_never_imports_the_serving_room():
+    """runtime/serving (text and the server) sits on the Engine; no module of the model runtime
+    imports it, so the engine and the model read without the server."""
+    import ast
+
+    wrong = []
+    for path in (ROOT / "runtime").rglob("*.py"):
+        if "serving" in path.relative_to(ROOT).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and "serving" in node.module.split("."):
+                wrong.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not wrong, wrong

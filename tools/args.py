@@ -112,8 +112,8 @@ def text_engine(parser: Parser, model: str | None, preset: str | None, **engine_
     ``engine_kw`` as ``TextEngine.load`` takes them; a bad checkpoint is a one-line error naming
     what is wrong."""
     from ..runtime.config import ConfigError
-    from ..runtime.text import TextEngine
-    from ..runtime.tokenizer import TokenizerError
+    from ..runtime.serving.text import TextEngine
+    from ..runtime.serving.tokenizer import TokenizerError
     from ..runtime.weights import WeightError
 
     try:

@@ -74,8 +74,8 @@ class StandInEngine:
 def stand_in(step_s: float):
     """The TextEngine over a stand-in engine, with the byte-level tokenizer (picklable for the
     engine process by way of functools.partial)."""
-    from ..runtime.text import TextEngine
-    from ..runtime.tokenizer import ByteTokenizer
+    from ..runtime.serving.text import TextEngine
+    from ..runtime.serving.tokenizer import ByteTokenizer
 
     return TextEngine(StandInEngine(step_s=step_s), ByteTokenizer(256))
 
@@ -85,8 +85,8 @@ def _api_process(engine: str, step_s: float, http: str, loop: str, conn) -> None
     answers each message with this process's CPU seconds (all its threads)."""
     import uvicorn
 
-    from ..runtime.openai_api import create_app
-    from ..runtime.serving import EngineLoop, EngineProcess
+    from ..runtime.serving.openai_api import create_app
+    from ..runtime.serving.loop import EngineLoop, EngineProcess
 
     build = functools.partial(stand_in, step_s)
     engine_loop = EngineProcess(build) if engine == "process" else EngineLoop(build())

@@ -20,7 +20,7 @@ import torch
 from ..graphs import BucketSet
 from ..runtime.presets import PRESETS
 from ..runtime.request import SamplingParams
-from ..runtime.tokenizer import TokenizerError
+from ..runtime.serving.tokenizer import TokenizerError
 from .args import Parser, add_sampling, device as device_arg, sampling, template_file, text_engine
 
 # one request: a decode graph of one row and prompt chunks of up to 512 tokens

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..runtime.presets import PRESETS
-from ..runtime.text import TextEngine
+from ..runtime.serving.text import TextEngine
 from .args import Parser, bucket_file, device as device_arg, template_file, text_engine
 
 
@@ -76,8 +76,8 @@ def main(argv=None) -> int:
     try:  # the extra, checked before anything starts; ``_serve`` uses the first two
         import uvicorn  # noqa: F401
 
-        from ..runtime.openai_api import create_app  # noqa: F401
-        from ..runtime.serving import EngineLoop, EngineProcess
+        from ..runtime.serving.openai_api import create_app  # noqa: F401
+        from ..runtime.serving.loop import EngineLoop, EngineProcess
     except ImportError as e:
         parser.error(f"the server needs its extra: pip install -e \".[serve]\" ({e})")
     device = device_arg(parser, args.device)
@@ -195,7 +195,7 @@ def _serve(engine_loop, settings: _Settings, sock: socket.socket, listening, on_
     exits; a second signal exits at once. (The server's extra is installed: ``main`` checked.)"""
     import uvicorn
 
-    from ..runtime.openai_api import create_app
+    from ..runtime.serving.openai_api import create_app
 
     draining = threading.Event()
     if settings.access_log:
@@ -252,7 +252,7 @@ def _serve(engine_loop, settings: _Settings, sock: socket.socket, listening, on_
 
 def _api_process(conn, host: str, port: int, settings: _Settings, listening) -> None:
     """One more HTTP server process: the same app over its own connection to the engine process."""
-    from ..runtime.serving import EngineClient
+    from ..runtime.serving.loop import EngineClient
 
     client = EngineClient(conn, max_requests=settings.max_requests, watchdog=settings.watchdog_timeout)
     try:

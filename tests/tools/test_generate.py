@@ -18,8 +18,8 @@ def test_generate_prints_the_text_the_engine_makes(checkpoint, capsys):
 
     from mambastep.runtime.engine import Engine
     from mambastep.runtime.request import SamplingParams
-    from mambastep.runtime.text import TextEngine
-    from mambastep.runtime.tokenizer import Tokenizer
+    from mambastep.runtime.serving.text import TextEngine
+    from mambastep.runtime.serving.tokenizer import Tokenizer
 
     assert cli.main(["generate", "--model", str(checkpoint), "--device", "cpu", "--max-tokens", "12", "héllo"]) == 0
     out, err = capsys.readouterr()
@@ -73,7 +73,7 @@ def test_generate_takes_a_chat_template_file_and_the_checkpoint_sampling_default
     for extra in ([], ["--temperature", "0"]):
         assert cli.main([*argv, *extra, "--chat", "--chat-template", str(template), "the cat"]) == 0
         outs.append(capsys.readouterr().out)
-    from mambastep.runtime.tokenizer import Tokenizer
+    from mambastep.runtime.serving.tokenizer import Tokenizer
 
     tok = Tokenizer.from_pretrained(tmp_path / "c")
     ids = tok.encode("the cat and more", add_special_tokens=False)

@@ -33,8 +33,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .request import SamplingParams
-from .serving import EngineLoop, EngineProcess, Overloaded
+from ..request import SamplingParams
+from .loop import EngineLoop, EngineProcess, Overloaded
 from .tokenizer import TokenizerError
 
 __all__ = ["create_app"]

@@ -15,8 +15,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from .detokenizer import IncrementalDetokenizer
-from .engine import Engine
-from .request import SamplingParams
+from ..engine import Engine
+from ..request import SamplingParams
 from .tokenizer import load_tokenizer
 
 __all__ = ["TextEngine", "TextOutput", "TextStreams"]

@@ -8,11 +8,11 @@ import pytest
 from hypothesis import given, settings, strategies as st
 import torch
 from hf_models import CHAT_TEMPLATE, save_text_checkpoint
-from mambastep.runtime.detokenizer import IncrementalDetokenizer
+from mambastep.runtime.serving.detokenizer import IncrementalDetokenizer
 from mambastep.runtime.engine import Engine
 from mambastep.runtime.request import SamplingParams
-from mambastep.runtime.text import TextEngine
-from mambastep.runtime.tokenizer import ByteTokenizer, Tokenizer, TokenizerError
+from mambastep.runtime.serving.text import TextEngine
+from mambastep.runtime.serving.tokenizer import ByteTokenizer, Tokenizer, TokenizerError
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):

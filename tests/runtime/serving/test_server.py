@@ -18,11 +18,11 @@ openai = pytest.importorskip("openai")
 
 from hf_models import save_text_checkpoint  # noqa: E402
 from mambastep.runtime.engine import Engine  # noqa: E402
-from mambastep.runtime.openai_api import create_app  # noqa: E402
+from mambastep.runtime.serving.openai_api import create_app  # noqa: E402
 from mambastep.runtime.request import SamplingParams  # noqa: E402
-from mambastep.runtime.serving import EngineLoop, EngineProcess  # noqa: E402
-from mambastep.runtime.text import TextEngine  # noqa: E402
-from mambastep.runtime.tokenizer import Tokenizer  # noqa: E402
+from mambastep.runtime.serving.loop import EngineLoop, EngineProcess  # noqa: E402
+from mambastep.runtime.serving.text import TextEngine  # noqa: E402
+from mambastep.runtime.serving.tokenizer import Tokenizer  # noqa: E402
 
 NAME = "tiny"
 SLOTS = 6
@@ -337,7 +337,7 @@ def test_an_engine_process_that_cannot_start_says_why(tmp_path):
 def test_a_mid_stream_chunk_is_the_general_chunk(chat):
     """The mid-stream chunk is built around its text only; it must be the very bytes of the
     general one, whatever the text and the model's name."""
-    from mambastep.runtime.openai_api import _Chunks
+    from mambastep.runtime.serving.openai_api import _Chunks
 
     chunks = _Chunks("cmpl-1", "chat.completion" if chat else "text_completion", 7, 'a "model"\0 \\ é', chat)
     for text in ["", "the cat", 'quote " backslash \\ newline \n', "\0\x01\x1f", "héllo 数据 🙂"]:
@@ -350,7 +350,7 @@ def test_an_attached_client_shares_the_engine_and_leaves_alone(checkpoint):
     """Two API processes' clients of one engine process (here in one process): each gets its own
     requests' whole text; one that leaves mid-request has its requests dropped and their slots
     freed, and the other goes on."""
-    from mambastep.runtime.serving import EngineClient
+    from mambastep.runtime.serving.loop import EngineClient
 
     build = functools.partial(TextEngine.load, str(checkpoint), dtype=torch.float32, device="cpu", num_slots=SLOTS,
                               max_context=8192)
@@ -396,7 +396,7 @@ def test_an_attached_client_shares_the_engine_and_leaves_alone(checkpoint):
 def test_the_bound_counts_every_api_process_together(checkpoint):
     """--max-requests with several API processes bounds them all: the engine process refuses an
     add past it whichever client sends it, though that client alone is under the bound."""
-    from mambastep.runtime.serving import EngineClient, Overloaded
+    from mambastep.runtime.serving.loop import EngineClient, Overloaded
 
     build = functools.partial(TextEngine.load, str(checkpoint), dtype=torch.float32, device="cpu", num_slots=SLOTS,
                               max_context=8192)

@@ -39,11 +39,19 @@ class StandInEngine:
 
     @property
     def scheduler(self):
-        return self  # the loops read ``engine.scheduler.free_slots``
+        return self  # the loops read ``engine.scheduler``'s free slots, running and waiting requests
 
     @property
     def free_slots(self) -> list[int]:
         return list(range(max(0, self.slots - len(self.requests))))
+
+    @property
+    def running(self) -> list[int]:
+        return list(self.requests)[: self.slots]
+
+    @property
+    def waiting(self) -> list[int]:
+        return list(self.requests)[self.slots:]
 
     def add_request(self, prompt: list[int], params) -> int:
         if not prompt:

@@ -17,10 +17,13 @@ generation_config.json values (temperature, top_p, top_k), else OpenAI's default
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 import multiprocessing
+import os
 import socket
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -69,6 +72,9 @@ def main(argv=None) -> int:
                         help="on SIGTERM or SIGINT: seconds to let requests in flight finish (new ones get a "
                              "503, /health says draining) before the rest end with an error and the server exits")
     parser.add_argument("--no-access-log", action="store_true", help="no log line a request (on standard error)")
+    parser.add_argument("--request-timeout", type=float, default=None,
+                        help="seconds a request may take from arrival; past them it is aborted with a 504 (or, "
+                             "streamed, an error event) (default: no limit)")
     parser.add_argument("--watchdog-timeout", type=float, default=120.0,
                         help="seconds without a step while requests wait, after which the engine is taken for "
                              "wedged: every request ends with an error, /health says failed, the server exits 1")
@@ -78,6 +84,8 @@ def main(argv=None) -> int:
 
         from ..runtime.serving.openai_api import create_app  # noqa: F401
         from ..runtime.serving.loop import EngineLoop, EngineProcess
+        if importlib.util.find_spec("prometheus_client") is None:  # found, not imported: see below
+            raise ImportError("No module named 'prometheus_client'")
     except ImportError as e:
         parser.error(f"the server needs its extra: pip install -e \".[serve]\" ({e})")
     device = device_arg(parser, args.device)
@@ -90,7 +98,8 @@ def main(argv=None) -> int:
                         ("--max-connections", args.max_connections)):
         if value is not None and value < 1:
             parser.error(f"{flag}: must be at least 1, got {value}")
-    for flag, value in (("--shutdown-timeout", args.shutdown_timeout), ("--watchdog-timeout", args.watchdog_timeout)):
+    for flag, value in (("--shutdown-timeout", args.shutdown_timeout), ("--watchdog-timeout", args.watchdog_timeout),
+                        ("--request-timeout", args.request_timeout or 1)):
         if not value > 0:
             parser.error(f"{flag}: must be a positive number of seconds, got {value}")
     if args.api_processes > 1 and args.engine != "process":
@@ -122,7 +131,11 @@ def main(argv=None) -> int:
         sys.setswitchinterval(2e-4)
     settings = _Settings(args.name or args.model or args.preset, args.max_tokens, args.api_key, args.max_body_bytes,
                          args.max_connections, args.shutdown_timeout, args.watchdog_timeout, args.max_requests,
-                         not args.no_access_log)
+                         not args.no_access_log, args.request_timeout)
+    # /metrics sums every HTTP server process's counts through files here; prometheus_client
+    # picks its value store when first imported, so this comes before anything imports it
+    metrics_dir = tempfile.TemporaryDirectory(prefix="mambastep-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir.name
     workers = []
     try:
         ctx = multiprocessing.get_context("spawn")
@@ -143,6 +156,8 @@ def main(argv=None) -> int:
             if w.is_alive():
                 w.kill()
         loop.close()
+        os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        metrics_dir.cleanup()
     if loop.failure:
         print(f"mambastep serve: error: {loop.failure}; every request in flight ended with an error", file=sys.stderr)
         return 1
@@ -162,6 +177,7 @@ class _Settings:
     watchdog_timeout: float
     max_requests: int | None
     access_log: bool
+    request_timeout: float | None
 
 
 def _watch_workers(workers, loop) -> None:
@@ -206,7 +222,8 @@ def _serve(engine_loop, settings: _Settings, sock: socket.socket, listening, on_
         access.setLevel(logging.INFO)
     app = create_app(engine_loop, settings.name, default_max_tokens=settings.max_tokens,
                      listening=lambda: listening.value, api_key=settings.api_key,
-                     max_body_bytes=settings.max_body_bytes, draining=draining.is_set, access_log=settings.access_log)
+                     max_body_bytes=settings.max_body_bytes, draining=draining.is_set, access_log=settings.access_log,
+                     request_timeout=settings.request_timeout)
 
     seen = set()
 

@@ -116,8 +116,10 @@ def _drop(text: TextEngine, rid: int) -> None:
         text.abort(rid)
 
 
-def _free_slots(text: TextEngine) -> int:
-    return len(text.engine.scheduler.free_slots)
+def _counts(text: TextEngine) -> tuple[int, int, int]:
+    """The engine's (free slots, running requests, waiting requests)."""
+    scheduler = text.engine.scheduler
+    return len(scheduler.free_slots), len(scheduler.running), len(scheduler.waiting)
 
 
 def _put_all(items) -> None:
@@ -152,6 +154,9 @@ class _Streams:
 
     def open_requests(self) -> int:
         return len(self._streams)
+
+    def free_slots(self) -> int:
+        return self.counts()[0]
 
     @property
     def closed(self) -> bool:
@@ -275,8 +280,9 @@ class EngineLoop(_Streams):
         """Drop a request (a client went away); a no-op for one already finished."""
         self._inbox.put(("abort", request_id))
 
-    def free_slots(self) -> int:
-        return _free_slots(self.text)
+    def counts(self) -> tuple[int, int, int]:
+        """The engine's (free slots, running requests, waiting requests)."""
+        return _counts(self.text)
 
     def close(self, timeout: float = 10.0) -> None:
         """Abort every request in flight, end their streams (with "error"), and stop the thread."""
@@ -362,7 +368,7 @@ class _EngineServer:
 
     def run(self) -> None:
         for i in list(self.live):
-            self._send(i, "ready", _free_slots(self.text), self.text.tokenizer, len(self.live),
+            self._send(i, "ready", _counts(self.text), self.text.tokenizer, len(self.live),
                        self.engine.max_context)
         while 0 in self.live:
             for i in [i for i in self.live if self.outboxes[i].dead.is_set()]:
@@ -389,9 +395,9 @@ class _EngineServer:
             i = self.owner.pop(o.id, None) if o.finished else self.owner.get(o.id)
             if i in outs:
                 outs[i].append((o.id, o.new_tokens, o.finished, o.finish_reason))
-        free = _free_slots(self.text)
+        counts = _counts(self.text)
         for i in list(self.live):
-            self._send(i, "step", outs[i], free)
+            self._send(i, "step", outs[i], counts)
 
     def _handle(self, i: int, kind: str, arg) -> None:
         if kind == "add":
@@ -409,7 +415,7 @@ class _EngineServer:
         elif kind == "abort":
             _drop(self.text, arg[0])
             self.owner.pop(arg[0], None)
-            self._send(i, "ended", arg[0], _free_slots(self.text))
+            self._send(i, "ended", arg[0], _counts(self.text))
         elif kind == "close":
             self._leave(i)
 
@@ -449,7 +455,7 @@ class EngineClient(_Streams):
             raise RuntimeError("the engine process exited before it was ready") from None
         if kind == "failed":
             raise ValueError(arg[0])
-        self._free, tokenizer, self.api_processes, self.max_context = arg
+        self._counts, tokenizer, self.api_processes, self.max_context = arg
         self._texts = TextStreams(tokenizer)  # touched by the reader thread only
         self.sampling_defaults = tokenizer.sampling_defaults
         self._outbox = _Outbox(conn, name="mambastep-outbox")
@@ -497,8 +503,8 @@ class EngineClient(_Streams):
             except OSError:
                 pass
 
-    def free_slots(self) -> int:
-        return self._free
+    def counts(self) -> tuple[int, int, int]:
+        return self._counts
 
     def close(self, timeout: float = 10.0) -> None:
         """Leave the engine process, its requests from here aborted; every open stream ends with
@@ -530,7 +536,7 @@ class EngineClient(_Streams):
                 self._progress = time.monotonic()
                 if kind == "step":
                     self.steps += 1
-                    outs, self._free = arg
+                    outs, self._counts = arg
                     self._deliver(self._text(outs))
                 elif kind == "added":
                     token, rid = arg
@@ -541,7 +547,7 @@ class EngineClient(_Streams):
                     token, error = arg
                     self._pending.pop(token)[0].set_exception(error)
                 elif kind == "ended":
-                    rid, self._free = arg
+                    rid, self._counts = arg
                     self._texts.drop(rid)
                     self._end(rid)
         except (EOFError, OSError):

@@ -8,6 +8,7 @@
 
     GET  /v1/models/{id}        that model, or a 404
     GET  /version               the package's version
+    GET  /metrics               Prometheus metrics (``metrics``)
 
 Handlers only validate, submit, await outputs and abort when the client goes away (streamed or
 not, queued or running). A request is checked whole before it reaches the engine: a bad one
@@ -139,7 +140,7 @@ class _Chunks:
 
 def create_app(loop: EngineLoop | EngineProcess, model_name: str, default_max_tokens: int | None = None,
                listening=None, api_key: str | None = None, max_body_bytes: int = 16 << 20,
-               draining=lambda: False, access_log: bool = False):
+               draining=lambda: False, access_log: bool = False, request_timeout: float | None = None):
     """The API over ``loop``, serving ``model_name``; ``default_max_tokens`` where a request
     names none (None: the rest of the context). ``listening``: None, or a callable giving how
     many of the ``loop.api_processes`` HTTP server processes listen yet; until all do, /health
@@ -147,7 +148,12 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str, default_max_to
     ``max_body_bytes``: a larger body is a 413, read no further. ``draining``: a callable, true
     once the server is shutting down: /health and new requests then get a 503 "draining".
     Every response carries an X-Request-Id (the client's, where it sent one); ``access_log``:
-    a line a request on the "mambastep.access" logger."""
+    a line a request on the "mambastep.access" logger. ``request_timeout``: seconds a request
+    may take from arrival; past them it is aborted with a 504 (or an error event). /metrics:
+    Prometheus's text format (``metrics.Metrics``)."""
+    from .metrics import CONTENT_TYPE, Metrics
+
+    metrics = Metrics(loop)
 
     async def read_body(request: Request) -> dict:
         if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
@@ -195,6 +201,7 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str, default_max_to
                 from None
 
     async def completions(request: Request):
+        arrived = time.monotonic()
         try:
             body = await read_body(request)
             prompt = body.get("prompt")
@@ -207,10 +214,12 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str, default_max_to
             streaming = _streaming(body)
             stream = await submit(prompt, body)
         except BadRequest as e:
+            metrics.rejected()
             return _error(e)
-        return await respond(request, stream, streaming, chat=False)
+        return await respond(request, stream, streaming, chat=False, arrived=arrived)
 
     async def chat(request: Request):
+        arrived = time.monotonic()
         try:
             body = await read_body(request)
             messages = body.get("messages")
@@ -221,8 +230,9 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str, default_max_to
             streaming = _streaming(body)
             stream = await submit([{"role": m["role"], "content": m["content"]} for m in messages], body)
         except BadRequest as e:
+            metrics.rejected()
             return _error(e)
-        return await respond(request, stream, streaming, chat=True)
+        return await respond(request, stream, streaming, chat=True, arrived=arrived)
 
     def failed() -> BadRequest:
         """The error of a request the engine could not finish (it failed, or the server is
@@ -231,75 +241,110 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str, default_max_to
             return BadRequest(f"the engine failed: {loop.failure}", status=500, kind="server_error")
         return BadRequest("the server is shutting down", status=503, kind="server_error")
 
-    async def respond(request: Request, stream, streaming: tuple[bool, bool], chat: bool):
+    async def respond(request: Request, stream, streaming: tuple[bool, bool], chat: bool, arrived: float):
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
         streamed, include_usage = streaming
+        deadline = None if request_timeout is None else arrived + request_timeout
+        metrics.admitted(stream.prompt_tokens)
+        seen = {"tokens": 0, "first": None}
 
-        def usage(tokens: int) -> dict:
+        def took(outs) -> None:
+            n = sum(len(o.token_ids) for o in outs)
+            if n and seen["first"] is None:
+                seen["first"] = time.monotonic()
+            seen["tokens"] += n
+
+        def ended(outcome: str) -> None:
+            metrics.ended(outcome, seen["tokens"], arrived, seen["first"], time.monotonic())
+
+        def usage() -> dict:
+            tokens = seen["tokens"]
             return {"prompt_tokens": stream.prompt_tokens, "completion_tokens": tokens,
                     "total_tokens": stream.prompt_tokens + tokens}
 
+        def timed_out() -> BadRequest:
+            return BadRequest(f"the request took longer than the server's {request_timeout:g} s limit", status=504,
+                              kind="timeout")
+
         if not streamed:
-            pieces, tokens = [], 0
+            pieces = []
 
             async def collect() -> str:
-                nonlocal tokens
                 while True:
                     out = await stream.next()
+                    took([out])
                     pieces.append(out.text)
-                    tokens += len(out.token_ids)
                     if out.finished:
                         return out.finish_reason
 
             # a plain response is not told that its client left: watch for it beside the request
             collector, watcher = asyncio.ensure_future(collect()), asyncio.ensure_future(_disconnected(request))
             try:
-                await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
+                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+                await asyncio.wait({collector, watcher}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 watcher.cancel()
-                gone = not collector.done()
-                if gone:  # the client went away (queued or running): free its slot
+                unfinished = not collector.done()
+                if unfinished:  # the client left, or the deadline passed (queued or running): free its slot
                     collector.cancel()
                     loop.abort(stream.id)
-            if gone:
-                return Response(status_code=499)  # nobody reads it
+            if unfinished:
+                if watcher.done() and not watcher.cancelled():
+                    ended("aborted")
+                    return Response(status_code=499)  # nobody reads it
+                ended("timeout")
+                return _error(timed_out())
             reason = collector.result()
             if reason not in ("stop", "length"):
+                ended("error")
                 return _error(failed())
+            ended(reason)
             text = "".join(pieces)
             choice = {"index": 0, "finish_reason": reason, "logprobs": None}
             choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
             return JSONResponse({"id": rid, "object": kind, "created": created, "model": model_name,
-                                 "choices": [choice], "usage": usage(tokens)})
+                                 "choices": [choice], "usage": usage()})
 
         chunk = _Chunks(rid, kind, created, model_name, chat)
 
         async def events():
-            tokens, finished = 0, False
+            outcome = "aborted"  # unless it ends otherwise: the client went away mid-stream
             try:
                 if chat:
                     yield chunk(None, role=True)
-                while not finished:
+                while True:
                     # a chunk a step (empty text included: a piece of a character, held back), or
                     # every step's output waiting since the last chunk when this stream fell behind
-                    outs = await stream.next_all()
-                    tokens += sum(len(o.token_ids) for o in outs)
-                    finished = outs[-1].finished
-                    text = "".join(o.text for o in outs)
-                    if finished and outs[-1].finish_reason not in ("stop", "length"):
-                        # the engine failed or the server is going down: an error event, no [DONE]
-                        error = failed()
-                        yield f"data: {json.dumps(_error_body(error))}\n\n".encode()
+                    try:
+                        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+                        outs = await asyncio.wait_for(stream.next_all(), timeout)
+                    except asyncio.TimeoutError:
+                        outcome = "timeout"
+                        yield f"data: {json.dumps(_error_body(timed_out()))}\n\n".encode()
                         return
-                    yield chunk(text, outs[-1].finish_reason) if finished else chunk.text(text)
-                if include_usage:
-                    yield chunk.usage(usage(tokens))
-                yield "data: [DONE]\n\n"
+                    took(outs)
+                    last = outs[-1]
+                    text = "".join(o.text for o in outs)
+                    if last.finished and last.finish_reason not in ("stop", "length"):
+                        # the engine failed or the server is going down: an error event, no [DONE]
+                        outcome = "error"
+                        yield f"data: {json.dumps(_error_body(failed()))}\n\n".encode()
+                        return
+                    if not last.finished:
+                        yield chunk.text(text)
+                        continue
+                    outcome = last.finish_reason
+                    yield chunk(text, last.finish_reason)
+                    if include_usage:
+                        yield chunk.usage(usage())
+                    yield "data: [DONE]\n\n"
+                    return
             finally:
-                if not finished:  # the client went away mid-stream: free its slot
+                if outcome in ("aborted", "timeout"):  # free its slot
                     loop.abort(stream.id)
+                ended(outcome)
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -350,6 +395,9 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str, default_max_to
     async def version(request: Request):
         return JSONResponse({"version": _version()})
 
+    async def metrics_text(request: Request):
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
     app = Starlette(routes=[
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
@@ -357,6 +405,7 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str, default_max_to
         Route("/v1/models/{model:path}", guarded(model), methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/version", version, methods=["GET"]),
+        Route("/metrics", metrics_text, methods=["GET"]),
     ], exception_handlers={HTTPException: http_error, Exception: server_error})
     return _RequestIds(app, access_log)
 

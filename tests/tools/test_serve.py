@@ -56,6 +56,15 @@ def test_serve_a_preset_over_http(engine):
                 with httpx.Client(base_url=url, timeout=30) as http:
                     texts.add(http.post("/v1/completions", json=body).json()["choices"][0]["text"])
             assert len(pids) == 2 and len(texts) == 1
+            # /metrics from either process sums both: 24 finished by length, 2 more by stop or length before
+            from prometheus_client.parser import text_string_to_metric_families
+
+            for _ in range(6):
+                with httpx.Client(base_url=url, timeout=30) as http:
+                    text = http.get("/metrics").text
+                done = sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                           if s.name == "mambastep_requests_total" and s.labels["outcome"] in ("stop", "length"))
+                assert done == 26
     finally:
         proc.terminate()
         assert proc.wait(20) == 0 or proc.returncode == -15

@@ -548,3 +548,52 @@ def test_every_response_carries_a_request_id_and_is_logged_once(checkpoint, capl
     assert version.json()["version"]
     lines = [r.getMessage() for r in caplog.records if r.name == "mambastep.access"]
     assert len(lines) == 3 and '"POST /v1/completions" 200' in lines[0] and lines[0].endswith("id=abc-123")
+
+
+def test_metrics_count_each_request_once_by_outcome_and_a_deadline_ends_a_long_one(checkpoint):
+    """/metrics in Prometheus's text format: requests by outcome (finished, rejected, timed out),
+    tokens, latency histograms, the engine's slots and steps; --request-timeout ends a request
+    that runs past it with a 504 (streamed: an error event) and frees its slot."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    loop = EngineLoop(text_engine(checkpoint, max_context=2048))
+    app = create_app(loop, NAME, request_timeout=1.0)
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://x", timeout=60) as http:
+            ok = await http.post("/v1/completions", json={"prompt": "the cat", "max_tokens": 3, "ignore_eos": True})
+            bad = await http.post("/v1/completions", json={"prompt": "the cat", "top_p": 5})
+            slow = await http.post("/v1/completions", json={"prompt": "the cat", "max_tokens": 2000, "ignore_eos": True})
+            events = []
+            async with http.stream("POST", "/v1/completions", json={"prompt": "the cat", "max_tokens": 2000,
+                                                                     "ignore_eos": True, "stream": True}) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+            return ok, bad, slow, events
+
+    async def scrape():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://x") as http:
+            return (await http.get("/metrics")).text
+
+    try:
+        ok, bad, slow, events = asyncio.run(main())
+        end = time.time() + 10  # the aborts reach the engine between its steps
+        while (loop.open_requests() or loop.free_slots() != SLOTS) and time.time() < end:
+            time.sleep(0.02)
+        assert loop.open_requests() == 0 and loop.free_slots() == SLOTS
+        text = asyncio.run(scrape())
+    finally:
+        loop.close()
+    assert ok.status_code == 200 and bad.status_code == 400
+    assert slow.status_code == 504 and slow.json()["error"]["type"] == "timeout"
+    assert "error" in json.loads(events[-1]) and "[DONE]" not in events
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    count = lambda outcome: samples[("mambastep_requests_total", (("outcome", outcome),))]  # noqa: E731
+    assert (count("length"), count("rejected"), count("timeout"), count("error")) == (1, 1, 2, 0)
+    assert samples[("mambastep_generation_tokens_total", ())] >= 3
+    assert samples[("mambastep_time_to_first_token_seconds_count", ())] == 3
+    assert samples[("mambastep_request_latency_seconds_count", ())] == 1
+    assert samples[("mambastep_slots_free", ())] == SLOTS and samples[("mambastep_requests_open", ())] == 0
+    assert samples[("mambastep_engine_steps", ())] > 0

@@ -73,6 +73,8 @@ def test_the_tests_run_from_a_checkout_under_any_directory_name(tmp_path):
         pytest.skip("not a git checkout")
     copy = tmp_path / "mambastep-main"
     for name in filter(None, listed.stdout.split("\0")):
+        if not (ROOT / name).is_file():  # a copy of the tree whose index is older than its files
+            continue
         (copy / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / name, copy / name)
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",

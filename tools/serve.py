@@ -187,6 +187,9 @@ def _watch_workers(workers, loop) -> None:
         if w.exitcode not in (0, None) and not loop.closed:
             print(f"mambastep serve: HTTP server process {w.pid} exited with code {w.exitcode}; its requests "
                   "were aborted, the others go on", file=sys.stderr, flush=True)
+            from prometheus_client import multiprocess
+
+            multiprocess.mark_process_dead(w.pid)  # its live gauges leave /metrics
     for w in workers:
         threading.Thread(target=watch, args=(w,), daemon=True).start()
 

@@ -140,12 +140,14 @@ class _Chunks:
 
 def create_app(loop: EngineLoop | EngineProcess, model_name: str, default_max_tokens: int | None = None,
                listening=None, api_key: str | None = None, max_body_bytes: int = 16 << 20,
-               draining=lambda: False, access_log: bool = False, request_timeout: float | None = None):
+               draining=lambda: False, access_log: bool = False, request_timeout: float | None = None,
+               body_timeout: float = 30.0):
     """The API over ``loop``, serving ``model_name``; ``default_max_tokens`` where a request
     names none (None: the rest of the context). ``listening``: None, or a callable giving how
     many of the ``loop.api_processes`` HTTP server processes listen yet; until all do, /health
     answers 503 "starting". ``api_key``: a Bearer token every route but /health asks for.
-    ``max_body_bytes``: a larger body is a 413, read no further. ``draining``: a callable, true
+    ``max_body_bytes``: a larger body is a 413, read no further; ``body_timeout``: seconds to
+    receive the whole body, past which a 408 (a slow sender holds no connection for long). ``draining``: a callable, true
     once the server is shutting down: /health and new requests then get a 503 "draining".
     Every response carries an X-Request-Id (the client's, where it sent one); ``access_log``:
     a line a request on the "mambastep.access" logger. ``request_timeout``: seconds a request
@@ -164,10 +166,17 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str, default_max_to
         if int(request.headers.get("content-length") or 0) > max_body_bytes:
             raise BadRequest(f"the request body is larger than {max_body_bytes} bytes", status=413)
         raw = bytearray()
-        async for piece in request.stream():
-            raw += piece
-            if len(raw) > max_body_bytes:
-                raise BadRequest(f"the request body is larger than {max_body_bytes} bytes", status=413)
+
+        async def read():
+            async for piece in request.stream():
+                raw.extend(piece)
+                if len(raw) > max_body_bytes:
+                    raise BadRequest(f"the request body is larger than {max_body_bytes} bytes", status=413)
+
+        try:
+            await asyncio.wait_for(read(), body_timeout)
+        except asyncio.TimeoutError:
+            raise BadRequest(f"the request body did not arrive within {body_timeout:g} s", status=408) from None
         try:
             body = json.loads(raw)
             # a lone surrogate (\ud800) parses, but is no text: refuse it here, not in the tokenizer

@@ -620,3 +620,25 @@ def test_metrics_count_each_request_once_by_outcome_and_a_deadline_ends_a_long_o
     assert samples[("mambastep_request_latency_seconds_count", ())] == 1
     assert samples[("mambastep_slots_free", ())] == SLOTS and samples[("mambastep_requests_open", ())] == 0
     assert samples[("mambastep_engine_steps", ())] > 0
+
+
+def test_a_body_sent_too_slowly_is_a_408(checkpoint):
+    loop = EngineLoop(text_engine(checkpoint))
+    app = create_app(loop, NAME, body_timeout=0.3)
+
+    async def trickle():
+        yield b'{"prompt": '
+        await asyncio.sleep(2)
+        yield b'"x"}'
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://x") as http:
+            return await http.post("/v1/completions", content=trickle(), headers={"content-type": "application/json"})
+
+    try:
+        t0 = time.time()
+        r = asyncio.run(main())
+    finally:
+        loop.close()
+    assert r.status_code == 408 and "did not arrive within 0.3 s" in r.json()["error"]["message"]
+    assert time.time() - t0 < 1.9

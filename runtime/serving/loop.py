@@ -524,14 +524,18 @@ class EngineClient(_Streams):
     def close(self, timeout: float = 10.0) -> None:
         """Leave the engine process, its requests from here aborted; every open stream ends with
         finish_reason "error"."""
+        self._leave()
+        self._reader.join(timeout)  # it ends as the engine process closes its end
+        self._conn.close()
+
+    def _leave(self) -> None:
+        """Tell the engine process this connection is done (what ends now is no failure)."""
         self._closing = True
         try:
             self._send("close")
         except OSError:
             pass
         self._outbox.stop()
-        self._reader.join(timeout)  # it ends as the engine process closes its end
-        self._conn.close()
 
     def _text(self, outs) -> list[TextOutput]:
         """A step's tokens as text; a request a stop string ended is aborted in the child."""
@@ -617,12 +621,7 @@ class EngineProcess(EngineClient):
     def close(self, timeout: float = 10.0) -> None:
         """Stop the engine process (attached API processes lose it too); every open stream here
         ends with finish_reason "error"."""
-        self._closing = True
-        try:
-            self._send("close")
-        except OSError:
-            pass
-        self._outbox.stop()
+        self._leave()
         self._process.join(timeout)
         if self._process.is_alive():
             self._process.kill()

@@ -257,19 +257,11 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str, default_max_to
         streamed, include_usage = streaming
         deadline = None if request_timeout is None else arrived + request_timeout
         metrics.admitted(stream.prompt_tokens)
-        seen = {"tokens": 0, "first": None}
 
-        def took(outs) -> None:
-            n = sum(len(o.token_ids) for o in outs)
-            if n and seen["first"] is None:
-                seen["first"] = time.monotonic()
-            seen["tokens"] += n
+        def ended(outcome: str, tokens: int, first: float | None) -> None:
+            metrics.ended(outcome, tokens, arrived, first, time.monotonic())
 
-        def ended(outcome: str) -> None:
-            metrics.ended(outcome, seen["tokens"], arrived, seen["first"], time.monotonic())
-
-        def usage() -> dict:
-            tokens = seen["tokens"]
+        def usage(tokens: int) -> dict:
             return {"prompt_tokens": stream.prompt_tokens, "completion_tokens": tokens,
                     "total_tokens": stream.prompt_tokens + tokens}
 
@@ -278,12 +270,15 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str, default_max_to
                               kind="timeout")
 
         if not streamed:
-            pieces = []
+            pieces, tokens, first = [], 0, None
 
             async def collect() -> str:
+                nonlocal tokens, first
                 while True:
                     out = await stream.next()
-                    took([out])
+                    if first is None and out.token_ids:
+                        first = time.monotonic()
+                    tokens += len(out.token_ids)
                     pieces.append(out.text)
                     if out.finished:
                         return out.finish_reason
@@ -301,20 +296,20 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str, default_max_to
                     loop.abort(stream.id)
             if unfinished:
                 if watcher.done() and not watcher.cancelled():
-                    ended("aborted")
+                    ended("aborted", tokens, first)
                     return Response(status_code=499)  # nobody reads it
-                ended("timeout")
+                ended("timeout", tokens, first)
                 return _error(timed_out())
             reason = collector.result()
             if reason not in ("stop", "length"):
-                ended("error")
+                ended("error", tokens, first)
                 return _error(failed())
-            ended(reason)
+            ended(reason, tokens, first)
             text = "".join(pieces)
             choice = {"index": 0, "finish_reason": reason, "logprobs": None}
             choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
             return JSONResponse({"id": rid, "object": kind, "created": created, "model": model_name,
-                                 "choices": [choice], "usage": usage()})
+                                 "choices": [choice], "usage": usage(tokens)})
 
         chunk = _Chunks(rid, kind, created, model_name, chat)
 
@@ -354,17 +349,15 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str, default_max_to
                         yield f"data: {json.dumps(_error_body(failed()))}\n\n".encode()
                         return
                     outcome = last.finish_reason
-                    seen["tokens"] = tokens
                     yield chunk(text, last.finish_reason)
                     if include_usage:
-                        yield chunk.usage(usage())
+                        yield chunk.usage(usage(tokens))
                     yield "data: [DONE]\n\n"
                     return
             finally:
                 if outcome in ("aborted", "timeout"):  # free its slot
                     loop.abort(stream.id)
-                seen["tokens"], seen["first"] = tokens, first
-                ended(outcome)
+                ended(outcome, tokens, first)
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

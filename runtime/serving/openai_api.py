@@ -15,7 +15,9 @@ not, queued or running). A request is checked whole before it reaches the engine
 gets a 4xx with an OpenAI-style error body and touches nothing else, a request past the loop's
 bound or during shutdown a 503. A request the engine cannot finish (it failed, or the server is
 shutting down) gets a 500 or 503, or in a stream an error event: never a 200 with partial text.
-Every error, unknown routes and methods included, has the OpenAI-style JSON body.
+Every error, unknown routes and methods included, has the OpenAI-style JSON body. A request field
+this server does not do yet (logprobs, penalties, logit_bias, echo, tools, ...) is a 400 naming it
+unless it asks for nothing; a field no endpoint knows is refused too, as OpenAI refuses it.
 """
 
 from __future__ import annotations
@@ -92,6 +94,39 @@ def _stop(body: dict) -> tuple[str, ...]:
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
         raise BadRequest("stop: expected a string or up to 4 non-empty strings", "stop")
     return tuple(stop)
+
+
+# the fields each endpoint reads (``model``, ``user``: a name and a caller's tag, nothing to do)
+_READ = {"model", "user", "stream", "stream_options", "stop", "n", *_SAMPLING}
+_FIELDS = {"completions": _READ | {"prompt"}, "chat": _READ | {"messages", "max_completion_tokens"}}
+# OpenAI's (and vLLM's) fields not done yet: accepted at the value that asks for nothing, else a
+# 400 naming them, never silently ignored
+_NOT_YET = {
+    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
+    "logit_bias": (None, {}), "min_tokens": (None, 0), "stop_token_ids": (None, []), "suffix": (None, ""),
+    "tools": (None, []), "tool_choice": (None, "none", "auto"), "parallel_tool_calls": (None, True, False),
+    "response_format": (None, {"type": "text"}), "functions": (None, []), "function_call": (None, "none", "auto"),
+}
+
+
+def _known_fields(body: dict, endpoint: str) -> None:
+    """Every field of the request is one this server reads, or one it does not do yet left at
+    the value that asks for nothing; else a 400 naming it (as OpenAI refuses what it does not take)."""
+    for name, value in body.items():
+        if name in _FIELDS[endpoint]:
+            continue
+        if name not in _NOT_YET:
+            raise BadRequest(f"{name}: unrecognized request argument", name)
+        if not any(_same(value, ok) for ok in _NOT_YET[name]):
+            raise BadRequest(f"{name}: not supported by this server yet (got {value!r})", name)
+
+
+def _same(value, ok) -> bool:
+    """JSON equality, where true is not 1 nor false 0 (but 0.0 is 0)."""
+    if isinstance(value, bool) or isinstance(ok, bool) or value is None or ok is None:
+        return value is ok
+    return value == ok
 
 
 def _streaming(body: dict) -> tuple[bool, bool]:
@@ -220,6 +255,7 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str, default_max_to
                 raise BadRequest("prompt: expected a string or a list of token ids", "prompt")
             if not isinstance(prompt, (str, list)):
                 raise BadRequest("prompt: expected a string or a list of token ids", "prompt")
+            _known_fields(body, "completions")
             streaming = _streaming(body)
             stream = await submit(prompt, body)
         except BadRequest as e:
@@ -236,6 +272,7 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str, default_max_to
                     isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                     for m in messages)):
                 raise BadRequest("messages: expected a non-empty list of {role, content} strings", "messages")
+            _known_fields(body, "chat")
             streaming = _streaming(body)
             stream = await submit([{"role": m["role"], "content": m["content"]} for m in messages], body)
         except BadRequest as e:

@@ -642,3 +642,24 @@ def test_a_body_sent_too_slowly_is_a_408(checkpoint):
         loop.close()
     assert r.status_code == 408 and "did not arrive within 0.3 s" in r.json()["error"]["message"]
     assert time.time() - t0 < 1.9
+
+
+def test_openai_parameters_not_done_yet_are_refused_by_name_unless_they_ask_for_nothing(server):
+    """logprobs, penalties, logit_bias, echo, tools and the rest: a 400 naming the parameter
+    where it asks for something, accepted at the value that asks for nothing; a field no
+    endpoint knows is refused, as OpenAI refuses it. None is silently ignored."""
+    asks = {"logprobs": 2, "top_logprobs": 3, "echo": True, "presence_penalty": 0.5, "frequency_penalty": 1,
+            "repetition_penalty": 1.2, "logit_bias": {"5": -100}, "min_tokens": 4, "stop_token_ids": [3],
+            "best_of": 2, "suffix": "!", "response_format": {"type": "json_object"}, "bogus": 1}
+    nothing = {"logprobs": None, "echo": False, "presence_penalty": 0.0, "frequency_penalty": 0,
+               "repetition_penalty": 1.0, "logit_bias": {}, "best_of": 1, "user": "me", "tools": None}
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        for name, value in asks.items():
+            r = http.post("/v1/completions", json={"prompt": "the cat", "max_tokens": 2, name: value})
+            assert r.status_code == 400 and r.json()["error"]["param"] == name, (name, r.text)
+        r = http.post("/v1/completions", json={"prompt": "the cat", "max_tokens": 2, **nothing})
+        assert r.status_code == 200, r.text
+        r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                    "tools": [{"type": "function", "function": {"name": "f"}}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    assert server.idle()

@@ -543,7 +543,7 @@ def test_a_huge_prompt_is_refused_before_it_is_tokenized_and_stalls_no_stream(se
     refused, waited, fits, gap = asyncio.run(main())
     assert refused.status_code == 400 and "cannot fit in the context" in refused.json()["error"]["message"]
     assert fits.status_code == 400 and "context" in fits.json()["error"]["message"]  # far past 96 tokens either way
-    assert waited < 10 and gap < 2.0  # the stream went on while the huge body was read and refused
+    assert waited < 10 and gap < 3.0  # the stream went on while the huge body was read and refused (was 12-19 s)
     assert server.idle()
 
 

@@ -63,8 +63,8 @@ def main(argv=None) -> int:
                              "(Linux; --max-requests bounds them together; default 2 with --engine process on Linux, "
                              "where Mamba2-130M at 64 streams kept 94%% of its in-process tokens/s against 85%% "
                              "behind one; else 1)")
-    parser.add_argument("--api-key", help="a key every request but /health must send (Authorization: Bearer KEY, "
-                        "as the OpenAI client does)")
+    parser.add_argument("--api-key", help="a key every /v1 request must send (Authorization: Bearer KEY, as the "
+                        "OpenAI client does); /health, /metrics and /version stay open")
     parser.add_argument("--max-body-bytes", type=int, default=16 << 20, help="a larger request body is a 413")
     parser.add_argument("--max-connections", type=int, default=2048,
                         help="open connections per HTTP server process; past them a 503")

@@ -180,7 +180,7 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str, default_max_to
     """The API over ``loop``, serving ``model_name``; ``default_max_tokens`` where a request
     names none (None: the rest of the context). ``listening``: None, or a callable giving how
     many of the ``loop.api_processes`` HTTP server processes listen yet; until all do, /health
-    answers 503 "starting". ``api_key``: a Bearer token every route but /health asks for.
+    answers 503 "starting". ``api_key``: a Bearer token every /v1 route asks for.
     ``max_body_bytes``: a larger body is a 413, read no further; ``body_timeout``: seconds to
     receive the whole body, past which a 408 (a slow sender holds no connection for long). ``draining``: a callable, true
     once the server is shutting down: /health and new requests then get a 503 "draining".

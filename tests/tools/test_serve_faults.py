@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
 SLOTS = 16  # the CPU default's largest decode bucket
@@ -190,19 +191,21 @@ def test_an_engine_that_dies_or_wedges_ends_every_request_with_an_error(fault):
         async def main():
             started = asyncio.Event()
             stream = asyncio.create_task(streamed(server.url, 3000, started))
-            async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
-                plain = asyncio.create_task(http.post("/v1/completions", json=body(3000)))
-                await asyncio.wait_for(started.wait(), 60)
-                await asyncio.sleep(0.2)
-                os.kill(engine, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
-                t0 = time.time()
-                r = await asyncio.wait_for(plain, 30)
-                return r, await asyncio.wait_for(stream, 30), time.time() - t0
+            client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
+            plain = asyncio.create_task(client.completions.create(
+                model="tiny", prompt=PROMPT, max_tokens=3000, temperature=0, extra_body={"ignore_eos": True}))
+            await asyncio.wait_for(started.wait(), 60)
+            await asyncio.sleep(0.2)
+            os.kill(engine, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+            t0 = time.time()
+            with pytest.raises(openai.InternalServerError) as error:  # the official client's 500
+                await asyncio.wait_for(plain, 30)
+            return error.value, await asyncio.wait_for(stream, 30), time.time() - t0
 
-        r, (_, reason), waited = asyncio.run(main())
-        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error", r.text
+        error, (_, reason), waited = asyncio.run(main())
+        assert error.status_code == 500 and error.body["type"] == "server_error"
         cause = "killed by signal 9" if fault == "kill" else "no progress for 2 s"
-        assert cause in r.json()["error"]["message"] and reason.startswith("error: ") and cause in reason
+        assert cause in error.message and reason.startswith("error: ") and cause in reason
         assert waited < 15
         assert server.wait(30) == 1
         assert cause in server.output()

@@ -30,7 +30,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from .text import TextEngine, TextOutput, TextStreams
+from .text import TextEngine, TextOutput, TextStreams, text_chars
 
 __all__ = ["EngineClient", "EngineLoop", "EngineProcess", "Overloaded", "Stream"]
 
@@ -243,13 +243,7 @@ _INLINE_CHARS = 4096
 
 async def _encode(texts: TextStreams, prompt, params, stop, max_context: int, cap: bool):
     """``texts.encode`` of a request, off the event loop where the prompt is long."""
-    if isinstance(prompt, str):
-        chars = len(prompt)
-    elif isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-        chars = sum(len(m["content"]) for m in prompt if isinstance(m.get("content"), str))
-    else:
-        chars = 0  # token ids
-    if chars <= _INLINE_CHARS:
+    if text_chars(prompt) <= _INLINE_CHARS:
         return texts.encode(prompt, params, stop, max_context, cap)
     return await asyncio.get_running_loop().run_in_executor(None, texts.encode, prompt, params, stop, max_context, cap)
 

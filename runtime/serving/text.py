@@ -19,13 +19,24 @@ from ..engine import Engine
 from ..request import SamplingParams
 from .tokenizer import load_tokenizer
 
-__all__ = ["TextEngine", "TextOutput", "TextStreams"]
+__all__ = ["TextEngine", "TextOutput", "TextStreams", "text_chars"]
+
+
+def text_chars(prompt) -> int:
+    """The characters of a prompt's text: a string's, or chat messages' contents; 0 for token
+    ids (or anything else, which ``TextStreams.encode`` refuses by name)."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    if isinstance(prompt, list):
+        return sum(len(m["content"]) for m in prompt if isinstance(m, dict) and isinstance(m.get("content"), str))
+    return 0
 
 
 @dataclass
 class TextOutput:
     """What one step produced for one request: its new text and token ids, and whether it is
-    done (finish_reason "stop", "length" or "abort")."""
+    done (finish_reason "stop" or "length"; in the serving loops also "abort", the caller
+    aborted it, or "error", the engine failed or the loop ended it)."""
 
     id: int
     text: str
@@ -45,7 +56,7 @@ class _Stream:
 class TextStreams:
     """The text half of a TextEngine, apart from the engine: what a prompt encodes to, and each
     request's text as its tokens come. ``TextEngine`` keeps one beside its engine; the engine
-    process's parent keeps its own (``serving.EngineProcess``), so the engine only steps."""
+    process's parent keeps its own (``loop.EngineProcess``), so the engine only steps."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -94,12 +105,7 @@ class TextStreams:
         """Refuse, before tokenizing it, a text too long to fit the context whatever its tokens:
         more characters than max_context tokens could spell (with room for normalisers that
         merge characters, 4x)."""
-        if isinstance(prompt, str):
-            chars = len(prompt)
-        elif isinstance(prompt, list):
-            chars = sum(len(m["content"]) for m in prompt if isinstance(m, dict) and isinstance(m.get("content"), str))
-        else:
-            return  # not text: encode names what it is
+        chars = text_chars(prompt)
         if chars > 4 * max_context * getattr(self.tokenizer, "max_token_chars", 1):
             raise ValueError(f"prompt: {chars} characters cannot fit in the context of {max_context} tokens")
 

@@ -3,10 +3,9 @@
     POST /v1/completions        prompt (text or token ids) -> text; "stream": true for SSE
     POST /v1/chat/completions   messages -> assistant message; "stream": true for SSE
     GET  /v1/models             the one model served
+    GET  /v1/models/{id}        that model, or a 404
     GET  /health                200 while the engine loop runs and every API process listens;
                                 503 "starting", "draining", "failed" (the engine's fault) or "stopped"
-
-    GET  /v1/models/{id}        that model, or a 404
     GET  /version               the package's version
     GET  /metrics               Prometheus metrics (``metrics``)
 
@@ -62,6 +61,9 @@ def _error(e: BadRequest) -> JSONResponse:
     return JSONResponse(_error_body(e), status_code=e.status)
 
 
+_UNBOUNDED = 1 << 30  # max_tokens where neither the request nor the server names one: the context's room
+
+
 def _sampling(body: dict, default_max_tokens: int | None, defaults: dict) -> tuple[SamplingParams, bool]:
     """The request's sampling fields, over the checkpoint's generation_config.json defaults,
     over OpenAI's (temperature 1); and whether max_tokens is the server's to cap (the request
@@ -81,9 +83,6 @@ def _sampling(body: dict, default_max_tokens: int | None, defaults: dict) -> tup
         return SamplingParams(**kw), cap
     except ValueError as e:
         raise BadRequest(str(e), str(e).split(":")[0]) from None
-
-
-_UNBOUNDED = 1 << 30  # max_tokens where neither the request nor the server names one: the context's room
 
 
 def _stop(body: dict) -> tuple[str, ...]:
@@ -182,8 +181,9 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str, default_max_to
     many of the ``loop.api_processes`` HTTP server processes listen yet; until all do, /health
     answers 503 "starting". ``api_key``: a Bearer token every /v1 route asks for.
     ``max_body_bytes``: a larger body is a 413, read no further; ``body_timeout``: seconds to
-    receive the whole body, past which a 408 (a slow sender holds no connection for long). ``draining``: a callable, true
-    once the server is shutting down: /health and new requests then get a 503 "draining".
+    receive the whole body, past which a 408 (a slow sender holds no connection for long).
+    ``draining``: a callable, true once the server is shutting down: /health and new requests
+    then get a 503 "draining".
     Every response carries an X-Request-Id (the client's, where it sent one); ``access_log``:
     a line a request on the "mambastep.access" logger. ``request_timeout``: seconds a request
     may take from arrival; past them it is aborted with a 504 (or an error event). /metrics:
@@ -192,10 +192,13 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str, default_max_to
 
     metrics = Metrics(loop)
 
-    async def read_body(request: Request) -> dict:
+    def authorize(request: Request) -> None:
         if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
             raise BadRequest("missing or wrong API key (Authorization: Bearer ...)", status=401,
                              kind="authentication_error")
+
+    async def read_body(request: Request) -> dict:
+        authorize(request)
         if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
             raise BadRequest("the request body must be JSON (Content-Type: application/json)", status=415)
         if int(request.headers.get("content-length") or 0) > max_body_bytes:
@@ -428,9 +431,10 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str, default_max_to
     def guarded(handler):
         """The API key on a GET route too (POST routes check it with their body)."""
         async def route(request: Request):
-            if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
-                return _error(BadRequest("missing or wrong API key (Authorization: Bearer ...)", status=401,
-                                         kind="authentication_error"))
+            try:
+                authorize(request)
+            except BadRequest as e:
+                return _error(e)
             return await handler(request)
         return route
 

@@ -201,25 +201,30 @@ def load_weights(path: str | Path, cfg: ModelConfig, *, dtype: torch.dtype, devi
     if scales:
         raise WeightError(f"{scales[0]}: a quantized checkpoint's scale tensor ({len(scales)} such) with no "
                           "quantization_config; mambastep reads bf16, fp16 and fp32 weights")
-    shapes, found = weight_shapes(cfg), {}
-    for name, shape in shapes.items():  # everything checked before anything is read
-        full = ckpt.find(name)
+    found: dict[str, tuple[list[str], bool]] = {}  # name -> (its tensors in the file, stacked?)
+    for name, shape in weight_shapes(cfg).items():  # everything checked before anything is read
+        full, stacked = ckpt.find(name), False
         if full is None and name.endswith(("experts.up_proj", "experts.down_proj")):
-            full = _stacked_expert_names(ckpt, name, cfg.n_routed_experts)
-        if full is None:
+            parts, stacked = _stacked_expert_names(ckpt, name, cfg.n_routed_experts), True
+        else:
+            parts = None if full is None else [full]
+        if parts is None:
             raise WeightError(f"{name}: missing from the checkpoint at {path}")
-        described = [ckpt.describe(f) for f in ([full] if isinstance(full, str) else full)]
-        got = described[0][1] if isinstance(full, str) else (len(full), *described[0][1])
-        stored = next((d for d, _ in described if d not in _FLOATS), None)
-        if stored is not None:
-            raise WeightError(f"{name}: stored as {stored} (quantized weights); mambastep reads bf16, fp16 and "
-                              "fp32 weights")
-        if got != shape:
-            raise WeightError(f"{name}: expected shape {list(shape)}, checkpoint has {list(got)}")
-        found[name] = full
+        for part in parts:
+            stored, got = ckpt.describe(part)
+            label = part if stacked else name  # an expert of the stack by its own name
+            if stored not in _FLOATS:
+                raise WeightError(f"{label}: stored as {stored} (quantized weights); mambastep reads bf16, fp16 "
+                                  "and fp32 weights")
+            if stacked:  # one expert of the stack
+                got = (len(parts), *got)
+            if got != shape:
+                raise WeightError(f"{label}: expected shape {list(shape[stacked:])}, checkpoint has "
+                                  f"{list(got[stacked:])}")
+        found[name] = parts, stacked
     out: dict[str, torch.Tensor] = {}
-    for name, full in found.items():
-        t = ckpt.get(full) if isinstance(full, str) else torch.stack([ckpt.get(f) for f in full])
+    for name, (parts, stacked) in found.items():
+        t = torch.stack([ckpt.get(p) for p in parts]) if stacked else ckpt.get(parts[0])
         out[name] = t.to(device=device, dtype=torch.float32 if _keeps_fp32(name) else dtype)
     return out
 

@@ -148,3 +148,30 @@ def test_mamba_ssm_variants_not_read_are_named(tmp_path, change, named):
     _edit_config(tmp_path / "ssm", **change)
     with pytest.raises(ConfigError, match=named):
         ModelConfig.from_pretrained(tmp_path / "ssm")
+
+
+@torch.no_grad()
+def test_experts_stored_one_by_one_load_as_the_stack_and_a_misshaped_one_is_named(tmp_path):
+    """Older NemotronH checkpoints store each expert's weight apart (experts.{j}.up_proj.weight):
+    they load as the stacked tensor; one expert of the wrong shape is named, before any is read."""
+    save_tiny("nemotron_h", tmp_path / "stacked")
+    tensors = load_file(tmp_path / "stacked" / "model.safetensors")
+    apart = {}
+    for key, value in tensors.items():
+        if key.endswith(("experts.up_proj", "experts.down_proj")):
+            base, proj = key.rsplit(".", 1)
+            apart.update({f"{base}.{j}.{proj}.weight": value[j].clone() for j in range(value.shape[0])})
+        else:
+            apart[key] = value
+    (tmp_path / "apart").mkdir()
+    (tmp_path / "apart" / "config.json").write_text((tmp_path / "stacked" / "config.json").read_text())
+    save_file(apart, tmp_path / "apart" / "model.safetensors", metadata={"format": "pt"})
+    plan = [(p, slot, 0) for slot, p in enumerate(prompts([5, 9]))]
+    stacked = Model.from_pretrained(tmp_path / "stacked", dtype=torch.float32)
+    one_by_one = Model.from_pretrained(tmp_path / "apart", dtype=torch.float32)
+    assert torch.equal(step(new_runner(stacked), plan), step(new_runner(one_by_one), plan))
+    victim = next(k for k in apart if k.endswith("experts.3.up_proj.weight"))
+    apart[victim] = apart[victim][:, :-1].contiguous()
+    save_file(apart, tmp_path / "apart" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(WeightError, match=r"experts\.3\.up_proj\.weight: expected shape"):
+        Model.from_pretrained(tmp_path / "apart", dtype=torch.float32)

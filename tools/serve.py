@@ -136,7 +136,16 @@ def main(argv=None) -> int:
     # picks its value store when first imported, so this comes before anything imports it
     metrics_dir = tempfile.TemporaryDirectory(prefix="mambastep-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir.name
-    workers = []
+    workers, told = [], set()
+
+    def drain_workers():
+        """Every HTTP server process drains its own requests: told once (a second SIGTERM would
+        cut its drain short), on a signal here, the engine's end or an error."""
+        for w in workers:
+            if w.pid not in told and w.is_alive():
+                w.terminate()
+            told.add(w.pid)
+
     try:
         ctx = multiprocessing.get_context("spawn")
         listening = ctx.Value("i", 0)  # the HTTP server processes taking connections yet
@@ -148,9 +157,9 @@ def main(argv=None) -> int:
             # pipe end when the worker dies, and aborts its requests
             conn.close()
         _watch_workers(workers, loop)
-        # a signal here drains every HTTP server process, each its own requests
-        _serve(loop, settings, sock, listening, on_signal=lambda: [w.terminate() for w in workers if w.is_alive()])
+        _serve(loop, settings, sock, listening, on_signal=drain_workers)
     finally:
+        drain_workers()
         for w in workers:
             w.join(args.shutdown_timeout + 10)
             if w.is_alive():

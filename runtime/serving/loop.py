@@ -493,8 +493,6 @@ class EngineClient(_Streams):
         if (refused := self._overloaded(len(self._pending))) is not None:
             raise refused
         ids, params, stop = await _encode(self._texts, prompt, params, stop, self.max_context, cap)  # raises on bad input
-        if not self._outstanding():
-            self._progress = time.monotonic()
         done: Future = Future()
         token = next(self._tokens)
         self._pending[token] = (done, asyncio.get_running_loop(), ids, stop)

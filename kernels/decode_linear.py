@@ -63,6 +63,7 @@ import triton.language as tl
 
 from .conv1d import conv1d_update_ref
 from .dispatch import with_reference
+from .fp8 import Fp8Weight
 from .norm import gated_rms_norm, gated_rms_norm_ref, rms_norm_ref
 
 __all__ = [
@@ -174,10 +175,11 @@ def _normalize(a, cols, rstd, wn, group_size, ROUND_FIRST: tl.constexpr,
 def _tile_row(
     m, w0, wn, z0, ks, x_ptr, z_ptr, row_ptr, K, eps, group_size, stride_x, stride_z,
     PROLOGUE: tl.constexpr, ROUND_FIRST: tl.constexpr, NUM_GROUPS: tl.constexpr, BLOCK_G: tl.constexpr,
-    HAS_ROW_IDX: tl.constexpr, BLOCK_M: tl.constexpr, EARLY: tl.constexpr,
+    HAS_ROW_IDX: tl.constexpr, BLOCK_M: tl.constexpr, EARLY: tl.constexpr, ACT_DTYPE: tl.constexpr,
 ):
     """The product of row m with the program's weight tile w0 ([BLOCK_N, BLOCK_K], the whole K)
-    in fp32, as [1, BLOCK_N]; the input row's prologue on the way (wn: the norm weight, loaded)."""
+    in fp32, as [1, BLOCK_N]; the input row's prologue on the way (wn: the norm weight, loaded),
+    rounded to the activations' dtype as the unfused norm would."""
     row = m + tl.arange(0, 1)  # [1]
     row_ok = row >= 0
     if HAS_ROW_IDX:
@@ -194,20 +196,29 @@ def _tile_row(
     if PROLOGUE != 0:
         sq = _group_table(tl.zeros([1, BLOCK_G], dtype=tl.float32), a * a, ks, group_size, NUM_GROUPS, BLOCK_G)
         rstd = tl.rsqrt(sq / group_size + eps)
-        a = _normalize(a, ks, rstd, wn, group_size, ROUND_FIRST, NUM_GROUPS, BLOCK_G, w0.dtype)
+        a = _normalize(a, ks, rstd, wn, group_size, ROUND_FIRST, NUM_GROUPS, BLOCK_G, ACT_DTYPE)
     return tl.sum(w0.to(tl.float32) * a, axis=1)[None, :]
 
 
 @triton.jit
-def _stream_tile(acc, sq, w, k, ks, x_ptr, wn_ptr, src, row_ok, K, stride_x,
-                 NORM: tl.constexpr, EVEN_K: tl.constexpr, NORM_WEIGHT: tl.constexpr):
+def _block_scaled(w, s_ptr, n_blk, cols, col_ok, stride_s, SCALE_BLOCK: tl.constexpr):
+    """An FP8 tile [BLOCK_N, BLOCK_K] times its block scales, in fp32 (n_blk: each row's block row)."""
+    s = tl.load(s_ptr + n_blk[:, None] * stride_s + (cols // SCALE_BLOCK)[None, :], mask=col_ok[None, :], other=0.0)
+    return w.to(tl.float32) * s
+
+
+@triton.jit
+def _stream_tile(acc, sq, w, k, ks, x_ptr, wn_ptr, src, row_ok, K, stride_x, s_ptr, n_blk, stride_s,
+                 NORM: tl.constexpr, EVEN_K: tl.constexpr, NORM_WEIGHT: tl.constexpr, SCALE_BLOCK: tl.constexpr):
     """One K tile of the streamed product, elementwise (reduced once after the loop): acc += w *
     input (times the norm weight, unless NORM_WEIGHT is off: a unit weight, folded into w), and
-    with a norm sq += input^2."""
+    with a norm sq += input^2. SCALE_BLOCK: w is FP8 with block scales, applied here."""
     cols = k + ks
     col_ok = cols < K
     if EVEN_K:
         col_ok = cols >= 0
+    if SCALE_BLOCK > 0:
+        w = _block_scaled(w, s_ptr, n_blk, cols, col_ok, stride_s, SCALE_BLOCK)
     a = _input_rows(x_ptr, src, src, row_ok, cols, col_ok, stride_x, False)  # [BLOCK_M, BLOCK_K]
     if NORM:
         sq += a * a
@@ -219,9 +230,10 @@ def _stream_tile(acc, sq, w, k, ks, x_ptr, wn_ptr, src, row_ok, K, stride_x,
 
 @triton.jit
 def _streamed_rows(
-    w0, n64, n_ok, x_ptr, wn_ptr, w_ptr, row_ptr, M, K, eps, stride_x, stride_w,
+    w0, n64, n_ok, x_ptr, wn_ptr, w_ptr, row_ptr, M, K, eps, stride_x, stride_w, s_ptr, n_blk, stride_s,
     NORM: tl.constexpr, HAS_ROW_IDX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr, NORM_WEIGHT: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
 ):
     """The product of all rows with the program's [BLOCK_N, K] weight slice in fp32, as
     [BLOCK_M, BLOCK_N], in one pass over K tiles (w0 is the first), each weight tile read once
@@ -238,7 +250,8 @@ def _streamed_rows(
         src = rows.to(tl.int64)
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-    acc, sq = _stream_tile(acc, sq, w0, 0, ks, x_ptr, wn_ptr, src, row_ok, K, stride_x, NORM, EVEN_K, NORM_WEIGHT)
+    acc, sq = _stream_tile(acc, sq, w0, 0, ks, x_ptr, wn_ptr, src, row_ok, K, stride_x, s_ptr, n_blk, stride_s,
+                           NORM, EVEN_K, NORM_WEIGHT, SCALE_BLOCK)
     for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         cols = k + ks
         w_ptrs = w_ptr + n64[:, None] * stride_w + cols[None, :]
@@ -246,7 +259,8 @@ def _streamed_rows(
             w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
         else:
             w = tl.load(w_ptrs, mask=n_ok[:, None] & (cols < K)[None, :], other=0.0)
-        acc, sq = _stream_tile(acc, sq, w, k, ks, x_ptr, wn_ptr, src, row_ok, K, stride_x, NORM, EVEN_K, NORM_WEIGHT)
+        acc, sq = _stream_tile(acc, sq, w, k, ks, x_ptr, wn_ptr, src, row_ok, K, stride_x, s_ptr, n_blk, stride_s,
+                               NORM, EVEN_K, NORM_WEIGHT, SCALE_BLOCK)
     y = tl.sum(acc, axis=2)
     if NORM:
         y = y * tl.rsqrt(tl.sum(sq, axis=1) / K + eps)[:, None]
@@ -301,18 +315,22 @@ def _finish_row(
 
 @triton.jit
 def _skinny_kernel(
-    x_ptr, z_ptr, wn_ptr, w_ptr, bias_ptr, out_ptr, row_ptr,
+    x_ptr, z_ptr, wn_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, row_ptr,
     cs_ptr, cw_ptr, cb_ptr, slot_ptr,
     N, K, eps, group_size, conv_lo, conv_dim,
-    stride_x, stride_z, stride_w, stride_out,
+    stride_x, stride_z, stride_w, stride_s, stride_out,
     stride_cs_s, stride_cs_d, stride_cs_k, stride_cw_d,
     PROLOGUE: tl.constexpr, ROUND_FIRST: tl.constexpr, NUM_GROUPS: tl.constexpr, BLOCK_G: tl.constexpr,
     EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ROW_IDX: tl.constexpr,
     CONV_K: tl.constexpr, BLOCK_C: tl.constexpr, CONV_BIAS: tl.constexpr,
     M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     LOOP: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr, EARLY: tl.constexpr, USE_PDL: tl.constexpr,
-    NORM_WEIGHT: tl.constexpr,
+    NORM_WEIGHT: tl.constexpr, SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr, ACT_DTYPE: tl.constexpr,
 ):
+    # SCALE: 0, w holds the weights; 1, FP8 values scaled per output column (s_ptr [N], applied to
+    # the sums); 2, FP8 values scaled per SCALE_BLOCK x SCALE_BLOCK block (s_ptr [N / SCALE_BLOCK,
+    # K / SCALE_BLOCK], applied tile by tile). ACT_DTYPE: the activations' dtype, what the
+    # product is rounded to (the weights' own, unless they are FP8).
     # grid: (cdiv(N, BLOCK_N),): all M rows over BLOCK_N output columns. Without LOOP, the whole
     # K is one tile held in registers and the rows are taken one after the other in the tile's
     # layout (no cross-row shuffles); with LOOP, K is streamed in tiles.
@@ -332,6 +350,13 @@ def _skinny_kernel(
     # with EARLY, z and the residual (written two or more kernels back, so complete: see the
     # module doc); the layer's conv state and weights (no other kernel touches them in a step).
     w0 = tl.load(w_ptr + n64[:, None] * stride_w + ks[None, :], mask=n_ok[:, None] & (ks[None, :] < K), other=0.0)
+    n_blk, col_scale = n, n_ok
+    if SCALE == 1:  # a weight: before the wait
+        col_scale = tl.load(s_ptr + n, mask=n_ok, other=0.0)
+    if SCALE == 2:
+        n_blk = tl.minimum(n, N - 1) // SCALE_BLOCK
+        if not LOOP:  # the one tile, dequantized once
+            w0 = _block_scaled(w0, s_ptr, n_blk, ks, ks < K, stride_s, SCALE_BLOCK)
     # Stand-ins for the prefetched tiles a variant does not use (its constexpr branches never
     # read them); one name each, whatever the variant, keeps single helper signatures.
     z0, res, window, shifted, cw, wn = w0, w0, w0, w0, w0, w0
@@ -372,8 +397,9 @@ def _skinny_kernel(
     if LOOP:
         tl.static_assert(PROLOGUE != 2, "a gated norm runs as its own kernel before a streamed product")
         acc = _streamed_rows(
-            w0, n64, n_ok, x_ptr, wn_ptr, w_ptr, row_ptr, M, K, eps, stride_x, stride_w,
+            w0, n64, n_ok, x_ptr, wn_ptr, w_ptr, row_ptr, M, K, eps, stride_x, stride_w, s_ptr, n_blk, stride_s,
             PROLOGUE == 1, HAS_ROW_IDX, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, STAGES, NORM_WEIGHT,
+            SCALE_BLOCK,
         )
         if USE_PDL:
             # several waves of programs: the dependents take slots only as the last one drains
@@ -384,12 +410,14 @@ def _skinny_kernel(
         else:
             acc_m = _tile_row(
                 m, w0, wn, z0, ks, x_ptr, z_ptr, row_ptr, K, eps, group_size, stride_x, stride_z,
-                PROLOGUE, ROUND_FIRST, NUM_GROUPS, BLOCK_G, HAS_ROW_IDX, BLOCK_M, EARLY,
+                PROLOGUE, ROUND_FIRST, NUM_GROUPS, BLOCK_G, HAS_ROW_IDX, BLOCK_M, EARLY, ACT_DTYPE,
             )
+        if SCALE == 1:
+            acc_m = acc_m * col_scale[None, :]
         _finish_row(
             m, acc_m, res, window, shifted, cw, slot, n, n_ok, c, c_ok, bias, conv_bias,
             out_ptr, cs_ptr, stride_out, stride_cs_s, stride_cs_d, stride_cs_k,
-            EPILOGUE, HAS_BIAS, CONV_K, BLOCK_C, CONV_BIAS, BLOCK_M, EARLY, w_ptr.dtype.element_ty,
+            EPILOGUE, HAS_BIAS, CONV_K, BLOCK_C, CONV_BIAS, BLOCK_M, EARLY, ACT_DTYPE,
         )
 
 
@@ -426,7 +454,7 @@ class _Config(NamedTuple):
     stages: int  # software-pipelining depth of the K loop
 
 
-def _config(M: int, N: int, K: int, device: torch.device, tile_k: int | None = None) -> _Config:
+def _config(M: int, N: int, K: int, device: torch.device, tile_k: int | None = None, fp8: bool = False) -> _Config:
     """Tile sizes for M rows of an [N, K] weight, from sweeps on an H200 (docs/experiments.md).
 
     ``tile_k`` given: stream K in tiles of that many columns whatever the shape (16 columns a
@@ -449,6 +477,12 @@ def _config(M: int, N: int, K: int, device: torch.device, tile_k: int | None = N
     up_proj) takes 16 x 1024 tiles in 2 stages where K is whole tiles of them, which win there
     and lose at two rows (and at the 9B's ragged K of 4480). The tile narrows as the rows grow,
     so that the per-row partial sums keep their register footprint.
+
+    FP8 weights at one row, where K is streamed (a tile moves half the bytes): a tall block
+    projection takes 16 x 512 tiles in 4 stages (Nemotron-H-8B's in_proj 25 us against 31 us
+    in the bf16 choice, 3.0 TB/s), the others but the 16-column grids 8 x 1024 in 3 stages
+    (its out_proj and down_proj, Nemotron-3-Nano's shared expert: 3-9% faster); swept on an
+    H200 (docs/experiments.md).
     """
     if tile_k is not None:
         return _Config(True, 16, tile_k, 4, 2)
@@ -463,12 +497,14 @@ def _config(M: int, N: int, K: int, device: torch.device, tile_k: int | None = N
     vocabulary_wide = triton.cdiv(N, 16) >= 16 * sms
     if M == 1 and N >= 4 * K and K >= 4096 and K % 1024 == 0 and not vocabulary_wide:
         # one row through a tall block projection (Nemotron-H-8B's in_proj and up_proj)
-        return _Config(True, 16, 1024, 4, 2)
+        return _Config(True, 16, 512, 4, 4) if fp8 else _Config(True, 16, 1024, 4, 2)
     long_k = K >= 4096 or (M == 1 and K >= 3072)
     block_k = (512 if long_k else 256) // rows
     # one row: 16 columns a program once 8 would give more than 8 programs an SM, so that a
     # program's loads of the input row (and the norm weight) serve twice the columns
     many = M == 1 and triton.cdiv(N, 8) > 8 * sms
+    if fp8 and M == 1 and K >= 2048 and not (vocabulary_wide or many):
+        return _Config(True, 8, 1024, 4, 3)
     return _Config(True, 16 if vocabulary_wide or many else 8, max(32, block_k), 4, 3)
 
 
@@ -479,21 +515,49 @@ def _check(name: str, t: torch.Tensor, shape: tuple) -> None:
         raise ValueError(f"{name}: the last dimension must be contiguous, got strides {tuple(t.stride())}")
 
 
-def _check_weight(weight: torch.Tensor, K: int) -> None:
+def _check_weight(weight, K: int) -> None:
+    if isinstance(weight, Fp8Weight):
+        _check_fp8(weight)
+        weight = weight.values
     if weight.dim() != 2 or weight.shape[1] != K or weight.stride(1) != 1:
         raise ValueError(f"weight: expected [N, {K}] with contiguous rows, got {list(weight.shape)} "
                          f"with strides {tuple(weight.stride())}")
 
 
+def _check_fp8(weight: Fp8Weight) -> None:
+    N, K = weight.shape
+    expected = (N,) if not weight.block else (-(-N // weight.block), -(-K // weight.block))
+    if weight.values.dtype != torch.float8_e4m3fn or weight.scale.dtype != torch.float32:
+        raise ValueError(f"weight: FP8 values in float8_e4m3fn with fp32 scales, got {weight.values.dtype} and "
+                         f"{weight.scale.dtype}")
+    if tuple(weight.scale.shape) != expected or weight.scale.stride(-1) != 1:
+        raise ValueError(f"weight.scale: expected a contiguous {list(expected)}, got {list(weight.scale.shape)}")
+
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def _act_dtype(weight, x: torch.Tensor, norm_w: torch.Tensor | None) -> torch.dtype:
+    """The activations' dtype, which the product is rounded to: a plain weight's own; beside FP8
+    weights, the normed input's (the norm weight's dtype) or else the input's."""
+    if not isinstance(weight, Fp8Weight):
+        return weight.dtype
+    return norm_w.dtype if norm_w is not None else x.dtype
+
+
 def _launch(x, z, norm_w, weight, bias, out, rows: _Rows, *, eps, group_size, prologue, round_first,
-            epilogue, conv: ConvTail | None, pdl: bool, early: bool = False, tile_k: int | None = None,
-            unit_norm: bool = False):
+            epilogue, conv: ConvTail | None, pdl: bool, act_dtype: torch.dtype, early: bool = False,
+            tile_k: int | None = None, unit_norm: bool = False):
+    scale, scale_mode, scale_block = None, 0, 0
+    if isinstance(weight, Fp8Weight):
+        weight, scale, scale_block = weight.values, weight.scale, weight.block
+        scale_mode = 2 if scale_block else 1
     M, (N, K) = rows.n, weight.shape
     if M > MAX_ROWS:
         raise ValueError(f"{M} rows: the skinny projection takes at most {MAX_ROWS}; use a GEMM")
     if M == 0:
         return out
-    cfg = _config(M, N, K, weight.device, tile_k)
+    cfg = _config(M, N, K, weight.device, tile_k, fp8=scale is not None)
     if conv is None:  # any valid pointers: the constexpr epilogue never reads them
         cs, cw, cb, slots, lo, D, conv_k = out, weight, weight, out, 0, 0, 2
         ss_s = ss_d = ss_k = scw = 0
@@ -505,19 +569,23 @@ def _launch(x, z, norm_w, weight, bias, out, rows: _Rows, *, eps, group_size, pr
     extra = {"launch_pdl": True} if pdl else {}
     _skinny_kernel[(triton.cdiv(N, cfg.block_n),)](
         x, z if z is not None else x, norm_w if norm_w is not None else weight, weight,
-        bias if bias is not None else weight, out, rows.idx if rows.idx is not None else x,
+        scale if scale is not None else weight, bias if bias is not None else weight, out,
+        rows.idx if rows.idx is not None else x,
         cs, cw, cb, slots,
         N, K, eps, group_size, lo, D,
-        x.stride(0), z.stride(0) if z is not None else 0, weight.stride(0), out.stride(0),
+        x.stride(0), z.stride(0) if z is not None else 0, weight.stride(0),
+        scale.stride(0) if scale is not None else 0, out.stride(0),
         ss_s, ss_d, ss_k, scw,
         PROLOGUE=prologue, ROUND_FIRST=round_first, NUM_GROUPS=groups, BLOCK_G=triton.next_power_of_2(groups),
         EPILOGUE=epilogue, HAS_BIAS=bias is not None, HAS_ROW_IDX=rows.idx is not None,
         CONV_K=conv_k, BLOCK_C=triton.next_power_of_2(conv_k), CONV_BIAS=conv is not None and conv.bias is not None,
         M=M, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, LOOP=cfg.loop,
         EVEN_K=K % cfg.block_k == 0, STAGES=cfg.stages, EARLY=early, USE_PDL=pdl, num_warps=cfg.num_warps,
-        NORM_WEIGHT=not unit_norm, **extra,
+        NORM_WEIGHT=not unit_norm, SCALE=scale_mode, SCALE_BLOCK=scale_block, ACT_DTYPE=_TL_DTYPES[act_dtype],
+        **extra,
     )
     return out
+
 
 
 def _epilogue(residual, relu2, conv) -> int:
@@ -544,9 +612,10 @@ def _out_rows(x, rows, out, residual, N, dtype):
     return spec, out
 
 
-def _linear_ref(h, weight, bias):
-    y = F.linear(h.float(), weight.float(), None if bias is None else bias.float())
-    return y.to(weight.dtype)
+def _linear_ref(h, weight, bias, act_dtype):
+    w = weight.dequantize() if isinstance(weight, Fp8Weight) else weight.float()
+    y = F.linear(h.float(), w, None if bias is None else bias.float())
+    return y.to(act_dtype)
 
 
 def _epilogue_ref(y, residual, relu2, conv, out):
@@ -568,12 +637,13 @@ def norm_linear_ref(x, norm_w, eps, weight, *, bias=None, round_first=True, rows
                     relu2=False, conv=None, out=None, pdl=False, tile_k=None, early=False, unit_norm=False):
     """The unfused composition: :func:`rms_norm_ref`, a rounded fp32 product, the epilogue."""
     _epilogue(residual, relu2, conv)
+    act = _act_dtype(weight, x, norm_w)
     src = x if rows is None else x.index_select(0, rows.long())
     h = src
     if norm_w is not None:
-        h = torch.empty(src.shape, dtype=weight.dtype, device=src.device)
+        h = torch.empty(src.shape, dtype=act, device=src.device)
         rms_norm_ref(src, norm_w, eps, out=h, round_first=round_first)
-    return _epilogue_ref(_linear_ref(h, weight, bias), residual, relu2, conv, out)
+    return _epilogue_ref(_linear_ref(h, weight, bias, act), residual, relu2, conv, out)
 
 
 @with_reference(norm_linear_ref)
@@ -583,13 +653,15 @@ def norm_linear(x, norm_w, eps, weight, *, bias=None, round_first=True, rows=Non
 
     x:        [T, K] activations (bf16, or the fp32 residual stream); row-strided views allowed
     norm_w:   [K] RMSNorm weight, or None for no norm; eps, round_first as in ``rms_norm``
-    weight:   [N, K], rows contiguous; bias: [N] or None
+    weight:   [N, K], rows contiguous; or an ``Fp8Weight`` (its values streamed and scaled in
+              registers, the product rounded to the activations' dtype); bias: [N] or None
     rows:     [R] int row indices of x to use (logit rows), or None for all T rows
     epilogue, at most one of:
       residual: [T, N] updated in place to residual + y (its dtype); nothing else is written
       relu2:    y = relu(y)^2
       conv:     ConvTail: the conv1d decode update on columns [conv.lo, conv.lo + D)
-    out:      [R, N] (any float dtype; the product is rounded to weight's dtype first)
+    out:      [R, N] (any float dtype; the product is rounded to weight's dtype first, or beside
+              FP8 weights to norm_w's, else x's)
     pdl:      launch as a programmatic dependent of the previous kernel (CUDA, sm_90+)
     tile_k:   stream K in tiles of this many columns whatever the shape (None: by the table)
     early:    the residual was written two or more kernels back in this stream, so a programmatic
@@ -605,10 +677,11 @@ def norm_linear(x, norm_w, eps, weight, *, bias=None, round_first=True, rows=Non
     if conv is not None:
         _check("conv.slots", conv.slots, (T if rows is None else rows.shape[0],))
     epi = _epilogue(residual, relu2, conv)
-    spec, dst = _out_rows(x, rows, out, residual, weight.shape[0], weight.dtype)
+    act = _act_dtype(weight, x, norm_w)
+    spec, dst = _out_rows(x, rows, out, residual, weight.shape[0], act)
     return _launch(x, None, norm_w, weight, bias, dst, spec, eps=eps, group_size=K,
                    prologue=_PRO_NONE if norm_w is None else _PRO_RMS, round_first=round_first,
-                   epilogue=epi, conv=conv, pdl=pdl, early=early, tile_k=tile_k,
+                   epilogue=epi, conv=conv, pdl=pdl, act_dtype=act, early=early, tile_k=tile_k,
                    unit_norm=unit_norm and norm_w is not None)
 
 
@@ -616,7 +689,7 @@ def gated_norm_linear_ref(y, z, norm_w, group_size, eps, weight, *, bias=None, r
                           pdl=False, early=False, tile_k=None):
     """The unfused composition: :func:`gated_rms_norm_ref`, a rounded fp32 product, the residual add."""
     h = gated_rms_norm_ref(y, z, norm_w, group_size, eps)
-    return _epilogue_ref(_linear_ref(h, weight, bias), residual, False, None, out)
+    return _epilogue_ref(_linear_ref(h, weight, bias, _act_dtype(weight, y, None)), residual, False, None, out)
 
 
 @with_reference(gated_norm_linear_ref)
@@ -625,7 +698,8 @@ def gated_norm_linear(y, z, norm_w, group_size, eps, weight, *, bias=None, resid
     """``gated_rms_norm(y, z) @ weight.T + bias``, added into ``residual`` in place when given.
 
     y, z: [T, K] (row-strided views allowed), T <= MAX_ROWS; norm_w: [K]; group_size divides K;
-    weight: [N, K]; residual: [T, N] (fp32 or weight's dtype) or None, then out: [T, N].
+    weight: [N, K] or an ``Fp8Weight`` (as in :func:`norm_linear`; the product rounded to y's
+    dtype); residual: [T, N] (fp32 or the activations' dtype) or None, then out: [T, N].
     pdl: as in :func:`norm_linear`; early: z and the residual were written two or more kernels
     back in this stream, so a programmatic dependent launch may read them before its wait (in a
     Mamba2 block: z by in_proj, the residual by the previous block). Where the product streams K
@@ -638,14 +712,15 @@ def gated_norm_linear(y, z, norm_w, group_size, eps, weight, *, bias=None, resid
     _check_weight(weight, K)
     if K % group_size:
         raise ValueError(f"group_size {group_size} does not divide {K}")
-    spec, dst = _out_rows(y, None, out, residual, weight.shape[0], weight.dtype)
-    if _config(T, weight.shape[0], K, y.device, tile_k).loop:
+    act = _act_dtype(weight, y, None)
+    spec, dst = _out_rows(y, None, out, residual, weight.shape[0], act)
+    if _config(T, weight.shape[0], K, y.device, tile_k, fp8=isinstance(weight, Fp8Weight)).loop:
         # A streamed product would recompute the grouped norm tile by tile, which costs more
         # than a kernel of its own (measured on Nemotron-H-8B's out_proj)
         h = gated_rms_norm(y, z, norm_w, group_size, eps, pdl=pdl)
         return _launch(h, None, None, weight, bias, dst, spec, eps=eps, group_size=K, prologue=_PRO_NONE,
                        round_first=True, epilogue=_epilogue(residual, False, None), conv=None, pdl=pdl,
-                       tile_k=tile_k)
+                       act_dtype=act, tile_k=tile_k)
     return _launch(y, z, norm_w, weight, bias, dst, spec, eps=eps, group_size=group_size,
                    prologue=_PRO_GATED, round_first=True, epilogue=_epilogue(residual, False, None),
-                   conv=None, pdl=pdl, early=early, tile_k=tile_k)
+                   conv=None, pdl=pdl, act_dtype=act, early=early, tile_k=tile_k)

@@ -41,6 +41,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .activation import relu2_ref
 from .decode_linear import hopper_or_newer
 from .dispatch import with_reference
+from .fp8 import Fp8Weight
 
 __all__ = ["block_counts_buffer", "block_m", "moe_experts", "moe_experts_ref", "moe_route", "moe_route_ref",
            "router_terms", "slot_count"]
@@ -478,12 +479,18 @@ def _align(idx, E: int, bm: int, S: int, pdl: bool = False, block_counts=None):
 
 @triton.jit
 def _tile_product(a_ptr, src, ok, slots, e, w_ptr, out_ptr, n0, N, K, stride_a, stride_we, stride_wn, stride_out,
+                  s_ptr, stride_se, stride_sn,
                   RELU2: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                   BK: tl.constexpr, USE_PDL: tl.constexpr, A_TMA: tl.constexpr = False, W_TMA: tl.constexpr = False,
-                  ZERO_PAD: tl.constexpr = False):
+                  ZERO_PAD: tl.constexpr = False, SCALE: tl.constexpr = 0, SCALE_BLOCK: tl.constexpr = 0):
     """out[slots] = a[src] @ w[e].T over the BN columns from n0 for the rows ``ok`` of a tile;
     relu2 after, when RELU2. With USE_PDL it signals its dependents after its K loop (several
     waves at prefill sizes: they take SM slots as the last one drains).
+
+    SCALE: 0, w holds the weights; 1, FP8 values with a scale per expert and column (s_ptr [E,
+    N]), applied to the sums; 2, FP8 values with SCALE_BLOCK x SCALE_BLOCK block scales (s_ptr [E,
+    N / SCALE_BLOCK, K / SCALE_BLOCK]; BK divides SCALE_BLOCK), applied to each K tile's product.
+    FP8 values enter the tensor cores in a's dtype (exactly: e4m3 fits in bf16).
 
     W_TMA: w_ptr is a tensor descriptor of the weights [E, N, K] in [1, BN, BK] blocks (its
     tiles copied by the TMA unit, the columns past N zeros); A_TMA: a_ptr is one of a [rows, K]
@@ -500,6 +507,8 @@ def _tile_product(a_ptr, src, ok, slots, e, w_ptr, out_ptr, n0, N, K, stride_a, 
     if not W_TMA:
         w_rows = w_ptr + e.to(tl.int64) * stride_we + ns[:, None].to(tl.int64) * stride_wn
     acc = tl.zeros((BM, BN), tl.float32)
+    if SCALE > 0:
+        s_rows = s_ptr + e.to(tl.int64) * stride_se
     for k0 in range(0, K, BK):
         ks = k0 + tl.arange(0, BK)
         k_ok = ks < K
@@ -511,7 +520,13 @@ def _tile_product(a_ptr, src, ok, slots, e, w_ptr, out_ptr, n0, N, K, stride_a, 
             w = w_ptr.load([e, n0, k0]).reshape(BN, BK)
         else:
             w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+        if SCALE == 2:
+            s = tl.load(s_rows + (ns // SCALE_BLOCK) * stride_sn + k0 // SCALE_BLOCK, mask=n_ok, other=0.0)
+            acc += tl.dot(a, tl.trans(w.to(a.dtype)), input_precision=PRECISION) * s[None, :]
+        else:
+            acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc, input_precision=PRECISION)
+    if SCALE == 1:
+        acc *= tl.load(s_rows + ns, mask=n_ok, other=0.0)[None, :]
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     y = acc.to(out_ptr.dtype.element_ty)
@@ -527,11 +542,11 @@ def _tile_product(a_ptr, src, ok, slots, e, w_ptr, out_ptr, n0, N, K, stride_a, 
 
 @triton.jit
 def _grouped_kernel(a_ptr, token_ptr, w_ptr, w_last_ptr, out_ptr, starts_ptr, counts_ptr, N, K, E,
-                    stride_a, stride_we, stride_wn, stride_out,
+                    stride_a, stride_we, stride_wn, stride_out, s_ptr, stride_se, stride_sn,
                     GATHER: tl.constexpr, RELU2: tl.constexpr, PRECISION: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_E: tl.constexpr,
                     USE_PDL: tl.constexpr, A_TMA: tl.constexpr, W_TMA: tl.constexpr, ZERO_PAD: tl.constexpr,
-                    BN_LAST: tl.constexpr):
+                    BN_LAST: tl.constexpr, SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr):
     """The sorted layout: out[slot] = a[row] @ w[expert].T for a tile of BM slots of one
     expert's run (row: the slot's token when GATHER, else the slot itself; A_TMA and W_TMA as
     ``_tile_product``). The grid is (column blocks, tiles), columns fastest: the programs running
@@ -558,16 +573,20 @@ def _grouped_kernel(a_ptr, token_ptr, w_ptr, w_last_ptr, out_ptr, starts_ptr, co
         n0 = tl.program_id(0) * BN
         if BN_LAST > 0 and n0 + BN > N:  # constexpr first: without a narrow block, no such branch
             _tile_product(a_ptr, src, ok, slots, e, w_last_ptr, out_ptr, n0, N, K, stride_a, stride_we, stride_wn,
-                          stride_out, RELU2, PRECISION, BM, BN_LAST, BK, USE_PDL, A_TMA, W_TMA, ZERO_PAD)
+                          stride_out, s_ptr, stride_se, stride_sn, RELU2, PRECISION, BM, BN_LAST, BK, USE_PDL,
+                          A_TMA, W_TMA, ZERO_PAD, SCALE, SCALE_BLOCK)
         else:
             _tile_product(a_ptr, src, ok, slots, e, w_ptr, out_ptr, n0, N, K, stride_a, stride_we, stride_wn,
-                          stride_out, RELU2, PRECISION, BM, BN, BK, USE_PDL, A_TMA, W_TMA, ZERO_PAD)
+                          stride_out, s_ptr, stride_se, stride_sn, RELU2, PRECISION, BM, BN, BK, USE_PDL,
+                          A_TMA, W_TMA, ZERO_PAD, SCALE, SCALE_BLOCK)
 
 
 @triton.jit
 def _pair_kernel(a_ptr, idx_ptr, w_ptr, out_ptr, N, K, stride_a, stride_we, stride_wn, stride_out,
+                 s_ptr, stride_se, stride_sn,
                  GATHER: tl.constexpr, TOP_K: tl.constexpr, RELU2: tl.constexpr, PRECISION: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_PDL: tl.constexpr, W_TMA: tl.constexpr):
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_PDL: tl.constexpr, W_TMA: tl.constexpr,
+                 SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr):
     """A few pairs, each a tile of its own (no alignment pass): out[p] = a[row] @ w[idx[p]].T
     for pair p (row: its token p // TOP_K when GATHER, else p), the tile's other rows masked.
     W_TMA as ``_tile_product``'s."""
@@ -579,7 +598,8 @@ def _pair_kernel(a_ptr, idx_ptr, w_ptr, out_ptr, N, K, stride_a, stride_we, stri
     ok = tl.arange(0, BM) == 0
     src = slots // TOP_K if GATHER else slots
     _tile_product(a_ptr, src, ok, slots, e, w_ptr, out_ptr, tl.program_id(1) * BN, N, K, stride_a, stride_we,
-                  stride_wn, stride_out, RELU2, PRECISION, BM, BN, BK, USE_PDL, W_TMA=W_TMA)
+                  stride_wn, stride_out, s_ptr, stride_se, stride_sn, RELU2, PRECISION, BM, BN, BK, USE_PDL,
+                  W_TMA=W_TMA, SCALE=SCALE, SCALE_BLOCK=SCALE_BLOCK)
 
 
 @triton.jit
@@ -616,6 +636,11 @@ def _finish_ref(r, shared, residual, out):
     return r if out is None else out.copy_(r)
 
 
+def _expert(weight, e: int, dtype: torch.dtype) -> torch.Tensor:
+    """Expert e's weight, an FP8 one dequantized to ``dtype``."""
+    return weight.expert(e).dequantize(dtype) if isinstance(weight, Fp8Weight) else weight[e]
+
+
 def moe_experts_ref(x, idx, w, up, down, *, shared=None, residual=None, out=None, shared_ready=None,
                     block_counts=None, pdl=False):
     """The dense math: every expert over every token, weighted by its routing weight (zero where
@@ -624,8 +649,8 @@ def moe_experts_ref(x, idx, w, up, down, *, shared=None, residual=None, out=None
     dense = torch.zeros(T, E, dtype=torch.float32, device=x.device).scatter_(1, idx.long(), w.float())
     acc = torch.zeros(T, down.shape[1], dtype=torch.float32, device=x.device)
     for e in range(E):
-        h = relu2_ref(F.linear(x, up[e]))
-        acc += F.linear(h, down[e]).float() * dense[:, e : e + 1]
+        h = relu2_ref(F.linear(x, _expert(up, e, x.dtype)))
+        acc += F.linear(h, _expert(down, e, x.dtype)).float() * dense[:, e : e + 1]
     return _finish_ref(acc.to(x.dtype), shared, residual, out)
 
 
@@ -636,7 +661,8 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
     routed pairs only.
 
     x [T, K] (the activations' dtype), idx [T, k] int32 and w [T, k] fp32 from ``moe_route``,
-    up [E, I, K], down [E, D, I]. The routed sum is rounded to x's dtype; then ``shared`` [T, D]
+    up [E, I, K], down [E, D, I], plain or ``Fp8Weight`` (their values streamed, entering the
+    tensor cores in x's dtype, and scaled per column or block in the kernel). The routed sum is rounded to x's dtype; then ``shared`` [T, D]
     (the shared expert's output) is added, and the result is written to ``out`` [T, D], or added
     into ``residual`` [T, D] in place. Returns what it wrote.
 
@@ -648,6 +674,7 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
     the combine too when it also waits for ``shared_ready``.
     """
     T, K = x.shape
+    (up, up_scale), (down, down_scale) = _values_and_scales(up), _values_and_scales(down)
     E, I, _ = up.shape
     D = down.shape[1]
     k = idx.shape[1]
@@ -680,16 +707,22 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
     # up (gathering each slot's token row, relu2 after), then down; the TMA unit copies the
     # weight tiles (and, in the sorted layout, the down projection's input tiles, whose rows are
     # a tile's slots in order), where it can
-    for a, weight, result, up_proj in ((x, up, h, True), (h, down, y, False)):
+    for a, weight, scales, result, up_proj in ((x, up, up_scale, h, True), (h, down, down_scale, y, False)):
         n, kk = weight.shape[1], weight.shape[2]
-        common = (a.stride(0), weight.stride(0), weight.stride(1), result.stride(0))
+        scale, scale_block = scales if scales is not None else (weight, 0)
+        mode = 0 if scales is None else 2 if scale_block else 1
+        common = (a.stride(0), weight.stride(0), weight.stride(1), result.stride(0), scale, scale.stride(0),
+                  scale.stride(1) if mode == 2 else 0)
         bn, bk, warps, stages = _gemm_config(bm, n, kk, x.dtype)
+        if scale_block:  # one block scale a K tile
+            bk = min(bk, scale_block)
         tma = _tma(weight) and (pairs or up_proj or _tma(a))
         w_arg = TensorDescriptor.from_tensor(weight, [1, bn, bk]) if tma else weight
         if pairs:
             _pair_kernel[(S, triton.cdiv(n, bn))](
                 a, idx, w_arg, result, n, kk, *common, GATHER=up_proj, TOP_K=k, RELU2=up_proj, PRECISION=precision,
-                BM=bm, BN=bn, BK=bk, USE_PDL=pdl, W_TMA=tma, num_warps=warps, num_stages=stages, **extra)
+                BM=bm, BN=bn, BK=bk, USE_PDL=pdl, W_TMA=tma, SCALE=mode, SCALE_BLOCK=scale_block, num_warps=warps,
+                num_stages=stages, **extra)
         else:
             bn_last = _last_block_width(bn, n)
             w_last = TensorDescriptor.from_tensor(weight, [1, bn_last, bk]) if tma and bn_last else w_arg
@@ -697,8 +730,8 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
             _grouped_kernel[(triton.cdiv(n, bn), triton.cdiv(S, bm))](
                 a_arg, token_of_slot, w_arg, w_last, result, starts, counts, n, kk, E, *common, GATHER=up_proj,
                 RELU2=up_proj, PRECISION=precision, BM=bm, BN=bn, BK=bk, BLOCK_E=block_e, USE_PDL=pdl,
-                A_TMA=tma and not up_proj, W_TMA=tma, ZERO_PAD=up_proj, BN_LAST=bn_last, num_warps=warps,
-                num_stages=stages, **extra)
+                A_TMA=tma and not up_proj, W_TMA=tma, ZERO_PAD=up_proj, BN_LAST=bn_last, SCALE=mode,
+                SCALE_BLOCK=scale_block, num_warps=warps, num_stages=stages, **extra)
     if shared_ready is not None:
         # the combine still launches as a programmatic dependent: it may start as the routed
         # down projection drains, and its wait returns only once the other stream's work has
@@ -711,6 +744,15 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
         TOP_K=k, SHARED=shared is not None, ACCUMULATE=residual is not None, BLOCK_D=block_d, PAIRS=pairs,
         USE_PDL=pdl, num_warps=4, **extra)
     return target
+
+
+def _values_and_scales(weight):
+    """(values, None) for plain weights; (values, (scale, block)) for an ``Fp8Weight``."""
+    if not isinstance(weight, Fp8Weight):
+        return weight, None
+    if weight.values.dtype != torch.float8_e4m3fn or not weight.scale.is_contiguous():
+        raise ValueError("moe_experts: FP8 experts need float8_e4m3fn values and contiguous scales")
+    return weight.values, (weight.scale, weight.block)
 
 
 def _tma(t: torch.Tensor) -> bool:

@@ -7,6 +7,7 @@ from mambastep.kernels import decode_linear
 from mambastep.kernels.decode_linear import (
     MAX_ROWS, ConvTail, gated_norm_linear_ref, gated_norm_linear, norm_linear_ref, norm_linear,
 )
+from mambastep.kernels.fp8 import quantize_fp8
 from mambastep.kernels.varlen import PAD_SLOT_ID
 from support import assert_close, poisoned
 
@@ -152,6 +153,50 @@ def test_gated_norm_linear_into_residual(device, tile_k, G, M, early):
     assert_close(residual.cpu(), res_ref, BF16, factor=0.25)
 
 
+@pytest.fixture(params=[0, 16], ids=["fp8-column", "fp8-block16"])
+def fp8_block(request):
+    """FP8 weights scaled per output column, or per 16 x 16 block (ragged at the edges here)."""
+    return request.param
+
+
+@pytest.mark.parametrize("M", [1, 3])
+def test_fp8_weights_with_norm_and_conv(device, tile_k, fp8_block, M):
+    """FP8 values streamed and scaled in registers: the norm prologue and the conv epilogue as
+    with bf16 weights, against the dequantized weight's product, rounded to the activations'
+    dtype (the norm weight's)."""
+    torch.manual_seed(50 + M + fp8_block)
+    K, lo, D, rest, S, W = 40, 12, 20, 5, 4, 4
+    N = lo + D + rest
+    x = torch.randn(M, K, device=device)
+    norm_w = torch.randn(K, device=device).to(BF16)
+    w = quantize_fp8(torch.randn(N, K, device=device) / K**0.5, fp8_block)
+    conv_w = torch.randn(D, W, device=device).to(BF16)
+    state = torch.randn(S, W - 1, D, device=device).to(BF16).transpose(1, 2)
+    slots = torch.tensor([2, PAD_SLOT_ID, 0][:M], dtype=torch.int32, device=device)
+    state_ref = state.cpu().clone()
+    out = poisoned((M, N), BF16, device)
+    norm_linear.triton(x, norm_w, 1e-5, w, conv=ConvTail(state, conv_w, None, slots, lo), out=out, tile_k=tile_k)
+    ref = norm_linear_ref(x.cpu(), norm_w.cpu(), 1e-5, w.to("cpu"),
+                          conv=ConvTail(state_ref, conv_w.cpu(), None, slots.cpu(), lo))
+    assert ref.dtype == BF16
+    assert_close(out.cpu(), ref, BF16, factor=0.25)
+    assert_close(state.cpu(), state_ref, BF16, factor=0.25)
+
+
+@pytest.mark.parametrize("M", [1, 3])
+def test_fp8_weights_gated_into_residual(device, tile_k, fp8_block, M):
+    torch.manual_seed(60 + M + fp8_block)
+    K, N, G = 48, 35, 2
+    y, z = torch.randn(2, M, K, device=device).to(BF16)
+    norm_w = torch.randn(K, device=device).to(BF16)
+    w = quantize_fp8(torch.randn(N, K, device=device) / K**0.5, fp8_block)
+    residual = torch.randn(M, N, device=device)
+    res_ref = residual.cpu().clone()
+    gated_norm_linear.triton(y, z, norm_w, K // G, 1e-5, w, residual=residual, tile_k=tile_k)
+    gated_norm_linear_ref(y.cpu(), z.cpu(), norm_w.cpu(), K // G, 1e-5, w.to("cpu"), residual=res_ref)
+    assert_close(residual.cpu(), res_ref, BF16, factor=0.25)
+
+
 # on the GPU (slow in the interpreter) the one-row tiles of the presets' shapes too: a tall
 # projection's, 16 columns a program (Nemotron-3-Nano's in_proj), 512-column tiles from K = 3072
 # (its shared expert's down projection), a tall one whose K is not whole 1024-column tiles (9B-v2)
@@ -159,17 +204,21 @@ _GPU_SHAPES = [pytest.param(1, K, N, marks=pytest.mark.gpu) for K, N in ((4096, 
                                                                          (4480, 22656))]
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("M,K,N", [(1, 2500, 20), (2, 4100, 20), *_GPU_SHAPES])
-def test_default_config_at_large_k(device, M, K, N):
-    """K past one tile takes the streamed path with the tile sizes the launcher picks."""
+def test_default_config_at_large_k(device, M, K, N, fp8):
+    """K past one tile takes the streamed path with the tile sizes the launcher picks (FP8
+    weights' own at one row)."""
     torch.manual_seed(M)
-    assert decode_linear._config(M, N, K, device).loop
+    assert decode_linear._config(M, N, K, device, fp8=fp8).loop
     x = torch.randn(M, K, device=device)
     norm_w = torch.randn(K, device=device).to(BF16)
     w, _ = _weights(N, K, device, False)
+    if fp8:
+        w = quantize_fp8(w.float())
     out = poisoned((M, N), BF16, device)
     norm_linear.triton(x, norm_w, 1e-5, w, out=out)
-    ref = norm_linear_ref(x.cpu(), norm_w.cpu(), 1e-5, w.cpu())
+    ref = norm_linear_ref(x.cpu(), norm_w.cpu(), 1e-5, w.to("cpu"))
     assert_close(out.cpu(), ref, BF16, factor=0.25)
 
 

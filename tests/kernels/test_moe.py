@@ -6,6 +6,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from mambastep.kernels import moe
+from mambastep.kernels.fp8 import quantize_fp8
 from mambastep.kernels.moe import block_m, moe_experts, moe_experts_ref, moe_route, moe_route_ref, slot_count
 from support import assert_close, poisoned
 
@@ -164,6 +165,25 @@ def test_grouped_experts_equal_the_dense_reference(device, case, dtype):
     got = residual.to(device)
     moe_experts.triton(*dev[:5], shared=dev[5], residual=got)
     assert_close(got.cpu(), expect, dtype)
+
+
+@pytest.mark.parametrize("block", [0, 16], ids=["fp8-column", "fp8-block16"])
+@pytest.mark.parametrize("case", ["one token", "a few pairs, a tile each", "spread", "128-row tiles, narrow last "
+                                  "column blocks", "many pairs (aligned in two passes)"])
+def test_fp8_experts_equal_the_dequantized_reference(device, case, block):
+    """FP8 experts (per expert and column, or 16 x 16 blocks, ragged in I): the values enter the
+    tensor cores in bf16 and their scales multiply the sums; the dense reference runs on the
+    dequantized weights."""
+    c = CASES[case]
+    T, E, k = c["T"], c["E"], c["k"]
+    K, I, D = 32, c.get("I", 24), c.get("D", 32)
+    idx, w = routing(T, E, k, experts_used=c.get("experts_used"))
+    x = torch.randn(T, K).to(torch.bfloat16)
+    up, down = (quantize_fp8(t.float(), block) for t in experts(E, I, K, D, torch.float32, "cpu"))
+    ref = moe_experts_ref(x, idx, w, up, down)
+    out = poisoned((T, D), torch.bfloat16, device)
+    moe_experts.triton(x.to(device), idx.to(device), w.to(device), up.to(device), down.to(device), out=out)
+    assert_close(out.cpu(), ref, torch.bfloat16)
 
 
 @pytest.mark.parametrize("case", ["spread", "128-row tiles (prefill-sized)"])

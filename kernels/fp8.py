@@ -1,0 +1,216 @@
+"""FP8 (e4m3) weights: the stored form, quantizing and dequantizing, and a linear over them.
+
+A quantized weight is its float8_e4m3fn values and fp32 scales, ``W = values * scale``, with one
+of two scale layouts:
+
+- per output column (``block == 0``): ``scale [..., N]``. A checkpoint's per-tensor scale
+  (ModelOpt's FP8) is this with every entry equal, and projections concatenated along N (q, k, v)
+  keep their own scales side by side;
+- per ``block x block`` tile (``block > 0``, 128 in the checkpoints people ship):
+  ``scale [..., ceil(N / block), ceil(K / block)]``, the community FP8 format's
+  ``weight_scale_inv`` (multiplied, despite its name).
+
+How the products run (``fp8_linear``), by what bounds them:
+
+- small batches read weights: the skinny decode projections (``kernels.decode_linear``) and the
+  grouped MoE GEMMs (``kernels.moe``) stream the FP8 values and dequantize them in registers, so
+  the bytes halve and the activations stay in their dtype (W8A16);
+- wider products on CUDA with bf16/fp16 activations and column scales run on FP8 tensor cores
+  (``torch._scaled_mm``): the activations are quantized per token (dynamic) or with the
+  checkpoint's static ``input_scale``, the output scaled per row and column (W8A8);
+- anything else (fp32 activations, block scales in a wide product) dequantizes the weight into a
+  temporary and runs the plain product: exact, not fast.
+
+The reference (``fp8_linear_ref``, the CPU path) is the dequantized weight's product in fp32,
+what HF computes on the dequantized checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .dispatch import with_reference
+
+__all__ = ["FP8_MAX", "Fp8Weight", "quantize_fp8", "fp8_linear", "fp8_linear_ref", "linear", "quantize_rows",
+           "quantize_rows_ref"]
+
+# the largest finite float8_e4m3fn
+FP8_MAX = 448.0
+
+
+class Fp8Weight(NamedTuple):
+    """values: [..., N, K] float8_e4m3fn; scale: fp32, [..., N] (block 0) or
+    [..., ceil(N / block), ceil(K / block)]; input_scale: the checkpoint's static activation scale
+    (an fp32 scalar tensor) or None (activations quantized per token where they are at all)."""
+
+    values: torch.Tensor
+    scale: torch.Tensor
+    block: int = 0
+    input_scale: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a full read of the weight moves (values and scales)."""
+        return self.values.numel() + self.scale.numel() * self.scale.element_size()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """values * scale in fp32, rounded once to ``dtype``."""
+        return (self.values.float() * self.expanded_scale()).to(dtype)
+
+    def expanded_scale(self) -> torch.Tensor:
+        """The scale of every element, broadcastable to ``values``: [..., N, 1] or [..., N, K]."""
+        if not self.block:
+            return self.scale.unsqueeze(-1)
+        return _blocks_to_elements(self.scale, self.block, *self.values.shape[-2:])
+
+    def expert(self, e: int) -> "Fp8Weight":
+        """Expert e of a stacked [E, N, K] weight."""
+        return Fp8Weight(self.values[e], self.scale[e], self.block, self.input_scale)
+
+    @staticmethod
+    def cat(parts: list["Fp8Weight"]) -> "Fp8Weight":
+        """Weights stacked along N (q, k and v into one projection), each keeping its scales. Block
+        scales need every part but the last to end on a block boundary; static input scales are
+        merged to their largest (no activation then saturates where its own part's would not)."""
+        block = parts[0].block
+        if any(p.block != block for p in parts):
+            raise ValueError("Fp8Weight.cat: parts with different scale layouts")
+        if block and any(p.shape[-2] % block for p in parts[:-1]):
+            raise ValueError(f"Fp8Weight.cat: block scales need parts of whole {block}-row blocks, got "
+                             f"{[p.shape[-2] for p in parts]}")
+        dim = -1 if not block else -2
+        statics = [p.input_scale for p in parts if p.input_scale is not None]
+        if statics and len(statics) != len(parts):
+            raise ValueError("Fp8Weight.cat: some parts have a static input scale and some do not")
+        input_scale = torch.stack(statics).amax() if statics else None
+        return Fp8Weight(torch.cat([p.values for p in parts], dim=-2), torch.cat([p.scale for p in parts], dim=dim),
+                         block, input_scale)
+
+    def to(self, device) -> "Fp8Weight":
+        return Fp8Weight(self.values.to(device), self.scale.to(device), self.block,
+                         None if self.input_scale is None else self.input_scale.to(device))
+
+
+def _blocks_to_elements(scale: torch.Tensor, block: int, N: int, K: int) -> torch.Tensor:
+    """Block scales [..., nb, kb] as one scale per element, [..., N, K]."""
+    s = scale.repeat_interleave(block, dim=-2).repeat_interleave(block, dim=-1)
+    return s[..., :N, :K]
+
+
+def quantize_fp8(w: torch.Tensor, block: int = 0) -> Fp8Weight:
+    """Quantize w [..., N, K] to FP8: a scale per output column (block 0), or per block x block
+    tile, each its slice's absolute maximum over FP8_MAX (1 where the slice is all zeros)."""
+    w32 = w.float()
+    if not block:
+        scale = w32.abs().amax(dim=-1) / FP8_MAX
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        return Fp8Weight((w32 / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale)
+    *lead, N, K = w32.shape
+    nb, kb = -(-N // block), -(-K // block)
+    padded = F.pad(w32, (0, kb * block - K, 0, nb * block - N))
+    tiles = padded.reshape(*lead, nb, block, kb, block)
+    scale = tiles.abs().amax(dim=(-3, -1)) / FP8_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    full = _blocks_to_elements(scale, block, N, K)
+    return Fp8Weight((w32 / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale, block)
+
+
+# the smallest row scale: an all-zero row quantizes to zeros, not NaNs
+_MIN_SCALE = 1e-12
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, s_in_ptr, q_ptr, s_ptr, K, stride_x, stride_q,
+                          STATIC: tl.constexpr, BLOCK_K: tl.constexpr):
+    # one program a row: its absolute maximum (unless STATIC), then the row scaled and rounded
+    row = tl.program_id(0).to(tl.int64)
+    ks = tl.arange(0, BLOCK_K)
+    if STATIC:
+        scale = tl.load(s_in_ptr)
+    else:
+        amax = tl.zeros([BLOCK_K], tl.float32)
+        for k in range(0, K, BLOCK_K):
+            v = tl.load(x_ptr + row * stride_x + k + ks, mask=k + ks < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(v))
+        # correctly rounded divisions (not the fast approximate one), as torch's
+        scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), 448.0), 1e-12)
+    tl.store(s_ptr + row, scale)
+    for k in range(0, K, BLOCK_K):
+        v = tl.load(x_ptr + row * stride_x + k + ks, mask=k + ks < K, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -448.0), 448.0)
+        tl.store(q_ptr + row * stride_q + k + ks, q.to(q_ptr.dtype.element_ty), mask=k + ks < K)
+
+
+def quantize_rows_ref(x: torch.Tensor, input_scale: torch.Tensor | None = None):
+    x32 = x.float()
+    if input_scale is None:
+        scale = (x32.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=_MIN_SCALE)
+    else:
+        scale = input_scale.float().reshape(1, 1).expand(x.shape[0], 1).contiguous()
+    return (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+@with_reference(quantize_rows_ref)
+def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None):
+    """x [M, K] (rows contiguous) as FP8 values [M, K] and fp32 row scales [M, 1]: each row's
+    absolute maximum over FP8_MAX (per token, dynamic), or the static ``input_scale`` (an fp32
+    scalar tensor) for every row, values saturated there. One kernel, one pass over x (two for
+    dynamic scales, the second from L2)."""
+    M, K = x.shape
+    if x.stride(1) != 1:
+        raise ValueError("quantize_rows: x's rows must be contiguous")
+    q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(M, 1, dtype=torch.float32, device=x.device)
+    if M:
+        block = min(4096, triton.next_power_of_2(K))
+        _quantize_rows_kernel[(M,)](x, input_scale if input_scale is not None else scale, q, scale, K, x.stride(0),
+                                    q.stride(0), STATIC=input_scale is not None, BLOCK_K=block,
+                                    num_warps=8 if block >= 2048 else 4)
+    return q, scale
+
+
+def fp8_linear_ref(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ dequantize(w).T + bias in fp32, rounded to x's dtype."""
+    b = None if bias is None else bias.float()
+    return F.linear(x.float(), w.dequantize(), b).to(x.dtype)
+
+
+def _scaled_mm_fits(x: torch.Tensor, w: Fp8Weight) -> bool:
+    N, K = w.shape
+    return not w.block and x.dtype in (torch.bfloat16, torch.float16) and N % 16 == 0 and K % 16 == 0
+
+
+@with_reference(fp8_linear_ref)
+def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (bf16/fp16/fp32) @ dequantize(w [N, K]).T + bias [N] -> [M, N] in x's dtype.
+
+    Column-scaled weights with bf16/fp16 activations run on FP8 tensor cores (activations
+    quantized per token, or with ``w.input_scale``); otherwise the weight is dequantized into a
+    temporary first. Capturable: no host sync.
+    """
+    if not _scaled_mm_fits(x, w):
+        return F.linear(x, w.dequantize(x.dtype), bias)
+    q, row_scale = quantize_rows(x, w.input_scale)
+    y = torch._scaled_mm(q, w.values.t(), scale_a=row_scale, scale_b=w.scale.view(1, -1).float(),
+                         out_dtype=x.dtype)
+    return y if bias is None else y.add_(bias)
+
+
+def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` for a plain weight tensor, ``fp8_linear`` for an ``Fp8Weight``."""
+    if isinstance(weight, Fp8Weight):
+        return fp8_linear(x, weight, bias)
+    return F.linear(x, weight, bias)

@@ -1,0 +1,96 @@
+"""FP8 weights: quantizing, dequantizing, concatenating, and the linear over them."""
+
+import pytest
+import torch
+
+from mambastep.kernels.fp8 import (
+    FP8_MAX, Fp8Weight, fp8_linear, fp8_linear_ref, linear, quantize_fp8, quantize_rows, quantize_rows_ref,
+)
+from support import assert_close, rel_err
+
+BF16 = torch.bfloat16
+
+
+@pytest.mark.parametrize("block", [0, 16, 128])
+def test_quantize_round_trips_within_fp8_precision(block):
+    """Every column (or block) scaled so its largest magnitude is FP8_MAX: the dequantized weight
+    is within e4m3's rounding (3 mantissa bits) of the original, and an all-zero slice is exact."""
+    torch.manual_seed(block)
+    w = torch.randn(3, 37, 70)
+    w[0, :5] = 0  # zero columns (and blocks)
+    q = quantize_fp8(w, block)
+    assert q.values.dtype == torch.float8_e4m3fn and q.scale.dtype == torch.float32
+    assert q.scale.shape == ((3, 37) if not block else (3, -(-37 // block), -(-70 // block)))
+    assert q.values.float().abs().amax() <= FP8_MAX
+    back = q.dequantize()
+    assert torch.equal(back[0, :5], w[0, :5])
+    assert ((back - w).abs() <= w.abs() * 2**-4 + q.expanded_scale() * 2**-9).all()
+
+
+def test_cat_keeps_each_parts_scales():
+    torch.manual_seed(1)
+    parts = [quantize_fp8(torch.randn(n, 32) * (i + 1)) for i, n in enumerate((16, 8, 8))]
+    merged = Fp8Weight.cat(parts)
+    assert torch.equal(merged.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    blocks = [quantize_fp8(torch.randn(n, 32), 16) for n in (16, 32, 8)]
+    assert torch.equal(Fp8Weight.cat(blocks).dequantize(), torch.cat([p.dequantize() for p in blocks]))
+    with pytest.raises(ValueError, match="whole 16-row blocks"):
+        Fp8Weight.cat([quantize_fp8(torch.randn(8, 32), 16), blocks[0]])
+
+
+def test_linear_dispatches_on_the_weight():
+    torch.manual_seed(2)
+    x, w = torch.randn(5, 32), torch.randn(24, 32)
+    q = quantize_fp8(w)
+    assert torch.equal(linear(x, w), torch.nn.functional.linear(x, w))
+    assert torch.allclose(linear(x, q), x @ q.dequantize().T, atol=1e-5)
+
+
+@pytest.mark.parametrize("K", [40, 5000])
+def test_quantize_rows_dynamic_and_static(device, K):
+    """Per token: each row's maximum maps to FP8_MAX (an all-zero row to zeros); static: one scale,
+    the large rows saturated; the kernel as the reference, the values bit for bit on a GPU (Triton's
+    interpreter rounds to float8 its own way, so there the scales alone are compared)."""
+    torch.manual_seed(3)
+    x = (torch.randn(4, K) * torch.tensor([[1.0], [10.0], [0.1], [0.0]])).to(BF16)
+    exact = device.type == "cuda"
+    q, s = quantize_rows.triton(x.to(device), None)
+    rq, rs = quantize_rows_ref(x)
+    assert torch.equal(s.cpu(), rs) and s.shape == (4, 1) and (q.cpu().float()[3] == 0).all()
+    assert not exact or torch.equal(q.cpu().float(), rq.float())
+    assert_close((rq.float() * rs)[:3], x[:3].float(), BF16, factor=4)
+    static = torch.tensor(0.01)
+    q, s = quantize_rows.triton(x.to(device), static.to(device))
+    rq, rs = quantize_rows_ref(x, static)
+    assert (s.cpu() == 0.01).all() and rq.float().abs().amax() == FP8_MAX
+    assert not exact or torch.equal(q.cpu().float(), rq.float())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("M", [1, 37, 512])
+def test_fp8_tensor_core_product_against_the_reference(M, static):
+    """bf16 activations against column-scaled FP8 weights run on FP8 tensor cores, activations
+    quantized per token (or with a static scale that covers them): within FP8 activation
+    rounding of the W8A16 reference."""
+    torch.manual_seed(M)
+    dev = torch.device("cuda")
+    K, N = 256, 336
+    x = torch.randn(M, K, device=dev).to(BF16)
+    w = quantize_fp8(torch.randn(N, K, device=dev) / K**0.5)
+    if static:
+        w = w._replace(input_scale=x.float().abs().amax() / FP8_MAX)
+    b = torch.randn(N, device=dev).to(BF16)
+    out = fp8_linear(x, w, b)
+    ref = fp8_linear_ref(x.cpu(), w.to("cpu"), b.cpu())
+    assert out.dtype == BF16 and out.shape == (M, N)
+    assert rel_err(out.cpu(), ref) < 0.06  # e4m3 rounds each activation by up to 2^-4
+
+
+@pytest.mark.gpu
+def test_fp8_block_scaled_wide_product_is_exact_to_the_dequantized_weight():
+    torch.manual_seed(4)
+    dev = torch.device("cuda")
+    x = torch.randn(64, 256, device=dev).to(BF16)
+    w = quantize_fp8(torch.randn(200, 256, device=dev), 128)
+    assert_close(fp8_linear(x, w).cpu(), fp8_linear_ref(x.cpu(), w.to("cpu")), BF16, factor=0.25)

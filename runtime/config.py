@@ -3,16 +3,19 @@
 Two HF architectures map onto it: ``Mamba2ForCausalLM`` (every layer a Mamba2 mixer) and
 ``NemotronHForCausalLM`` (a hybrid pattern of Mamba2, attention, MLP and MoE layers); and
 mamba_ssm's own ``config.json`` (``d_model``, ``n_layer``, ``ssm_cfg``: the official
-state-spaces/mamba2-* checkpoints). What cannot be read exactly (quantized weights, other
-families, multimodal wrappers) is refused by name.
+state-spaces/mamba2-* checkpoints). A ``quantization_config`` (or ModelOpt's
+``hf_quant_config.json``) is read into ``quantization`` (``runtime.quantization``). What cannot be
+read exactly (other quantization methods, other families, multimodal wrappers) is refused by name.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
+
+from .quantization import Quantization, QuantizationError, parse_quantization
 
 __all__ = ["ModelConfig", "LAYER_KINDS", "ConfigError"]
 
@@ -73,6 +76,8 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     # routed experts in a smaller latent space (None: the hidden size), as the larger Nemotron 3
     moe_latent_size: int | None = None
+    # how the block linears are stored (runtime.quantization); None: as the activations
+    quantization: Quantization | None = None
 
     def __post_init__(self):
         for f in fields(self):
@@ -163,9 +168,16 @@ class ModelConfig:
     def from_hf_dict(cls, hf: dict) -> "ModelConfig":
         if not isinstance(hf, dict):
             raise ConfigError(f"expected a JSON object of config fields, got a {type(hf).__name__}")
-        if hf.get("quantization_config") is not None:
-            raise ConfigError(f"quantization_config: {_quantization(hf['quantization_config'])} weights are not "
-                              "read yet; use the checkpoint's bf16 release")
+        quant = hf.get("quantization_config")
+        try:
+            quantization = None if quant is None else parse_quantization(quant)
+        except QuantizationError as e:
+            raise ConfigError(f"quantization_config: {e}") from None
+        cfg = cls._architecture(hf)
+        return cfg if quantization is None else replace(cfg, quantization=quantization)
+
+    @classmethod
+    def _architecture(cls, hf: dict) -> "ModelConfig":
         model_type = hf.get("model_type")
         archs = hf.get("architectures") or []
         if model_type == "mamba2" or "Mamba2ForCausalLM" in archs:
@@ -312,18 +324,6 @@ class ModelConfig:
         )
 
 
-def _quantization(quant) -> str:
-    """A quantization_config in words: its method, and its algorithm or block size."""
-    if not isinstance(quant, dict):
-        return repr(quant)
-    method = quant.get("quant_method")
-    if method == "modelopt" or "quant_algo" in quant:
-        return f"ModelOpt {quant.get('quant_algo')} ({method})"
-    if method == "fp8" and quant.get("weight_block_size"):
-        return f"FP8 with {'x'.join(map(str, quant['weight_block_size']))} block scales ({method})"
-    return f"{method!r}"
-
-
 def _attention_head_dim(hf: dict) -> int:
     """``head_dim`` (HF's name) or ``attention_head_dim`` (NVIDIA's); both default to 128."""
     names = [n for n in ("head_dim", "attention_head_dim") if hf.get(n) is not None]
@@ -351,6 +351,7 @@ _TYPE_CHECKS = {
     "tuple[str, ...]": (lambda v: isinstance(v, tuple) and all(isinstance(t, str) for t in v), "a list of names"),
     "tuple[float, float]": (lambda v: isinstance(v, tuple) and len(v) == 2 and all(map(_is_real, v)),
                             "a pair of numbers"),
+    "Quantization | None": (lambda v: v is None or isinstance(v, Quantization), "a Quantization or null"),
 }
 
 

@@ -98,17 +98,21 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype=torch.bfloat16, device=None,
-                        options: DecodeOptions | None = None, **kw) -> "Engine":
-        """An engine over an HF checkpoint directory (config.json + safetensors)."""
+                        options: DecodeOptions | None = None, quantization: str | None = None, **kw) -> "Engine":
+        """An engine over an HF checkpoint directory (config.json + safetensors); an FP8
+        checkpoint runs as stored, ``quantization="fp8"`` quantizes a full-precision one at load."""
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        return cls(Model.from_pretrained(path, dtype=dtype, device=device, options=options), **kw)
+        return cls(Model.from_pretrained(path, dtype=dtype, device=device, options=options,
+                                         quantization=quantization), **kw)
 
     @classmethod
     def from_preset(cls, name: str, *, dtype=torch.bfloat16, device=None, seed: int = 0,
-                    options: DecodeOptions | None = None, **kw) -> "Engine":
-        """An engine over a built-in model shape with random weights."""
+                    options: DecodeOptions | None = None, quantization: str | None = None, **kw) -> "Engine":
+        """An engine over a built-in model shape with random weights (``quantization`` as in
+        ``from_pretrained``)."""
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        return cls(Model.from_preset(name, dtype=dtype, device=device, seed=seed, options=options), **kw)
+        return cls(Model.from_preset(name, dtype=dtype, device=device, seed=seed, options=options,
+                                     quantization=quantization), **kw)
 
     def add_request(self, prompt_ids, params: SamplingParams | None = None) -> int:
         """Queue a prompt; returns its request id. Raises ValueError (and changes nothing) for an

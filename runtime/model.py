@@ -24,6 +24,7 @@ dtype; in bf16 that moves the products by about as much as HF's own rounding of 
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -35,9 +36,13 @@ from .config import ModelConfig
 from .decode_options import DecodeOptions, one_tile
 from .mixers import MIXERS, Block, Norm, StepContext
 from .presets import preset_config
+from .quantization import online_fp8
 from .state_pool import StatePool
 from .step_inputs import StepInputs
-from .weights import load_weights, random_weights
+from .weights import load_weights, quantize_online, random_weights
+
+# what ``quantization=`` takes: None (weights as stored), or "fp8" (FP8 at load where not stored so)
+QUANTIZATIONS = (None, "fp8")
 
 __all__ = ["Model"]
 
@@ -69,17 +74,25 @@ class Model:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype=torch.bfloat16, device="cpu",
-                        options: DecodeOptions | None = None, fold_norms: bool | None = None) -> "Model":
-        """Load an HF checkpoint directory (config.json + safetensors)."""
+                        options: DecodeOptions | None = None, fold_norms: bool | None = None,
+                        quantization: str | None = None) -> "Model":
+        """Load an HF checkpoint directory (config.json + safetensors). An FP8 checkpoint is read
+        as stored; ``quantization="fp8"`` quantizes a full-precision one's linears at load time
+        (``runtime.quantization.online_fp8``)."""
         cfg = ModelConfig.from_pretrained(path)
-        return cls(cfg, load_weights(path, cfg, dtype=dtype, device=device), options, fold_norms)
+        weights = load_weights(path, cfg, dtype=dtype, device=device)
+        cfg, weights = _quantized(cfg, weights, quantization)
+        return cls(cfg, weights, options, fold_norms)
 
     @classmethod
     def from_preset(cls, name: str, *, dtype=torch.bfloat16, device="cpu", seed: int = 0,
-                    options: DecodeOptions | None = None, fold_norms: bool | None = None) -> "Model":
-        """A built-in model shape with random weights made on ``device``."""
+                    options: DecodeOptions | None = None, fold_norms: bool | None = None,
+                    quantization: str | None = None) -> "Model":
+        """A built-in model shape with random weights made on ``device`` (``quantization`` as
+        in ``from_pretrained``)."""
         cfg = preset_config(name)
-        return cls(cfg, random_weights(cfg, dtype=dtype, device=device, seed=seed), options, fold_norms)
+        cfg, weights = _quantized(cfg, random_weights(cfg, dtype=dtype, device=device, seed=seed), quantization)
+        return cls(cfg, weights, options, fold_norms)
 
     def with_options(self, options: DecodeOptions) -> "Model":
         """The same weights run with other decode options (a variant to compare against)."""
@@ -136,6 +149,16 @@ class Model:
         h = norm(residual.index_select(0, rows),
                  out=torch.empty(rows.shape[0], residual.shape[1], dtype=self.dtype, device=residual.device))
         return F.linear(h, self.lm_head).float()
+
+
+def _quantized(cfg: ModelConfig, weights: dict, quantization: str | None):
+    """(config, weights) after the load-time quantization asked for, if any."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization: expected one of {QUANTIZATIONS[1:]} or None, got {quantization!r}")
+    if quantization is None or cfg.quantization is not None:  # a quantized checkpoint stays as stored
+        return cfg, weights
+    quant = online_fp8(cfg.layer_types)
+    return replace(cfg, quantization=quant), quantize_online(weights, quant)
 
 
 def _folded(block: Block) -> Block:

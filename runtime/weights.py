@@ -5,6 +5,11 @@ Names are HF's without the ``model.``/``backbone.`` prefix (``layers.3.mixer.in_
 ``weight_shapes`` lists every tensor a config needs and its shape. Every needed tensor's name,
 shape and dtype are checked before any is read, so a missing, mis-shaped or quantized tensor is
 reported by name and nothing is half-loaded.
+
+FP8 checkpoints (``cfg.quantization``, read from the config): a block linear stored as
+float8_e4m3fn is read with its scale (and static input scale, where given) into an ``Fp8Weight``
+(``kernels.fp8``); scales are checked by shape with the rest. ``quantize_online`` turns a
+full-precision model's linears into FP8 at load time instead.
 """
 
 from __future__ import annotations
@@ -15,15 +20,18 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from ..kernels.fp8 import Fp8Weight, quantize_fp8
 from .config import ModelConfig
+from .quantization import Quantization, module_of, quantizable
 
-__all__ = ["WeightError", "weight_shapes", "load_weights", "random_weights"]
+__all__ = ["WeightError", "weight_shapes", "load_weights", "quantize_online", "random_weights"]
 
 _PREFIXES = ("model.", "backbone.", "")
 # mamba_ssm's names where they differ from HF's
 _ALIASES = {"embeddings.weight": "embedding.weight"}
 # weight dtypes read exactly (safetensors' names and torch's)
 _FLOATS = {"F16", "BF16", "F32", "F64", torch.float16, torch.bfloat16, torch.float32, torch.float64}
+_FP8 = {"F8_E4M3", torch.float8_e4m3fn}
 # tensors that only quantized checkpoints carry (ModelOpt and FP8 scales, GPTQ/AWQ packs)
 _QUANT_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".weight_scale_2", ".input_scale", ".k_scale",
                    ".v_scale", ".qweight", ".qzeros", ".scales")
@@ -193,15 +201,18 @@ def _stacked_expert_names(ckpt: _Checkpoint, name: str, n_experts: int) -> list[
 def load_weights(path: str | Path, cfg: ModelConfig, *, dtype: torch.dtype, device="cpu") -> dict[str, torch.Tensor]:
     """Read every tensor ``weight_shapes(cfg)`` names from the checkpoint at ``path``.
 
-    Tensors are converted to ``dtype``, except the few ``_keeps_fp32`` keeps in fp32. Raises
-    WeightError naming the first missing or mis-shaped tensor.
+    Tensors are converted to ``dtype``, except the few ``_keeps_fp32`` keeps in fp32; with an FP8
+    ``cfg.quantization``, block linears stored in FP8 come as ``Fp8Weight``. Raises WeightError
+    naming the first missing or mis-shaped tensor.
     """
     ckpt = _Checkpoint(Path(path))
-    scales = sorted(n for n in ckpt.files if n.endswith(_QUANT_SUFFIXES))
-    if scales:
-        raise WeightError(f"{scales[0]}: a quantized checkpoint's scale tensor ({len(scales)} such) with no "
-                          "quantization_config; mambastep reads bf16, fp16 and fp32 weights")
-    found: dict[str, tuple[list[str], bool]] = {}  # name -> (its tensors in the file, stacked?)
+    quant = cfg.quantization if cfg.quantization is not None and not cfg.quantization.online else None
+    if quant is None:
+        scales = sorted(n for n in ckpt.files if n.endswith(_QUANT_SUFFIXES))
+        if scales:
+            raise WeightError(f"{scales[0]}: a quantized checkpoint's scale tensor ({len(scales)} such) with no "
+                              "quantization_config; mambastep reads bf16, fp16 and fp32 weights")
+    found: dict[str, tuple[list[str], bool, bool]] = {}  # name -> (its tensors in the file, stacked?, fp8?)
     for name, shape in weight_shapes(cfg).items():  # everything checked before anything is read
         full, stacked = ckpt.find(name), False
         if full is None and name.endswith(("experts.up_proj", "experts.down_proj")):
@@ -210,22 +221,117 @@ def load_weights(path: str | Path, cfg: ModelConfig, *, dtype: torch.dtype, devi
             parts = None if full is None else [full]
         if parts is None:
             raise WeightError(f"{name}: missing from the checkpoint at {path}")
+        kinds = set()
         for part in parts:
             stored, got = ckpt.describe(part)
             label = part if stacked else name  # an expert of the stack by its own name
-            if stored not in _FLOATS:
-                raise WeightError(f"{label}: stored as {stored} (quantized weights); mambastep reads bf16, fp16 "
-                                  "and fp32 weights")
+            kinds.add(_stored_kind(label, stored, name, quant))
             if stacked:  # one expert of the stack
                 got = (len(parts), *got)
             if got != shape:
                 raise WeightError(f"{label}: expected shape {list(shape[stacked:])}, checkpoint has "
                                   f"{list(got[stacked:])}")
-        found[name] = parts, stacked
+        if len(kinds) > 1:
+            raise WeightError(f"{name}: its experts are stored in different precisions (FP8 and not)")
+        fp8 = kinds == {"fp8"}
+        if fp8:
+            if not stacked and name.endswith(("experts.up_proj", "experts.down_proj")):
+                raise WeightError(f"{name}: an expert stack stored in FP8 as one tensor; FP8 experts are read "
+                                  "one by one (experts.{j}.up_proj.weight with their scales)")
+            for part in parts:
+                _check_scales(ckpt, part, shape[-2:], quant)
+        found[name] = parts, stacked, fp8
     out: dict[str, torch.Tensor] = {}
-    for name, (parts, stacked) in found.items():
+    for name, (parts, stacked, fp8) in found.items():
+        if fp8:
+            experts = [_read_fp8(ckpt, p, quant) for p in parts]
+            out[name] = (_stack_fp8(experts) if stacked else experts[0]).to(device)
+            continue
         t = torch.stack([ckpt.get(p) for p in parts]) if stacked else ckpt.get(parts[0])
         out[name] = t.to(device=device, dtype=torch.float32 if _keeps_fp32(name) else dtype)
+    return out
+
+
+def _stored_kind(label: str, stored, name: str, quant: Quantization | None) -> str:
+    """"fp8" or "float" for a tensor stored as ``stored``; WeightError for anything unread."""
+    if stored in _FLOATS:
+        return "float"
+    if stored in _FP8 and quant is not None:
+        if not quantizable(name):
+            raise WeightError(f"{label}: stored as {stored}; mambastep reads only the block linears in FP8, "
+                              "this tensor in bf16, fp16 or fp32")
+        if quant.excludes(module_of(name)):
+            raise WeightError(f"{label}: stored as {stored}, but the quantization config's exclude_modules keeps "
+                              "it unquantized")
+        return "fp8"
+    if quant is not None:
+        raise WeightError(f"{label}: stored as {stored}; {quant.label} checkpoints are read with FP8 (F8_E4M3) "
+                          "linears and bf16, fp16 or fp32 tensors")
+    raise WeightError(f"{label}: stored as {stored} (quantized weights); mambastep reads bf16, fp16 and fp32 "
+                      "weights")
+
+
+def _scale_names(part: str, quant: Quantization) -> tuple[str, str]:
+    """(weight scale, input scale) tensor names of an FP8 linear stored as ``part``."""
+    base = part.removesuffix(".weight")
+    return f"{base}.{quant.scale_name}", f"{base}.input_scale"
+
+
+def _scale_shapes(quant: Quantization, n: int, k: int) -> list[tuple[int, ...]]:
+    """The weight scale shapes the producer writes for an [n, k] weight."""
+    if quant.scheme == "tensor":
+        return [(), (1,)]
+    if quant.scheme == "channel":
+        return [(n,), (n, 1)]
+    nb, kb = -(-n // quant.block), -(-k // quant.block)
+    return [(nb, kb), (nb, 1, kb, 1)]  # the second: ModelOpt FP8_PB_WO's
+
+
+def _check_scales(ckpt: _Checkpoint, part: str, nk: tuple[int, int], quant: Quantization) -> None:
+    scale, inp = _scale_names(part, quant)
+    if scale not in ckpt.files:
+        raise WeightError(f"{scale}: missing; {quant.label} stores one beside each FP8 weight")
+    stored, shape = ckpt.describe(scale)
+    if stored not in _FLOATS:
+        raise WeightError(f"{scale}: stored as {stored}; scales are read as floats")
+    expected = _scale_shapes(quant, *nk)
+    if shape not in expected:
+        raise WeightError(f"{scale}: expected shape {list(expected[0])} ({quant.label}), checkpoint has {list(shape)}")
+    if inp in ckpt.files and ckpt.describe(inp)[1] not in ((), (1,)):
+        raise WeightError(f"{inp}: expected one static scale, checkpoint has shape {list(ckpt.describe(inp)[1])}")
+
+
+def _read_fp8(ckpt: _Checkpoint, part: str, quant: Quantization) -> Fp8Weight:
+    values = ckpt.get(part)
+    scale_name, inp = _scale_names(part, quant)
+    scale = ckpt.get(scale_name).float()
+    n, k = values.shape
+    if quant.scheme == "tensor":
+        scale = scale.reshape(()).expand(n).contiguous()
+    elif quant.scheme == "channel":
+        scale = scale.reshape(n)
+    else:
+        scale = scale.reshape(-(-n // quant.block), -(-k // quant.block))
+    input_scale = ckpt.get(inp).float().reshape(()) if inp in ckpt.files else None
+    return Fp8Weight(values, scale, quant.block if quant.scheme == "block" else 0, input_scale)
+
+
+def _stack_fp8(experts: list[Fp8Weight]) -> Fp8Weight:
+    """Experts stored one by one as one [E, N, K] weight; static input scales merged to their
+    largest, as the grouped GEMM quantizes every expert's input alike."""
+    inputs = [e.input_scale for e in experts if e.input_scale is not None]
+    input_scale = torch.stack(inputs).amax() if len(inputs) == len(experts) else None
+    return Fp8Weight(torch.stack([e.values for e in experts]), torch.stack([e.scale for e in experts]),
+                     experts[0].block, input_scale)
+
+
+def quantize_online(weights: dict[str, torch.Tensor], quant: Quantization) -> dict[str, torch.Tensor]:
+    """The block linears ``quant`` does not exclude, quantized to FP8 per output channel (a new
+    dict; the others are the same tensors)."""
+    out = dict(weights)
+    for name, w in weights.items():
+        if quantizable(name) and not quant.excludes(module_of(name)) and not isinstance(w, Fp8Weight):
+            out[name] = quantize_fp8(w, quant.block)
     return out
 
 

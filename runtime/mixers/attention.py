@@ -9,10 +9,10 @@ decode step is block norm + QKV projection; the decode attention kernels; o_proj
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ...kernels.attention import decode_attention, prefill_attention
 from ...kernels.decode_linear import norm_linear
+from ...kernels.fp8 import Fp8Weight, linear
 from ..config import ModelConfig
 from .base import Mixer, Norm, StepContext
 
@@ -29,14 +29,14 @@ class AttentionMixer(Mixer):
         self.H, self.KVH, self.Dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.attention_head_dim
         self.scale = self.Dh**-0.5
         # one GEMM for q, k and v
-        self.qkv = torch.cat([w[p + n + ".weight"] for n in ("q_proj", "k_proj", "v_proj")])
+        self.qkv = _concat([w[p + n + ".weight"] for n in ("q_proj", "k_proj", "v_proj")], p + "q/k/v_proj")
         self.qkv_bias = None
         if cfg.attention_bias:
             self.qkv_bias = torch.cat([w[p + n + ".bias"] for n in ("q_proj", "k_proj", "v_proj")])
         self.o_proj, self.o_bias = w[p + "o_proj.weight"], w.get(p + "o_proj.bias")
 
     def project(self, h: torch.Tensor):
-        return self._split(F.linear(h, self.qkv, self.qkv_bias))
+        return self._split(linear(h, self.qkv, self.qkv_bias))
 
     def _split(self, qkv: torch.Tensor):
         """q, k, v views of the packed projection, and the attention output buffer."""
@@ -63,11 +63,11 @@ class AttentionMixer(Mixer):
 
     def finish(self, work) -> torch.Tensor:
         _, out = work
-        return F.linear(out.view(out.shape[0], -1), self.o_proj, self.o_bias)
+        return linear(out.view(out.shape[0], -1), self.o_proj, self.o_bias)
 
     def fused_decode(self, residual: torch.Tensor, norm: Norm, ctx: StepContext) -> None:
         opts = ctx.options
-        qkv = torch.empty(residual.shape[0], self.qkv.shape[0], dtype=self.qkv.dtype, device=residual.device)
+        qkv = torch.empty(residual.shape[0], self.qkv.shape[0], dtype=norm.weight.dtype, device=residual.device)
         norm_linear(residual, norm.weight, norm.eps, self.qkv, bias=self.qkv_bias, round_first=norm.round_first,
                     out=qkv, pdl=opts.pdl, tile_k=opts.tile_k, unit_norm=norm.unit)
         work = self._split(qkv)
@@ -76,3 +76,13 @@ class AttentionMixer(Mixer):
         # the residual is the previous block's, four kernels back
         norm_linear(out.view(out.shape[0], -1), None, norm.eps, self.o_proj, bias=self.o_bias, residual=residual,
                     pdl=opts.pdl, tile_k=opts.tile_k, early=True)
+
+
+def _concat(parts: list, name: str):
+    """q, k and v stacked into one projection: all plain tensors, or all FP8 (each keeping its scales)."""
+    fp8 = [isinstance(p, Fp8Weight) for p in parts]
+    if all(fp8):
+        return Fp8Weight.cat(parts)
+    if any(fp8):
+        raise ValueError(f"{name}: stored partly in FP8 and partly not; they run as one projection")
+    return torch.cat(parts)

@@ -117,6 +117,8 @@ class Mixer:
         if self.norm_reader is None:
             return False
         w = getattr(self, self.norm_reader)
+        if not isinstance(w, torch.Tensor):  # FP8: folding would quantize the weight again
+            return False
         setattr(self, self.norm_reader, (w.float() * weight.float()).to(w.dtype))
         return True
 

@@ -10,10 +10,10 @@ in_proj + conv update; state update; gated norm + out_proj + residual add.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ...kernels.conv1d import conv1d_update, conv1d_varlen
 from ...kernels.decode_linear import ConvTail, gated_norm_linear, norm_linear
+from ...kernels.fp8 import linear
 from ...kernels.norm import gated_rms_norm
 from ...kernels.ssd import ssd_scan
 from ...kernels.state_update import selective_state_update
@@ -68,7 +68,7 @@ class Mamba2Mixer(Mixer):
 
     def project(self, h: torch.Tensor):
         """in_proj over all tokens, and the empty buffers both branches write into."""
-        proj = F.linear(h, self.in_proj, self.in_proj_bias)  # [T, inner + conv_dim + H]
+        proj = linear(h, self.in_proj, self.in_proj_bias)  # [T, inner + conv_dim + H]
         T = h.shape[0]
         xbc = torch.empty(T, self.conv_dim, dtype=h.dtype, device=h.device)
         y = torch.empty(T, self.H, self.P, dtype=h.dtype, device=h.device)
@@ -99,11 +99,11 @@ class Mamba2Mixer(Mixer):
         proj, _, y = work
         T = y.shape[0]
         normed = gated_rms_norm(y.view(T, self.inner), self._z(proj), self.norm_w, self.inner // self.G, self.eps)
-        return F.linear(normed, self.out_proj, self.out_proj_bias)
+        return linear(normed, self.out_proj, self.out_proj_bias)
 
     def fused_decode(self, residual: torch.Tensor, norm: Norm, ctx: StepContext) -> None:
         T, opts, slots = residual.shape[0], ctx.options, ctx.inputs.decode_slots
-        proj = torch.empty(T, self.in_proj.shape[0], dtype=self.in_proj.dtype, device=residual.device)
+        proj = torch.empty(T, self.in_proj.shape[0], dtype=norm.weight.dtype, device=residual.device)
         # the conv update of the xBC columns rides in in_proj's epilogue: proj's xBC columns
         # come out already convolved, as ``decode`` writes them into xbc
         conv = ConvTail(ctx.pool.conv[self.idx], self.conv_w, self.conv_b, slots, self.inner)

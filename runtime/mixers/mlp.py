@@ -4,10 +4,10 @@ residual add."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ...kernels.activation import relu2
 from ...kernels.decode_linear import norm_linear
+from ...kernels.fp8 import linear
 from ..config import ModelConfig
 from .base import Mixer, Norm, StepContext
 
@@ -16,8 +16,8 @@ __all__ = ["MLPMixer", "relu2_mlp"]
 
 def relu2_mlp(x, up, down, up_bias=None, down_bias=None):
     """down(relu(up(x))^2)."""
-    h = F.linear(x, up, up_bias)
-    return F.linear(relu2(h, out=h), down, down_bias)
+    h = linear(x, up, up_bias)
+    return linear(relu2(h, out=h), down, down_bias)
 
 
 class MLPMixer(Mixer):
@@ -34,7 +34,7 @@ class MLPMixer(Mixer):
 
     def fused_decode(self, residual: torch.Tensor, norm: Norm, ctx: StepContext) -> None:
         opts = ctx.options
-        h = torch.empty(residual.shape[0], self.up.shape[0], dtype=self.up.dtype, device=residual.device)
+        h = torch.empty(residual.shape[0], self.up.shape[0], dtype=norm.weight.dtype, device=residual.device)
         norm_linear(residual, norm.weight, norm.eps, self.up, bias=self.up_bias, round_first=norm.round_first,
                     relu2=True, out=h, pdl=opts.pdl, tile_k=opts.tile_k, unit_norm=norm.unit)
         # the residual is the previous block's, two kernels back

@@ -15,9 +15,9 @@ and the shared expert see the full-width input, as in HF's NemotronHMoE.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ...kernels.decode_linear import norm_linear
+from ...kernels.fp8 import linear
 from ...kernels.moe import block_counts_buffer, moe_experts, moe_route, router_terms
 from ..config import ModelConfig
 from .base import Mixer, Norm, StepContext
@@ -57,7 +57,7 @@ class MoEMixer(Mixer):
         return self._moe(h, ctx, lambda: relu2_mlp(h, *self.shared))
 
     def fused_decode(self, residual: torch.Tensor, norm: Norm, ctx: StepContext) -> None:
-        h = norm(residual, out=torch.empty(residual.shape, dtype=self.up.dtype, device=residual.device),
+        h = norm(residual, out=torch.empty(residual.shape, dtype=norm.weight.dtype, device=residual.device),
                  pdl=ctx.options.pdl)
         self._moe(h, ctx, lambda: self._shared_fused(h, ctx), residual=residual)
 
@@ -87,8 +87,8 @@ class MoEMixer(Mixer):
             return moe_experts(h, idx, w, self.up, self.down, shared=shared, residual=residual, shared_ready=ready,
                                block_counts=counts, pdl=pdl)
         down_w, down_b, up_w, up_b = self.latent
-        routed = F.linear(moe_experts(F.linear(h, down_w, down_b), idx, w, self.up, self.down, block_counts=counts),
-                          up_w, up_b)
+        routed = linear(moe_experts(linear(h, down_w, down_b), idx, w, self.up, self.down, block_counts=counts),
+                        up_w, up_b)
         if ready is not None:
             torch.cuda.current_stream(h.device).wait_event(ready)
         out = routed if shared is None else routed + shared

@@ -26,28 +26,35 @@ def _edit_config(path, **changes):
 
 
 @pytest.mark.parametrize("quant, named", [
-    ({"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}, "ModelOpt FP8 (modelopt)"),
-    ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "ModelOpt NVFP4 (modelopt)"),
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "ModelOpt NVFP4 (modelopt) weights are not read"),
     ({"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION"}, "ModelOpt MIXED_PRECISION"),
-    ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"},
-     "FP8 with 128x128 block scales (fp8)"),
-    ({"quant_method": "gptq", "bits": 4}, "'gptq'"),
-    ({"quant_method": "compressed-tensors"}, "'compressed-tensors'"),
+    ({"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_algo": "NVFP4"},
+     "kv_cache_quant_algo: ModelOpt NVFP4 KV cache"),
+    ({"quant_method": "fp8", "fmt": "e5m2"}, "fmt: FP8 e5m2 weights are not read"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 64]}, "weight_block_size: square blocks"),
+    ({"quant_method": "gptq", "bits": 4}, "gptq weights are not read"),
+    ({"quant_method": "compressed-tensors"}, "compressed-tensors weights are not read"),
 ])
 def test_a_quantization_config_is_refused_by_name(tmp_path, quant, named):
+    """What is not FP8 (e4m3, per tensor, channel or square block) is refused before any weight is read."""
     save_tiny("nemotron_h", tmp_path)
     _edit_config(tmp_path, quantization_config=quant)
     with pytest.raises(ConfigError, match="quantization_config: " + named.replace("(", r"\(").replace(")", r"\)")):
         Model.from_pretrained(tmp_path, dtype=torch.float32)
 
 
-def test_modelopt_hf_quant_config_beside_the_config_is_refused(tmp_path):
+def test_modelopt_hf_quant_config_beside_the_config_is_read(tmp_path):
     """ModelOpt's exports may keep the method in hf_quant_config.json only."""
     save_tiny("nemotron_h", tmp_path)
     (tmp_path / "hf_quant_config.json").write_text(json.dumps(
-        {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "FP8", "exclude_modules": ["lm_head"]}}))
-    with pytest.raises(ConfigError, match=r"quantization_config: ModelOpt FP8 \(modelopt\)"):
+        {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "NVFP4", "exclude_modules": ["lm_head"]}}))
+    with pytest.raises(ConfigError, match=r"quantization_config: ModelOpt NVFP4 \(modelopt\)"):
         ModelConfig.from_pretrained(tmp_path)
+    (tmp_path / "hf_quant_config.json").write_text(json.dumps(
+        {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8",
+                                                             "exclude_modules": ["lm_head"]}}))
+    quant = ModelConfig.from_pretrained(tmp_path).quantization
+    assert (quant.scheme, quant.kv_cache, quant.exclude) == ("tensor", "fp8", ("lm_head",))
 
 
 @pytest.mark.parametrize("dtype, shown", [(torch.float8_e4m3fn, "F8_E4M3"), (torch.uint8, "U8")])

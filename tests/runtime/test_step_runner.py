@@ -118,11 +118,14 @@ def test_drawn_tokens_feed_the_next_step_cpu(cpu_model):
     check_drawn_tokens_feed_the_next_step(make_runner(cpu_model))
 
 
-@pytest.fixture(scope="module", params=["tiny-hybrid", "tiny-mamba2", "tiny-nemotron-h"])
+@pytest.fixture(scope="module", params=["tiny-hybrid", "tiny-mamba2", "tiny-nemotron-h", "tiny-hybrid:fp8",
+                                        "tiny-nemotron-h:fp8"])
 def gpu_model(request):
     """Both decode paths: layer by layer (the hybrid with experts), fused with programmatic
-    launches (Mamba2, and the hybrid without experts)."""
-    return Model.from_preset(request.param, dtype=torch.bfloat16, device="cuda")
+    launches (Mamba2, and the hybrid without experts); and both with FP8 linears (quantized at
+    load: the FP8 skinny projections and grouped experts, and FP8 tensor-core products)."""
+    name, _, quantization = request.param.partition(":")
+    return Model.from_preset(name, dtype=torch.bfloat16, device="cuda", quantization=quantization or None)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,229 @@
+"""FP8 checkpoints read exactly as their producers write them: tiny NemotronH checkpoints (dense
+and MoE layers) quantized in each format, saved with the producer's tensor names, scale shapes
+and config, generate HF's greedy tokens where HF runs on the dequantized weights (fp32); on a GPU
+through the FP8 kernels and CUDA graphs. Load-time quantization against the same oracle."""
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from hf_models import save_tiny
+from test_model import new_runner, step
+
+from mambastep import Engine, SamplingParams
+from mambastep.graphs import BucketSet
+from mambastep.kernels.fp8 import Fp8Weight
+from mambastep.runtime.model import Model
+from mambastep.runtime.weights import WeightError
+
+FP8_MAX = 448.0
+# the tiny layout (hf_models.nemotron_h_config): mamba, attention, mlp, mamba, moe, attention, mamba
+ATTENTION, BEFORE_ATTENTION = (1, 5), (0, 3)
+# the producer's names of the linears a quantizer converts
+LINEAR = re.compile(r"backbone\.layers\.(\d+)\.mixer\.(in_proj|out_proj|[qkvo]_proj|up_proj|down_proj"
+                    r"|shared_experts\.(up|down)_proj|experts\.\d+\.(up|down)_proj)\.weight")
+# NVIDIA's recipe: attention, the Mamba layer before it, conv1d, the router and the LM head in bf16
+MODELOPT_EXCLUDE = ["lm_head", *(f"backbone.layers.{i}.mixer*" for i in ATTENTION + BEFORE_ATTENTION),
+                    "*conv1d*", "*mixer.gate*"]
+
+
+def _quantize(w: torch.Tensor, scheme: str, block: int):
+    """(FP8 values, the scale as the producer stores it, the dequantized weight): the test's own
+    quantizer, independent of mambastep's."""
+    w = w.float()
+    if scheme == "tensor":
+        scale = w.abs().amax() / FP8_MAX
+        full = scale
+    elif scheme == "channel":
+        scale = w.abs().amax(dim=1) / FP8_MAX
+        full = scale[:, None]
+    else:
+        n, k = w.shape
+        nb, kb = -(-n // block), -(-k // block)
+        scale = torch.zeros(nb, kb)
+        for i in range(nb):
+            for j in range(kb):
+                scale[i, j] = w[i * block:(i + 1) * block, j * block:(j + 1) * block].abs().amax() / FP8_MAX
+        full = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)[:n, :k]
+    values = (w / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return values, scale, values.float() * full
+
+
+# name -> (quantization_config (None: ModelOpt's hf_quant_config.json), scheme, block, scale
+# tensor suffix, the stored scale's shape from the block scales', static input scales)
+FORMATS = {
+    "modelopt-fp8": (None, "tensor", 0, "weight_scale", None, True),
+    "modelopt-fp8-in-config": ({"quant_method": "modelopt", "quant_algo": "FP8", "ignore": MODELOPT_EXCLUDE,
+                                "kv_cache_scheme": {"type": "float", "num_bits": 8}},
+                               "tensor", 0, "weight_scale", None, True),
+    "modelopt-fp8-per-channel": ({"quant_method": "modelopt", "quant_algo": "FP8_PER_CHANNEL_PER_TOKEN",
+                                  "exclude_modules": MODELOPT_EXCLUDE}, "channel", 0, "weight_scale", None, False),
+    "modelopt-fp8-pb-wo": ({"quant_method": "modelopt", "quant_algo": "FP8_PB_WO",
+                            "exclude_modules": MODELOPT_EXCLUDE}, "block", 128, "weight_scale",
+                           lambda s: s[:, None, :, None], False),
+    "fp8-block": ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                   "weight_block_size": [16, 16]}, "block", 16, "weight_scale_inv", None, False),
+}
+
+
+def write_fp8(src, dst, deq, fmt: str) -> None:
+    """The bf16/fp32 checkpoint at ``src`` quantized as ``fmt``'s producer writes it, to ``dst``;
+    and its dequantized weights, as a plain checkpoint for HF, to ``deq``."""
+    quant, scheme, block, scale_name, stored_shape, static = FORMATS[fmt]
+    tensors = load_file(src / "model.safetensors")
+    out, plain = {}, dict(tensors)
+    excluded = set(ATTENTION + BEFORE_ATTENTION) if fmt.startswith("modelopt") else set()
+    for name, t in tensors.items():
+        m = LINEAR.fullmatch(name)
+        if m is None:
+            out[name] = t
+            continue
+        if int(m.group(1)) in excluded:  # kept in bf16, as the producer stores them: HF sees the rounding too
+            out[name] = t.to(torch.bfloat16)
+            plain[name] = out[name].float()
+            continue
+        values, scale, dequantized = _quantize(t, scheme, block)
+        base = name.removesuffix(".weight")
+        out[name] = values
+        out[f"{base}.{scale_name}"] = stored_shape(scale) if stored_shape else scale
+        if static:
+            out[f"{base}.input_scale"] = torch.tensor(0.02)
+        plain[name] = dequantized
+    for path in (dst, deq):
+        shutil.copytree(src, path, dirs_exist_ok=True)
+    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+    save_file(plain, deq / "model.safetensors", metadata={"format": "pt"})
+    if quant is None:
+        (dst / "hf_quant_config.json").write_text(json.dumps({
+            "producer": {"name": "modelopt", "version": "0.37.0"},
+            "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "exclude_modules": MODELOPT_EXCLUDE}}))
+    else:
+        cfg = json.loads((dst / "config.json").read_text())
+        (dst / "config.json").write_text(json.dumps({**cfg, "quantization_config": quant}))
+
+
+PROMPT_LENS = (1, 9, 40)
+NEW_TOKENS = 8
+BUCKETS = BucketSet(decode=(1, 2, 4), mixed_decode=(0, 2, 4), prefill=(16, 64), max_prefill_seqs=4)
+_gpu = pytest.mark.gpu
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(3, 96, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+def _hf_greedy(hf, prompts):
+    return [hf.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(p):].tolist()
+            for p in prompts]
+
+
+def _engine_greedy(path, device, **kw):
+    engine = Engine.from_pretrained(path, dtype=torch.float32, device=device, buckets=BUCKETS, num_slots=4,
+                                    max_context=128, progress=False, **kw)
+    assert (engine.capture_report is not None) == (device == "cuda")
+    return engine.generate(_prompts(), SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+
+
+def _hf(path):
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    return hf
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bf16")
+    save_tiny("nemotron_h", path)
+    return path
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_gpu)])
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@torch.no_grad()
+def test_fp8_checkpoint_generates_hfs_tokens_on_the_dequantized_weights(tiny, tmp_path, fmt, device):
+    write_fp8(tiny, tmp_path / "fp8", tmp_path / "deq", fmt)
+    got = _engine_greedy(tmp_path / "fp8", device)
+    assert got == _hf_greedy(_hf(tmp_path / "deq"), _prompts())
+
+
+@torch.no_grad()
+def test_fp8_logits_match_hf_and_excluded_modules_stay_full_precision(tiny, tmp_path):
+    write_fp8(tiny, tmp_path / "fp8", tmp_path / "deq", "modelopt-fp8")
+    model = Model.from_pretrained(tmp_path / "fp8", dtype=torch.float32)
+    kinds = {i: type(getattr(b.mixer, {"mamba": "in_proj", "attention": "qkv", "mlp": "up", "moe": "up"}[k]))
+             for i, (b, k) in enumerate(zip(model.blocks, model.cfg.layer_types))}
+    assert kinds == {0: torch.Tensor, 1: torch.Tensor, 2: Fp8Weight, 3: torch.Tensor, 4: Fp8Weight,
+                     5: torch.Tensor, 6: Fp8Weight}
+    assert isinstance(model.blocks[4].mixer.shared[0], Fp8Weight)
+    assert model.cfg.quantization.kv_cache == "fp8"
+    # static input scales kept, merged across a stack's experts
+    assert model.blocks[4].mixer.up.input_scale.item() == pytest.approx(0.02)
+    ids = _prompts()[2]
+    ref = _hf(tmp_path / "deq")(torch.tensor([ids])).logits[0, -1]
+    logits = step(new_runner(model), [(ids, 0, 0)])[0]
+    torch.testing.assert_close(logits, ref, atol=2e-4, rtol=2e-4)
+
+
+def _quantize_hf_in_place(hf, excluded_layers):
+    """HF's linears as mambastep's load-time quantization leaves them: per output channel, the
+    attention layers and the Mamba layer before each kept (the test's own quantizer)."""
+    for name, p in hf.named_parameters():
+        name = name.replace("model.", "backbone.", 1)
+        stack = re.fullmatch(r"backbone\.layers\.(\d+)\.mixer\.experts\.(up|down)_proj", name)  # HF stacks experts
+        m = stack or LINEAR.fullmatch(name)
+        if m and int(m.group(1)) not in excluded_layers:
+            for w in p.data if stack else [p.data]:
+                w.copy_(_quantize(w, "channel", 0)[2])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_gpu)])
+@torch.no_grad()
+def test_load_time_quantization_generates_hfs_tokens_on_the_same_quantization(tiny, device):
+    got = _engine_greedy(tiny, device, quantization="fp8")
+    hf = _hf(tiny)
+    _quantize_hf_in_place(hf, set(ATTENTION + BEFORE_ATTENTION))
+    assert got == _hf_greedy(hf, _prompts())
+
+
+def test_an_fp8_tensor_the_config_excludes_is_refused(tiny, tmp_path):
+    write_fp8(tiny, tmp_path / "fp8", tmp_path / "deq", "fp8-block")
+    cfg = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    cfg["quantization_config"]["modules_to_not_convert"] = ["backbone.layers.2.mixer.up_proj"]
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(WeightError, match=r"layers\.2\.mixer\.up_proj\.weight: .* exclude_modules keeps it"):
+        Model.from_pretrained(tmp_path / "fp8", dtype=torch.float32)
+
+
+def test_a_missing_or_misshaped_scale_is_named(tiny, tmp_path):
+    write_fp8(tiny, tmp_path / "fp8", tmp_path / "deq", "modelopt-fp8")
+    path = tmp_path / "fp8" / "model.safetensors"
+    tensors = load_file(path)
+    del tensors["backbone.layers.4.mixer.experts.2.down_proj.weight_scale"]
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(WeightError, match=r"experts\.2\.down_proj\.weight_scale: missing"):
+        Model.from_pretrained(tmp_path / "fp8", dtype=torch.float32)
+    tensors["backbone.layers.4.mixer.experts.2.down_proj.weight_scale"] = torch.ones(32)
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(WeightError, match=r"experts\.2\.down_proj\.weight_scale: expected shape \[\] .*has \[32\]"):
+        Model.from_pretrained(tmp_path / "fp8", dtype=torch.float32)
+
+
+def test_an_fp8_lm_head_is_refused_by_name(tiny, tmp_path):
+    write_fp8(tiny, tmp_path / "fp8", tmp_path / "deq", "fp8-block")
+    path = tmp_path / "fp8" / "model.safetensors"
+    tensors = load_file(path)
+    tensors["lm_head.weight"] = tensors["lm_head.weight"].to(torch.float8_e4m3fn)
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(WeightError, match=r"lm_head\.weight: stored as F8_E4M3; mambastep reads only the block"):
+        Model.from_pretrained(tmp_path / "fp8", dtype=torch.float32)
+
+
+def test_an_unknown_quantization_name_is_refused(tiny):
+    with pytest.raises(ValueError, match="quantization: expected one of"):
+        Model.from_pretrained(tiny, dtype=torch.float32, quantization="int4")

@@ -9,8 +9,8 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["Parser", "add_sampling", "bucket_file", "device", "sampling", "template_file", "text_engine",
-           "writable_path"]
+__all__ = ["Parser", "add_quantization", "add_sampling", "bucket_file", "device", "sampling", "template_file",
+           "text_engine", "writable_path"]
 
 
 class Parser(argparse.ArgumentParser):
@@ -23,6 +23,14 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str):
         sys.stderr.write(f"{self.prog}: error: {message}\n")
         sys.exit(2)
+
+
+def add_quantization(parser: Parser) -> None:
+    """--quantization: how to store a full-precision model's block linears."""
+    parser.add_argument("--quantization", choices=["fp8"], default=None,
+                        help="fp8: quantize the block linears to FP8 at load time, per output channel, keeping "
+                             "attention and the Mamba layer before it in full precision (NVIDIA's recipe); the "
+                             "speed FP8 checkpoints get. An FP8 checkpoint is read as stored either way")
 
 
 # add_sampling's options, greedy where neither the command line nor the checkpoint names one

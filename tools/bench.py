@@ -5,6 +5,10 @@
     mambastep bench steps [--json PATH]     decode steps eager vs graph vs HBM floor (and fused
                                             vs layer by layer); mixed steps with and without
                                             the forked stream
+    mambastep bench fp8 [--preset P ...] [--json PATH]
+                                            FP8 beside bf16 on the same weights: decode and
+                                            prefill steps beside each one's floor, and how
+                                            closely FP8 follows bf16
     mambastep bench profile --preset P --batch B [--prefill T] [--timeline [--window LO:HI]]
                                             per-kernel time of one eager step: B decode rows
                                             (and a prefill chunk of T tokens); --timeline: what
@@ -30,10 +34,10 @@ import sys
 
 import torch
 
-from . import bench_kernels, bench_markdown, bench_profile, bench_steps
+from . import bench_fp8, bench_kernels, bench_markdown, bench_profile, bench_steps
 from .args import Parser, writable_path
 
-SUITES = {"kernels": bench_kernels, "steps": bench_steps}
+SUITES = {"kernels": bench_kernels, "steps": bench_steps, "fp8": bench_fp8}
 
 
 def _window(text: str) -> tuple[int, int]:
@@ -58,7 +62,7 @@ def main(argv=None) -> int:
     parser.add_argument("what", choices=sorted(SUITES) + ["profile", "markdown", "serve", "api"],
                         help="which benchmark to run")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
-    parser.add_argument("--preset", action="append", help="steps: preset(s) to run (default: both)")
+    parser.add_argument("--preset", action="append", help="steps, fp8: preset(s) to run (default: the suite's)")
     parser.add_argument("--batch", type=int, default=1, help="profile: decode batch")
     parser.add_argument("--prefill", type=int, default=0, help="profile: tokens of one prefill chunk (0: none)")
     parser.add_argument("--timeline", action="store_true",
@@ -68,6 +72,7 @@ def main(argv=None) -> int:
                              "(what ran beside what)")
     parser.add_argument("--steps", metavar="JSON", nargs="*", default=[], help="markdown: JSONs of `bench steps`")
     parser.add_argument("--kernels", metavar="JSON", help="markdown: the JSON of `bench kernels`")
+    parser.add_argument("--fp8", metavar="JSON", nargs="*", default=[], help="markdown: JSONs of `bench fp8`")
     parser.add_argument("--run", metavar="JSON", nargs="*", default=[], help="markdown: JSONs of `mambastep run`")
     parser.add_argument("--serve", metavar="JSON", nargs="*", default=[],
                         help="markdown: JSONs of `bench serve` and of the in-process runs beside them (.ci/gpu-serve)")
@@ -84,7 +89,7 @@ def main(argv=None) -> int:
         if args.readme and not args.steps:
             parser.error("--readme needs --steps")
         text = (bench_markdown.readme_table(args.steps, args.run, args.kernels) if args.readme
-                else bench_markdown.render(args.steps, args.kernels, args.run, args.serve, args.tune))
+                else bench_markdown.render(args.steps, args.kernels, args.run, args.serve, args.tune, args.fp8))
         if args.out:
             with open(args.out, "w") as f:
                 f.write(text)
@@ -101,7 +106,7 @@ def main(argv=None) -> int:
             print(bench_profile.profile(preset, args.batch, args.prefill))
         return 0
     suite = SUITES[args.what]
-    result = suite.run(tuple(args.preset)) if (args.what == "steps" and args.preset) else suite.run()
+    result = suite.run(tuple(args.preset)) if (args.what in ("steps", "fp8") and args.preset) else suite.run()
     suite.print_table(result)
     if args.json:
         with open(args.json, "w") as f:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from . import bench_kernels, bench_steps
+from . import bench_fp8, bench_kernels, bench_steps
 from .tune import validated_table
 
 __all__ = ["readme_table", "render", "run_command", "run_table", "serve_table", "tune_tables"]
@@ -89,8 +89,8 @@ def _load_results(paths) -> list[dict]:
     return runs
 
 
-def render(steps=(), kernels: str | None = None, runs=(), serve=(), tune=()) -> str:
-    """The page: ``steps`` one or more JSONs of `bench steps`, ``runs`` and ``serve`` JSONs of
+def render(steps=(), kernels: str | None = None, runs=(), serve=(), tune=(), fp8=()) -> str:
+    """The page: ``steps`` one or more JSONs of `bench steps`, ``fp8`` of `bench fp8`, ``runs`` and ``serve`` JSONs of
     `mambastep run` and of .ci/gpu-serve, ``tune`` JSONs of `mambastep tune --validate`,
     ``kernels`` the JSON of `bench kernels`."""
     out = ["# Benchmarks", "",
@@ -103,6 +103,9 @@ def render(steps=(), kernels: str | None = None, runs=(), serve=(), tune=()) -> 
                 "```", "", bench_steps.__doc__.strip(), ""]
         for path in steps:  # one run of the command each, with its own date and device
             out += [bench_steps.tables(json.loads(Path(path).read_text())), ""]
+    for path in fp8:
+        out += ["## FP8 beside bf16", "", "```", "mambastep bench fp8 [--preset P ...] --json fp8.json", "```", "",
+                bench_fp8.__doc__.strip(), "", bench_fp8.tables(json.loads(Path(path).read_text())), ""]
     if runs:
         results = _load_results(runs)
         out += ["## The main job", "", "```", "mambastep run --preset P --concurrency C --requests N [--pipelined]",

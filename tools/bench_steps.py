@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from ..graphs import BucketSet
 from ..kernels.decode_linear import pdl_supported
+from ..kernels.fp8 import Fp8Weight
 from ..runtime.decode_options import DecodeOptions
 from ..runtime.mixers.moe import MoEMixer
 from ..runtime.model import Model
@@ -118,8 +119,7 @@ def hbm_floor_bytes(model: Model, pool: StatePool, batch: int, routed: dict[int,
     if not cfg.tie_word_embeddings:
         weights -= model.embed.numel() * model.embed.element_size()
     for m in _moe_mixers(model):
-        per_expert = (m.up[0].numel() + m.down[0].numel()) * m.up.element_size()
-        weights -= per_expert * (m.up.shape[0] - (routed or {}).get(m.layer, m.up.shape[0]))
+        weights -= _expert_bytes(m) * (m.up.shape[0] - (routed or {}).get(m.layer, m.up.shape[0]))
     state = 0
     for i in cfg.layers_of("mamba"):
         conv, ssm = pool.conv[i], pool.ssm[i]
@@ -130,30 +130,46 @@ def hbm_floor_bytes(model: Model, pool: StatePool, batch: int, routed: dict[int,
     return weights + batch * state
 
 
+def _expert_bytes(m: MoEMixer) -> int:
+    """Bytes of one routed expert's two weights (FP8 values and their scales, or the weights)."""
+    if isinstance(m.up, Fp8Weight):
+        return (m.up.nbytes + m.down.nbytes) // m.up.shape[0]
+    return (m.up[0].numel() + m.down[0].numel()) * m.up.element_size()
+
+
 def _prefill_products(model: Model, tokens: int, routed: dict[int, int] | None = None):
-    """(FLOPs, weight bytes) of each matrix product of a prefill chunk: every block projection over
-    every token (of the routed experts, the k each token takes, reading the weights of the
-    experts ``routed`` counts per MoE layer, else all), and the LM head over the one row whose
-    logits the step returns."""
+    """(FLOPs, weight bytes, FP8?) of each matrix product of a prefill chunk: every block
+    projection over every token (of the routed experts, the k each token takes, reading the
+    weights of the experts ``routed`` counts per MoE layer, else all), and the LM head over the
+    one row whose logits the step returns."""
     head = model.lm_head
-    yield 2.0 * head.numel(), head.numel() * head.element_size()
+    yield 2.0 * head.numel(), head.numel() * head.element_size(), False
     for block in model.blocks:
         m = block.mixer
-        # projections (2-D) and the conv1d's depthwise filters ([C, 1, K]); the experts' stacks
-        # ([E, ., .]) below
-        for t in _mixer_tensors(m):
-            if t.dim() == 2 or (t.dim() == 3 and t.shape[1] == 1):
-                yield 2.0 * tokens * t.numel(), t.numel() * t.element_size()
+        # projections (2-D, plain or FP8) and the conv1d's depthwise filters ([C, 1, K]); the
+        # experts' stacks ([E, ., .]) below
+        for t in _mixer_weights(m):
+            fp8 = isinstance(t, Fp8Weight)
+            values = t.values if fp8 else t
+            if values.dim() == 2 or (values.dim() == 3 and values.shape[1] == 1):
+                nbytes = t.nbytes if fp8 else t.numel() * t.element_size()
+                yield 2.0 * tokens * values.numel(), nbytes, fp8
         if isinstance(m, MoEMixer):
-            per_expert = m.up[0].numel() + m.down[0].numel()
+            per_expert = m.up[0].numel() + m.down[0].numel() if not isinstance(m.up, Fp8Weight) else \
+                (m.up.values[0].numel() + m.down.values[0].numel())
             read = (routed or {}).get(m.layer, m.up.shape[0])
-            yield 2.0 * tokens * m.route["top_k"] * per_expert, read * per_expert * m.up.element_size()
+            yield 2.0 * tokens * m.route["top_k"] * per_expert, read * _expert_bytes(m), isinstance(m.up, Fp8Weight)
 
 
 def prefill_flops(model: Model, tokens: int) -> float:
     """The matrix products of a prefill chunk alone, a lower bound on its work (the SSD scan and
     attention scores come on top)."""
-    return sum(flops for flops, _ in _prefill_products(model, tokens))
+    return sum(flops for flops, _, _ in _prefill_products(model, tokens))
+
+
+def prefill_floor_ms(model: Model, tokens: int, rate: float, fp8_rate: float) -> float:
+    """``prefill_flops`` at the matrix rates: FP8 products at ``fp8_rate``, the others at ``rate``."""
+    return sum(flops / (fp8_rate if fp8 else rate) for flops, _, fp8 in _prefill_products(model, tokens)) * 1e3
 
 
 def prefill_roofline_ms(model: Model, tokens: int, routed: dict[int, int] | None, rate: float,
@@ -161,16 +177,23 @@ def prefill_roofline_ms(model: Model, tokens: int, routed: dict[int, int] | None
     """A prefill chunk's matrix products, each at the slower of its FLOPs at the matrix rate and
     its weights' bytes at copy bandwidth: above the FLOP floor where a product reads more than
     it computes, as the routed experts at a hundred rows an expert, each read in full."""
-    return sum(max(flops / rate, nbytes / bandwidth) for flops, nbytes in _prefill_products(model, tokens, routed)) * 1e3
+    return sum(max(flops / rate, nbytes / bandwidth)
+               for flops, nbytes, _ in _prefill_products(model, tokens, routed)) * 1e3
+
+
+def _mixer_weights(mixer):
+    """A mixer's weights: its tensor and FP8 fields, and those of its tuple fields."""
+    for v in vars(mixer).values():
+        if isinstance(v, (torch.Tensor, Fp8Weight)):
+            yield v
+        elif isinstance(v, tuple):
+            yield from (t for t in v if isinstance(t, (torch.Tensor, Fp8Weight)))
 
 
 def _mixer_tensors(mixer):
-    """A mixer's weights: its tensor fields and the tensors of its tuple fields."""
-    fields = vars(mixer).values()
-    yield from (v for v in fields if isinstance(v, torch.Tensor))
-    for v in fields:
-        if isinstance(v, tuple):
-            yield from (t for t in v if isinstance(t, torch.Tensor))
+    """The tensors of a mixer's weights (an FP8 weight's values and scales)."""
+    for w in _mixer_weights(mixer):
+        yield from ([w] if isinstance(w, torch.Tensor) else (t for t in w if isinstance(t, torch.Tensor)))
 
 
 def _weights(model: Model):

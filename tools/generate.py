@@ -21,7 +21,7 @@ from ..graphs import BucketSet
 from ..runtime.presets import PRESETS
 from ..runtime.request import SamplingParams
 from ..runtime.serving.tokenizer import TokenizerError
-from .args import Parser, add_sampling, device as device_arg, sampling, template_file, text_engine
+from .args import Parser, add_quantization, add_sampling, device as device_arg, sampling, template_file, text_engine
 
 # one request: a decode graph of one row and prompt chunks of up to 512 tokens
 BUCKETS = BucketSet(decode=(1,), mixed_decode=(0,), prefill=(512,), max_prefill_seqs=1)
@@ -43,6 +43,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=None, help="sampling seed")
     parser.add_argument("--stop", action="append", default=[], help="a string that ends the text (repeatable)")
     parser.add_argument("--max-context", type=int, default=4096, help="prompt + output tokens")
+    add_quantization(parser)
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
     args = parser.parse_args(argv)
@@ -57,7 +58,8 @@ def main(argv=None) -> int:
     sampling(parser, args, seed=args.seed, max_tokens=args.max_tokens)  # the options alone, checked now
     gpu = device.startswith("cuda")
     common = dict(dtype=torch.bfloat16 if gpu else torch.float32, device=device, num_slots=1,
-                  max_context=args.max_context, buckets=BUCKETS, use_graphs=gpu and not args.eager, progress=False)
+                  max_context=args.max_context, buckets=BUCKETS, use_graphs=gpu and not args.eager, progress=False,
+                  quantization=args.quantization)
     text = text_engine(parser, args.model, args.preset, chat_template=args.chat_template, **common)
     params = SamplingParams(**sampling(parser, args, text.tokenizer.sampling_defaults, seed=args.seed,
                                        max_tokens=args.max_tokens))

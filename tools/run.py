@@ -22,7 +22,7 @@ from ..runtime.engine import Engine
 from ..runtime.presets import PRESETS
 from ..runtime.request import SamplingParams
 from ..runtime.weights import WeightError
-from .args import Parser, add_sampling, bucket_file, device as device_arg, sampling as sampling_fields
+from .args import Parser, add_quantization, add_sampling, bucket_file, device as device_arg, sampling as sampling_fields
 from .args import writable_path
 
 # the workload's shortest prompt plus its shortest output
@@ -112,6 +112,7 @@ def main(argv=None) -> int:
     parser.add_argument("--buckets", metavar="PATH", help="graph buckets from `mambastep tune` (default: built in)")
     add_sampling(parser)
     parser.add_argument("--max-context", type=int, default=4096, help="prompt + output tokens per request")
+    add_quantization(parser)
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--seed", type=int, default=0, help="workload and weight seed")
     parser.add_argument("--json", metavar="PATH", help="also write the statistics as JSON to PATH")
@@ -136,7 +137,8 @@ def main(argv=None) -> int:
     writable_path(parser, "--trace", args.trace)
     dtype = torch.bfloat16 if gpu else torch.float32
     common = dict(dtype=dtype, device=device, max_context=args.max_context, use_graphs=gpu and not args.eager,
-                  pipelined=args.pipelined, progress=not args.quiet, buckets=buckets, trace=args.trace is not None)
+                  pipelined=args.pipelined, progress=not args.quiet, buckets=buckets, trace=args.trace is not None,
+                  quantization=args.quantization)
     if args.model:
         try:
             engine = Engine.from_pretrained(args.model, **common)

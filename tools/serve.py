@@ -32,7 +32,7 @@ import torch
 
 from ..runtime.presets import PRESETS
 from ..runtime.serving.text import TextEngine
-from .args import Parser, bucket_file, device as device_arg, template_file, text_engine
+from .args import Parser, add_quantization, bucket_file, device as device_arg, template_file, text_engine
 
 
 def main(argv=None) -> int:
@@ -50,6 +50,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="max_tokens where a request names none (default: the rest of the context)")
     parser.add_argument("--max-context", type=int, default=4096, help="prompt + output tokens per request")
+    add_quantization(parser)
     parser.add_argument("--buckets", metavar="PATH", help="graph buckets from `mambastep tune`")
     parser.add_argument("--pipelined", action="store_true", help="launch step N+1 before reading step N's tokens")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
@@ -114,7 +115,7 @@ def main(argv=None) -> int:
     template_file(parser, args.chat_template)
     common = dict(dtype=torch.bfloat16 if gpu else torch.float32, device=device, max_context=args.max_context,
                   buckets=bucket_file(parser, "--buckets", args.buckets), use_graphs=gpu and not args.eager,
-                  pipelined=args.pipelined, chat_template=args.chat_template)
+                  pipelined=args.pipelined, chat_template=args.chat_template, quantization=args.quantization)
     if args.engine == "process":
         try:
             loop = EngineProcess(functools.partial(TextEngine.load, args.model, args.preset, **common),

@@ -1,0 +1,147 @@
+"""FP8 beside bf16 on the same weights, in one run: decode steps (CUDA graphs) beside each
+precision's HBM floor, a 2048-token prefill beside its FLOP floor, and how closely the FP8 model
+follows the bf16 one.
+
+The FP8 model is the bf16 preset quantized at load time (``--quantization fp8``: per output
+channel, attention and the Mamba layer before it kept in bf16, NVIDIA's recipe), so both run the
+same weights. Floors count the bytes each step reads: FP8 values and their scales, the bf16
+modules, the states (``bench_steps.hbm_floor_bytes``). The prefill's FLOP floor takes each
+product at its own rate: FP8 products at the FP8 tensor-core rate, the rest at bf16's, both
+sustained (``bench_kernels.matmul_rate``).
+
+Agreement: 64 random prompts of 16 tokens, then 32 decode steps each fed the bf16 model's
+greedy token, so both models see the same inputs: top-1 agreement and the mean KL divergence
+of the next-token distributions, KL(bf16 || FP8), over those 2,048 positions. Random weights
+give flatter distributions than trained ones: the numbers gauge the numerics, not a task.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+from tqdm import tqdm
+
+from ..graphs import BucketSet
+from ..kernels.fp8 import FP8_MAX
+from ..runtime.model import Model
+from ..runtime.plan import StepPlan
+from ..runtime.state_pool import StatePool
+from ..runtime.step_runner import StepRunner
+from .bench_kernels import copy_bandwidth, matmul_rate, median_ms
+from .bench_steps import (
+    CONTEXT, _moe_mixers, decode_plan, hbm_floor_bytes, prefill_floor_ms, prefill_plan, replay_ms, routed_experts,
+    step_ms,
+)
+
+PRESETS = ("nemotron-3-nano-30b-a3b", "nemotron-h-8b", "nemotron-nano-9b-v2")
+DECODE_BATCHES = (1, 2, 4, 8, 32, 64, 128, 256)
+PREFILL = 2048
+AGREE_ROWS, AGREE_PROMPT, AGREE_STEPS = 64, 16, 32
+
+
+def fp8_matmul_rate(n: int = 8192, settle_s: float = 2.0) -> float:
+    """FP8 (e4m3) tensor-core rate in FLOP/s, n x n x n through ``torch._scaled_mm``, sustained
+    (timed after ``settle_s`` seconds back to back, as ``matmul_rate``'s)."""
+    a = (torch.randn(n, n, device="cuda") * 8).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    b = (torch.randn(n, n, device="cuda") * 8).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device="cuda")
+    return 2 * n**3 / (median_ms(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+                                 warmup_ms=settle_s * 1e3) * 1e-3)
+
+
+def _agreement_steps(runner: StepRunner, slot0: int, feed=None):
+    """Logits [AGREE_STEPS, rows, vocab] (bf16, on the device) of the agreement workload: prompts
+    prefilled one a step, then decode steps fed ``feed`` [AGREE_STEPS, rows] (None: greedy)."""
+    g = torch.Generator().manual_seed(7)
+    vocab = runner.model.cfg.vocab_size
+    for r in range(AGREE_ROWS):
+        runner.logits(StepPlan.make([(torch.randint(3, vocab, (AGREE_PROMPT,), generator=g).tolist(), slot0 + r, 0)]))
+    tokens, out = [], []
+    nxt = torch.randint(3, vocab, (AGREE_ROWS,), generator=g).tolist() if feed is None else feed[0]
+    for s in range(AGREE_STEPS):
+        plan = StepPlan.make(decode=[(nxt[r], slot0 + r, AGREE_PROMPT + s) for r in range(AGREE_ROWS)])
+        logits = runner.logits(plan)
+        out.append(logits.to(torch.bfloat16).clone())
+        tokens.append(nxt)
+        if s + 1 < AGREE_STEPS:
+            nxt = logits.argmax(-1).tolist() if feed is None else feed[s + 1]
+    return torch.stack(out), tokens
+
+
+def bench_model(model: Model, bandwidth: float, rates: tuple[float, float], progress: bool, label: str,
+                feed=None) -> tuple[dict, torch.Tensor, list]:
+    slots = max(DECODE_BATCHES) + AGREE_ROWS + 1
+    pool = StatePool(model.cfg, slots, max_context=CONTEXT + PREFILL + 2, dtype=torch.bfloat16, device="cuda")
+    for t in pool.tensors():
+        t.normal_(0, 0.1)
+    buckets = BucketSet(decode=DECODE_BATCHES, mixed_decode=(0,), prefill=(PREFILL,), max_prefill_seqs=1)
+    runner = StepRunner(model, pool, buckets, overlap=True)
+    report = str(runner.capture(progress=progress))
+    eager = StepRunner(model, pool, buckets, overlap=False)  # never captured: eager steps
+    moe = bool(_moe_mixers(model))
+    rows = []
+    for batch in tqdm(DECODE_BATCHES, desc=f"{label} decode", disable=not progress):
+        plan = decode_plan(batch)
+        routed = routed_experts(eager, plan) if moe else None
+        rows.append({"kind": "decode", "batch": batch, "graph_ms": step_ms(runner, plan, rounds=20),
+                     "replay_ms": replay_ms(runner, plan),
+                     "floor_ms": hbm_floor_bytes(model, pool, batch, routed) / bandwidth * 1e3})
+    chunk = prefill_plan(PREFILL, slots - 1)
+    rows.append({"kind": "prefill", "tokens": PREFILL, "graph_ms": step_ms(runner, chunk, rounds=10),
+                 "floor_ms": prefill_floor_ms(model, PREFILL, *rates)})
+    logits, tokens = _agreement_steps(eager, max(DECODE_BATCHES), feed)
+    return {"capture": report, "rows": rows}, logits, tokens
+
+
+def bench_preset(name: str, bandwidth: float, rates: tuple[float, float], progress: bool) -> dict:
+    out = {"preset": name}
+    model = Model.from_preset(name, dtype=torch.bfloat16, device="cuda")
+    out["bf16"], ref, tokens = bench_model(model, bandwidth, rates, progress, f"{name} bf16")
+    del model
+    torch.cuda.empty_cache()
+    model = Model.from_preset(name, dtype=torch.bfloat16, device="cuda", quantization="fp8")
+    out["fp8"], got, _ = bench_model(model, bandwidth, rates, progress, f"{name} fp8", feed=tokens)
+    p, q = ref.float().log_softmax(-1), got.float().log_softmax(-1)
+    out["top1_agreement"] = (p.argmax(-1) == q.argmax(-1)).float().mean().item()
+    out["mean_kl"] = (p.exp() * (p - q)).sum(-1).mean().item()
+    out["positions"] = p.shape[0] * p.shape[1]
+    del model, ref, got, p, q
+    torch.cuda.empty_cache()
+    return out
+
+
+def run(presets=PRESETS, progress: bool = True) -> dict:
+    bandwidth = copy_bandwidth()
+    rate, _ = matmul_rate()
+    fp8_rate = fp8_matmul_rate()
+    return {
+        "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__, "copy_GB/s": bandwidth / 1e9, "matmul_TFLOP/s": rate / 1e12,
+        "fp8_matmul_TFLOP/s": fp8_rate / 1e12,
+        "presets": [bench_preset(p, bandwidth, (rate, fp8_rate), progress) for p in presets],
+    }
+
+
+def tables(result: dict) -> str:
+    out = [f"{result['device']}, {result['date']}, torch {result['torch']}; copy {result['copy_GB/s']:.0f} GB/s, "
+           f"bf16 matmul {result['matmul_TFLOP/s']:.0f} TFLOP/s, FP8 {result['fp8_matmul_TFLOP/s']:.0f} TFLOP/s "
+           "(sustained)"]
+    for p in result["presets"]:
+        bf, f8 = ({r.get("batch", r.get("tokens")): r for r in p[k]["rows"]} for k in ("bf16", "fp8"))
+        out += ["", f"### {p['preset']}", "",
+                f"FP8 against bf16 over {p['positions']} positions: top-1 agreement {p['top1_agreement']:.3f}, "
+                f"mean KL {p['mean_kl']:.4f} nats", "",
+                "| step | bf16 (ms) | bf16 floor (ms) | bf16/floor | FP8 (ms) | FP8 floor (ms) | FP8/floor | "
+                "bf16/FP8 |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for key in [*DECODE_BATCHES, PREFILL]:
+            a, b = bf[key], f8[key]
+            what = f"decode x{key}" if a["kind"] == "decode" else f"prefill {key} (FLOP floor)"
+            out.append(f"| {what} | {a['graph_ms']:.3f} | {a['floor_ms']:.3f} | {a['graph_ms'] / a['floor_ms']:.2f}x | "
+                       f"{b['graph_ms']:.3f} | {b['floor_ms']:.3f} | {b['graph_ms'] / b['floor_ms']:.2f}x | "
+                       f"{a['graph_ms'] / b['graph_ms']:.2f}x |")
+    return "\n".join(out)
+
+
+def print_table(result: dict) -> None:
+    print("\n" + tables(result))

@@ -10,14 +10,16 @@ of two scale layouts:
   ``scale [..., ceil(N / block), ceil(K / block)]``, the community FP8 format's
   ``weight_scale_inv`` (multiplied, despite its name).
 
-How the products run (``fp8_linear``), by what bounds them:
+Where the products run, by what bounds them (``kernels.linear`` picks):
 
-- small batches read weights: the skinny decode projections (``kernels.decode_linear``) and the
-  grouped MoE GEMMs (``kernels.moe``) stream the FP8 values and dequantize them in registers, so
-  the bytes halve and the activations stay in their dtype (W8A16);
-- wider products on CUDA with bf16/fp16 activations and column scales run on FP8 tensor cores
-  (``torch._scaled_mm``): the activations are quantized per token (dynamic) or with the
-  checkpoint's static ``input_scale``, the output scaled per row and column (W8A8);
+- a few rows read weights: the skinny decode projections (``kernels.decode_linear``), the grouped
+  MoE GEMMs (``kernels.moe``) and the few-row product (``kernels.few_rows``) stream the FP8
+  values and widen them in registers, so the bytes halve and the activations stay in their
+  dtype (W8A16);
+- wider products on CUDA with bf16/fp16 activations and column scales run here on FP8 tensor
+  cores (``fp8_linear``: ``torch._scaled_mm``): the activations are quantized per token
+  (dynamic) or with the checkpoint's static ``input_scale``, the output scaled per row and
+  column (W8A8);
 - anything else (fp32 activations, block scales in a wide product) dequantizes the weight into a
   temporary and runs the plain product: exact, not fast.
 
@@ -36,8 +38,7 @@ import triton.language as tl
 
 from .dispatch import with_reference
 
-__all__ = ["FP8_MAX", "Fp8Weight", "quantize_fp8", "fp8_linear", "fp8_linear_ref", "linear", "quantize_rows",
-           "quantize_rows_ref"]
+__all__ = ["FP8_MAX", "Fp8Weight", "quantize_fp8", "fp8_linear", "fp8_linear_ref", "quantize_rows", "quantize_rows_ref"]
 
 # the largest finite float8_e4m3fn
 FP8_MAX = 448.0
@@ -207,10 +208,3 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) 
     y = torch._scaled_mm(q, w.values.t(), scale_a=row_scale, scale_b=w.scale.view(1, -1).float(),
                          out_dtype=x.dtype)
     return y if bias is None else y.add_(bias)
-
-
-def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` for a plain weight tensor, ``fp8_linear`` for an ``Fp8Weight``."""
-    if isinstance(weight, Fp8Weight):
-        return fp8_linear(x, weight, bias)
-    return F.linear(x, weight, bias)

@@ -12,7 +12,8 @@ import torch
 
 from ...kernels.attention import decode_attention, prefill_attention
 from ...kernels.decode_linear import norm_linear
-from ...kernels.fp8 import Fp8Weight, linear
+from ...kernels.fp8 import Fp8Weight
+from ...kernels.linear import linear
 from ..config import ModelConfig
 from .base import Mixer, Norm, StepContext
 

@@ -13,7 +13,7 @@ import torch
 
 from ...kernels.conv1d import conv1d_update, conv1d_varlen
 from ...kernels.decode_linear import ConvTail, gated_norm_linear, norm_linear
-from ...kernels.fp8 import linear
+from ...kernels.linear import linear
 from ...kernels.norm import gated_rms_norm
 from ...kernels.ssd import ssd_scan
 from ...kernels.state_update import selective_state_update

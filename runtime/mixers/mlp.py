@@ -7,7 +7,7 @@ import torch
 
 from ...kernels.activation import relu2
 from ...kernels.decode_linear import norm_linear
-from ...kernels.fp8 import linear
+from ...kernels.linear import linear
 from ..config import ModelConfig
 from .base import Mixer, Norm, StepContext
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ...kernels.decode_linear import norm_linear
-from ...kernels.fp8 import linear
+from ...kernels.linear import linear
 from ...kernels.moe import block_counts_buffer, moe_experts, moe_route, router_terms
 from ..config import ModelConfig
 from .base import Mixer, Norm, StepContext

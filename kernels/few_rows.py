@@ -1,0 +1,76 @@
+"""Products of a few rows (up to 64) against a weight read once: ``x @ W.T``, bf16 or FP8 weights.
+
+At decode batches of a few rows to a few dozen a projection still costs its weight read, but
+cuBLAS's kernels for such shapes reach less of the bandwidth than one pass over the weight can,
+and an FP8 product through ``torch._scaled_mm`` first quantizes the rows. Here each program owns
+``BN`` output columns and streams its ``[BN, K]`` slice of the weight in K tiles through the
+tensor cores against all rows at once (a 16-64 row tile, the rows past M masked), FP8 values
+widened to the activations' dtype in registers and their scales applied per column or per K
+tile: W8A16, the weight's bytes read once. The tile product is the grouped MoE GEMM's
+(``kernels.moe._tile_product``), over one expert.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .dispatch import with_reference
+from .fp8 import Fp8Weight
+from .moe import _tile_product
+
+__all__ = ["FEW_ROWS_MAX", "few_rows_linear", "few_rows_linear_ref"]
+
+FEW_ROWS_MAX = 64
+
+
+@triton.jit
+def _few_rows_kernel(x_ptr, w_ptr, out_ptr, s_ptr, M, N, K, stride_x, stride_w, stride_out, stride_sn,
+                     PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr):
+    rows = tl.arange(0, BM)
+    one = tl.program_id(0) * 0  # the one expert, as a tensor
+    _tile_product(x_ptr, rows, rows < M, rows, one, w_ptr, out_ptr, tl.program_id(0) * BN, N, K, stride_x, 0, stride_w,
+                  stride_out, s_ptr, 0, stride_sn, False, PRECISION, BM, BN, BK, False, SCALE=SCALE,
+                  SCALE_BLOCK=SCALE_BLOCK)
+
+
+def few_rows_linear_ref(x: torch.Tensor, weight, out: torch.Tensor | None = None, config=None) -> torch.Tensor:
+    w = weight.dequantize() if isinstance(weight, Fp8Weight) else weight.float()
+    y = F.linear(x.float(), w).to(x.dtype)
+    return y if out is None else out.copy_(y)
+
+
+def _config(M: int, N: int, K: int, fp8: bool) -> tuple[int, int, int, int]:
+    """(block_n, block_k, warps, stages): narrow column blocks, so that even a short projection
+    spreads over every SM, and long K tiles deeply pipelined."""
+    return 32, 256 if fp8 else 128, 4, 4
+
+
+@with_reference(few_rows_linear_ref)
+def few_rows_linear(x: torch.Tensor, weight, out: torch.Tensor | None = None, config=None) -> torch.Tensor:
+    """x [M, K] (bf16/fp16/fp32, rows contiguous), M <= FEW_ROWS_MAX, @ weight [N, K] (plain, or an
+    ``Fp8Weight``).T -> out [M, N] in x's dtype. config: (block_n, block_k, warps, stages) in
+    place of the table's (benchmarks sweep it)."""
+    M, K = x.shape
+    fp8 = isinstance(weight, Fp8Weight)
+    values = weight.values if fp8 else weight
+    N = values.shape[0]
+    if M > FEW_ROWS_MAX or values.shape[1] != K or x.stride(1) != 1 or values.stride(1) != 1:
+        raise ValueError(f"few_rows_linear: x [M <= {FEW_ROWS_MAX}, K] and weight [N, K] with contiguous rows, got "
+                         f"{list(x.shape)} and {list(values.shape)}")
+    if out is None:
+        out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    bn, bk, warps, stages = config or _config(M, N, K, fp8)
+    scale, block = (weight.scale, weight.block) if fp8 else (values, 0)
+    if block:
+        bk = min(bk, block)
+    mode = 0 if not fp8 else 2 if block else 1
+    _few_rows_kernel[(triton.cdiv(N, bn),)](
+        x, values, out, scale, M, N, K, x.stride(0), values.stride(0), out.stride(0),
+        scale.stride(0) if mode == 2 else 0,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BM=max(16, triton.next_power_of_2(M)), BN=bn, BK=bk,
+        SCALE=mode, SCALE_BLOCK=block, num_warps=warps, num_stages=stages)
+    return out

@@ -18,6 +18,8 @@ __all__ = ["readme_table", "render", "run_command", "run_table", "serve_table", 
 def run_command(r: dict) -> str:
     """The `mambastep run` command line that wrote the result ``r``."""
     flags = [f"--preset {r['model']}", f"--concurrency {r['concurrency']}", f"--requests {r['requests']}"]
+    if r.get("quantization"):
+        flags.append(f"--quantization {r['quantization']}")
     if r.get("pipelined"):
         flags.append("--pipelined")
     if r.get("mode") == "eager":
@@ -155,7 +157,7 @@ def readme_table(steps, runs=(), kernels: str | None = None) -> str:
 
     def run(name, concurrency, pipelined=False):
         return next((r for r in results if r["model"] == name and r["concurrency"] == concurrency
-                     and bool(r.get("pipelined")) == pipelined), None)
+                     and bool(r.get("pipelined")) == pipelined and not r.get("quantization")), None)
 
     def cell(name, what):
         rows = presets[name]

@@ -163,6 +163,7 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({"model": name, "device": device, "device_name": torch.cuda.get_device_name() if gpu else "CPU",
                        "date": datetime.date.today().isoformat(), "mode": mode, "pipelined": args.pipelined,
+                       "quantization": args.quantization,
                        "requests": requests, "concurrency": concurrency, "sampling": sampling, **stats}, f, indent=1)
     return 0
 

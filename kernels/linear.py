@@ -2,11 +2,14 @@
 kind (a tensor, or an ``Fp8Weight``) and the number of rows.
 
 - plain weights: ``F.linear`` (cuBLAS);
-- FP8 weights, up to ``FEW_ROWS_MAX`` rows on CUDA: ``few_rows_linear``, the FP8 values read once
-  and widened in registers (W8A16: at decode batches the weight read is the cost, and quantizing
-  the rows first only adds launches);
-- FP8 weights, more rows: ``fp8_linear`` (FP8 tensor cores, the rows quantized per token; the
-  CPU's reference).
+- FP8 weights beside bf16/fp16 activations on CUDA, by rows (swept on Nemotron-H-8B's
+  projections on an H200, docs/experiments.md; at 32 rows the few-row product lost to the
+  tensor-core path): up to ``SKINNY_MAX_ROWS`` the skinny decode
+  projection (``kernels.decode_linear``), up to ``FEW_ROWS_FP8_MAX`` the few-row tensor-core
+  product (``kernels.few_rows``), both W8A16, the FP8 values read once and widened in
+  registers, where quantizing the rows first only adds a launch; more rows, ``fp8_linear`` (FP8
+  tensor cores, the rows quantized per token: W8A8);
+- FP8 weights otherwise (fp32 activations, the CPU): ``fp8_linear``, the dequantized product.
 """
 
 from __future__ import annotations
@@ -14,17 +17,25 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .few_rows import FEW_ROWS_MAX, few_rows_linear
+from .decode_linear import norm_linear
+from .few_rows import few_rows_linear
 from .fp8 import Fp8Weight, fp8_linear
 
 __all__ = ["linear"]
+
+SKINNY_MAX_ROWS = 2
+FEW_ROWS_FP8_MAX = 8
 
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T + bias [N] -> [M, N] in x's dtype (see the module doc)."""
     if not isinstance(weight, Fp8Weight):
         return F.linear(x, weight, bias)
-    if x.is_cuda and x.shape[0] <= FEW_ROWS_MAX:
-        y = few_rows_linear(x if x.stride(1) == 1 else x.contiguous(), weight)
-        return y if bias is None else y.add_(bias)
-    return fp8_linear(x, weight, bias)
+    M = x.shape[0]
+    if not x.is_cuda or x.dtype == torch.float32 or M > FEW_ROWS_FP8_MAX:
+        return fp8_linear(x, weight, bias)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    if M <= SKINNY_MAX_ROWS:
+        return norm_linear(x, None, 0.0, weight, bias=bias)
+    y = few_rows_linear(x, weight)
+    return y if bias is None else y.add_(bias)

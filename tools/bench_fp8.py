@@ -131,7 +131,10 @@ def tables(result: dict) -> str:
         bf, f8 = ({r.get("batch", r.get("tokens")): r for r in p[k]["rows"]} for k in ("bf16", "fp8"))
         out += ["", f"### {p['preset']}", "",
                 f"FP8 against bf16 over {p['positions']} positions: top-1 agreement {p['top1_agreement']:.3f}, "
-                f"mean KL {p['mean_kl']:.4f} nats", "",
+                f"mean KL {p['mean_kl']:.4f} nats", ""]
+        if p.get("note"):  # added by hand to a result file: what changed since, or how to read it
+            out += [f"Note: {p['note']}", ""]
+        out += [
                 "| step | bf16 (ms) | bf16 floor (ms) | bf16/floor | FP8 (ms) | FP8 floor (ms) | FP8/floor | "
                 "bf16/FP8 |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for key in [*DECODE_BATCHES, PREFILL]:

@@ -105,9 +105,11 @@ def render(steps=(), kernels: str | None = None, runs=(), serve=(), tune=(), fp8
                 "```", "", bench_steps.__doc__.strip(), ""]
         for path in steps:  # one run of the command each, with its own date and device
             out += [bench_steps.tables(json.loads(Path(path).read_text())), ""]
-    for path in fp8:
+    if fp8:
         out += ["## FP8 beside bf16", "", "```", "mambastep bench fp8 [--preset P ...] --json fp8.json", "```", "",
-                bench_fp8.__doc__.strip(), "", bench_fp8.tables(json.loads(Path(path).read_text())), ""]
+                bench_fp8.__doc__.strip(), ""]
+        for path in fp8:  # one run of the command each, with its own date, device and rates
+            out += [bench_fp8.tables(json.loads(Path(path).read_text())), ""]
     if runs:
         results = _load_results(runs)
         out += ["## The main job", "", "```", "mambastep run --preset P --concurrency C --requests N [--pipelined]",

@@ -20,11 +20,11 @@ def test_plain_weights_take_f_linear():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 3, 64, 65, 300])
+@pytest.mark.parametrize("M", [1, 2, 3, 8, 9, 300])
 def test_fp8_weights_by_rows(M):
-    """Up to 64 rows the FP8 values are read once and widened (W8A16: bf16 rounding of the sums
-    only); past it the rows are quantized per token for the FP8 tensor cores (within e4m3's
-    rounding of each activation)."""
+    """Up to 8 rows the FP8 values are read once and widened (skinny, then few-row products;
+    W8A16: bf16 rounding of the sums only); past it the rows are quantized per token for the FP8
+    tensor cores (within e4m3's rounding of each activation)."""
     torch.manual_seed(M)
     dev = torch.device("cuda")
     x = torch.randn(M, 256, device=dev).to(BF16)
@@ -32,7 +32,7 @@ def test_fp8_weights_by_rows(M):
     b = torch.randn(320, device=dev).to(BF16)
     out = linear(x, w, b)
     ref = fp8_linear_ref(x.cpu(), w.to("cpu"), b.cpu())
-    if M <= 64:
+    if M <= 8:
         assert_close(out.cpu(), ref, BF16, factor=0.25)
     else:
         assert rel_err(out.cpu(), ref) < 0.06

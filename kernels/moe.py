@@ -714,10 +714,6 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
         common = (a.stride(0), weight.stride(0), weight.stride(1), result.stride(0), scale, scale.stride(0),
                   scale.stride(1) if mode == 2 else 0)
         bn, bk, warps, stages = _gemm_config(bm, n, kk, x.dtype)
-        if pairs and T == 1 and x.dtype != torch.float32:
-            # one token's k experts: narrower column blocks spread the weight reads over more
-            # programs (Nemotron-3-Nano: 36 against 40 us, bf16 or FP8; docs/experiments.md)
-            bn = 32
         if scale_block:  # one block scale a K tile
             bk = min(bk, scale_block)
         tma = _tma(weight) and (pairs or up_proj or _tma(a))

@@ -662,9 +662,10 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
 
     x [T, K] (the activations' dtype), idx [T, k] int32 and w [T, k] fp32 from ``moe_route``,
     up [E, I, K], down [E, D, I], plain or ``Fp8Weight`` (their values streamed, entering the
-    tensor cores in x's dtype, and scaled per column or block in the kernel). The routed sum is rounded to x's dtype; then ``shared`` [T, D]
-    (the shared expert's output) is added, and the result is written to ``out`` [T, D], or added
-    into ``residual`` [T, D] in place. Returns what it wrote.
+    tensor cores in x's dtype, and scaled per column or block in the kernel). The routed sum is
+    rounded to x's dtype; then ``shared`` [T, D] (the shared expert's output) is added, and the
+    result is written to ``out`` [T, D], or added into ``residual`` [T, D] in place. Returns what
+    it wrote.
 
     block_counts: the routing's pairs per expert in blocks of tokens (``moe_route``'s), so
     the alignment does not count them again.

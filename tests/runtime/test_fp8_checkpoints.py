@@ -200,28 +200,31 @@ def test_an_fp8_tensor_the_config_excludes_is_refused(tiny, tmp_path):
         Model.from_pretrained(tmp_path / "fp8", dtype=torch.float32)
 
 
-def test_a_missing_or_misshaped_scale_is_named(tiny, tmp_path):
-    write_fp8(tiny, tmp_path / "fp8", tmp_path / "deq", "modelopt-fp8")
+def _refused(tiny, tmp_path, fmt: str, edit, match: str) -> None:
+    """A ``fmt`` checkpoint whose tensors ``edit`` changed is refused with a WeightError matching ``match``."""
+    write_fp8(tiny, tmp_path / "fp8", tmp_path / "deq", fmt)
     path = tmp_path / "fp8" / "model.safetensors"
     tensors = load_file(path)
-    del tensors["backbone.layers.4.mixer.experts.2.down_proj.weight_scale"]
+    edit(tensors)
     save_file(tensors, path, metadata={"format": "pt"})
-    with pytest.raises(WeightError, match=r"experts\.2\.down_proj\.weight_scale: missing"):
+    with pytest.raises(WeightError, match=match):
         Model.from_pretrained(tmp_path / "fp8", dtype=torch.float32)
-    tensors["backbone.layers.4.mixer.experts.2.down_proj.weight_scale"] = torch.ones(32)
-    save_file(tensors, path, metadata={"format": "pt"})
-    with pytest.raises(WeightError, match=r"experts\.2\.down_proj\.weight_scale: expected shape \[\] .*has \[32\]"):
-        Model.from_pretrained(tmp_path / "fp8", dtype=torch.float32)
+
+
+SCALE = "backbone.layers.4.mixer.experts.2.down_proj.weight_scale"
+
+
+def test_a_missing_or_misshaped_scale_is_named(tiny, tmp_path):
+    _refused(tiny, tmp_path, "modelopt-fp8", lambda t: t.pop(SCALE), r"experts\.2\.down_proj\.weight_scale: missing")
+    _refused(tiny, tmp_path, "modelopt-fp8", lambda t: t.update({SCALE: torch.ones(32)}),
+             r"experts\.2\.down_proj\.weight_scale: expected shape \[\] .*has \[32\]")
 
 
 def test_an_fp8_lm_head_is_refused_by_name(tiny, tmp_path):
-    write_fp8(tiny, tmp_path / "fp8", tmp_path / "deq", "fp8-block")
-    path = tmp_path / "fp8" / "model.safetensors"
-    tensors = load_file(path)
-    tensors["lm_head.weight"] = tensors["lm_head.weight"].to(torch.float8_e4m3fn)
-    save_file(tensors, path, metadata={"format": "pt"})
-    with pytest.raises(WeightError, match=r"lm_head\.weight: stored as F8_E4M3; mambastep reads only the block"):
-        Model.from_pretrained(tmp_path / "fp8", dtype=torch.float32)
+    def to_fp8(tensors):
+        tensors["lm_head.weight"] = tensors["lm_head.weight"].to(torch.float8_e4m3fn)
+
+    _refused(tiny, tmp_path, "fp8-block", to_fp8, r"lm_head\.weight: stored as F8_E4M3; mambastep reads only the block")
 
 
 def test_an_unknown_quantization_name_is_refused(tiny):

@@ -40,7 +40,9 @@ def main(argv=None) -> int:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", metavar="PATH", help="HF checkpoint directory (with tokenizer.json)")
     source.add_argument("--preset", choices=sorted(PRESETS), help="built-in shape with random weights")
-    parser.add_argument("--name", help="the model name clients send (default: the path or preset)")
+    parser.add_argument("--served-model-name", "--name", dest="name", nargs="+", metavar="NAME",
+                        help="the model name(s) clients send, any of them (default: the path or preset); "
+                             "responses name the one asked for, /v1/models lists them all")
     parser.add_argument("--chat-template", metavar="PATH", help="a chat template file (the template, or JSON with "
                         "a \"chat_template\" field) in place of the checkpoint's")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -130,7 +132,7 @@ def main(argv=None) -> int:
         # switch interval a busy event loop then keeps it for up to 5 ms, a 130M model's twenty
         # decode steps.
         sys.setswitchinterval(2e-4)
-    settings = _Settings(args.name or args.model or args.preset, args.max_tokens, args.api_key, args.max_body_bytes,
+    settings = _Settings(args.name or [args.model or args.preset], args.max_tokens, args.api_key, args.max_body_bytes,
                          args.max_connections, args.shutdown_timeout, args.watchdog_timeout, args.max_requests,
                          not args.no_access_log, args.request_timeout)
     # /metrics sums every HTTP server process's counts through files here; prometheus_client
@@ -178,7 +180,7 @@ def main(argv=None) -> int:
 class _Settings:
     """What every HTTP server process serves with (picklable, for the spawned ones)."""
 
-    name: str
+    name: list[str]
     max_tokens: int | None
     api_key: str | None
     max_body_bytes: int

@@ -267,6 +267,7 @@ class EngineLoop(_Streams):
         super().__init__(max_requests, watchdog)
         self.text = text
         self.max_context = text.engine.max_context
+        self.tokenizer = text.tokenizer  # the API's /tokenize and echo read it here, off the engine
         self.sampling_defaults = text.tokenizer.sampling_defaults
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="mambastep-engine", daemon=True)
@@ -468,6 +469,7 @@ class EngineClient(_Streams):
             raise ValueError(arg[0])
         self._counts, tokenizer, self.api_processes, self.max_context = arg
         self._texts = TextStreams(tokenizer)  # touched by the reader thread only
+        self.tokenizer = tokenizer  # the API's /tokenize and echo read it here, off the engine
         self.sampling_defaults = tokenizer.sampling_defaults
         self._outbox = _Outbox(conn, name="mambastep-outbox")
         # submissions the engine has not answered: (future, its event loop, prompt ids, stop strings)

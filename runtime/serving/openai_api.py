@@ -1,9 +1,13 @@
 """An OpenAI-compatible HTTP API over the engine loop, as a Starlette (ASGI) app.
 
-    POST /v1/completions        prompt (text or token ids) -> text; "stream": true for SSE
-    POST /v1/chat/completions   messages -> assistant message; "stream": true for SSE
-    GET  /v1/models             the one model served
+    POST /v1/completions        prompt (text or token ids, or a batch of them: a choice each) ->
+                                text; "stream": true for SSE; "echo": the prompt first
+    POST /v1/chat/completions   messages (text content, text parts, an assistant's null) ->
+                                assistant message; "stream": true for SSE
+    GET  /v1/models             the model served, under each of its names
     GET  /v1/models/{id}        that model, or a 404
+    POST /tokenize              vLLM's: a prompt or messages -> token ids (no engine work)
+    POST /detokenize            vLLM's: token ids -> text
     GET  /health                200 while the engine loop runs and every API process listens;
                                 503 "starting", "draining", "failed" (the engine's fault) or "stopped"
     GET  /version               the package's version
@@ -14,14 +18,16 @@ not, queued or running). A request is checked whole before it reaches the engine
 gets a 4xx with an OpenAI-style error body and touches nothing else, a request past the loop's
 bound or during shutdown a 503. A request the engine cannot finish (it failed, or the server is
 shutting down) gets a 500 or 503, or in a stream an error event: never a 200 with partial text.
-Every error, unknown routes and methods included, has the OpenAI-style JSON body. A request field
-this server does not do yet (logprobs, penalties, logit_bias, echo, tools, ...) is a 400 naming it
-unless it asks for nothing; a field no endpoint knows is refused too, as OpenAI refuses it.
+Every error, unknown routes and methods included, has the OpenAI-style JSON body. Request bodies
+are read and checked by ``openai_request``: a field this server does not do yet (logprobs,
+penalties, logit_bias, tools, ...) is a 400 naming it unless it asks for nothing; a field no
+endpoint knows is refused too, as OpenAI refuses it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib.metadata
 import json
 import logging
@@ -35,22 +41,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..request import SamplingParams
+from . import openai_request as fields
 from .loop import EngineLoop, EngineProcess, Overloaded
+from .openai_request import BadRequest
 from .tokenizer import TokenizerError
 
 __all__ = ["create_app"]
 
 _access = logging.getLogger("mambastep.access")
-
-# request fields that are SamplingParams fields of the same name (OpenAI's, plus top_k and ignore_eos)
-_SAMPLING = ("temperature", "top_p", "top_k", "seed", "max_tokens", "ignore_eos")
-
-
-class BadRequest(ValueError):
-    def __init__(self, message: str, param: str | None = None, status: int = 400, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.param, self.status, self.kind = param, status, kind
 
 
 def _error_body(e: BadRequest) -> dict:
@@ -61,91 +59,12 @@ def _error(e: BadRequest) -> JSONResponse:
     return JSONResponse(_error_body(e), status_code=e.status)
 
 
-_UNBOUNDED = 1 << 30  # max_tokens where neither the request nor the server names one: the context's room
-
-
-def _sampling(body: dict, default_max_tokens: int | None, defaults: dict) -> tuple[SamplingParams, bool]:
-    """The request's sampling fields, over the checkpoint's generation_config.json defaults,
-    over OpenAI's (temperature 1); and whether max_tokens is the server's to cap (the request
-    named none: the default, or the rest of the context)."""
-    kw = {"temperature": 1.0, **defaults}
-    for name in _SAMPLING:
-        if body.get(name) is not None:
-            kw[name] = body[name]
-    if body.get("max_completion_tokens") is not None:
-        kw["max_tokens"] = body["max_completion_tokens"]
-    cap = "max_tokens" not in kw
-    if cap:
-        kw["max_tokens"] = default_max_tokens or _UNBOUNDED
-    if body.get("n", 1) != 1:
-        raise BadRequest("n: only 1 choice is supported", "n")
-    try:
-        return SamplingParams(**kw), cap
-    except ValueError as e:
-        raise BadRequest(str(e), str(e).split(":")[0]) from None
-
-
-def _stop(body: dict) -> tuple[str, ...]:
-    stop = body.get("stop")
-    if stop is None:
-        return ()
-    stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
-        raise BadRequest("stop: expected a string or up to 4 non-empty strings", "stop")
-    return tuple(stop)
-
-
-# the fields each endpoint reads (``model``, ``user``: a name and a caller's tag, nothing to do)
-_READ = {"model", "user", "stream", "stream_options", "stop", "n", *_SAMPLING}
-_FIELDS = {"completions": _READ | {"prompt"}, "chat": _READ | {"messages", "max_completion_tokens"}}
-# OpenAI's (and vLLM's) fields not done yet: accepted at the value that asks for nothing, else a
-# 400 naming them, never silently ignored
-_NOT_YET = {
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
-    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
-    "logit_bias": (None, {}), "min_tokens": (None, 0), "stop_token_ids": (None, []), "suffix": (None, ""),
-    "tools": (None, []), "tool_choice": (None, "none", "auto"), "parallel_tool_calls": (None, True, False),
-    "response_format": (None, {"type": "text"}), "functions": (None, []), "function_call": (None, "none", "auto"),
-}
-
-
-def _known_fields(body: dict, endpoint: str) -> None:
-    """Every field of the request is one this server reads, or one it does not do yet left at
-    the value that asks for nothing; else a 400 naming it (as OpenAI refuses what it does not take)."""
-    for name, value in body.items():
-        if name in _FIELDS[endpoint]:
-            continue
-        if name not in _NOT_YET:
-            raise BadRequest(f"{name}: unrecognized request argument", name)
-        if not any(_same(value, ok) for ok in _NOT_YET[name]):
-            raise BadRequest(f"{name}: not supported by this server yet (got {value!r})", name)
-
-
-def _same(value, ok) -> bool:
-    """JSON equality, where true is not 1 nor false 0 (but 0.0 is 0)."""
-    if isinstance(value, bool) or isinstance(ok, bool) or value is None or ok is None:
-        return value is ok
-    return value == ok
-
-
-def _streaming(body: dict) -> tuple[bool, bool]:
-    """(stream, stream_options.include_usage), checked."""
-    stream, options = body.get("stream", False), body.get("stream_options")
-    if stream is not None and not isinstance(stream, bool):
-        raise BadRequest(f"stream: expected true or false, got {stream!r}", "stream")
-    if options is not None and not (isinstance(options, dict) and isinstance(options.get("include_usage", False), bool)):
-        raise BadRequest(f"stream_options: expected {{\"include_usage\": true|false}}, got {options!r}",
-                         "stream_options")
-    if options is not None and not stream:
-        raise BadRequest("stream_options: only with \"stream\": true", "stream_options")
-    return bool(stream), bool((options or {}).get("include_usage"))
-
-
 class _Chunks:
     """The server-sent events of one streamed response, as bytes."""
 
-    def __init__(self, rid: str, kind: str, created: int, model: str, chat: bool):
-        self.rid, self.created, self.model, self.chat = rid, created, model, chat
+    def __init__(self, rid: str, kind: str, created: int, model: str, chat: bool, index: int = 0):
+        """index: the choice these chunks carry (a batch of prompts streams one choice each)."""
+        self.rid, self.created, self.model, self.chat, self.index = rid, created, model, chat, index
         self.object = kind + (".chunk" if chat else "")
         # a step's chunk mid-stream, tens of thousands a second at high concurrency: the same
         # bytes as the general one's, with only the text encoded each time (its last string)
@@ -154,9 +73,9 @@ class _Chunks:
     def __call__(self, text: str | None, reason: str | None = None, role: bool = False) -> bytes:
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else {"content": text or ""}
-            choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+            choice = {"index": self.index, "delta": delta, "finish_reason": reason, "logprobs": None}
         else:
-            choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+            choice = {"index": self.index, "text": text or "", "finish_reason": reason, "logprobs": None}
         data = {"id": self.rid, "object": self.object, "created": self.created, "model": self.model,
                 "choices": [choice]}
         return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
@@ -172,11 +91,12 @@ class _Chunks:
         return self._head + json.dumps(text, ensure_ascii=False).encode() + self._tail
 
 
-def create_app(loop: EngineLoop | EngineProcess, model_name: str, default_max_tokens: int | None = None,
+def create_app(loop: EngineLoop | EngineProcess, model_name: str | list[str], default_max_tokens: int | None = None,
                listening=None, api_key: str | None = None, max_body_bytes: int = 16 << 20,
                draining=lambda: False, access_log: bool = False, request_timeout: float | None = None,
                body_timeout: float = 30.0):
-    """The API over ``loop``, serving ``model_name``; ``default_max_tokens`` where a request
+    """The API over ``loop``, serving ``model_name`` (or several names for it: a request may
+    ask for any, and the response names the one asked for); ``default_max_tokens`` where a request
     names none (None: the rest of the context). ``listening``: None, or a callable giving how
     many of the ``loop.api_processes`` HTTP server processes listen yet; until all do, /health
     answers 503 "starting". ``api_key``: a Bearer token every /v1 route asks for.
@@ -191,6 +111,11 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str, default_max_to
     from .metrics import CONTENT_TYPE, Metrics
 
     metrics = Metrics(loop)
+    names = [model_name] if isinstance(model_name, str) else list(model_name)
+
+    def served(body: dict) -> str:
+        """The name a response gives: the one the request asked for, else the first."""
+        return body.get("model") or names[0]
 
     def authorize(request: Request) -> None:
         if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
@@ -225,63 +150,64 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str, default_max_to
             raise BadRequest("the request body is not valid JSON") from None
         if not isinstance(body, dict):
             raise BadRequest("the request body must be a JSON object")
-        if body.get("model") not in (None, model_name):
-            raise BadRequest(f"model {body.get('model')!r} is not served here; this server serves {model_name!r}",
+        if body.get("model") not in (None, *names):
+            raise BadRequest(f"model {body.get('model')!r} is not served here; this server serves "
+                             f"{' or '.join(map(repr, names))}",
                              "model", status=404, kind="model_not_found")
         if draining() or loop.closed:
             raise BadRequest(f"server unavailable: {loop.failure or 'shutting down'}", status=503,
                              kind="server_error")
         return body
 
-    async def submit(prompt, body: dict):
-        """Every field checked, then the request handed to the engine; its Stream."""
-        (params, cap), stop = _sampling(body, default_max_tokens, loop.sampling_defaults), _stop(body)
+    async def submit(prompts: list, body: dict) -> list:
+        """Every field checked, then each prompt handed to the engine as a request of its own, in
+        order; their Streams. All or nothing: where one is refused, those admitted are aborted."""
+        (params, cap), stop = fields.sampling(body, default_max_tokens, loop.sampling_defaults), fields.stop(body)
+        streams = []
         try:
-            return await loop.submit(prompt, params, stop, cap=cap)
+            for prompt in prompts:
+                streams.append(await loop.submit(prompt, params, stop, cap=cap))
         except Overloaded as e:
-            raise BadRequest(f"server overloaded: {e}", status=503, kind="server_error") from None
+            refused = BadRequest(f"server overloaded: {e}", status=503, kind="server_error")
         except RuntimeError as e:  # the loop has stopped
-            raise BadRequest(f"server unavailable: {e}", status=503, kind="server_error") from None
+            refused = BadRequest(f"server unavailable: {e}", status=503, kind="server_error")
         except (ValueError, TokenizerError, KeyError) as e:
             message = str(e)
-            raise BadRequest(message, next((f for f in ("max_tokens", "prompt") if message.startswith(f)), None)) \
-                from None
+            refused = BadRequest(message, next((f for f in ("max_tokens", "prompt") if message.startswith(f)), None))
+        else:
+            return streams
+        for stream in streams:
+            loop.abort(stream.id)
+        raise refused
 
     async def completions(request: Request):
         arrived = time.monotonic()
         try:
             body = await read_body(request)
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-                prompt = prompt[0]
-            if isinstance(prompt, list) and not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                raise BadRequest("prompt: expected a string or a list of token ids", "prompt")
-            if not isinstance(prompt, (str, list)):
-                raise BadRequest("prompt: expected a string or a list of token ids", "prompt")
-            _known_fields(body, "completions")
-            streaming = _streaming(body)
-            stream = await submit(prompt, body)
+            prompts = fields.prompts(body)
+            fields.known_fields(body, "completions")
+            streaming, echo = fields.streaming(body), fields.echo(body)
+            streams = await submit(prompts, body)
         except BadRequest as e:
             metrics.rejected()
             return _error(e)
-        return await respond(request, stream, streaming, chat=False, arrived=arrived)
+        # echo: each prompt's text before its completion (token ids decoded, special tokens kept)
+        echoes = [p if isinstance(p, str) else loop.tokenizer.decode(p, skip_special_tokens=False)
+                  for p in prompts] if echo else None
+        return await respond(request, streams, streaming, False, arrived, served(body), echoes)
 
     async def chat(request: Request):
         arrived = time.monotonic()
         try:
             body = await read_body(request)
-            messages = body.get("messages")
-            if not (isinstance(messages, list) and messages and all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                    for m in messages)):
-                raise BadRequest("messages: expected a non-empty list of {role, content} strings", "messages")
-            _known_fields(body, "chat")
-            streaming = _streaming(body)
-            stream = await submit([{"role": m["role"], "content": m["content"]} for m in messages], body)
+            messages = fields.messages(body)
+            fields.known_fields(body, "chat")
+            streaming = fields.streaming(body)
+            streams = await submit([messages], body)
         except BadRequest as e:
             metrics.rejected()
             return _error(e)
-        return await respond(request, stream, streaming, chat=True, arrived=arrived)
+        return await respond(request, streams, streaming, True, arrived, served(body))
 
     def failed() -> BadRequest:
         """The error of a request the engine could not finish (it failed, or the server is
@@ -290,129 +216,176 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str, default_max_to
             return BadRequest(f"the engine failed: {loop.failure}", status=500, kind="server_error")
         return BadRequest("the server is shutting down", status=503, kind="server_error")
 
-    async def respond(request: Request, stream, streaming: tuple[bool, bool], chat: bool, arrived: float):
+    async def respond(request: Request, streams: list, streaming: tuple[bool, bool], chat: bool, arrived: float,
+                      model: str, echoes: list[str] | None = None):
+        """The answer to one request of one or more prompts (``streams``), a choice each."""
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
         streamed, include_usage = streaming
         deadline = None if request_timeout is None else arrived + request_timeout
-        metrics.admitted(stream.prompt_tokens)
+        n = len(streams)
+        for stream in streams:
+            metrics.admitted(stream.prompt_tokens)
+        prompt_tokens = sum(stream.prompt_tokens for stream in streams)
+        # each choice's tokens, time of its first token and outcome ("aborted" unless it ends otherwise)
+        tokens, first, outcome = [0] * n, [None] * n, ["aborted"] * n
 
-        def ended(outcome: str, tokens: int, first: float | None) -> None:
-            metrics.ended(outcome, tokens, arrived, first, time.monotonic())
+        def ended() -> None:
+            """Each choice's end, counted once; a choice left unfinished frees its slot."""
+            for i, stream in enumerate(streams):
+                if outcome[i] not in ("stop", "length"):
+                    loop.abort(stream.id)
+                metrics.ended(outcome[i], tokens[i], arrived, first[i], time.monotonic())
 
-        def usage(tokens: int) -> dict:
-            return {"prompt_tokens": stream.prompt_tokens, "completion_tokens": tokens,
-                    "total_tokens": stream.prompt_tokens + tokens}
+        def usage() -> dict:
+            return {"prompt_tokens": prompt_tokens, "completion_tokens": sum(tokens),
+                    "total_tokens": prompt_tokens + sum(tokens)}
 
         def timed_out() -> BadRequest:
             return BadRequest(f"the request took longer than the server's {request_timeout:g} s limit", status=504,
                               kind="timeout")
 
-        if not streamed:
-            pieces, tokens, first = [], 0, None
+        def count(i: int, outs) -> None:
+            got = sum(len(o.token_ids) for o in outs)
+            if first[i] is None and got:
+                first[i] = time.monotonic()
+            tokens[i] += got
 
-            async def collect() -> str:
-                nonlocal tokens, first
+        if not streamed:
+            pieces = [[] for _ in streams]
+
+            async def collect(i: int) -> None:
                 while True:
-                    out = await stream.next()
-                    if first is None and out.token_ids:
-                        first = time.monotonic()
-                    tokens += len(out.token_ids)
-                    pieces.append(out.text)
+                    out = await streams[i].next()
+                    count(i, [out])
+                    pieces[i].append(out.text)
                     if out.finished:
-                        return out.finish_reason
+                        outcome[i] = out.finish_reason if out.finish_reason in ("stop", "length") else "error"
+                        return
 
             # a plain response is not told that its client left: watch for it beside the request
-            collector, watcher = asyncio.ensure_future(collect()), asyncio.ensure_future(_disconnected(request))
+            collector = asyncio.ensure_future(asyncio.gather(*(collect(i) for i in range(n))))
+            watcher = asyncio.ensure_future(_disconnected(request))
             try:
                 timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
                 await asyncio.wait({collector, watcher}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 watcher.cancel()
-                unfinished = not collector.done()
-                if unfinished:  # the client left, or the deadline passed (queued or running): free its slot
+                left = watcher.done() and not watcher.cancelled()
+                if not collector.done():  # the client left, or the deadline passed: free the slots
                     collector.cancel()
-                    loop.abort(stream.id)
-            if unfinished:
-                if watcher.done() and not watcher.cancelled():
-                    ended("aborted", tokens, first)
-                    return Response(status_code=499)  # nobody reads it
-                ended("timeout", tokens, first)
-                return _error(timed_out())
-            reason = collector.result()
-            if reason not in ("stop", "length"):
-                ended("error", tokens, first)
+                    outcome[:] = [o if o != "aborted" else ("aborted" if left else "timeout") for o in outcome]
+                ended()
+            if not collector.done() or collector.cancelled():
+                return Response(status_code=499) if left else _error(timed_out())  # 499: nobody reads it
+            if "error" in outcome:
                 return _error(failed())
-            ended(reason, tokens, first)
-            text = "".join(pieces)
-            choice = {"index": 0, "finish_reason": reason, "logprobs": None}
-            choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
-            return JSONResponse({"id": rid, "object": kind, "created": created, "model": model_name,
-                                 "choices": [choice], "usage": usage(tokens)})
+            choices = []
+            for i in range(n):
+                text = (echoes[i] if echoes else "") + "".join(pieces[i])
+                choice = {"index": i, "finish_reason": outcome[i], "logprobs": None}
+                choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+                choices.append(choice)
+            return JSONResponse({"id": rid, "object": kind, "created": created, "model": model, "choices": choices,
+                                 "usage": usage()})
 
-        chunk = _Chunks(rid, kind, created, model_name, chat)
+        chunks = [_Chunks(rid, kind, created, model, chat, i) for i in range(n)]
 
         async def events():
-            tokens, first = 0, None
-            outcome = "aborted"  # unless it ends otherwise: the client went away mid-stream
+            merged = _Merged(streams)
             try:
                 if chat:
-                    yield chunk(None, role=True)
-                while True:
+                    yield chunks[0](None, role=True)
+                for i, text in enumerate(echoes or ()):
+                    yield chunks[i].text(text)
+                running = n
+                while running:
                     # a chunk a step (empty text included: a piece of a character, held back), or
-                    # every step's output waiting since the last chunk when this stream fell behind;
+                    # every step's output waiting since the last chunk when a stream fell behind;
                     # the per-chunk path stays lean: tens of thousands a second at high concurrency
                     if deadline is None:
-                        outs = await stream.next_all()
+                        i, outs = await merged.next()
                     else:
                         try:
-                            outs = await asyncio.wait_for(stream.next_all(), max(0.0, deadline - time.monotonic()))
+                            i, outs = await asyncio.wait_for(merged.next(), max(0.0, deadline - time.monotonic()))
                         except asyncio.TimeoutError:
-                            outcome = "timeout"
+                            outcome[:] = [o if o != "aborted" else "timeout" for o in outcome]
                             yield f"data: {json.dumps(_error_body(timed_out()))}\n\n".encode()
                             return
+                    count(i, outs)
                     last = outs[-1]
-                    if len(outs) == 1:
-                        n, text = len(last.token_ids), last.text
-                    else:
-                        n, text = sum(len(o.token_ids) for o in outs), "".join(o.text for o in outs)
-                    if first is None and n:
-                        first = time.monotonic()
-                    tokens += n
+                    text = last.text if len(outs) == 1 else "".join(o.text for o in outs)
                     if not last.finished:
-                        yield chunk.text(text)
+                        yield chunks[i].text(text)
                         continue
                     if last.finish_reason not in ("stop", "length"):
                         # the engine failed or the server is going down: an error event, no [DONE]
-                        outcome = "error"
+                        outcome[:] = [o if o != "aborted" else "error" for o in outcome]
                         yield f"data: {json.dumps(_error_body(failed()))}\n\n".encode()
                         return
-                    outcome = last.finish_reason
-                    yield chunk(text, last.finish_reason)
-                    if include_usage:
-                        yield chunk.usage(usage(tokens))
-                    yield "data: [DONE]\n\n"
-                    return
+                    outcome[i] = last.finish_reason
+                    running -= 1
+                    yield chunks[i](text, last.finish_reason)
+                if include_usage:
+                    yield chunks[0].usage(usage())
+                yield "data: [DONE]\n\n"
             finally:
-                if outcome in ("aborted", "timeout"):  # free its slot
-                    loop.abort(stream.id)
-                ended(outcome, tokens, first)
+                merged.close()
+                ended()
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    def model_card() -> dict:
-        return {"id": model_name, "object": "model", "created": 0, "owned_by": "mambastep"}
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "mambastep", "max_model_len": loop.max_context}
 
     async def models(request: Request):
-        return JSONResponse({"object": "list", "data": [model_card()]})
+        return JSONResponse({"object": "list", "data": [model_card(name) for name in names]})
 
     async def model(request: Request):
-        if request.path_params["model"] != model_name:
+        if request.path_params["model"] not in names:
             return _error(BadRequest(f"model {request.path_params['model']!r} is not served here; this server "
-                                     f"serves {model_name!r}", "model", status=404, kind="model_not_found"))
-        return JSONResponse(model_card())
+                                     f"serves {' or '.join(map(repr, names))}", "model", status=404,
+                                     kind="model_not_found"))
+        return JSONResponse(model_card(request.path_params["model"]))
+
+    async def tokenize(request: Request):
+        """vLLM's /tokenize: {"prompt": text} or {"messages": [...]} (the chat template's prompt)
+        -> {"count", "max_model_len", "tokens"}; the engine is not involved."""
+        try:
+            body = await read_body(request)
+            fields.only(body, {"model", "prompt", "messages", "add_special_tokens"}, "tokenize")
+            special = body.get("add_special_tokens", True)
+            if not isinstance(special, bool):
+                raise BadRequest(f"add_special_tokens: expected true or false, got {special!r}", "add_special_tokens")
+            if "messages" in body:
+                work = functools.partial(loop.tokenizer.encode_chat, fields.messages(body))
+            elif isinstance(body.get("prompt"), str):
+                work = functools.partial(loop.tokenizer.encode, body["prompt"], add_special_tokens=special)
+            else:
+                raise BadRequest("prompt: expected a string (or give messages)", "prompt")
+            ids = await asyncio.to_thread(work)  # a long text stalls no stream
+        except TokenizerError as e:
+            return _error(BadRequest(str(e), "messages"))
+        except BadRequest as e:
+            return _error(e)
+        return JSONResponse({"count": len(ids), "max_model_len": loop.max_context, "tokens": ids})
+
+    async def detokenize(request: Request):
+        """vLLM's /detokenize: {"tokens": [ids]} -> {"prompt": text}."""
+        try:
+            body = await read_body(request)
+            fields.only(body, {"model", "tokens"}, "detokenize")
+            ids = body.get("tokens")
+            vocab = loop.tokenizer.vocab_size
+            if not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                                  for t in ids)):
+                raise BadRequest(f"tokens: expected a list of token ids in [0, {vocab})", "tokens")
+            text = await asyncio.to_thread(loop.tokenizer.decode, ids, False)
+        except BadRequest as e:
+            return _error(e)
+        return JSONResponse({"prompt": text})
 
     async def health(request: Request):
         if loop.closed:
@@ -457,6 +430,8 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str, default_max_to
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/models", guarded(models), methods=["GET"]),
         Route("/v1/models/{model:path}", guarded(model), methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/version", version, methods=["GET"]),
         Route("/metrics", metrics_text, methods=["GET"]),
@@ -498,6 +473,34 @@ class _RequestIds:
                 client = scope.get("client") or ("-", 0)
                 _access.info('%s:%s "%s %s" %s %.1f ms id=%s', client[0], client[1], scope["method"], scope["path"],
                              status if status is not None else "-", 1e3 * (time.monotonic() - start), rid)
+
+
+class _Merged:
+    """The outputs of a request's streams as they come, ``(index, outputs)`` a step (a stream's
+    ``next_all``); a lone stream is read directly, several through a task each."""
+
+    def __init__(self, streams: list):
+        self._streams = streams
+        self._queue: asyncio.Queue | None = None
+        if len(streams) > 1:
+            self._queue = asyncio.Queue()
+            self._tasks = [asyncio.ensure_future(self._pump(i, s)) for i, s in enumerate(streams)]
+
+    async def _pump(self, i: int, stream) -> None:
+        while True:
+            outs = await stream.next_all()
+            self._queue.put_nowait((i, outs))
+            if outs[-1].finished:
+                return
+
+    async def next(self):
+        if self._queue is None:
+            return 0, await self._streams[0].next_all()
+        return await self._queue.get()
+
+    def close(self) -> None:
+        for task in self._tasks if self._queue is not None else ():
+            task.cancel()
 
 
 async def _disconnected(request: Request) -> None:

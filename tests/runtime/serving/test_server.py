@@ -52,9 +52,9 @@ def engine_loop(kind, path, max_requests=None, max_context=96):
 class Server:
     """uvicorn in a thread on a free port, over an engine loop of either kind."""
 
-    def __init__(self, path, max_requests=None, max_context=96, kind="thread", listening=None):
+    def __init__(self, path, max_requests=None, max_context=96, kind="thread", listening=None, names=NAME):
         self.loop = engine_loop(kind, path, max_requests, max_context)
-        config = uvicorn.Config(create_app(self.loop, NAME, listening=listening), host="127.0.0.1", port=0,
+        config = uvicorn.Config(create_app(self.loop, names, listening=listening), host="127.0.0.1", port=0,
                                 log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -496,7 +496,8 @@ def test_requests_are_checked_whole_before_admission_and_every_error_is_json(che
     assert out["GET /v1/nothing"][0] == 404 and out["GET /v1/nothing"][1]["error"]["type"] == "not_found_error"
     assert out["GET /v1/completions"][0] == 405 and out["DELETE /v1/models"][0] == 405
     assert out["GET /v1/models/other"][0] == 404 and out["GET /v1/models/other"][1]["error"]["type"] == "model_not_found"
-    assert out["GET /v1/models/" + NAME] == (200, {"id": NAME, "object": "model", "created": 0, "owned_by": "mambastep"})
+    assert out["GET /v1/models/" + NAME] == (200, {"id": NAME, "object": "model", "created": 0, "owned_by": "mambastep",
+                                                   "max_model_len": 40})
     assert out["no key"][0] == 401 and out["no key, models"][0] == 401 and out["no key, health"][0] == 200
 
 
@@ -645,11 +646,11 @@ def test_a_body_sent_too_slowly_is_a_408(checkpoint):
 
 
 def test_openai_parameters_not_done_yet_are_refused_by_name_unless_they_ask_for_nothing(server):
-    """logprobs, penalties, logit_bias, echo, tools and the rest: a 400 naming the parameter
+    """logprobs, penalties, logit_bias, tools and the rest: a 400 naming the parameter
     where it asks for something, accepted at the value that asks for nothing; a field no
     endpoint knows is refused, as OpenAI refuses it. None is silently ignored."""
-    asks = {"logprobs": 2, "top_logprobs": 3, "echo": True, "presence_penalty": 0.5, "frequency_penalty": 1,
-            "repetition_penalty": 1.2, "logit_bias": {"5": -100}, "min_tokens": 4, "stop_token_ids": [3],
+    asks = {"logprobs": 2, "top_logprobs": 3, "presence_penalty": 0.5, "frequency_penalty": 1,
+            "repetition_penalty": 1.2, "logit_bias": {"5": -100}, "min_tokens": 4,
             "best_of": 2, "suffix": "!", "response_format": {"type": "json_object"}, "bogus": 1}
     nothing = {"logprobs": None, "echo": False, "presence_penalty": 0.0, "frequency_penalty": 0,
                "repetition_penalty": 1.0, "logit_bias": {}, "best_of": 1, "user": "me", "tools": None}
@@ -663,3 +664,84 @@ def test_openai_parameters_not_done_yet_are_refused_by_name_unless_they_ask_for_
                                                     "tools": [{"type": "function", "function": {"name": "f"}}]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
     assert server.idle()
+
+
+def test_a_batch_of_prompts_is_a_choice_each_with_echo_and_stop_token_ids(server, checkpoint):
+    """A list of prompts (strings or token ids) in /v1/completions: one choice each, in order,
+    each the text its prompt gets alone, streamed or not; echo puts each prompt first;
+    stop_token_ids end a request at that token."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    prompts = ["the cat", "héllo wörld"]
+    kw = dict(model=NAME, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    r = client.completions.create(prompt=prompts, **kw)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert [c.text for c in r.choices] == [alone(checkpoint, p, 6) for p in prompts]
+    assert r.usage.completion_tokens == 12
+    streamed = ["", ""]
+    for chunk in client.completions.create(prompt=prompts, stream=True, **kw):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == [c.text for c in r.choices]
+    echoed = client.completions.create(prompt=prompts, echo=True, **kw)
+    assert [c.text for c in echoed.choices] == [p + c.text for p, c in zip(prompts, r.choices)]
+    ids = Tokenizer.from_pretrained(checkpoint).encode("the cat")
+    drawn = text_engine(checkpoint).engine.generate([ids], SamplingParams(temperature=0, max_tokens=6,
+                                                                          ignore_eos=True))[0]
+    r = client.completions.create(prompt=[ids, ids], **{**kw, "extra_body": {"ignore_eos": True,
+                                                                              "stop_token_ids": [drawn[2]]}})
+    stop_at = drawn.index(drawn[2]) + 1
+    assert all(c.finish_reason == "stop" for c in r.choices) and r.usage.completion_tokens == 2 * stop_at
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        for body, param in (({"prompt": ["x", 5]}, "prompt"), ({"prompt": []}, "prompt"),
+                            ({"prompt": "x", "echo": 1}, "echo"), ({"prompt": "x", "stop_token_ids": "3"},
+                                                                    "stop_token_ids")):
+            r = http.post("/v1/completions", json={"max_tokens": 2, **body})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    assert server.idle()
+
+
+def test_chat_content_as_text_parts_or_an_assistants_null(server, checkpoint):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    kw = dict(model=NAME, max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    parts = [{"role": "user", "content": [{"type": "text", "text": "héllo"}, {"type": "text", "text": "数据"}]}]
+    plain = [{"role": "user", "content": "héllo\n数据"}]
+    assert (client.chat.completions.create(messages=parts, **kw).choices[0].message.content
+            == alone(checkpoint, plain, 5))
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None},
+             {"role": "user", "content": "again"}]
+    want = alone(checkpoint, [{**m, "content": m["content"] or ""} for m in turns], 5)
+    assert client.chat.completions.create(messages=turns, **kw).choices[0].message.content == want
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        for content in ([{"type": "image_url", "image_url": {"url": "x"}}], None, 5):
+            r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": content}]})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "messages", (content, r.text)
+    assert server.idle()
+
+
+def test_tokenize_and_detokenize(server, checkpoint):
+    tokenizer = Tokenizer.from_pretrained(checkpoint)
+    messages = [{"role": "user", "content": "héllo"}]
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        r = http.post("/tokenize", json={"prompt": "the cat sat"}).json()
+        assert r["tokens"] == tokenizer.encode("the cat sat") and r["count"] == len(r["tokens"])
+        assert r["max_model_len"] == 96
+        assert http.post("/tokenize", json={"messages": messages}).json()["tokens"] == tokenizer.encode_chat(messages)
+        assert http.post("/detokenize", json={"tokens": r["tokens"]}).json()["prompt"] == "the cat sat"
+        for path, body, param in (("/tokenize", {"prompt": 5}, "prompt"), ("/tokenize", {"text": "x"}, "text"),
+                                  ("/detokenize", {"tokens": [1, 10**9]}, "tokens")):
+            r = http.post(path, json=body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
+
+
+def test_several_served_names(checkpoint):
+    """--served-model-name a b: either is the model's name; the response names the one asked for."""
+    s = Server(checkpoint, names=["tiny-a", "tiny-b"])
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none")
+        assert [m.id for m in client.models.list().data] == ["tiny-a", "tiny-b"]
+        assert client.completions.create(model="tiny-b", prompt="x", max_tokens=2).model == "tiny-b"
+        assert client.models.retrieve("tiny-a").id == "tiny-a"
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model=NAME, prompt="x", max_tokens=2)
+    finally:
+        s.stop()

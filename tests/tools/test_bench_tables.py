@@ -165,3 +165,48 @@ def test_tune_tables_put_each_set_beside_the_defaults(tmp_path):
     assert "m, 64 requests at concurrency 16 (600 steps), a budget of 50 graphs" in page
     assert "| default | 50 | 800 / 810 | 1.000 | 1.100 | 1.200 | 1000 | +0.0% |" in page
     assert "| tuned, at most 50 graphs | 20 | 100 / 110 | 1.000 | 1.100 | 1.200 | 1050 | +5.0% |" in page
+
+
+def test_fp8_floors_count_the_bytes_read_and_each_products_rate():
+    """Quantized at load, a model's HBM floor counts FP8 values and their scales (one byte a
+    weight, the excluded modules at their own width), the experts' by the ones read; the prefill
+    floor takes FP8 products at the FP8 rate and the rest at bf16's."""
+    import torch
+
+    from mambastep.kernels.fp8 import Fp8Weight
+    from mambastep.runtime.model import Model
+    from mambastep.runtime.state_pool import StatePool
+    from mambastep.tools.bench_steps import hbm_floor_bytes, prefill_flops, prefill_floor_ms
+
+    bf16 = Model.from_preset("tiny-hybrid", dtype=torch.bfloat16)
+    fp8 = Model.from_preset("tiny-hybrid", dtype=torch.bfloat16, quantization="fp8")
+    pool = StatePool(bf16.cfg, 2, max_context=64, dtype=torch.bfloat16)
+    quantized = [w for b in fp8.blocks for v in vars(b.mixer).values()
+                 for w in (v if isinstance(v, tuple) and not isinstance(v, Fp8Weight) else (v,))
+                 if isinstance(w, Fp8Weight)]
+    assert quantized  # the MLP's, the later Mamba layers', the experts'
+    saved = sum(w.values.numel() - w.scale.numel() * 4 for w in quantized)  # 2 bytes a weight become 1, plus scales
+    assert hbm_floor_bytes(bf16, pool, 1) - hbm_floor_bytes(fp8, pool, 1) == saved
+    # FP8 products free: what is left is the bf16 ones'; equal rates: the FLOP floor
+    rest = prefill_floor_ms(fp8, 64, rate=1.0, fp8_rate=1e30)
+    assert 0 < rest < prefill_floor_ms(bf16, 64, rate=1.0, fp8_rate=1e30)
+    assert prefill_floor_ms(fp8, 64, rate=1.0, fp8_rate=1.0) == pytest.approx(prefill_flops(fp8, 64) * 1e3)
+
+
+def test_fp8_tables_set_bf16_beside_fp8(capsys):
+    from mambastep.tools import bench_fp8
+
+    def rows(ms):
+        decode = [{"kind": "decode", "batch": b, "graph_ms": ms * b, "floor_ms": 0.5 * b, "replay_ms": ms}
+                  for b in bench_fp8.DECODE_BATCHES]
+        return decode + [{"kind": "prefill", "tokens": 2048, "graph_ms": 30.0, "floor_ms": 20.0}]
+
+    bench_fp8.print_table({"device": "GPU", "date": "2026-12-04", "torch": "2", "copy_GB/s": 4274.0,
+                           "matmul_TFLOP/s": 676.0, "fp8_matmul_TFLOP/s": 1240.0,
+                           "presets": [{"preset": "nemotron-h-8b", "bf16": {"rows": rows(1.0)},
+                                        "fp8": {"rows": rows(0.8)}, "top1_agreement": 0.9, "mean_kl": 0.01,
+                                        "positions": 2048, "note": "a note"}]})
+    out = capsys.readouterr().out
+    assert "| decode x1 | 1.000 | 0.500 | 2.00x | 0.800 | 0.500 | 1.60x | 1.25x |" in out
+    assert "| prefill 2048 (FLOP floor) | 30.000 | 20.000 | 1.50x | 30.000 | 20.000 | 1.50x | 1.00x |" in out
+    assert "top-1 agreement 0.900" in out and "Note: a note" in out and "FP8 1240 TFLOP/s" in out

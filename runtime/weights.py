@@ -212,35 +212,8 @@ def load_weights(path: str | Path, cfg: ModelConfig, *, dtype: torch.dtype, devi
         if scales:
             raise WeightError(f"{scales[0]}: a quantized checkpoint's scale tensor ({len(scales)} such) with no "
                               "quantization_config; mambastep reads bf16, fp16 and fp32 weights")
-    found: dict[str, tuple[list[str], bool, bool]] = {}  # name -> (its tensors in the file, stacked?, fp8?)
-    for name, shape in weight_shapes(cfg).items():  # everything checked before anything is read
-        full, stacked = ckpt.find(name), False
-        if full is None and name.endswith(("experts.up_proj", "experts.down_proj")):
-            parts, stacked = _stacked_expert_names(ckpt, name, cfg.n_routed_experts), True
-        else:
-            parts = None if full is None else [full]
-        if parts is None:
-            raise WeightError(f"{name}: missing from the checkpoint at {path}")
-        kinds = set()
-        for part in parts:
-            stored, got = ckpt.describe(part)
-            label = part if stacked else name  # an expert of the stack by its own name
-            kinds.add(_stored_kind(label, stored, name, quant))
-            if stacked:  # one expert of the stack
-                got = (len(parts), *got)
-            if got != shape:
-                raise WeightError(f"{label}: expected shape {list(shape[stacked:])}, checkpoint has "
-                                  f"{list(got[stacked:])}")
-        if len(kinds) > 1:
-            raise WeightError(f"{name}: its experts are stored in different precisions (FP8 and not)")
-        fp8 = kinds == {"fp8"}
-        if fp8:
-            if not stacked and name.endswith(("experts.up_proj", "experts.down_proj")):
-                raise WeightError(f"{name}: an expert stack stored in FP8 as one tensor; FP8 experts are read "
-                                  "one by one (experts.{j}.up_proj.weight with their scales)")
-            for part in parts:
-                _check_scales(ckpt, part, shape[-2:], quant)
-        found[name] = parts, stacked, fp8
+    # name -> (its tensors in the file, stacked?, fp8?): everything checked before anything is read
+    found = {name: _locate(ckpt, name, shape, cfg, quant, path) for name, shape in weight_shapes(cfg).items()}
     out: dict[str, torch.Tensor] = {}
     for name, (parts, stacked, fp8) in found.items():
         if fp8:
@@ -250,6 +223,38 @@ def load_weights(path: str | Path, cfg: ModelConfig, *, dtype: torch.dtype, devi
         t = torch.stack([ckpt.get(p) for p in parts]) if stacked else ckpt.get(parts[0])
         out[name] = t.to(device=device, dtype=torch.float32 if _keeps_fp32(name) else dtype)
     return out
+
+
+def _locate(ckpt: _Checkpoint, name: str, shape: tuple[int, ...], cfg: ModelConfig, quant: Quantization | None,
+            path) -> tuple[list[str], bool, bool]:
+    """Where tensor ``name`` is in the checkpoint, checked from the headers: (its tensors, one
+    or an expert stack's; whether stacked; whether FP8, its scales checked too)."""
+    full, stacked = ckpt.find(name), False
+    if full is None and name.endswith(("experts.up_proj", "experts.down_proj")):
+        parts, stacked = _stacked_expert_names(ckpt, name, cfg.n_routed_experts), True
+    else:
+        parts = None if full is None else [full]
+    if parts is None:
+        raise WeightError(f"{name}: missing from the checkpoint at {path}")
+    kinds = set()
+    for part in parts:
+        stored, got = ckpt.describe(part)
+        label = part if stacked else name  # an expert of the stack by its own name
+        kinds.add(_stored_kind(label, stored, name, quant))
+        if stacked:  # one expert of the stack
+            got = (len(parts), *got)
+        if got != shape:
+            raise WeightError(f"{label}: expected shape {list(shape[stacked:])}, checkpoint has {list(got[stacked:])}")
+    if len(kinds) > 1:
+        raise WeightError(f"{name}: its experts are stored in different precisions (FP8 and not)")
+    fp8 = kinds == {"fp8"}
+    if fp8:
+        if not stacked and name.endswith(("experts.up_proj", "experts.down_proj")):
+            raise WeightError(f"{name}: an expert stack stored in FP8 as one tensor; FP8 experts are read one by one "
+                              "(experts.{j}.up_proj.weight with their scales)")
+        for part in parts:
+            _check_scales(ckpt, part, shape[-2:], quant)
+    return parts, stacked, fp8
 
 
 def _stored_kind(label: str, stored, name: str, quant: Quantization | None) -> str:

@@ -1,8 +1,8 @@
 """Products of a few rows (up to 64) against a weight read once: ``x @ W.T``, bf16 or FP8 weights.
 
-At decode batches of a few rows to a few dozen a projection still costs its weight read, but
-cuBLAS's kernels for such shapes reach less of the bandwidth than one pass over the weight can,
-and an FP8 product through ``torch._scaled_mm`` first quantizes the rows. Here each program owns
+At decode batches of a few rows a projection still costs its weight read. For FP8 weights the
+tensor-core path (``torch._scaled_mm``) first quantizes the rows, a launch of its own, and at a
+few rows reads no faster than bf16 cuBLAS (docs/experiments.md). Here each program owns
 ``BN`` output columns and streams its ``[BN, K]`` slice of the weight in K tiles through the
 tensor cores against all rows at once (a 16-64 row tile, the rows past M masked), FP8 values
 widened to the activations' dtype in registers and their scales applied per column or per K

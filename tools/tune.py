@@ -40,7 +40,7 @@ from ..runtime.model import Model
 from ..runtime.presets import PRESETS
 from ..runtime.weights import WeightError
 from . import tune_measure
-from .args import Parser, device as device_arg, writable_path
+from .args import Parser, add_quantization, device as device_arg, writable_path
 from .run import serve, summarize, workload
 
 __all__ = ["compare", "main", "read_trace", "validated_table", "workload_steps"]
@@ -200,6 +200,7 @@ def main(argv=None) -> int:
                         help="--validate: runs of each set, in reversed order every other round (default 1)")
     parser.add_argument("--json", metavar="PATH", help="write the report (and what --validate measured) as JSON")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    add_quantization(parser)
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
     for flag in ("requests", "concurrency", "max_graphs", "max_decode", "max_prefill", "rounds"):
@@ -232,8 +233,9 @@ def main(argv=None) -> int:
 
     name = args.model or args.preset or ("mamba2-130m" if gpu else "tiny-hybrid")
     try:
-        model = (Model.from_pretrained(args.model, dtype=dtype, device=device) if args.model
-                 else Model.from_preset(name, dtype=dtype, device=device, seed=args.seed))
+        model = (Model.from_pretrained(args.model, dtype=dtype, device=device, quantization=args.quantization)
+                 if args.model else Model.from_preset(name, dtype=dtype, device=device, seed=args.seed,
+                                                      quantization=args.quantization))
     except (ConfigError, WeightError) as e:
         parser.error(f"--model {args.model}: {e}")
 

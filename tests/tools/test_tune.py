@@ -34,6 +34,13 @@ def test_measurements_round_trip_and_are_keyed(model, tmp_path):
     assert tune_measure.load(path, other) is None  # another dtype (or model, device, code): not reused
 
 
+def test_an_fp8_model_is_measured_under_a_key_of_its_own(model):
+    """Quantized at load (`tune --quantization fp8`), a model's costs are cached apart from the
+    full-precision model's."""
+    fp8 = Model.from_preset("tiny-hybrid", dtype=torch.float32, quantization="fp8")
+    assert tune_measure.cache_key(fp8) != tune_measure.cache_key(model)
+
+
 def test_candidates_hold_the_defaults_sizes():
     base = BucketSet.default(cuda=True)
     c = tune_measure.Candidates.around(base)
@@ -87,8 +94,9 @@ def test_tune_reuses_its_cache_and_validates(tmp_path, capsys):
 
 
 def test_the_json_holds_every_set_and_what_it_measured(tmp_path):
+    """(Of a model quantized at load: the option reaches the model the tuner measures.)"""
     out = tmp_path / "tune.json"
-    assert cli.main(["tune", *SMALL, "--requests", "4", "--concurrency", "2", "--measurements",
+    assert cli.main(["tune", *SMALL, "--quantization", "fp8", "--requests", "4", "--concurrency", "2", "--measurements",
                      str(tmp_path / "m.json"), "--out", str(tmp_path / "b.json"), "--validate", "--rounds", "2",
                      "--json", str(out)]) == 0
     result = json.loads(out.read_text())

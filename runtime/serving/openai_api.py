@@ -351,7 +351,8 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str | list[str], de
         return JSONResponse(model_card(request.path_params["model"]))
 
     async def tokenize(request: Request):
-        """vLLM's /tokenize: {"prompt": text} or {"messages": [...]} (the chat template's prompt)
+        """vLLM's /tokenize: {"prompt": text} or {"messages": [...]} (the chat template's prompt),
+        and "add_special_tokens" (default: true for a prompt, false for messages, as vLLM)
         -> {"count", "max_model_len", "tokens"}; the engine is not involved."""
         try:
             body = await read_body(request)
@@ -359,8 +360,10 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str | list[str], de
             special = body.get("add_special_tokens", True)
             if not isinstance(special, bool):
                 raise BadRequest(f"add_special_tokens: expected true or false, got {special!r}", "add_special_tokens")
-            if "messages" in body:
-                work = functools.partial(loop.tokenizer.encode_chat, fields.messages(body))
+            if "messages" in body:  # the template writes its own special tokens: none added unless asked
+                text = loop.tokenizer.apply_chat_template(fields.messages(body))
+                work = functools.partial(loop.tokenizer.encode, text,
+                                         add_special_tokens=body.get("add_special_tokens", False))
             elif isinstance(body.get("prompt"), str):
                 work = functools.partial(loop.tokenizer.encode, body["prompt"], add_special_tokens=special)
             else:

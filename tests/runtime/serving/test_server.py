@@ -726,6 +726,10 @@ def test_tokenize_and_detokenize(server, checkpoint):
         assert r["tokens"] == tokenizer.encode("the cat sat") and r["count"] == len(r["tokens"])
         assert r["max_model_len"] == 96
         assert http.post("/tokenize", json={"messages": messages}).json()["tokens"] == tokenizer.encode_chat(messages)
+        with_bos = http.post("/tokenize", json={"messages": messages, "add_special_tokens": True}).json()["tokens"]
+        assert with_bos == tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=True)
+        assert http.post("/tokenize", json={"prompt": "the cat sat", "add_special_tokens": False}).json()["tokens"] \
+            == tokenizer.encode("the cat sat", add_special_tokens=False)
         assert http.post("/detokenize", json={"tokens": r["tokens"]}).json()["prompt"] == "the cat sat"
         for path, body, param in (("/tokenize", {"prompt": 5}, "prompt"), ("/tokenize", {"text": "x"}, "text"),
                                   ("/detokenize", {"tokens": [1, 10**9]}, "tokens")):

@@ -18,6 +18,7 @@ alone, between CUDA events.
 from __future__ import annotations
 
 import datetime
+import math
 import statistics
 import time
 
@@ -155,8 +156,7 @@ def _prefill_products(model: Model, tokens: int, routed: dict[int, int] | None =
                 nbytes = t.nbytes if fp8 else t.numel() * t.element_size()
                 yield 2.0 * tokens * values.numel(), nbytes, fp8
         if isinstance(m, MoEMixer):
-            per_expert = m.up[0].numel() + m.down[0].numel() if not isinstance(m.up, Fp8Weight) else \
-                (m.up.values[0].numel() + m.down.values[0].numel())
+            per_expert = math.prod(m.up.shape[1:]) + math.prod(m.down.shape[1:])  # plain or FP8 alike
             read = (routed or {}).get(m.layer, m.up.shape[0])
             yield 2.0 * tokens * m.route["top_k"] * per_expert, read * _expert_bytes(m), isinstance(m.up, Fp8Weight)
 

@@ -246,6 +246,10 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str | list[str], de
             return BadRequest(f"the request took longer than the server's {request_timeout:g} s limit", status=504,
                               kind="timeout")
 
+        def end_open(outcome_: str) -> None:
+            """The choices still open (not finished) end as ``outcome_``."""
+            outcome[:] = [o if o != "aborted" else outcome_ for o in outcome]
+
         def count(i: int, outs) -> None:
             got = sum(len(o.token_ids) for o in outs)
             if first[i] is None and got:
@@ -275,7 +279,8 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str | list[str], de
                 left = watcher.done() and not watcher.cancelled()
                 if not collector.done():  # the client left, or the deadline passed: free the slots
                     collector.cancel()
-                    outcome[:] = [o if o != "aborted" else ("aborted" if left else "timeout") for o in outcome]
+                    if not left:
+                        end_open("timeout")
                 ended()
             if not collector.done() or collector.cancelled():
                 return Response(status_code=499) if left else _error(timed_out())  # 499: nobody reads it
@@ -310,7 +315,7 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str | list[str], de
                         try:
                             i, outs = await asyncio.wait_for(merged.next(), max(0.0, deadline - time.monotonic()))
                         except asyncio.TimeoutError:
-                            outcome[:] = [o if o != "aborted" else "timeout" for o in outcome]
+                            end_open("timeout")
                             yield f"data: {json.dumps(_error_body(timed_out()))}\n\n".encode()
                             return
                     count(i, outs)
@@ -321,7 +326,7 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str | list[str], de
                         continue
                     if last.finish_reason not in ("stop", "length"):
                         # the engine failed or the server is going down: an error event, no [DONE]
-                        outcome[:] = [o if o != "aborted" else "error" for o in outcome]
+                        end_open("error")
                         yield f"data: {json.dumps(_error_body(failed()))}\n\n".encode()
                         return
                     outcome[i] = last.finish_reason

@@ -139,6 +139,10 @@ def _fine_grained_fp8(quant: dict) -> Quantization:
     fmt = quant.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise QuantizationError(f"fmt: FP8 {fmt} weights are not read (e4m3 are)")
+    # static: the checkpoint's input_scale tensors, read with each weight; dynamic: per token
+    scheme = quant.get("activation_scheme", "dynamic")
+    if scheme not in ("dynamic", "static"):
+        raise QuantizationError(f"activation_scheme: expected dynamic or static, got {scheme!r}")
     exclude = quant.get("modules_to_not_convert") or quant.get("ignored_layers") or []
     block = quant.get("weight_block_size")
     if block is None:

@@ -32,6 +32,7 @@ def _edit_config(path, **changes):
      "kv_cache_quant_algo: ModelOpt NVFP4 KV cache"),
     ({"quant_method": "fp8", "fmt": "e5m2"}, "fmt: FP8 e5m2 weights are not read"),
     ({"quant_method": "fp8", "weight_block_size": [128, 64]}, "weight_block_size: square blocks"),
+    ({"quant_method": "fp8", "activation_scheme": "per_group"}, "activation_scheme: expected dynamic or static"),
     ({"quant_method": "gptq", "bits": 4}, "gptq weights are not read"),
     ({"quant_method": "compressed-tensors"}, "compressed-tensors weights are not read"),
 ])

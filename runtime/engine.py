@@ -27,9 +27,10 @@ import numpy as np
 import torch
 
 from ..graphs import Bucket, BucketSet
+from ..kernels.logits_processors import MAX_BIASED
 from .decode_options import DecodeOptions
 from .model import Model
-from .request import Request, RequestOutput, SamplingParams
+from .request import Request, RequestOutput, SamplingParams, TokenLogprobs
 from .scheduler import Scheduler
 from .state_pool import StatePool
 from .step_runner import PendingTokens, StepRunner
@@ -118,6 +119,40 @@ class Engine:
         """Queue a prompt; returns its request id. Raises ValueError (and changes nothing) for an
         empty prompt, ids outside the vocabulary, a prompt that leaves no room to generate within
         max_context, or params that are not SamplingParams."""
+        req = self._request(prompt_ids, params)
+        self.requests[req.id] = req
+        self.scheduler.add(req)
+        return req.id
+
+    def add_choices(self, prompt_ids, params: SamplingParams | None = None, n: int = 1) -> list[int]:
+        """Queue ``n`` requests over one prompt, prefilled once: all but its last token run as
+        one prefix, whose state is then copied into each choice's slot. Choice i draws with seed
+        ``params.seed + i`` (or the engine's next n seeds), so its tokens are those of the
+        request alone with that seed. Returns their ids; raises ValueError as ``add_request``,
+        or where the engine has fewer than ``n`` slots."""
+        if not (isinstance(n, int) and not isinstance(n, bool) and n >= 1):
+            raise ValueError(f"n: expected an int >= 1, got {n!r}")
+        if n > self.pool.num_slots:
+            raise ValueError(f"n: {n} choices run at once, in {n} slots; this engine has {self.pool.num_slots}")
+        first = self._request(prompt_ids, params)
+        seed = first.seed
+        if first.params.seed is None:
+            for _ in range(n - 1):
+                next(self._seeds)
+        wrap = lambda s: (s + 2**63) % 2**64 - 2**63  # noqa: E731  (seed + i stays an int64)
+        choices = [first] + [Request(next(self._ids), first.prompt, first.params, wrap(seed + i), bias=first.bias)
+                             for i in range(1, n)]
+        for r in choices:
+            self.requests[r.id] = r
+        if n == 1 or len(first.prompt) == 1:  # nothing to share
+            for r in choices:
+                self.scheduler.add(r)
+        else:
+            self.scheduler.add(Request(-1, first.prompt[:-1], first.params, seed, bias=first.bias, choices=choices))
+        return [r.id for r in choices]
+
+    def _request(self, prompt_ids, params) -> Request:
+        """A checked request with an id and a seed, not queued."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
@@ -137,11 +172,29 @@ class Engine:
         if prompt.size >= self.max_context:
             raise ValueError(f"prompt_ids: {prompt.size} tokens leave no room to generate within "
                              f"max_context={self.max_context} (prompt plus output tokens)")
+        bias = self._bias_entries(params) if params.processed else None
         seed = params.seed if params.seed is not None else next(self._seeds)
-        req = Request(next(self._ids), prompt.astype(np.int64), params, seed)
-        self.requests[req.id] = req
-        self.scheduler.add(req)
-        return req.id
+        return Request(next(self._ids), prompt.astype(np.int64), params, seed, bias=bias)
+
+    def _bias_entries(self, params: SamplingParams) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A request's bias entries (ids, values, until), ``MAX_BIASED`` each: its logit_bias,
+        always, and -inf on its stop tokens while fewer than min_tokens are drawn."""
+        entries = [(t, b, np.iinfo(np.int32).max) for t, b in params.logit_bias]
+        if params.min_tokens:
+            stops = set(params.stop_token_ids)
+            if not params.ignore_eos and self.cfg.eos_token_id is not None:
+                stops.add(self.cfg.eos_token_id)
+            entries += [(t, -np.inf, params.min_tokens) for t in sorted(stops)]
+        if len(entries) > MAX_BIASED:
+            raise ValueError(f"logit_bias: {len(params.logit_bias)} biased tokens (with min_tokens' "
+                             f"{len(entries) - len(params.logit_bias)} stop tokens) exceed {MAX_BIASED}")
+        bad = [t for t, _, _ in entries if t >= self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias: token ids {bad[:5]} outside the vocabulary [0, {self.cfg.vocab_size})")
+        ids, values, until = np.zeros(MAX_BIASED, np.int32), np.zeros(MAX_BIASED, np.float32), np.zeros(MAX_BIASED, np.int32)
+        for i, (t, b, u) in enumerate(entries):
+            ids[i], values[i], until[i] = t, b, u
+        return ids, values, until
 
     def abort(self, request_id: int) -> None:
         """Drop a request wherever it is (queued, in prefill, decoding); its slot is freed, and
@@ -202,6 +255,8 @@ class Engine:
         launched = None
         if self.scheduler.has_work():
             plan, rows = self.scheduler.schedule()
+            for src, dsts, tokens in self.scheduler.forks:
+                self.runner.fork(src, dsts, tokens)
             if plan.num_rows:
                 launched = (self.runner.launch(plan), rows)
                 if self.trace is not None:
@@ -215,13 +270,20 @@ class Engine:
     def _collect(self, launched) -> list[RequestOutput]:
         pending, rows = launched
         tokens = pending.get()
+        logprobs = pending.logprobs()
         outputs = []
-        for req, token in zip(rows, tokens.tolist()):
+        for i, (req, token) in enumerate(zip(rows, tokens.tolist())):
             if req is None or req.finished:
                 continue  # a prompt chunk, or a pipelined step past a stop or an abort
             req.output.append(token)
             req.finish_reason = self._stop_reason(req, token)
-            outputs.append(RequestOutput(req.id, [token], req.finished, req.finish_reason))
+            out = RequestOutput(req.id, [token], req.finished, req.finish_reason)
+            k = req.params.logprobs
+            if k is not None:
+                drawn, top_values, top_ids = logprobs
+                out.logprobs = [TokenLogprobs(float(drawn[i]), list(zip(top_ids[i, :k].tolist(),
+                                                                        top_values[i, :k].tolist())))]
+            outputs.append(out)
             if req.finished:
                 self._retire(req)
         return outputs
@@ -247,7 +309,10 @@ def _hold(held: dict[int, RequestOutput], out: RequestOutput) -> None:
     """Add ``out`` to ``held``, merged into what its request already has there."""
     prev = held.get(out.id)
     if prev is None:
-        held[out.id] = RequestOutput(out.id, list(out.new_tokens), out.finished, out.finish_reason)
+        held[out.id] = RequestOutput(out.id, list(out.new_tokens), out.finished, out.finish_reason,
+                                     None if out.logprobs is None else list(out.logprobs))
     else:
         prev.new_tokens += out.new_tokens
+        if out.logprobs is not None:
+            prev.logprobs = (prev.logprobs or []) + out.logprobs
         prev.finished, prev.finish_reason = out.finished, out.finish_reason

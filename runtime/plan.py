@@ -33,6 +33,15 @@ class StepPlan:
     seed, position:  the request's seed and the index of the token drawn within the request
     sample_slots:    the slot whose next decode input the drawn token becomes, or -1 (a prompt
                      chunk that does not end its prompt)
+
+    Logits processors (``kernels.logits_processors``); empty arrays: the step runs none. Set for
+    a step that holds any chunk or row of a request with processors, at neutral values for the rest:
+    presence, frequency, repetition: per logit row, the row's penalties
+    processor_slots: per logit row, the slot whose counts and bias entries the row reads: -1 for a
+                     row of a request without processors (its slot's entries may be another's)
+    bias_ids, bias_values, bias_until: [n_prefill, MAX_BIASED] the bias entries of each prefill
+                     sequence, read where it starts its prompt (context 0)
+    logprobs:        whether the step computes the log-probabilities of its draws
     """
 
     prefill_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
@@ -48,6 +57,14 @@ class StepPlan:
     seed: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     position: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     sample_slots: np.ndarray = field(default_factory=_i32)
+    presence: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    frequency: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    repetition: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    processor_slots: np.ndarray = field(default_factory=_i32)
+    bias_ids: np.ndarray = field(default_factory=_i32)
+    bias_values: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    bias_until: np.ndarray = field(default_factory=_i32)
+    logprobs: bool = False
 
     @property
     def num_prefill(self) -> int:
@@ -69,6 +86,10 @@ class StepPlan:
     @property
     def sampled(self) -> bool:
         return len(self.temperature) == self.num_rows > 0
+
+    @property
+    def processed(self) -> bool:
+        return self.sampled and len(self.repetition) == self.num_rows
 
     @classmethod
     def make(cls, prefill=(), decode=()) -> "StepPlan":

@@ -3,6 +3,12 @@
 FCFS: prompts already being prefilled continue first (chunked prefill carries a long prompt over
 several steps, its state kept in its slot), then waiting requests are admitted while a state slot
 is free. A full engine queues; it never fails a request for lack of slots.
+
+A prompt of several choices is prefilled once by a prefix request (all but its last token),
+which draws nothing. Once its last chunk is scheduled and slots are free for the other choices,
+it forks: its slot becomes the first choice's, and ``forks`` names the copies of its state into
+the others' slots, which the engine makes before the next step. Each choice then runs the
+prompt's last token as a chunk of its own and draws with its own seed.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from collections import deque
 
 import numpy as np
 
+from ..kernels.logits_processors import MAX_BIASED
 from .plan import StepPlan
 from .request import Request
 
@@ -23,12 +30,21 @@ class Scheduler:
         self.free_slots = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # (source slot, destination slots, tokens) of the prefix requests forked by the last
+        # schedule(): the engine copies them before launching its step
+        self.forks: list[tuple[int, list[int], int]] = []
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
     def release(self, req: Request) -> None:
-        """Give a finished or aborted request's slot back."""
+        """Give a finished or aborted request's slot back (a choice not forked yet: its place)."""
+        for prefix in self.running + list(self.waiting):
+            if prefix.choices and req in prefix.choices:
+                prefix.choices.remove(req)
+                if not prefix.choices:
+                    self.release(prefix)
+                return
         if req in self.running:
             self.running.remove(req)
             self.free_slots.append(req.slot)
@@ -41,8 +57,10 @@ class Scheduler:
     def schedule(self) -> tuple[StepPlan, list[Request | None]]:
         """The next step's plan and, per logit row, the request whose token it draws (None for a
         prompt chunk that does not end its prompt). Advances each request's ``computed`` and
-        ``drawn``."""
-        decodes = [r for r in self.running if r.prompt_done and not r.finished][: self.max_decode]
+        ``drawn``; forks the prefix requests that are ready (``forks``)."""
+        self.forks = [self._fork(r) for r in list(self.running) if r.choices and r.prompt_done
+                      and len(self.free_slots) >= len(r.choices) - 1]
+        decodes = [r for r in self.running if r.prompt_done and not r.finished and not r.choices][: self.max_decode]
         budget = self.token_budget
         chunks: list[tuple[Request, int]] = []
         for r in self.running:
@@ -59,6 +77,19 @@ class Scheduler:
             budget -= n
         return self._plan(chunks, decodes)
 
+    def _fork(self, prefix: Request) -> tuple[int, list[int], int]:
+        """Hand ``prefix``'s slot to its first choice and free slots to the others; the copy."""
+        self.running.remove(prefix)
+        first, *others = prefix.choices
+        first.slot = prefix.slot
+        for r in others:
+            r.slot = self.free_slots.pop()
+        for r in prefix.choices:
+            r.computed = prefix.computed
+            self.running.append(r)
+        prefix.choices = None
+        return prefix.slot, [r.slot for r in others], prefix.computed
+
     def _plan(self, chunks, decodes) -> tuple[StepPlan, list[Request | None]]:
         rows: list[Request | None] = []
         pre_tokens, pre_ctx = [], []
@@ -66,7 +97,7 @@ class Scheduler:
             pre_tokens.append(r.prompt[r.computed : r.computed + n])
             pre_ctx.append(r.computed)
             r.computed += n
-            rows.append(r if r.prompt_done else None)
+            rows.append(r if r.prompt_done and not r.choices else None)
         dec_ctx = []
         for r in decodes:
             dec_ctx.append(r.computed)
@@ -96,5 +127,26 @@ class Scheduler:
             seed=np.array([r.seed if r else 0 for r in rows], dtype=np.int64),
             position=np.array(positions, dtype=np.int64),
             sample_slots=i32([r.slot if r is not None else -1 for r in rows]),
+            logprobs=any(p is not None and p.logprobs is not None for p in params),
         )
+        if any(r.params.processed for r, _ in chunks) or any(r.params.processed for r in decodes):
+            _processors(plan, [r for r, _ in chunks], rows)
         return plan, rows
+
+
+def _processors(plan: StepPlan, chunked: list[Request], rows: list[Request | None]) -> None:
+    """Fill ``plan``'s processor fields: each row's penalties (neutral for a prompt chunk that
+    does not end its prompt), each prefill sequence's bias entries (zeros: none)."""
+    params = [r.params if r is not None else None for r in rows]
+    f32 = lambda v: np.asarray(v, dtype=np.float32)  # noqa: E731
+    plan.presence = f32([p.presence_penalty if p else 0.0 for p in params])
+    plan.frequency = f32([p.frequency_penalty if p else 0.0 for p in params])
+    plan.repetition = f32([p.repetition_penalty if p else 1.0 for p in params])
+    plan.processor_slots = np.asarray([r.slot if r is not None and r.params.processed else -1 for r in rows], np.int32)
+    n = len(chunked)
+    plan.bias_ids = np.zeros((n, MAX_BIASED), np.int32)
+    plan.bias_values = np.zeros((n, MAX_BIASED), np.float32)
+    plan.bias_until = np.zeros((n, MAX_BIASED), np.int32)
+    for i, r in enumerate(chunked):
+        if r.bias is not None:
+            plan.bias_ids[i], plan.bias_values[i], plan.bias_until[i] = r.bias

@@ -45,6 +45,17 @@ class StatePool:
             self.k[i] = torch.zeros(shape, dtype=dtype, device=device)
             self.v[i] = torch.zeros(shape, dtype=dtype, device=device)
 
+    def copy_slot(self, src: int, dsts: torch.Tensor, tokens: int) -> None:
+        """Copy slot ``src``'s state, its first ``tokens`` KV positions, into slots ``dsts`` (an
+        int64 index tensor on the pool's device): two kernels a tensor (the source is copied out
+        first: it may not overlap what is written), no host sync."""
+        for states in (self.conv, self.ssm):
+            for t in states.values():
+                t.index_copy_(0, dsts, t[src].clone().expand(len(dsts), *t.shape[1:]))
+        for states in (self.k, self.v):
+            for t in states.values():
+                t[:, :tokens].index_copy_(0, dsts, t[src, :tokens].clone().expand(len(dsts), tokens, *t.shape[2:]))
+
     def tensors(self) -> list[torch.Tensor]:
         """Every state tensor of the pool (conv, SSM, keys, values): to poison, randomise or snapshot."""
         return [*self.conv.values(), *self.ssm.values(), *self.k.values(), *self.v.values()]

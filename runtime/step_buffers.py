@@ -9,6 +9,10 @@ replay copies the arena as the host left it.
 
 Inputs for a bucket ``(B, Tp)`` (``graphs.Bucket``: B decode rows, Tp prefill tokens) are the
 leading ``[:n]`` slices of the arena's views, so every bucket shares one arena.
+
+The logits processors' inputs (each row's penalties; the bias entries of the requests whose
+prompt starts in the step) sit in a second, smaller arena with a copy of its own, which only
+the processed sampling stage issues: a step without processors neither fills nor copies it.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import numpy as np
 import torch
 
 from ..graphs import Bucket
+from ..kernels.logits_processors import MAX_BIASED
 from ..kernels.varlen import PAD_SLOT_ID, PrefillMetadata, fill_prefill_metadata, max_chunks_for
 from .plan import StepPlan
 from .step_inputs import StepInputs
@@ -25,7 +30,8 @@ __all__ = ["StepBuffers"]
 
 _ALIGN = 64
 # padding values where they are not zero: padding rows have no slot and keep every token (top-p 1)
-_PAD = {"decode_slots": PAD_SLOT_ID, "sample_slots": PAD_SLOT_ID, "top_p": 1}
+_PAD = {"decode_slots": PAD_SLOT_ID, "sample_slots": PAD_SLOT_ID, "top_p": 1, "repetition": 1,
+        "admit_slots": PAD_SLOT_ID, "processor_slots": PAD_SLOT_ID}
 
 
 class _Arena:
@@ -50,6 +56,24 @@ class _Arena:
         self.nbytes = total
         self.bytes = host_np  # the host arena as bytes
         self.offsets = offsets
+        for name, view in self.np.items():
+            view[:] = _PAD.get(name, 0)
+        # external: recorded inside a graph capture it becomes an event-record node, which each
+        # replay records, so ``wait`` can wait for exactly the copy of a captured upload too
+        self._copy_done = torch.cuda.Event(external=True) if device.type == "cuda" else None
+
+    def wait(self) -> None:
+        """Wait until the last copy has left the host arena, which may then be overwritten."""
+        if self._copy_done is not None:
+            self._copy_done.synchronize()
+
+    def upload(self) -> None:
+        """Copy the host arena to the device (asynchronous on the current stream; inside a graph
+        capture, a copy node and an event-record node of the graph)."""
+        if self.device is self.host:
+            return
+        self.device.copy_(self.host, non_blocking=True)
+        self._copy_done.record()
 
 
 class StepBuffers:
@@ -79,13 +103,16 @@ class StepBuffers:
         self.arena = _Arena(spec, self.device)
         # A refill starts by copying this image of every per-row field at its padding value
         # (token 0, row 0, greedy sampling, no slot), then writes only the plan's live entries.
-        for name, view in self.arena.np.items():
-            view[:] = _PAD.get(name, 0)
         self._padding = self.arena.bytes[: self.arena.offsets["input_ids"]].copy()
+        f32 = np.float32
+        self.processors = _Arena({
+            "presence": (f32, S + max_decode), "frequency": (f32, S + max_decode),
+            "repetition": (f32, S + max_decode), "processor_slots": (i32, S + max_decode),
+            "admit_slots": (i32, S), "bias_ids": (i32, S * MAX_BIASED), "bias_values": (f32, S * MAX_BIASED),
+            "bias_until": (i32, S * MAX_BIASED),
+        }, self.device)
+        self._processors_padding = self.processors.bytes.copy()
         self._arange = np.arange(max_decode, dtype=np.int64)
-        # external: recorded inside a graph capture it becomes an event-record node, which each
-        # replay records, so ``fill`` can wait for exactly the copy of a captured upload too
-        self._copy_done = torch.cuda.Event(external=True) if self.device.type == "cuda" else None
         self._inputs: dict[Bucket, StepInputs] = {}
 
     def _prefill_meta(self, views: dict, tokens: int) -> PrefillMetadata:
@@ -136,9 +163,8 @@ class StepBuffers:
             raise ValueError(f"plan ({plan.num_decode} decodes, {plan.num_prefill_tokens} prefill tokens in "
                              f"{plan.num_prefill} sequences) does not fit {bucket}")
         self._check(bucket)
-        if self._copy_done is not None:
-            # the previous step's copy must have left the host arena before we overwrite it
-            self._copy_done.synchronize()
+        # the previous step's copy must have left the host arena before we overwrite it
+        self.arena.wait()
         self.arena.bytes[: len(self._padding)] = self._padding
         h, Tp = self.arena.np, bucket.prefill
         n_pre, n_dec = plan.num_prefill, plan.num_decode
@@ -157,11 +183,38 @@ class StepBuffers:
         if plan.sampled:
             for name in ("temperature", "top_k", "top_p", "seed", "position", "sample_slots"):
                 h[name][: plan.num_rows] = getattr(plan, name)
+        if plan.processed:
+            self._fill_processors(plan)
+
+    def _fill_processors(self, plan: StepPlan) -> None:
+        """The processors' arena: each row's penalties, and the bias entries of each prefill
+        sequence that starts its prompt (the others' slots stay -1: nothing is admitted)."""
+        self.processors.wait()
+        self.processors.bytes[:] = self._processors_padding
+        h, n_pre = self.processors.np, plan.num_prefill
+        for name in ("presence", "frequency", "repetition", "processor_slots"):
+            h[name][: plan.num_rows] = getattr(plan, name)
+        starts = plan.prefill_context == 0
+        h["admit_slots"][:n_pre] = np.where(starts, plan.prefill_slots, PAD_SLOT_ID)
+        # a sequence that is not admitted writes its entries to the last row, which rows without
+        # processors read: only padding may go there
+        for name in ("bias_ids", "bias_values", "bias_until"):
+            h[name][: n_pre * MAX_BIASED] = np.where(starts[:, None], getattr(plan, name), 0).reshape(-1)
+
+    def processor_inputs(self, bucket: Bucket) -> dict[str, torch.Tensor]:
+        """Device views of the processors' arena for ``bucket``: per row presence, frequency,
+        repetition, processor_slots [rows]; per prefill sequence admit_slots [S], bias_* [S, MAX_BIASED]."""
+        d, n, S = self.processors.dev, self.rows(bucket), self.max_prefill_seqs
+        views = {k: d[k][:n] for k in ("presence", "frequency", "repetition", "processor_slots")}
+        views["admit_slots"] = d["admit_slots"]
+        views.update({k: d[k].view(S, MAX_BIASED) for k in ("bias_ids", "bias_values", "bias_until")})
+        return views
 
     def upload(self) -> None:
-        """The step's one host-to-device copy (asynchronous on the current stream; inside a
-        graph capture, a copy node and an event-record node of the graph)."""
-        if self.arena.device is self.arena.host:
-            return
-        self.arena.device.copy_(self.arena.host, non_blocking=True)
-        self._copy_done.record()
+        """The step's one host-to-device copy of its inputs (asynchronous on the current stream;
+        inside a graph capture, a copy node and an event-record node of the graph)."""
+        self.arena.upload()
+
+    def upload_processors(self) -> None:
+        """The processed sampling stage's copy of the processors' arena (as ``upload``)."""
+        self.processors.upload()

@@ -10,19 +10,28 @@ buffers.
 
 Drawn tokens also land in ``slot_tokens`` on the device, indexed by slot: a decode row whose plan
 token is -1 reads its input from there, so consecutive steps need no host round trip.
+
+The draw's variants are (sampling mode, processed, logprobs): ``processed`` copies the
+processors' inputs, updates what each slot has seen (``SlotTokensSeen``) and applies the
+penalties and biases before the draw; ``logprobs`` writes each row's log-probabilities into
+fixed device buffers, copied to pinned memory beside the tokens. A step that needs neither runs
+the draw alone, as before.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 
 import numpy as np
 import torch
 
 from ..graphs import Bucket, BucketSet, CaptureReport, GraphRunner
+from ..kernels.logits_processors import MAX_LOGPROBS, logprobs
 from ..kernels.sample import MODES, sample, sampling_mode
 from .model import Model
 from .plan import StepPlan
+from .slot_tokens_seen import SlotTokensSeen
 from .state_pool import StatePool
 from .step_buffers import StepBuffers
 
@@ -33,14 +42,20 @@ class PendingTokens:
     """The tokens of a launched step, on their way to pinned host memory; ``bucket``: the
     static shape the step ran in."""
 
-    def __init__(self, host: np.ndarray, event: torch.cuda.Event | None, bucket: Bucket):
-        self._host, self._event, self.bucket = host, event, bucket
+    def __init__(self, host: np.ndarray, event: torch.cuda.Event | None, bucket: Bucket,
+                 logprobs: tuple[np.ndarray, ...] | None = None):
+        self._host, self._event, self.bucket, self._logprobs = host, event, bucket, logprobs
 
     def get(self) -> np.ndarray:
         """Wait for the step, then its drawn tokens [n_rows] (a copy)."""
         if self._event is not None:
             self._event.synchronize()
         return self._host.copy()
+
+    def logprobs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """After ``get``: copies of (drawn [n_rows], top values [n_rows, K], top ids [n_rows, K])
+        when the step computed log-probabilities, else None."""
+        return None if self._logprobs is None else tuple(a.copy() for a in self._logprobs)
 
 
 class StepRunner:
@@ -68,17 +83,26 @@ class StepRunner:
         # the token drawn for each slot, the next decode input; the extra last entry takes the
         # tokens of rows that keep none
         self.slot_tokens = torch.zeros(pool.num_slots + 1, dtype=torch.int64, device=model.device)
+        self.seen = SlotTokensSeen(pool.num_slots, model.cfg.vocab_size, model.device)
+        rows = self.buffers.rows(Bucket(self.buffers.max_decode, self.buffers.max_prefill_tokens))
+        k = min(MAX_LOGPROBS, model.cfg.vocab_size)
+        # where the logprobs variants write: drawn, top values, top ids (a row each)
+        self.logprobs = (torch.zeros(rows, dtype=torch.float32, device=model.device),
+                         torch.zeros(rows, k, dtype=torch.float32, device=model.device),
+                         torch.zeros(rows, k, dtype=torch.int64, device=model.device))
         # The stages close over the step's parts, not over the runner: a runner that held its graph
         # runner through its own bound methods would be a reference cycle, freed only by the
         # garbage collector, whose run inside another engine's capture breaks that capture.
         forward = functools.partial(_run_model, model, self.buffers, pool, self.aux_stream, self.expert_stream,
                                     self.slot_tokens)
-        draw = functools.partial(_draw, self.buffers, self.slot_tokens)
-        self.graphs = GraphRunner(forward, draw, MODES, self.buffers.upload, model.device)
-        rows = self.buffers.rows(Bucket(self.buffers.max_decode, self.buffers.max_prefill_tokens))
+        draw = functools.partial(_draw, self.buffers, self.slot_tokens, self.seen, self.logprobs)
+        variants = tuple(itertools.product(MODES, (False, True), (False, True)))
+        self.graphs = GraphRunner(forward, draw, variants, self.buffers.upload, model.device)
         # two host buffers (and their events), so a pipelined step's copy never overwrites
         # tokens not yet read
         self._host_tokens = [torch.zeros(rows, dtype=torch.int64, pin_memory=self.cuda) for _ in range(2)]
+        self._host_logprobs = [tuple(torch.zeros(t.shape, dtype=t.dtype, pin_memory=self.cuda) for t in self.logprobs)
+                               for _ in range(2)]
         self._token_events = [torch.cuda.Event() for _ in range(2)] if self.cuda else None
         self._flip = 0
 
@@ -92,6 +116,15 @@ class StepRunner:
         sampling graph per mode. Padding-only plans warm them up, touching no slot."""
         empty = StepPlan()
         return self.graphs.capture(buckets or self.buckets.all(), lambda b: self.buffers.fill(empty, b), progress)
+
+    def fork(self, src: int, dsts: list[int], tokens: int) -> None:
+        """Copy slot ``src``'s state (its first ``tokens`` positions) and what it has seen into
+        slots ``dsts``, on the device after every step launched so far and before the next: a
+        few kernels, outside the graphs, when a prompt of several choices has been prefilled."""
+        index = torch.tensor(dsts, dtype=torch.int64, pin_memory=self.cuda).to(self.model.device, non_blocking=True)
+        with torch.inference_mode():
+            self.pool.copy_slot(src, index, tokens)
+            self.seen.copy(src, index)
 
     def logits(self, plan: StepPlan, bucket: Bucket | None = None) -> torch.Tensor:
         """Run the plan's forward without drawing: logits [n_rows, vocab] fp32 for its rows (the
@@ -109,15 +142,22 @@ class StepRunner:
         logits = self.graphs.forward(bucket)
         mode = sampling_mode(plan.temperature, plan.top_k, plan.top_p, self.model.cfg.vocab_size) \
             if plan.sampled else "greedy"
-        tokens = self.graphs.tail(bucket, logits, mode)
-        host = self._host_tokens[self._flip][: plan.num_rows]
-        host.copy_(tokens[: plan.num_rows], non_blocking=self.cuda)
+        tokens = self.graphs.tail(bucket, logits, (mode, plan.processed, plan.logprobs))
+        n = plan.num_rows
+        host = self._host_tokens[self._flip][:n]
+        host.copy_(tokens[:n], non_blocking=self.cuda)
+        host_logprobs = None
+        if plan.logprobs:
+            host_logprobs = tuple(h[:n] for h in self._host_logprobs[self._flip])
+            for h, d in zip(host_logprobs, self.logprobs):
+                h.copy_(d[:n], non_blocking=self.cuda)
+            host_logprobs = tuple(h.numpy() for h in host_logprobs)
         event = None
         if self.cuda:
             event = self._token_events[self._flip]
             event.record()
         self._flip ^= 1
-        return PendingTokens(host.numpy(), event, bucket)
+        return PendingTokens(host.numpy(), event, bucket, host_logprobs)
 
 
 def _run_model(model: Model, buffers: StepBuffers, pool: StatePool, aux_stream, expert_stream,
@@ -126,13 +166,30 @@ def _run_model(model: Model, buffers: StepBuffers, pool: StatePool, aux_stream, 
     return model.forward(buffers.inputs(bucket), pool, aux_stream, drawn=slot_tokens, expert_stream=expert_stream)
 
 
-def _draw(buffers: StepBuffers, slot_tokens: torch.Tensor, bucket: Bucket, logits: torch.Tensor,
-          mode: str) -> torch.Tensor:
+def _draw(buffers: StepBuffers, slot_tokens: torch.Tensor, seen: SlotTokensSeen, logprob_out: tuple,
+          bucket: Bucket, logits: torch.Tensor, variant: tuple[str, bool, bool]) -> torch.Tensor:
     """Sample every logit row of ``bucket`` and store kept tokens in ``slot_tokens`` (its last
-    entry takes the tokens of rows that feed no slot)."""
-    *params, sample_slots = buffers.sampling(bucket)
+    entry takes the tokens of rows that feed no slot). ``variant``: (mode, processed, logprobs)
+    as the module doc says; processed rows' logits are changed in place."""
+    mode, processed, with_logprobs = variant
+    temperature, top_k, top_p, seed, position, sample_slots = buffers.sampling(bucket)
+    if processed:
+        buffers.upload_processors()
+        p = buffers.processor_inputs(bucket)
+        seen.admit(p["admit_slots"], p["bias_ids"], p["bias_values"], p["bias_until"])
+        inputs = buffers.inputs(bucket)
+        if inputs.prefill is not None:
+            meta = inputs.prefill
+            token_slots = torch.where(meta.seq_idx >= 0, meta.slot_idx[meta.seq_idx.clamp(min=0).long()], -1)
+            seen.see_prompt(token_slots, inputs.input_ids[: meta.max_tokens])
+        seen.apply(logits, p["processor_slots"], p["presence"], p["frequency"], p["repetition"], position)
     tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-    sample(logits, *params, mode=mode, out=tokens)
+    sample(logits, temperature, top_k, top_p, seed, position, mode=mode, out=tokens)
+    if processed:
+        seen.count(sample_slots, tokens)
+    if with_logprobs:
+        n = logits.shape[0]
+        logprobs(logits, temperature, (temperature == 0) | (top_k == 1), tokens, tuple(t[:n] for t in logprob_out))
     trash = slot_tokens.shape[0] - 1
     where = torch.where(sample_slots >= 0, sample_slots, trash).long()
     slot_tokens.index_copy_(0, where, tokens)

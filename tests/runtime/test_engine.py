@@ -28,7 +28,8 @@ def checkpoint(request, tmp_path_factory):
 
 def engine_for(path, **kw):
     kw.setdefault("num_slots", 3)
-    return Engine.from_pretrained(path, dtype=torch.float32, device="cpu", buckets=BUCKETS, max_context=128, **kw)
+    kw.setdefault("device", "cpu")
+    return Engine.from_pretrained(path, dtype=torch.float32, buckets=BUCKETS, max_context=128, **kw)
 
 
 def run_staggered(engine, arrivals, params=GREEDY):

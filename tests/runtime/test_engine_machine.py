@@ -1,6 +1,6 @@
 """A Hypothesis state machine over the public Engine: requests added (prompts that chunk, at the
 SSD chunk and conv-width edges; greedy or seeded sampling with top-k / top-p; stop tokens;
-short max_tokens), steps, aborts in every state, and every buffer region a step does not own
+short max_tokens; penalties, logit bias, min_tokens and logprobs, or none), steps, aborts in every state, and every buffer region a step does not own
 poisoned between steps.
 
 After every rule: no slot is held twice and free plus held slots are the pool; every step ran
@@ -61,9 +61,24 @@ def prompts(draw):
 
 
 @st.composite
+def processors(draw, max_tokens: int) -> dict:
+    """None, or some of the logits processors, and logprobs or not."""
+    kw = {}
+    if draw(st.booleans()):
+        kw = dict(presence_penalty=draw(st.sampled_from([0.0, 1.5, -0.5])),
+                  frequency_penalty=draw(st.sampled_from([0.0, 2.0])),
+                  repetition_penalty=draw(st.sampled_from([1.0, 1.3, 0.8])),
+                  logit_bias=draw(st.dictionaries(st.integers(0, 511), st.sampled_from([-100.0, 5.0]), max_size=3)),
+                  min_tokens=draw(st.integers(0, max_tokens)))
+    kw["logprobs"] = draw(st.sampled_from([None, 0, 3]))
+    return kw
+
+
+@st.composite
 def sampling(draw):
-    common = dict(max_tokens=draw(st.integers(1, 8)), ignore_eos=draw(st.booleans()),
-                  stop_token_ids=draw(st.lists(st.integers(0, 511), max_size=2)))
+    max_tokens = draw(st.integers(1, 8))
+    common = dict(max_tokens=max_tokens, ignore_eos=draw(st.booleans()),
+                  stop_token_ids=draw(st.lists(st.integers(0, 511), max_size=2)), **draw(processors(max_tokens)))
     if draw(st.booleans()):
         return SamplingParams(temperature=0, **common)
     return SamplingParams(temperature=draw(st.sampled_from([0.7, 1.0])), top_k=draw(st.sampled_from([0, 5, 50])),
@@ -135,6 +150,16 @@ class EngineMachine(RuleBasedStateMachine):
         assert out.id in self.added and out.id not in self.ended, f"output for request {out.id} after it ended"
         self.tokens[out.id] += out.new_tokens
         prompt, params = self.added[out.id]
+        if params.logprobs is None:
+            assert out.logprobs is None
+        else:
+            assert len(out.logprobs) == len(out.new_tokens)
+            for lp in out.logprobs:
+                values = [v for _, v in lp.top]
+                assert len(lp.top) == params.logprobs and values == sorted(values, reverse=True)
+                assert lp.logprob <= 1e-6
+                if params.greedy and values:  # the drawn token is the most likely one
+                    assert lp.logprob >= values[0] - 1e-5
         assert len(self.tokens[out.id]) <= params.max_tokens and len(prompt) + len(self.tokens[out.id]) <= MAX_CONTEXT
         if out.finished:
             assert out.finish_reason in ("stop", "length")

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from mambastep.graphs import Bucket, BucketSet
+from mambastep.kernels.logits_processors import MAX_BIASED
 from mambastep.runtime.decode_options import DecodeOptions
 from mambastep.runtime.engine import Engine, SamplingParams
 from mambastep.runtime.model import Model
@@ -134,7 +135,8 @@ def test_graph_replay_equals_eager(gpu_model, overlap):
     eager = run_script(make_runner(gpu_model, overlap=overlap), script())
     runner = make_runner(gpu_model, overlap=overlap)
     report = runner.capture(progress=False)
-    assert report.graphs == len(BUCKETS.all()) * 4  # a forward graph and three sampling graphs each
+    # a forward graph and a sampling graph per mode x processed x logprobs each
+    assert report.graphs == len(BUCKETS.all()) * 13
     graphed = run_script(runner, script())
     for a, b in zip(eager, graphed):
         assert torch.equal(a.argmax(-1), b.argmax(-1))
@@ -188,6 +190,52 @@ def test_steady_state_allocates_nothing_and_never_syncs(gpu_model):
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert torch.cuda.memory_stats()["allocation.all.allocated"] == before
+
+
+def drawn(plan: StepPlan, temperature: float, top_p: float, processed: bool, logprobs: bool) -> StepPlan:
+    """``plan`` with every row drawn (kept in its slot), with or without processors and logprobs."""
+    n = plan.num_rows
+    slots = np.concatenate([plan.prefill_slots, plan.decode_slots]).astype(np.int32)
+    plan.temperature, plan.top_k = np.full(n, temperature, np.float32), np.zeros(n, np.int32)
+    plan.top_p, plan.seed, plan.position = np.full(n, top_p, np.float32), np.arange(n), np.full(n, 3)
+    plan.sample_slots, plan.logprobs = slots, logprobs
+    if processed:
+        plan.presence, plan.frequency = np.full(n, 0.5, np.float32), np.full(n, 1.0, np.float32)
+        plan.repetition, plan.processor_slots = np.full(n, 1.3, np.float32), slots
+        E = MAX_BIASED
+        plan.bias_ids = np.tile(np.arange(E, dtype=np.int32), (plan.num_prefill, 1))
+        plan.bias_values = np.full((plan.num_prefill, E), -1.0, np.float32)
+        plan.bias_until = np.full((plan.num_prefill, E), 2, np.int32)
+    return plan
+
+
+@pytest.mark.gpu
+def test_every_draw_variant_allocates_nothing_and_never_syncs(gpu_model):
+    """Whole steps, forward and draw, in every sampling mode with and without processors and
+    logprobs: replays only, and one copy of the processors' inputs where they run."""
+    runner = make_runner(gpu_model)
+    runner.capture(progress=False)
+    variants = [(t, p, proc, lp) for t, p in ((0.0, 1.0), (0.8, 1.0), (0.8, 0.9))
+                for proc in (False, True) for lp in (False, True)]
+    steps = [drawn(plan, *v) for v in variants for plan in script()]
+    for plan in steps:
+        runner.launch(plan).get()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for plan in steps:
+            runner.launch(plan)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == before
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for plan in steps:
+            runner.launch(plan)
+        torch.cuda.synchronize()
+    h2d = [e for e in prof.events() if "HtoD" in e.name]
+    assert len(h2d) == len(steps) + sum(plan.processed for plan in steps)
 
 
 @pytest.mark.gpu

@@ -102,12 +102,13 @@ class Stream:
         return outs
 
 
-def _admit(text: TextEngine, ids: list[int], params, stop) -> tuple[int, int]:
-    """Add an encoded request (``TextStreams.encode``) to the engine: (its id, its prompt's
-    tokens); raises on bad input, having changed nothing."""
-    rid = text.engine.add_request(ids, params)
-    text.streams.open(rid, ids, stop)
-    return rid, len(ids)
+def _admit(text: TextEngine, ids: list[int], params, stop, n: int = 1) -> list[int]:
+    """Add an encoded request (``TextStreams.encode``) of ``n`` choices to the engine: their
+    ids; raises on bad input, having changed nothing."""
+    rids = text.engine.add_choices(ids, params, n) if n > 1 else [text.engine.add_request(ids, params)]
+    for rid in rids:
+        text.streams.open(rid, ids, stop)
+    return rids
 
 
 def _drop(text: TextEngine, rid: int) -> None:
@@ -279,13 +280,17 @@ class EngineLoop(_Streams):
         ``params.max_tokens`` is cut to the room its prompt leaves in the context (a max_tokens
         asked for past it is a ValueError). Raises what the engine raises for bad input
         (ValueError, TokenizerError), Overloaded, or RuntimeError once closed."""
+        return (await self.submit_choices(prompt, params, stop, cap))[0]
+
+    async def submit_choices(self, prompt, params, stop=(), cap: bool = False, n: int = 1) -> list[Stream]:
+        """As ``submit``, for ``n`` choices of one prompt (``Engine.add_choices``): a Stream each."""
         if self._closed.is_set():
             raise RuntimeError(self.failure or "the engine loop is closed")
         # tokenizing in the engine's thread would stall every stream: here, or for a long prompt
         # in a worker thread (off the event loop too)
         ids, params, stop = await _encode(self.text.streams, prompt, params, stop, self.max_context, cap)
         done: Future = Future()
-        self._inbox.put(("add", (ids, params, stop, asyncio.get_running_loop(), done)))
+        self._inbox.put(("add", (ids, params, stop, n, asyncio.get_running_loop(), done)))
         return await asyncio.wrap_future(done)
 
     def abort(self, request_id: int) -> None:
@@ -327,16 +332,16 @@ class EngineLoop(_Streams):
 
     def _handle(self, kind: str, arg) -> None:
         if kind == "add":
-            ids, params, stop, loop, done = arg
+            ids, params, stop, n, loop, done = arg
             if (refused := self._overloaded()) is not None:
                 done.set_exception(refused)
                 return
             try:
-                rid, prompt_tokens = _admit(self.text, ids, params, stop)
+                rids = _admit(self.text, ids, params, stop, n)
             except Exception as e:  # bad input: the caller's error, nothing changed here
                 done.set_exception(e)
                 return
-            done.set_result(self._open(rid, prompt_tokens, loop))
+            done.set_result([self._open(rid, len(ids), loop) for rid in rids])
         elif kind == "abort":
             self._abort(arg)
         elif kind == "close":
@@ -406,24 +411,25 @@ class _EngineServer:
         for o in self.engine.step():
             i = self.owner.pop(o.id, None) if o.finished else self.owner.get(o.id)
             if i in outs:
-                outs[i].append((o.id, o.new_tokens, o.finished, o.finish_reason))
+                outs[i].append((o.id, o.new_tokens, o.finished, o.finish_reason, o.logprobs))
         counts = _counts(self.text)
         for i in list(self.live):
             self._send(i, "step", outs[i], counts)
 
     def _handle(self, i: int, kind: str, arg) -> None:
         if kind == "add":
-            token, ids, params = arg
+            token, ids, params, n = arg
             if (refused := _past_bound(len(self.owner), self.max_requests)) is not None:
                 self._send(i, "refused", token, refused)
                 return
             try:
-                rid = self.engine.add_request(ids, params)
+                rids = self.engine.add_choices(ids, params, n) if n > 1 else [self.engine.add_request(ids, params)]
             except Exception as e:  # bad input: the caller's error, nothing changed here
                 self._send(i, "refused", token, e)
                 return
-            self.owner[rid] = i
-            self._send(i, "added", token, rid)
+            for rid in rids:
+                self.owner[rid] = i
+            self._send(i, "added", token, rids)
         elif kind == "abort":
             _drop(self.text, arg[0])
             self.owner.pop(arg[0], None)
@@ -490,6 +496,10 @@ class EngineClient(_Streams):
 
     async def submit(self, prompt, params, stop=(), cap: bool = False) -> Stream:
         """As EngineLoop.submit."""
+        return (await self.submit_choices(prompt, params, stop, cap))[0]
+
+    async def submit_choices(self, prompt, params, stop=(), cap: bool = False, n: int = 1) -> list[Stream]:
+        """As EngineLoop.submit_choices."""
         if self._closed.is_set():
             raise RuntimeError(self.failure or "the engine loop is closed")
         if (refused := self._overloaded(len(self._pending))) is not None:
@@ -499,7 +509,7 @@ class EngineClient(_Streams):
         token = next(self._tokens)
         self._pending[token] = (done, asyncio.get_running_loop(), ids, stop)
         try:
-            self._send("add", token, ids, params)
+            self._send("add", token, ids, params, n)
         except OSError:
             self._pending.pop(token, None)
             raise RuntimeError(self.failure or "the engine loop is closed") from None
@@ -534,9 +544,9 @@ class EngineClient(_Streams):
     def _text(self, outs) -> list[TextOutput]:
         """A step's tokens as text; a request a stop string ended is aborted in the child."""
         texts = []
-        for rid, tokens, finished, reason in outs:
+        for rid, tokens, finished, reason, logprobs in outs:
             if rid in self._texts:  # else aborted meanwhile
-                text, stopped = self._texts.text(rid, tokens, finished, reason)
+                text, stopped = self._texts.text(rid, tokens, finished, reason, logprobs)
                 if stopped:
                     self.abort(rid)
                 texts.append(text)
@@ -552,10 +562,11 @@ class EngineClient(_Streams):
                     outs, self._counts = arg
                     self._deliver(self._text(outs))
                 elif kind == "added":
-                    token, rid = arg
+                    token, rids = arg
                     done, loop, ids, stop = self._pending.pop(token)
-                    self._texts.open(rid, ids, stop)
-                    done.set_result(self._open(rid, len(ids), loop))
+                    for rid in rids:
+                        self._texts.open(rid, ids, stop)
+                    done.set_result([self._open(rid, len(ids), loop) for rid in rids])
                 elif kind == "refused":
                     token, error = arg
                     self._pending.pop(token)[0].set_exception(error)

@@ -1,7 +1,8 @@
 """An OpenAI-compatible HTTP API over the engine loop, as a Starlette (ASGI) app.
 
-    POST /v1/completions        prompt (text or token ids, or a batch of them: a choice each) ->
-                                text; "stream": true for SSE; "echo": the prompt first
+    POST /v1/completions        prompt (text or token ids, or a batch of them: n choices each,
+                                each prompt prefilled once) -> text; "stream": true for SSE;
+                                "echo": the prompt first
     POST /v1/chat/completions   messages (text content, text parts, an assistant's null) ->
                                 assistant message; "stream": true for SSE
     GET  /v1/models             the model served, under each of its names
@@ -19,9 +20,10 @@ gets a 4xx with an OpenAI-style error body and touches nothing else, a request p
 bound or during shutdown a 503. A request the engine cannot finish (it failed, or the server is
 shutting down) gets a 500 or 503, or in a stream an error event: never a 200 with partial text.
 Every error, unknown routes and methods included, has the OpenAI-style JSON body. Request bodies
-are read and checked by ``openai_request``: a field this server does not do yet (logprobs,
-penalties, logit_bias, tools, ...) is a 400 naming it unless it asks for nothing; a field no
-endpoint knows is refused too, as OpenAI refuses it.
+are read and checked by ``openai_request``: a field this server does not do yet (tools,
+response_format, suffix, ...) is a 400 naming it unless it asks for nothing; a field no endpoint
+knows is refused too, as OpenAI refuses it. Log-probabilities come in each endpoint's shape
+(``openai_logprobs``), streamed or not.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from starlette.routing import Route
 
 from . import openai_request as fields
 from .loop import EngineLoop, EngineProcess, Overloaded
+from .openai_logprobs import LogprobFormat
 from .openai_request import BadRequest
 from .tokenizer import TokenizerError
 
@@ -70,12 +73,13 @@ class _Chunks:
         # bytes as the general one's, with only the text encoded each time (its last string)
         self._head, self._tail = self("\0").rsplit(json.dumps("\0").encode(), 1)
 
-    def __call__(self, text: str | None, reason: str | None = None, role: bool = False) -> bytes:
+    def __call__(self, text: str | None, reason: str | None = None, role: bool = False,
+                 logprobs: dict | None = None) -> bytes:
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else {"content": text or ""}
-            choice = {"index": self.index, "delta": delta, "finish_reason": reason, "logprobs": None}
+            choice = {"index": self.index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
         else:
-            choice = {"index": self.index, "text": text or "", "finish_reason": reason, "logprobs": None}
+            choice = {"index": self.index, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
         data = {"id": self.rid, "object": self.object, "created": self.created, "model": self.model,
                 "choices": [choice]}
         return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
@@ -112,6 +116,7 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str | list[str], de
 
     metrics = Metrics(loop)
     names = [model_name] if isinstance(model_name, str) else list(model_name)
+    logprob_format = LogprobFormat(loop.tokenizer)
 
     def served(body: dict) -> str:
         """The name a response gives: the one the request asked for, else the first."""
@@ -159,23 +164,26 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str | list[str], de
                              kind="server_error")
         return body
 
-    async def submit(prompts: list, body: dict) -> list:
+    async def submit(prompts: list, body: dict, chat: bool) -> tuple[list, bool]:
         """Every field checked, then each prompt handed to the engine as a request of its own, in
-        order; their Streams. All or nothing: where one is refused, those admitted are aborted."""
-        (params, cap), stop = fields.sampling(body, default_max_tokens, loop.sampling_defaults), fields.stop(body)
+        order; their Streams, and whether they report log-probabilities. All or nothing: where
+        one is refused, those admitted are aborted."""
+        (params, cap), stop = fields.sampling(body, default_max_tokens, loop.sampling_defaults, chat), fields.stop(body)
+        n = fields.choices(body)
         streams = []
         try:
             for prompt in prompts:
-                streams.append(await loop.submit(prompt, params, stop, cap=cap))
+                streams += await loop.submit_choices(prompt, params, stop, cap=cap, n=n)
         except Overloaded as e:
             refused = BadRequest(f"server overloaded: {e}", status=503, kind="server_error")
         except RuntimeError as e:  # the loop has stopped
             refused = BadRequest(f"server unavailable: {e}", status=503, kind="server_error")
         except (ValueError, TokenizerError, KeyError) as e:
             message = str(e)
-            refused = BadRequest(message, next((f for f in ("max_tokens", "prompt") if message.startswith(f)), None))
+            refused = BadRequest(message, next((f for f in ("max_tokens", "prompt", "logit_bias", "n")
+                                                if message.startswith(f + ":")), None))
         else:
-            return streams
+            return streams, params.logprobs is not None
         for stream in streams:
             loop.abort(stream.id)
         raise refused
@@ -187,14 +195,15 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str | list[str], de
             prompts = fields.prompts(body)
             fields.known_fields(body, "completions")
             streaming, echo = fields.streaming(body), fields.echo(body)
-            streams = await submit(prompts, body)
+            streams, logprobs = await submit(prompts, body, chat=False)
         except BadRequest as e:
             metrics.rejected()
             return _error(e)
         # echo: each prompt's text before its completion (token ids decoded, special tokens kept)
+        n = len(streams) // len(prompts)
         echoes = [p if isinstance(p, str) else loop.tokenizer.decode(p, skip_special_tokens=False)
-                  for p in prompts] if echo else None
-        return await respond(request, streams, streaming, False, arrived, served(body), echoes)
+                  for p in prompts for _ in range(n)] if echo else None
+        return await respond(request, streams, streaming, False, arrived, served(body), echoes, logprobs, n)
 
     async def chat(request: Request):
         arrived = time.monotonic()
@@ -203,11 +212,12 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str | list[str], de
             messages = fields.messages(body)
             fields.known_fields(body, "chat")
             streaming = fields.streaming(body)
-            streams = await submit([messages], body)
+            streams, logprobs = await submit([messages], body, chat=True)
         except BadRequest as e:
             metrics.rejected()
             return _error(e)
-        return await respond(request, streams, streaming, True, arrived, served(body))
+        return await respond(request, streams, streaming, True, arrived, served(body), logprobs=logprobs,
+                             per_prompt=len(streams))
 
     def failed() -> BadRequest:
         """The error of a request the engine could not finish (it failed, or the server is
@@ -217,8 +227,9 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str | list[str], de
         return BadRequest("the server is shutting down", status=503, kind="server_error")
 
     async def respond(request: Request, streams: list, streaming: tuple[bool, bool], chat: bool, arrived: float,
-                      model: str, echoes: list[str] | None = None):
-        """The answer to one request of one or more prompts (``streams``), a choice each."""
+                      model: str, echoes: list[str] | None = None, logprobs: bool = False, per_prompt: int = 1):
+        """The answer to one request of one or more prompts, ``streams`` its choices (each prompt's
+        in turn, ``per_prompt`` each); ``logprobs``: with each choice's log-probabilities."""
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
@@ -227,7 +238,8 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str | list[str], de
         n = len(streams)
         for stream in streams:
             metrics.admitted(stream.prompt_tokens)
-        prompt_tokens = sum(stream.prompt_tokens for stream in streams)
+        # a prompt counts once however many choices it has
+        prompt_tokens = sum(stream.prompt_tokens for stream in streams[::per_prompt])
         # each choice's tokens, time of its first token and outcome ("aborted" unless it ends otherwise)
         tokens, first, outcome = [0] * n, [None] * n, ["aborted"] * n
 
@@ -250,6 +262,19 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str | list[str], de
             """The choices still open (not finished) end as ``outcome_``."""
             outcome[:] = [o if o != "aborted" else outcome_ for o in outcome]
 
+        offsets = [0] * n  # each choice's text offset, for the completions shape
+
+        def logprobs_of(i: int, outs) -> dict | None:
+            """The log-probabilities of choice i's tokens in ``outs``, in the endpoint's shape."""
+            if not logprobs:
+                return None
+            ids = [t for o in outs for t in o.token_ids]
+            values = [lp for o in outs for lp in (o.logprobs or ())]
+            if chat:
+                return logprob_format.chat(ids, values)
+            shaped, offsets[i] = logprob_format.completion(ids, values, offsets[i])
+            return shaped
+
         def count(i: int, outs) -> None:
             got = sum(len(o.token_ids) for o in outs)
             if first[i] is None and got:
@@ -257,13 +282,14 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str | list[str], de
             tokens[i] += got
 
         if not streamed:
-            pieces = [[] for _ in streams]
+            pieces, outputs = [[] for _ in streams], [[] for _ in streams]
 
             async def collect(i: int) -> None:
                 while True:
                     out = await streams[i].next()
                     count(i, [out])
                     pieces[i].append(out.text)
+                    outputs[i].append(out)
                     if out.finished:
                         outcome[i] = out.finish_reason if out.finish_reason in ("stop", "length") else "error"
                         return
@@ -289,7 +315,7 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str | list[str], de
             choices = []
             for i in range(n):
                 text = (echoes[i] if echoes else "") + "".join(pieces[i])
-                choice = {"index": i, "finish_reason": outcome[i], "logprobs": None}
+                choice = {"index": i, "finish_reason": outcome[i], "logprobs": logprobs_of(i, outputs[i])}
                 choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
                 choices.append(choice)
             return JSONResponse({"id": rid, "object": kind, "created": created, "model": model, "choices": choices,
@@ -301,7 +327,8 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str | list[str], de
             merged = _Merged(streams)
             try:
                 if chat:
-                    yield chunks[0](None, role=True)
+                    for chunk in chunks:
+                        yield chunk(None, role=True)
                 for i, text in enumerate(echoes or ()):
                     yield chunks[i].text(text)
                 running = n
@@ -322,7 +349,7 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str | list[str], de
                     last = outs[-1]
                     text = last.text if len(outs) == 1 else "".join(o.text for o in outs)
                     if not last.finished:
-                        yield chunks[i].text(text)
+                        yield chunks[i](text, logprobs=logprobs_of(i, outs)) if logprobs else chunks[i].text(text)
                         continue
                     if last.finish_reason not in ("stop", "length"):
                         # the engine failed or the server is going down: an error event, no [DONE]
@@ -331,7 +358,7 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str | list[str], de
                         return
                     outcome[i] = last.finish_reason
                     running -= 1
-                    yield chunks[i](text, last.finish_reason)
+                    yield chunks[i](text, last.finish_reason, logprobs=logprobs_of(i, outs))
                 if include_usage:
                     yield chunks[0].usage(usage())
                 yield "data: [DONE]\n\n"

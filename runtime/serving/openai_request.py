@@ -1,18 +1,20 @@
 """An OpenAI request body, checked whole and read into what the engine takes: sampling
 parameters, stop strings, prompts (a completion's one or several; a chat's messages, their
 content a string, a list of text parts, or null for an assistant's), and how to answer
-(streamed, usage, echo). Anything wrong is a ``BadRequest`` naming the field; a field this
+(streamed, usage, echo, log-probabilities). Anything wrong is a ``BadRequest`` naming the field; a field this
 server does not do yet is refused by name unless it asks for nothing (``known_fields``)."""
 
 from __future__ import annotations
 
 from ..request import SamplingParams
 
-__all__ = ["BadRequest", "echo", "known_fields", "messages", "only", "prompts", "sampling", "stop", "streaming"]
+__all__ = ["BadRequest", "choices", "echo", "known_fields", "messages", "only", "prompts", "sampling", "stop",
+           "streaming"]
 
 # request fields that are SamplingParams fields of the same name (OpenAI's, plus vLLM's top_k,
-# ignore_eos and stop_token_ids)
-_SAMPLING = ("temperature", "top_p", "top_k", "seed", "max_tokens", "ignore_eos", "stop_token_ids")
+# ignore_eos, stop_token_ids, repetition_penalty and min_tokens)
+_SAMPLING = ("temperature", "top_p", "top_k", "seed", "max_tokens", "ignore_eos", "stop_token_ids",
+             "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")
 _UNBOUNDED = 1 << 30  # max_tokens where neither the request nor the server names one: the context's room
 
 
@@ -22,27 +24,67 @@ class BadRequest(ValueError):
         self.param, self.status, self.kind = param, status, kind
 
 
-def sampling(body: dict, default_max_tokens: int | None, defaults: dict) -> tuple[SamplingParams, bool]:
+def sampling(body: dict, default_max_tokens: int | None, defaults: dict, chat: bool = False
+             ) -> tuple[SamplingParams, bool]:
     """The request's sampling fields, over the checkpoint's generation_config.json defaults,
     over OpenAI's (temperature 1); and whether max_tokens is the server's to cap (the request
-    named none: the default, or the rest of the context)."""
+    named none: the default, or the rest of the context). ``chat``: read logprobs as the chat
+    endpoint has them (``logprobs`` true and ``top_logprobs``), else as completions' (a count)."""
     kw = {"temperature": 1.0, **defaults}
     for name in _SAMPLING:
         if body.get(name) is not None:
             kw[name] = body[name]
+    if body.get("logit_bias") is not None:
+        kw["logit_bias"] = _logit_bias(body["logit_bias"])
+    kw["logprobs"] = _chat_logprobs(body) if chat else _completion_logprobs(body)
     if body.get("max_completion_tokens") is not None:
         kw["max_tokens"] = body["max_completion_tokens"]
     cap = "max_tokens" not in kw
     if cap:
         kw["max_tokens"] = default_max_tokens or _UNBOUNDED
-    if body.get("n", 1) != 1:
-        raise BadRequest("n: only 1 choice is supported", "n")
     if isinstance(kw.get("stop_token_ids"), (str, dict)):
         raise BadRequest(f"stop_token_ids: expected a list of token ids, got {kw['stop_token_ids']!r}", "stop_token_ids")
     try:
         return SamplingParams(**kw), cap
     except ValueError as e:
         raise BadRequest(str(e), str(e).split(":")[0]) from None
+
+
+def _logit_bias(value) -> dict[int, float]:
+    """OpenAI's logit_bias: a JSON object of token ids (as strings) to biases."""
+    if not isinstance(value, dict) or not all(isinstance(k, str) and k.isdigit() for k in value):
+        raise BadRequest(f"logit_bias: expected an object of token ids to biases, got {value!r}", "logit_bias")
+    return {int(k): v for k, v in value.items()}
+
+
+def _completion_logprobs(body: dict) -> int | None:
+    n = body.get("logprobs")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int)):
+        raise BadRequest(f"logprobs: expected null or how many alternatives (0 to 20), got {n!r}", "logprobs")
+    if n is not None and body.get("echo"):
+        raise BadRequest("logprobs: not with echo (the prompt's log-probabilities are not computed)", "logprobs")
+    return n
+
+
+def _chat_logprobs(body: dict) -> int | None:
+    on, top = body.get("logprobs"), body.get("top_logprobs")
+    if on is not None and not isinstance(on, bool):
+        raise BadRequest(f"logprobs: expected true or false, got {on!r}", "logprobs")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int)):
+        raise BadRequest(f"top_logprobs: expected an int from 0 to 20, got {top!r}", "top_logprobs")
+    if top is not None and not on:
+        raise BadRequest("top_logprobs: only with \"logprobs\": true", "top_logprobs")
+    return (top or 0) if on else None
+
+
+def choices(body: dict) -> int:
+    """``n``: the choices of each prompt (each prompt prefilled once, ``Engine.add_choices``)."""
+    n = body.get("n")
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise BadRequest(f"n: expected an int >= 1, got {n!r}", "n")
+    return n
 
 
 def stop(body: dict) -> tuple[str, ...]:
@@ -109,14 +151,13 @@ def messages(body: dict) -> list[dict]:
 
 
 # the fields each endpoint reads (``model``, ``user``: a name and a caller's tag, nothing to do)
-_READ = {"model", "user", "stream", "stream_options", "stop", "n", *_SAMPLING}
-_FIELDS = {"completions": _READ | {"prompt", "echo"}, "chat": _READ | {"messages", "max_completion_tokens"}}
+_READ = {"model", "user", "stream", "stream_options", "stop", "n", "logit_bias", "logprobs", *_SAMPLING}
+_FIELDS = {"completions": _READ | {"prompt", "echo"},
+           "chat": _READ | {"messages", "max_completion_tokens", "top_logprobs"}}
 # OpenAI's (and vLLM's) fields not done yet: accepted at the value that asks for nothing, else a
 # 400 naming them, never silently ignored
 _NOT_YET = {
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "best_of": (None, 1),
-    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
-    "logit_bias": (None, {}), "min_tokens": (None, 0), "suffix": (None, ""),
+    "best_of": (None, 1), "suffix": (None, ""),
     "tools": (None, []), "tool_choice": (None, "none", "auto"), "parallel_tool_calls": (None, True, False),
     "response_format": (None, {"type": "text"}), "functions": (None, []), "function_call": (None, "none", "auto"),
 }

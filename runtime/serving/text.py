@@ -43,6 +43,7 @@ class TextOutput:
     token_ids: list[int]
     finished: bool
     finish_reason: str | None = None
+    logprobs: list | None = None  # a TokenLogprobs per token id, where the request asked for them
 
 
 @dataclass
@@ -122,9 +123,10 @@ class TextStreams:
     def drop(self, rid: int) -> None:
         self._streams.pop(rid, None)
 
-    def text(self, rid: int, tokens: list[int], finished: bool, reason) -> tuple[TextOutput, bool]:
+    def text(self, rid: int, tokens: list[int], finished: bool, reason, logprobs=None) -> tuple[TextOutput, bool]:
         """The text a step's tokens for ``rid`` complete, and whether a stop string ended a
-        request the engine still runs (the caller aborts it there)."""
+        request the engine still runs (the caller aborts it there). ``logprobs``: the tokens',
+        passed on as they are (a stop string cuts the text, not the tokens)."""
         stream = self._streams[rid]
         text = stream.pending + stream.detok.push(tokens)
         if finished:
@@ -134,7 +136,7 @@ class TextStreams:
             text, stopped, reason = self._stop(stream, text, finished, reason)
         if finished or stopped:
             del self._streams[rid]
-        return TextOutput(rid, text, list(tokens), finished or stopped, reason), stopped and not finished
+        return TextOutput(rid, text, list(tokens), finished or stopped, reason, logprobs), stopped and not finished
 
     @staticmethod
     def _stop(stream: _Stream, text: str, finished: bool, reason) -> tuple[str, bool, str | None]:
@@ -190,7 +192,7 @@ class TextEngine:
         for out in self.engine.step():
             if out.id not in self.streams:  # a request added to the engine directly
                 continue
-            text, stopped = self.streams.text(out.id, out.new_tokens, out.finished, out.finish_reason)
+            text, stopped = self.streams.text(out.id, out.new_tokens, out.finished, out.finish_reason, out.logprobs)
             if stopped:
                 self.engine.abort(out.id)
             outputs.append(text)

@@ -154,7 +154,7 @@ def test_raw_http_and_bad_requests(server, checkpoint):
             (json.dumps({"prompt": "x", "top_p": 0}), "top_p"),
             (json.dumps({"prompt": [1, 99999]}), "vocabulary"),
             (json.dumps({"prompt": {"a": 1}}), "prompt"),
-            (json.dumps({"prompt": "x", "n": 2}), "n:"),
+            (json.dumps({"prompt": "x", "n": 0}), "n:"),
             (json.dumps({"prompt": "x", "stop": [""]}), "stop"),
         ]
         for body, match in bad:
@@ -646,12 +646,11 @@ def test_a_body_sent_too_slowly_is_a_408(checkpoint):
 
 
 def test_openai_parameters_not_done_yet_are_refused_by_name_unless_they_ask_for_nothing(server):
-    """logprobs, penalties, logit_bias, tools and the rest: a 400 naming the parameter
-    where it asks for something, accepted at the value that asks for nothing; a field no
-    endpoint knows is refused, as OpenAI refuses it. None is silently ignored."""
-    asks = {"logprobs": 2, "top_logprobs": 3, "presence_penalty": 0.5, "frequency_penalty": 1,
-            "repetition_penalty": 1.2, "logit_bias": {"5": -100}, "min_tokens": 4,
-            "best_of": 2, "suffix": "!", "response_format": {"type": "json_object"}, "bogus": 1}
+    """best_of, suffix, tools and the rest: a 400 naming the parameter where it asks for
+    something, accepted at the value that asks for nothing; a field no endpoint knows (chat's
+    top_logprobs in a completion) is refused, as OpenAI refuses it. None is silently ignored."""
+    asks = {"best_of": 2, "suffix": "!", "response_format": {"type": "json_object"}, "top_logprobs": 2,
+            "bogus": 1}
     nothing = {"logprobs": None, "echo": False, "presence_penalty": 0.0, "frequency_penalty": 0,
                "repetition_penalty": 1.0, "logit_bias": {}, "best_of": 1, "user": "me", "tools": None}
     with httpx.Client(base_url=server.url, timeout=30) as http:
@@ -663,6 +662,87 @@ def test_openai_parameters_not_done_yet_are_refused_by_name_unless_they_ask_for_
         r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
                                                     "tools": [{"type": "function", "function": {"name": "f"}}]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    assert server.idle()
+
+
+def engine_logprobs(path, prompt_ids, params):
+    """(tokens, TokenLogprobs) of the request alone on a fresh engine."""
+    engine = text_engine(path).engine
+    rid = engine.add_request(prompt_ids, params)
+    tokens, lps = [], []
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.id == rid:
+                tokens += o.new_tokens
+                lps += o.logprobs
+    return tokens, lps
+
+
+def test_logprobs_in_both_shapes_streamed_or_not(server, checkpoint):
+    """The official client reads each endpoint's logprobs; they are the engine's own, token by
+    token, and a stream carries the same as a plain response."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    tok = Tokenizer.from_pretrained(checkpoint)
+    kw = dict(model=NAME, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    tokens, ref = engine_logprobs(checkpoint, tok.encode("the cat"),
+                                  SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3))
+    r = client.completions.create(prompt="the cat", logprobs=3, **kw)
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [tok.decode([t], skip_special_tokens=False) for t in tokens]
+    assert lp.token_logprobs == pytest.approx([x.logprob for x in ref], abs=1e-5)
+    for top, x, t in zip(lp.top_logprobs, ref, lp.tokens):
+        expected = {tok.decode([i], skip_special_tokens=False): v for i, v in x.top}
+        assert set(top) == set(expected) | {t} and len(top) <= 4
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    streamed = {"tokens": [], "token_logprobs": [], "text_offset": []}
+    for chunk in client.completions.create(prompt="the cat", logprobs=3, stream=True, **kw):
+        for k in streamed:
+            streamed[k] += getattr(chunk.choices[0].logprobs, k)
+    assert streamed == {k: getattr(lp, k) for k in streamed}
+    c = client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], logprobs=True, top_logprobs=2,
+                                       **kw)
+    content = c.choices[0].logprobs.content
+    assert len(content) == 6 and all(len(e.top_logprobs) == 2 for e in content)
+    assert all(e.logprob == pytest.approx(e.top_logprobs[0].logprob) for e in content)  # greedy: the top token
+    assert all(bytes(e.bytes).decode() == e.token for e in content)
+    streamed = [e for ch in client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], logprobs=True,
+                                                           top_logprobs=2, stream=True, **kw)
+                if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    plain = client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **kw)
+    assert plain.choices[0].logprobs is None
+    assert server.idle()
+
+
+def test_penalties_and_logit_bias_are_the_engines(server, checkpoint):
+    """Each parameter reaches the engine: the text equals the engine's with the same
+    SamplingParams, and a -100 bias on the greedy token changes it; bad values are a 400."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    tok = Tokenizer.from_pretrained(checkpoint)
+    ids = tok.encode("the cat")
+    base = dict(temperature=0, max_tokens=8, ignore_eos=True)
+    plain, _ = engine_logprobs(checkpoint, ids, SamplingParams(**base, logprobs=0))
+    for fields in ({"presence_penalty": 1.5, "frequency_penalty": 0.5}, {"repetition_penalty": 1.4},
+                   {"logit_bias": {plain[0]: -100}}):
+        body = {k: ({str(t): b for t, b in v.items()} if k == "logit_bias" else v) for k, v in fields.items()}
+        r = client.completions.create(model=NAME, prompt="the cat", max_tokens=8, temperature=0,
+                                      extra_body={"ignore_eos": True, **body})
+        want, _ = engine_logprobs(checkpoint, ids, SamplingParams(**base, **fields, logprobs=0))
+        assert r.choices[0].text == tok.decode(want), fields
+    assert want[0] != plain[0]
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        for body, param in (({"presence_penalty": 5}, "presence_penalty"), ({"frequency_penalty": "x"}, "frequency_penalty"),
+                            ({"logit_bias": {"a": 1}}, "logit_bias"), ({"logit_bias": {"3": 500}}, "logit_bias"),
+                            ({"logit_bias": {"99999999": 1}}, "logit_bias"), ({"min_tokens": 50}, "min_tokens"),
+                            ({"logprobs": 21}, "logprobs"), ({"logprobs": True}, "logprobs"),
+                            ({"logprobs": 2, "echo": True}, "logprobs")):
+            r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, **body})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+        for body, param in (({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": 1}, "logprobs"),
+                            ({"logprobs": True, "top_logprobs": 30}, "logprobs")):
+            r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
+                                                        **body})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
     assert server.idle()
 
 
@@ -749,3 +829,40 @@ def test_several_served_names(checkpoint):
             client.completions.create(model=NAME, prompt="x", max_tokens=2)
     finally:
         s.stop()
+
+
+def test_n_choices_each_equal_their_seed_alone(server, checkpoint):
+    """n choices of a prompt (of each prompt in a batch), streamed or not: choice j of a prompt
+    is its text alone with seed + j, the prompt counted once in the usage; n past the engine's
+    slots is a 400 naming n."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    kw = dict(model=NAME, max_tokens=6, temperature=1.0, seed=50, extra_body={"ignore_eos": True})
+    text = text_engine(checkpoint)
+    want = {p: [text.generate([p], SamplingParams(temperature=1.0, seed=50 + j, max_tokens=6, ignore_eos=True))[0]
+                for j in range(3)] for p in ("the cat", "a dog")}
+    r = client.completions.create(prompt=["the cat", "a dog"], n=3, **kw)
+    assert [c.index for c in r.choices] == list(range(6))
+    assert [c.text for c in r.choices] == want["the cat"] + want["a dog"]
+    prompt_tokens = sum(len(Tokenizer.from_pretrained(checkpoint).encode(p)) for p in want)
+    assert r.usage.prompt_tokens == prompt_tokens and r.usage.completion_tokens == 36
+    streamed = [""] * 3
+    for chunk in client.completions.create(prompt="the cat", n=3, stream=True, **kw):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == want["the cat"]
+    messages = [{"role": "user", "content": "hi"}]
+    c = client.chat.completions.create(messages=messages, n=2, **kw)
+    chat_want = [text.generate([messages], SamplingParams(temperature=1.0, seed=50 + j, max_tokens=6,
+                                                          ignore_eos=True))[0] for j in range(2)]
+    assert [ch.message.content for ch in c.choices] == chat_want
+    roles, streamed = [], ["", ""]
+    for chunk in client.chat.completions.create(messages=messages, n=2, stream=True, **kw):
+        for ch in chunk.choices:
+            roles += [ch.index] if ch.delta.role else []
+            streamed[ch.index] += ch.delta.content or ""
+    assert sorted(roles) == [0, 1] and streamed == chat_want
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        for n in (SLOTS + 1, 0, "2"):
+            r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "n": n})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+    assert server.idle()

@@ -9,6 +9,9 @@
                                             FP8 beside bf16 on the same weights: decode and
                                             prefill steps beside each one's floor, and how
                                             closely FP8 follows bf16
+    mambastep bench sampling [--preset P ...] [--json PATH]
+                                            what logprobs and the penalties add to a decode step,
+                                            beside the same step greedy
     mambastep bench profile --preset P --batch B [--prefill T] [--timeline [--window LO:HI]]
                                             per-kernel time of one eager step: B decode rows
                                             (and a prefill chunk of T tokens); --timeline: what
@@ -34,10 +37,10 @@ import sys
 
 import torch
 
-from . import bench_fp8, bench_kernels, bench_markdown, bench_profile, bench_steps
+from . import bench_fp8, bench_kernels, bench_markdown, bench_profile, bench_sampling, bench_steps
 from .args import Parser, writable_path
 
-SUITES = {"kernels": bench_kernels, "steps": bench_steps, "fp8": bench_fp8}
+SUITES = {"kernels": bench_kernels, "steps": bench_steps, "fp8": bench_fp8, "sampling": bench_sampling}
 
 
 def _window(text: str) -> tuple[int, int]:
@@ -62,7 +65,7 @@ def main(argv=None) -> int:
     parser.add_argument("what", choices=sorted(SUITES) + ["profile", "markdown", "serve", "api"],
                         help="which benchmark to run")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
-    parser.add_argument("--preset", action="append", help="steps, fp8: preset(s) to run (default: the suite's)")
+    parser.add_argument("--preset", action="append", help="steps, fp8, sampling: preset(s) to run (default: the suite's)")
     parser.add_argument("--batch", type=int, default=1, help="profile: decode batch")
     parser.add_argument("--prefill", type=int, default=0, help="profile: tokens of one prefill chunk (0: none)")
     parser.add_argument("--timeline", action="store_true",
@@ -73,6 +76,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", metavar="JSON", nargs="*", default=[], help="markdown: JSONs of `bench steps`")
     parser.add_argument("--kernels", metavar="JSON", help="markdown: the JSON of `bench kernels`")
     parser.add_argument("--fp8", metavar="JSON", nargs="*", default=[], help="markdown: JSONs of `bench fp8`")
+    parser.add_argument("--sampling", metavar="JSON", help="markdown: the JSON of `bench sampling`")
     parser.add_argument("--run", metavar="JSON", nargs="*", default=[], help="markdown: JSONs of `mambastep run`")
     parser.add_argument("--serve", metavar="JSON", nargs="*", default=[],
                         help="markdown: JSONs of `bench serve` and of the in-process runs beside them (.ci/gpu-serve)")
@@ -89,7 +93,8 @@ def main(argv=None) -> int:
         if args.readme and not args.steps:
             parser.error("--readme needs --steps")
         text = (bench_markdown.readme_table(args.steps, args.run, args.kernels) if args.readme
-                else bench_markdown.render(args.steps, args.kernels, args.run, args.serve, args.tune, args.fp8))
+                else bench_markdown.render(args.steps, args.kernels, args.run, args.serve, args.tune, args.fp8,
+                                           args.sampling))
         if args.out:
             with open(args.out, "w") as f:
                 f.write(text)
@@ -106,7 +111,7 @@ def main(argv=None) -> int:
             print(bench_profile.profile(preset, args.batch, args.prefill))
         return 0
     suite = SUITES[args.what]
-    result = suite.run(tuple(args.preset)) if (args.what in ("steps", "fp8") and args.preset) else suite.run()
+    result = suite.run(tuple(args.preset)) if (args.what in ("steps", "fp8", "sampling") and args.preset) else suite.run()
     suite.print_table(result)
     if args.json:
         with open(args.json, "w") as f:

@@ -28,6 +28,7 @@ knows is refused too, as OpenAI refuses it. Log-probabilities come in each endpo
 
 from __future__ import annotations
 
+import dataclasses
 import asyncio
 import functools
 import importlib.metadata
@@ -165,11 +166,15 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str | list[str], de
         return body
 
     async def submit(prompts: list, body: dict, chat: bool) -> tuple[list, bool]:
-        """Every field checked, then each prompt handed to the engine as a request of its own, in
-        order; their Streams, and whether they report log-probabilities. All or nothing: where
-        one is refused, those admitted are aborted."""
+        """Every field checked, then each prompt handed to the engine as a request of its own
+        choices (``best_of`` of them, else ``n``), in order; their Streams, and whether they report
+        log-probabilities. All or nothing: where one is refused, those admitted are aborted."""
         (params, cap), stop = fields.sampling(body, default_max_tokens, loop.sampling_defaults, chat), fields.stop(body)
         n = fields.choices(body)
+        logprobs = params.logprobs is not None
+        if not chat and (best := fields.best_of(body, n)) > n:
+            # the best are ranked by their tokens' log-probabilities: drawn whether asked for or not
+            params, n = dataclasses.replace(params, logprobs=params.logprobs or 0), best
         streams = []
         try:
             for prompt in prompts:
@@ -183,7 +188,7 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str | list[str], de
             refused = BadRequest(message, next((f for f in ("max_tokens", "prompt", "logit_bias", "n")
                                                 if message.startswith(f + ":")), None))
         else:
-            return streams, params.logprobs is not None
+            return streams, logprobs
         for stream in streams:
             loop.abort(stream.id)
         raise refused
@@ -200,10 +205,11 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str | list[str], de
             metrics.rejected()
             return _error(e)
         # echo: each prompt's text before its completion (token ids decoded, special tokens kept)
-        n = len(streams) // len(prompts)
+        per_prompt = len(streams) // len(prompts)
         echoes = [p if isinstance(p, str) else loop.tokenizer.decode(p, skip_special_tokens=False)
-                  for p in prompts for _ in range(n)] if echo else None
-        return await respond(request, streams, streaming, False, arrived, served(body), echoes, logprobs, n)
+                  for p in prompts for _ in range(per_prompt)] if echo else None
+        return await respond(request, streams, streaming, False, arrived, served(body), echoes, logprobs, per_prompt,
+                             fields.choices(body))
 
     async def chat(request: Request):
         arrived = time.monotonic()
@@ -227,9 +233,12 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str | list[str], de
         return BadRequest("the server is shutting down", status=503, kind="server_error")
 
     async def respond(request: Request, streams: list, streaming: tuple[bool, bool], chat: bool, arrived: float,
-                      model: str, echoes: list[str] | None = None, logprobs: bool = False, per_prompt: int = 1):
+                      model: str, echoes: list[str] | None = None, logprobs: bool = False, per_prompt: int = 1,
+                      best: int | None = None):
         """The answer to one request of one or more prompts, ``streams`` its choices (each prompt's
-        in turn, ``per_prompt`` each); ``logprobs``: with each choice's log-probabilities."""
+        in turn, ``per_prompt`` each); ``logprobs``: with each choice's log-probabilities;
+        ``best``: of each prompt's choices, answer with this many, those of the highest cumulative
+        log-probability, best first (``best_of``; not streamed)."""
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
@@ -312,10 +321,16 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str | list[str], de
                 return Response(status_code=499) if left else _error(timed_out())  # 499: nobody reads it
             if "error" in outcome:
                 return _error(failed())
+            kept = list(range(n))
+            if best is not None and best < per_prompt:
+                def score(i):
+                    return sum(lp.logprob for o in outputs[i] for lp in o.logprobs or ())
+                kept = [i for g in range(0, n, per_prompt)
+                        for i in sorted(range(g, g + per_prompt), key=score, reverse=True)[:best]]
             choices = []
-            for i in range(n):
+            for index, i in enumerate(kept):
                 text = (echoes[i] if echoes else "") + "".join(pieces[i])
-                choice = {"index": i, "finish_reason": outcome[i], "logprobs": logprobs_of(i, outputs[i])}
+                choice = {"index": index, "finish_reason": outcome[i], "logprobs": logprobs_of(i, outputs[i])}
                 choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
                 choices.append(choice)
             return JSONResponse({"id": rid, "object": kind, "created": created, "model": model, "choices": choices,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ..request import SamplingParams
 
-__all__ = ["BadRequest", "choices", "echo", "known_fields", "messages", "only", "prompts", "sampling", "stop",
+__all__ = ["BadRequest", "best_of", "choices", "echo", "known_fields", "messages", "only", "prompts", "sampling", "stop",
            "streaming"]
 
 # request fields that are SamplingParams fields of the same name (OpenAI's, plus vLLM's top_k,
@@ -87,6 +87,19 @@ def choices(body: dict) -> int:
     return n
 
 
+def best_of(body: dict, n: int) -> int:
+    """``best_of``: choices drawn per prompt, of which the ``n`` with the highest cumulative
+    log-probability are returned (at least n; not with ``stream``, as OpenAI has it)."""
+    value = body.get("best_of")
+    if value is None:
+        return n
+    if isinstance(value, bool) or not isinstance(value, int) or value < n:
+        raise BadRequest(f"best_of: expected an int >= n ({n}), got {value!r}", "best_of")
+    if value > n and body.get("stream"):
+        raise BadRequest("best_of: not with \"stream\": true (the best are known only at the end)", "best_of")
+    return value
+
+
 def stop(body: dict) -> tuple[str, ...]:
     value = body.get("stop")
     if value is None:
@@ -152,12 +165,12 @@ def messages(body: dict) -> list[dict]:
 
 # the fields each endpoint reads (``model``, ``user``: a name and a caller's tag, nothing to do)
 _READ = {"model", "user", "stream", "stream_options", "stop", "n", "logit_bias", "logprobs", *_SAMPLING}
-_FIELDS = {"completions": _READ | {"prompt", "echo"},
+_FIELDS = {"completions": _READ | {"prompt", "echo", "best_of"},
            "chat": _READ | {"messages", "max_completion_tokens", "top_logprobs"}}
 # OpenAI's (and vLLM's) fields not done yet: accepted at the value that asks for nothing, else a
 # 400 naming them, never silently ignored
 _NOT_YET = {
-    "best_of": (None, 1), "suffix": (None, ""),
+    "suffix": (None, ""),
     "tools": (None, []), "tool_choice": (None, "none", "auto"), "parallel_tool_calls": (None, True, False),
     "response_format": (None, {"type": "text"}), "functions": (None, []), "function_call": (None, "none", "auto"),
 }

@@ -646,10 +646,10 @@ def test_a_body_sent_too_slowly_is_a_408(checkpoint):
 
 
 def test_openai_parameters_not_done_yet_are_refused_by_name_unless_they_ask_for_nothing(server):
-    """best_of, suffix, tools and the rest: a 400 naming the parameter where it asks for
+    """suffix, tools and the rest: a 400 naming the parameter where it asks for
     something, accepted at the value that asks for nothing; a field no endpoint knows (chat's
     top_logprobs in a completion) is refused, as OpenAI refuses it. None is silently ignored."""
-    asks = {"best_of": 2, "suffix": "!", "response_format": {"type": "json_object"}, "top_logprobs": 2,
+    asks = {"suffix": "!", "response_format": {"type": "json_object"}, "top_logprobs": 2,
             "bogus": 1}
     nothing = {"logprobs": None, "echo": False, "presence_penalty": 0.0, "frequency_penalty": 0,
                "repetition_penalty": 1.0, "logit_bias": {}, "best_of": 1, "user": "me", "tools": None}
@@ -865,4 +865,28 @@ def test_n_choices_each_equal_their_seed_alone(server, checkpoint):
         for n in (SLOTS + 1, 0, "2"):
             r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "n": n})
             assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+    assert server.idle()
+
+
+def test_best_of_answers_the_n_most_likely_of_its_choices(server, checkpoint):
+    """best_of 4, n 2: the two of the four seeds' texts (each as alone with seed + j) whose
+    tokens have the highest cumulative log-probability, best first; all four billed; with a
+    stream, or below n, a 400 naming best_of."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    tok = Tokenizer.from_pretrained(checkpoint)
+    ids = tok.encode("the cat")
+    drawn = []
+    for j in range(4):
+        tokens, lps = engine_logprobs(checkpoint, ids, SamplingParams(temperature=1.0, seed=70 + j, max_tokens=6,
+                                                                      ignore_eos=True, logprobs=0))
+        drawn.append((sum(x.logprob for x in lps), tok.decode(tokens)))
+    best = [text for _, text in sorted(drawn, reverse=True)[:2]]
+    r = client.completions.create(model=NAME, prompt="the cat", max_tokens=6, temperature=1.0, seed=70, n=2,
+                                  best_of=4, extra_body={"ignore_eos": True})
+    assert [c.text for c in r.choices] == best and [c.index for c in r.choices] == [0, 1]
+    assert all(c.logprobs is None for c in r.choices) and r.usage.completion_tokens == 24
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        for body in ({"best_of": 3, "stream": True}, {"best_of": 1, "n": 2}, {"best_of": "2"}):
+            r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, **body})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "best_of", (body, r.text)
     assert server.idle()

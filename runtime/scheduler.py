@@ -5,9 +5,10 @@ several steps, its state kept in its slot), then waiting requests are admitted w
 is free. A full engine queues; it never fails a request for lack of slots.
 
 A prompt of several choices is prefilled once by a prefix request (all but its last token),
-which draws nothing. Once its last chunk is scheduled and slots are free for the other choices,
-it forks: its slot becomes the first choice's, and ``forks`` names the copies of its state into
-the others' slots, which the engine makes before the next step. Each choice then runs the
+which draws nothing. It is admitted only when a slot is free for every choice, and reserves
+them (two prefixes each holding a slot while waiting for more could wait for ever). Once its
+last chunk is scheduled it forks: its slot becomes the first choice's, and ``forks`` names the
+copies of its state into the others' reserved slots, which the engine makes before the next step. Each choice then runs the
 prompt's last token as a chunk of its own and draws with its own seed.
 """
 
@@ -42,6 +43,8 @@ class Scheduler:
         for prefix in self.running + list(self.waiting):
             if prefix.choices and req in prefix.choices:
                 prefix.choices.remove(req)
+                if req.slot >= 0:  # its reserved slot
+                    self.free_slots.append(req.slot)
                 if not prefix.choices:
                     self.release(prefix)
                 return
@@ -58,8 +61,7 @@ class Scheduler:
         """The next step's plan and, per logit row, the request whose token it draws (None for a
         prompt chunk that does not end its prompt). Advances each request's ``computed`` and
         ``drawn``; forks the prefix requests that are ready (``forks``)."""
-        self.forks = [self._fork(r) for r in list(self.running) if r.choices and r.prompt_done
-                      and len(self.free_slots) >= len(r.choices) - 1]
+        self.forks = [self._fork(r) for r in list(self.running) if r.choices and r.prompt_done]
         decodes = [r for r in self.running if r.prompt_done and not r.finished and not r.choices][: self.max_decode]
         budget = self.token_budget
         chunks: list[tuple[Request, int]] = []
@@ -69,8 +71,12 @@ class Scheduler:
                 chunks.append((r, n))
                 budget -= n
         while self.waiting and self.free_slots and budget > 0 and len(chunks) < self.max_prefill_seqs:
+            if len(self.free_slots) < len(self.waiting[0].choices or [None]):
+                break  # FCFS: a prefix waits for a slot per choice, and those behind it wait too
             r = self.waiting.popleft()
             r.slot = self.free_slots.pop()
+            for c in (r.choices or [])[1:]:
+                c.slot = self.free_slots.pop()
             self.running.append(r)
             n = min(len(r.prompt), budget)
             chunks.append((r, n))
@@ -78,12 +84,12 @@ class Scheduler:
         return self._plan(chunks, decodes)
 
     def _fork(self, prefix: Request) -> tuple[int, list[int], int]:
-        """Hand ``prefix``'s slot to its first choice and free slots to the others; the copy."""
+        """Hand ``prefix``'s slot to its first choice (the others hold theirs); the copy."""
         self.running.remove(prefix)
         first, *others = prefix.choices
+        if first.slot >= 0:  # the first choice was aborted: this one's reserved slot goes back
+            self.free_slots.append(first.slot)
         first.slot = prefix.slot
-        for r in others:
-            r.slot = self.free_slots.pop()
         for r in prefix.choices:
             r.computed = prefix.computed
             self.running.append(r)

@@ -1,6 +1,7 @@
 """A Hypothesis state machine over the public Engine: requests added (prompts that chunk, at the
 SSD chunk and conv-width edges; greedy or seeded sampling with top-k / top-p; stop tokens;
-short max_tokens; penalties, logit bias, min_tokens and logprobs, or none), steps, aborts in every state, and every buffer region a step does not own
+short max_tokens; penalties, logit bias, min_tokens and logprobs, or none; n choices of one
+prompt, each like the request alone with seed + i), steps, aborts in every state, and every buffer region a step does not own
 poisoned between steps.
 
 After every rule: no slot is held twice and free plus held slots are the pool; every step ran
@@ -113,6 +114,14 @@ class EngineMachine(RuleBasedStateMachine):
         assert rid == len(self.added)  # ids count up from 0, generate()'s included
         self.added[rid], self.tokens[rid] = (prompt, params), []
 
+    @rule(prompt=prompts(), params=sampling(), n=st.integers(2, SLOTS))
+    def add_choices(self, prompt, params, n):
+        """n choices, prefilled once: choice i is the request alone with seed + i."""
+        for i, rid in enumerate(self.engine.add_choices(prompt, params, n)):
+            assert rid == len(self.added)
+            seeded = params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
+            self.added[rid], self.tokens[rid] = (prompt, seeded), []
+
     @rule(prompt=prompts(), params=sampling())
     def generate(self, prompt, params):
         """generate() steps the whole engine: its own request comes back whole, the others'
@@ -168,7 +177,8 @@ class EngineMachine(RuleBasedStateMachine):
 
     def _poison_what_no_step_owns(self):
         """Garbage in the whole host arena (a refill must rewrite what a step reads); NaN in the
-        state of every slot no request holds, and a wrong token in its drawn-token entry."""
+        state of every slot no request holds, a wrong token in its drawn-token entry, and counts,
+        prompt marks and large biases in what it has seen (a request must start clean)."""
         if self.device == "cuda":
             torch.cuda.synchronize()  # a pipelined step's copy of the arena may still be in flight
         runner = self.engine.runner
@@ -179,11 +189,18 @@ class EngineMachine(RuleBasedStateMachine):
                 t[free] = float("nan")
             junk = torch.randint(0, 512, (len(free),), generator=self.poison)
             runner.slot_tokens[free] = junk.to(runner.slot_tokens.device)
+            seen = runner.seen
+            seen.counts[free] = 7
+            seen.prompt[free] = True
+            seen.bias_ids[free] = junk.to(seen.bias_ids.device).unsqueeze(-1)
+            seen.bias_values[free] = 50.0
+            seen.bias_until[free] = 1 << 40
 
     @invariant()
     def slots_are_held_once(self):
         sched = self.engine.scheduler
-        held = [r.slot for r in sched.running]
+        # running requests' slots, and those a prefix reserves for its choices
+        held = [r.slot for r in sched.running] + [c.slot for r in sched.running for c in r.choices or [] if c.slot >= 0]
         assert len(set(held)) == len(held), held
         assert sorted(held + sched.free_slots) == list(range(SLOTS))
 

@@ -227,3 +227,24 @@ def test_n_choices_wait_for_slots_and_abort_before_the_fork(checkpoint):
     assert sorted(engine.scheduler.free_slots) == [0, 1, 2]
     with pytest.raises(ValueError, match="^n: 4 choices"):
         engine.add_choices(prompt, greedy, n=4)
+
+
+def test_prompts_of_several_choices_never_wait_on_each_other(checkpoint):
+    """Found by the state machine: prefixes each holding a slot while waiting for free ones for
+    their choices waited for ever. Two prompts of 4 choices on 4 slots, the second admitted while
+    the first still prefills (16 tokens a step): both finish."""
+    _, path = checkpoint
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    engine = engine_for(path, num_slots=4)
+    ps = prompts([20, 20], seed=12)
+    ids = [engine.add_choices(p, greedy, n=4) for p in ps]
+    got = {}
+    for _ in range(100):
+        if not engine.has_unfinished():
+            break
+        for o in engine.step():
+            got.setdefault(o.id, []).extend(o.new_tokens)
+    assert not engine.has_unfinished()
+    for p, choice_ids in zip(ps, ids):
+        alone = engine_for(path).generate([p], greedy)[0]
+        assert [got[i] for i in choice_ids] == [alone] * 4

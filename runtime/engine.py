@@ -32,6 +32,7 @@ from .decode_options import DecodeOptions
 from .model import Model
 from .request import Request, RequestOutput, SamplingParams, TokenLogprobs
 from .scheduler import Scheduler
+from .slot_tokens_seen import SlotTokensSeen
 from .state_pool import StatePool
 from .step_runner import PendingTokens, StepRunner
 
@@ -79,7 +80,10 @@ class Engine:
             num_slots = self.buckets.max_decode
             if cuda:
                 free = torch.cuda.mem_get_info(model.device)[0]
-                fit = StatePool.slots_for_budget(self.cfg, max_context, free * memory_fraction, model.dtype)
+                # a slot is its state and what its request has seen (the logits processors' tables)
+                per_slot = (StatePool.bytes_per_slot(self.cfg, max_context, model.dtype)
+                            + SlotTokensSeen.bytes_per_slot(self.cfg.vocab_size))
+                fit = int(free * memory_fraction // per_slot)
                 num_slots = max(1, min(num_slots, fit))
         self.pool = StatePool(self.cfg, num_slots, max_context, dtype=model.dtype, device=model.device)
         self.runner = StepRunner(model, self.pool, self.buckets, max_decode=num_slots, overlap=overlap)

@@ -33,9 +33,9 @@ class SlotTokensSeen:
         self.bias_values = torch.zeros(rows, MAX_BIASED, dtype=torch.float32, device=device)
         self.bias_until = torch.zeros(rows, MAX_BIASED, dtype=torch.int64, device=device)
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in
-                   (self.counts, self.prompt, self.bias_ids, self.bias_values, self.bias_until))
+    @staticmethod
+    def bytes_per_slot(vocab_size: int) -> int:
+        return vocab_size * 5 + MAX_BIASED * (8 + 4 + 8)
 
     def _rows(self, slots: torch.Tensor) -> torch.Tensor:
         """Slots as row indices, int64; negative ones (no slot) the trash row."""

@@ -67,9 +67,3 @@ class StatePool:
         per_mamba += cfg.mamba_num_heads * cfg.mamba_head_dim * cfg.ssm_state_size * ss
         per_attn = 2 * max_context * cfg.num_key_value_heads * cfg.attention_head_dim * es
         return len(cfg.layers_of("mamba")) * per_mamba + len(cfg.layers_of("attention")) * per_attn
-
-    @classmethod
-    def slots_for_budget(cls, cfg, max_context, budget_bytes, dtype, ssm_dtype=torch.float32) -> int:
-        """How many slots fit in ``budget_bytes``."""
-        per = max(1, cls.bytes_per_slot(cfg, max_context, dtype, ssm_dtype))
-        return int(budget_bytes // per)

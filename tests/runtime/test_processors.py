@@ -248,3 +248,11 @@ def test_prompts_of_several_choices_never_wait_on_each_other(checkpoint):
     for p, choice_ids in zip(ps, ids):
         alone = engine_for(path).generate([p], greedy)[0]
         assert [got[i] for i in choice_ids] == [alone] * 4
+
+
+def test_a_slots_tables_cost_what_the_engine_budgets():
+    from mambastep.runtime.slot_tokens_seen import SlotTokensSeen
+
+    seen = SlotTokensSeen(num_slots=3, vocab_size=97, device="cpu")
+    tables = (seen.counts, seen.prompt, seen.bias_ids, seen.bias_values, seen.bias_until)
+    assert sum(t[0].numel() * t.element_size() for t in tables) == SlotTokensSeen.bytes_per_slot(97)

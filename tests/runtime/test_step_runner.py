@@ -179,13 +179,16 @@ def test_steady_state_allocates_nothing_and_never_syncs(gpu_model):
     runner.capture(progress=False)
     plans = script()
     run_script(runner, plans)  # first use of every bucket outside the check
+    assert_no_allocation_or_sync(lambda: [runner.logits(p) for _ in range(20) for p in plans])
+
+
+def assert_no_allocation_or_sync(run) -> None:
+    """``run()`` allocates no device memory and never syncs with the host."""
     torch.cuda.synchronize()
     before = torch.cuda.memory_stats()["allocation.all.allocated"]
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for _ in range(20):
-            for p in plans:
-                runner.logits(p)
+        run()
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
@@ -220,16 +223,7 @@ def test_every_draw_variant_allocates_nothing_and_never_syncs(gpu_model):
     steps = [drawn(plan, *v) for v in variants for plan in script()]
     for plan in steps:
         runner.launch(plan).get()
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_stats()["allocation.all.allocated"]
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for plan in steps:
-            runner.launch(plan)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
-    assert torch.cuda.memory_stats()["allocation.all.allocated"] == before
+    assert_no_allocation_or_sync(lambda: [runner.launch(plan) for plan in steps])
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for plan in steps:
             runner.launch(plan)

@@ -28,12 +28,12 @@ import torch
 import triton
 import triton.language as tl
 
+from .sample import _greedy, _scaled
+
 __all__ = ["MAX_BIASED", "MAX_LOGPROBS", "add_bias", "logprobs", "penalize", "penalize_torch", "penalize_triton"]
 
 MAX_BIASED = 128  # bias entries per request: logit_bias tokens, plus the stop tokens min_tokens masks
 MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs maximum)
-
-
 BLOCK_V = 2048
 
 
@@ -94,23 +94,22 @@ def add_bias(logits: torch.Tensor, ids: torch.Tensor, values: torch.Tensor, unti
 
     logits [R, V] float32; ids [R, E] int64 token ids, values [R, E] float32, until [R, E] int64:
     entry e of row r adds ``values[r, e]`` to token ``ids[r, e]`` while ``position[r] < until[r, e]``
-    (unused entries: until 0). A row's ids are distinct, so no two entries meet.
+    (unused entries: until 0). Entries on one token add up (a logit_bias and a min_tokens stop).
     """
     live = position.unsqueeze(-1) < until
     logits.scatter_add_(1, ids, torch.where(live, values, 0.0))
     return logits
 
 
-def logprobs(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor, tokens: torch.Tensor,
+def logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, tokens: torch.Tensor,
              out: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
     """The draw's log-probabilities into ``out`` = (drawn [R] float32, top values [R, K] float32,
     top ids [R, K] int64), K = ``MAX_LOGPROBS`` (at most V).
 
-    logits [R, V] float32 (processed); temperature [R] float32; greedy [R] bool (scaled by 1);
-    tokens [R] int64, the drawn ones.
+    logits [R, V] float32 (processed); temperature [R] float32, top_k [R] int32 as the draw
+    takes them (a greedy row is scaled by 1, as the draw scales it); tokens [R] int64, the drawn.
     """
     drawn, top_values, top_ids = out
-    scale = torch.where(greedy, 1.0, temperature).unsqueeze(-1)
-    lp = torch.log_softmax(logits / scale, dim=-1)
+    lp = torch.log_softmax(_scaled(logits, temperature, _greedy(temperature, top_k)), dim=-1)
     torch.gather(lp, 1, tokens.unsqueeze(-1), out=drawn.unsqueeze(-1))
     torch.topk(lp, top_values.shape[1], dim=-1, out=(top_values, top_ids))

@@ -195,7 +195,7 @@ class Engine:
         bad = [t for t, _, _ in entries if t >= self.cfg.vocab_size]
         if bad:
             raise ValueError(f"logit_bias: token ids {bad[:5]} outside the vocabulary [0, {self.cfg.vocab_size})")
-        ids, values, until = np.zeros(MAX_BIASED, np.int32), np.zeros(MAX_BIASED, np.float32), np.zeros(MAX_BIASED, np.int32)
+        ids, values, until = (np.zeros(MAX_BIASED, dtype) for dtype in (np.int32, np.float32, np.int32))
         for i, (t, b, u) in enumerate(entries):
             ids[i], values[i], until[i] = t, b, u
         return ids, values, until

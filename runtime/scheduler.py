@@ -8,8 +8,9 @@ A prompt of several choices is prefilled once by a prefix request (all but its l
 which draws nothing. It is admitted only when a slot is free for every choice, and reserves
 them (two prefixes each holding a slot while waiting for more could wait for ever). Once its
 last chunk is scheduled it forks: its slot becomes the first choice's, and ``forks`` names the
-copies of its state into the others' reserved slots, which the engine makes before the next step. Each choice then runs the
-prompt's last token as a chunk of its own and draws with its own seed.
+copies of its state into the others' reserved slots, which the engine makes before the next
+step. Each choice then runs the prompt's last token as a chunk of its own and draws with its
+own seed.
 """
 
 from __future__ import annotations

@@ -189,7 +189,7 @@ def _draw(buffers: StepBuffers, slot_tokens: torch.Tensor, seen: SlotTokensSeen,
         seen.count(sample_slots, tokens)
     if with_logprobs:
         n = logits.shape[0]
-        logprobs(logits, temperature, (temperature == 0) | (top_k == 1), tokens, tuple(t[:n] for t in logprob_out))
+        logprobs(logits, temperature, top_k, tokens, tuple(t[:n] for t in logprob_out))
     trash = slot_tokens.shape[0] - 1
     where = torch.where(sample_slots >= 0, sample_slots, trash).long()
     slot_tokens.index_copy_(0, where, tokens)

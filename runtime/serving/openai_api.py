@@ -28,8 +28,8 @@ knows is refused too, as OpenAI refuses it. Log-probabilities come in each endpo
 
 from __future__ import annotations
 
-import dataclasses
 import asyncio
+import dataclasses
 import functools
 import importlib.metadata
 import json

@@ -1,8 +1,9 @@
 """An OpenAI request body, checked whole and read into what the engine takes: sampling
 parameters, stop strings, prompts (a completion's one or several; a chat's messages, their
 content a string, a list of text parts, or null for an assistant's), and how to answer
-(streamed, usage, echo, log-probabilities). Anything wrong is a ``BadRequest`` naming the field; a field this
-server does not do yet is refused by name unless it asks for nothing (``known_fields``)."""
+(streamed, usage, echo, log-probabilities, choices). Anything wrong is a ``BadRequest`` naming
+the field; a field this server does not do yet is refused by name unless it asks for nothing
+(``known_fields``)."""
 
 from __future__ import annotations
 

@@ -125,11 +125,11 @@ def test_bias_equals_hf_sequence_bias_and_min_tokens_equals_hf(device):
 def test_logprobs_equal_log_softmax_of_the_scaled_logits(device, temperature):
     logits = _logits(5, seed=7, device=device)
     t = torch.full((5,), temperature, device=device)
-    greedy = t == 0
+    top_k = torch.zeros(5, dtype=torch.int32, device=device)
     tokens = torch.tensor([0, 5, 96, 50, 3], device=device)
     out = (torch.zeros(5, device=device), torch.zeros(5, MAX_LOGPROBS, device=device),
            torch.zeros(5, MAX_LOGPROBS, dtype=torch.int64, device=device))
-    logprobs(logits, t, greedy, tokens, out)
+    logprobs(logits, t, top_k, tokens, out)
     ref = torch.log_softmax(logits.cpu().double() / (temperature or 1.0), dim=-1)
     drawn, top_values, top_ids = (x.cpu() for x in out)
     torch.testing.assert_close(drawn.double(), ref.gather(1, tokens.cpu().unsqueeze(-1)).squeeze(-1),

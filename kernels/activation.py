@@ -1,14 +1,17 @@
-"""relu(x)^2 (NemotronH's MLP activation) in one pass, in place when ``out`` is ``x``."""
+"""The MLP activations, each one pass in fp32 rounded once: relu(x)^2 (NemotronH's, in place when
+``out`` is ``x``) and silu(gate) * up (SwiGLU: Granite, Bamba, Falcon-H1), whose input is one
+projection's output with the gate columns first, as those checkpoints store it."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from .dispatch import with_reference
 
-__all__ = ["relu2", "relu2_ref"]
+__all__ = ["relu2", "relu2_ref", "silu_mul", "silu_mul_ref"]
 
 
 @triton.jit
@@ -32,4 +35,47 @@ def relu2(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         raise ValueError("relu2: x and out must be contiguous and of one shape")
     n, block = x.numel(), 2048
     _relu2_kernel[(triton.cdiv(n, block),)](x, out, n, BLOCK=block, num_warps=4)
+    return out
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, I, stride_x, stride_out, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    # grid: (rows, cdiv(I, BLOCK))
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < I
+    if USE_PDL:  # x is the previous kernel's
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    g = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * stride_x + I + cols, mask=ok, other=0.0).to(tl.float32)
+    # silu(g) rounded as HF's act_fn(gate) before the product with up, then the product rounded
+    s = (g * tl.sigmoid(g)).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (s * u).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def silu_mul_ref(x: torch.Tensor, out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    y = F.silu(gate.float()).to(x.dtype).float() * up.float()
+    return y.to(x.dtype) if out is None else out.copy_(y)
+
+
+@with_reference(silu_mul_ref)
+def silu_mul(x: torch.Tensor, out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
+    """silu(gate) * up of x = [gate | up]: x [T, 2I] (rows contiguous) -> out [T, I], in fp32,
+    silu(gate) rounded to out's dtype before the product as HF's two ops. pdl: launch as a
+    programmatic dependent of the previous kernel (``kernels.decode_linear``); it signals its
+    own dependents right after its wait."""
+    T, two_i = x.shape
+    if two_i % 2 or x.stride(1) != 1:
+        raise ValueError(f"silu_mul: x [T, 2I] with contiguous rows, got {list(x.shape)}")
+    I = two_i // 2
+    out = torch.empty(T, I, dtype=x.dtype, device=x.device) if out is None else out
+    if out.shape != (T, I) or out.stride(1) != 1:
+        raise ValueError(f"silu_mul: out must be [{T}, {I}] with contiguous rows, got {list(out.shape)}")
+    if T:
+        block = min(1024, triton.next_power_of_2(I))
+        _silu_mul_kernel[(T, triton.cdiv(I, block))](x, out, I, x.stride(0), out.stride(0), BLOCK=block,
+                                                      USE_PDL=pdl, num_warps=4,
+                                                      **({"launch_pdl": True} if pdl else {}))
     return out

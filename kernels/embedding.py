@@ -20,8 +20,8 @@ __all__ = ["embed_rows", "embed_rows_ref"]
 
 
 @triton.jit
-def _embed_rows_kernel(ids_ptr, slots_ptr, drawn_ptr, table_ptr, out_ptr, D, first_decode, stride_t, stride_o,
-                       BLOCK: tl.constexpr, DRAWN: tl.constexpr, USE_PDL: tl.constexpr):
+def _embed_rows_kernel(ids_ptr, slots_ptr, drawn_ptr, table_ptr, out_ptr, D, first_decode, stride_t, stride_o, scale,
+                       BLOCK: tl.constexpr, DRAWN: tl.constexpr, USE_PDL: tl.constexpr, SCALED: tl.constexpr):
     # grid: (rows, cdiv(D, BLOCK))
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -35,6 +35,8 @@ def _embed_rows_kernel(ids_ptr, slots_ptr, drawn_ptr, table_ptr, out_ptr, D, fir
         take = (token < 0) & (slot >= 0)
         token = tl.where(take, tl.load(drawn_ptr + tl.maximum(slot, 0)), tl.maximum(token, 0))
     v = tl.load(table_ptr + token * stride_t + cols, mask=cols < D, other=0.0)
+    if SCALED:  # in fp32, rounded once (HF: the embedding times the multiplier, in its dtype)
+        v = (v.to(tl.float32) * scale).to(table_ptr.dtype.element_ty)
     tl.store(out_ptr + row.to(tl.int64) * stride_o + cols, v.to(out_ptr.dtype.element_ty), mask=cols < D)
 
 
@@ -51,7 +53,7 @@ def _check(ids, table, out, slots, drawn):
                          f"for T={ids.shape[0]}")
 
 
-def embed_rows_ref(ids, table, out, pdl=False, slots=None, drawn=None):
+def embed_rows_ref(ids, table, out, pdl=False, slots=None, drawn=None, scale=1.0):
     _check(ids, table, out, slots, drawn)
     if drawn is not None:
         ids = ids.clone()
@@ -59,13 +61,15 @@ def embed_rows_ref(ids, table, out, pdl=False, slots=None, drawn=None):
         take = (dec < 0) & (slots >= 0)
         dec.copy_(torch.where(take, drawn[slots.clamp(min=0).long()], dec))
         ids.clamp_(min=0)
-    return out.copy_(F.embedding(ids, table))
+    rows = F.embedding(ids, table)
+    return out.copy_(rows if scale == 1.0 else (rows.float() * scale).to(table.dtype))
 
 
 @with_reference(embed_rows_ref)
 def embed_rows(ids: torch.Tensor, table: torch.Tensor, out: torch.Tensor, pdl: bool = False,
-               slots: torch.Tensor | None = None, drawn: torch.Tensor | None = None) -> torch.Tensor:
-    """out[t] = table[ids[t]], cast to out's dtype.
+               slots: torch.Tensor | None = None, drawn: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
+    """out[t] = table[ids[t]] (times ``scale``, rounded to table's dtype: Granite's and
+    Falcon-H1's embedding multiplier), cast to out's dtype.
 
     ids: [T] int token ids (in range, or -1 in a decode row: the engine checks them on the way in);
     table: [V, D]; out: [T, D] (the residual stream, fp32 or table's dtype). pdl: launch as a
@@ -81,7 +85,8 @@ def embed_rows(ids: torch.Tensor, table: torch.Tensor, out: torch.Tensor, pdl: b
         first_decode = T - slots.shape[0] if with_drawn else T
         _embed_rows_kernel[(T, triton.cdiv(D, block))](
             ids, slots if with_drawn else ids, drawn if with_drawn else ids, table, out, D, first_decode,
-            table.stride(0), out.stride(0), BLOCK=block, DRAWN=with_drawn, USE_PDL=pdl, num_warps=4,
+            table.stride(0), out.stride(0), float(scale), BLOCK=block, DRAWN=with_drawn, USE_PDL=pdl,
+            SCALED=scale != 1.0, num_warps=4,
             **({"launch_pdl": True} if pdl else {}),
         )
     return out

@@ -38,13 +38,13 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .activation import relu2_ref
+from .activation import relu2_ref, silu_mul, silu_mul_ref
 from .decode_linear import hopper_or_newer
 from .dispatch import with_reference
 from .fp8 import Fp8Weight
 
-__all__ = ["block_counts_buffer", "block_m", "moe_experts", "moe_experts_ref", "moe_route", "moe_route_ref",
-           "router_terms", "slot_count"]
+__all__ = ["ACTIVATIONS", "SCORINGS", "block_counts_buffer", "block_m", "moe_experts", "moe_experts_ref", "moe_route",
+           "moe_route_ref", "router_terms", "slot_count"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -80,13 +80,18 @@ def _logits_kernel(x_ptr, gate_ptr, part_ptr, T, E, D, CHUNK, stride_x,
 def _topk_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, counts_ptr, T, E, scale,
                  TOP_K: tl.constexpr, N_GROUP: tl.constexpr, PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
                  NORM: tl.constexpr, SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                 BLOCK_G: tl.constexpr, COUNTS: tl.constexpr, USE_PDL: tl.constexpr):
+                 BLOCK_G: tl.constexpr, COUNTS: tl.constexpr, USE_PDL: tl.constexpr, SOFTMAX: tl.constexpr,
+                 ROUND_DTYPE: tl.constexpr):
     """A block of tokens' top-k from their logits, given as SPLIT partial sums [SPLIT, T, E];
-    COUNTS: also the block's pairs per expert, counts[block, e] (the alignment's first pass)."""
+    COUNTS: also the block's pairs per expert, counts[block, e] (the alignment's first pass).
+    SOFTMAX: the top-k of the logits (rounded to ROUND_DTYPE first, as HF's router computes them
+    in the model's dtype), weighted by the softmax over the k chosen, rounded so too; else
+    sigmoid scores, the bias steering the choice, NORM and the routed scale."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     row_ok, col_ok = rows < T, cols < E
-    bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0)
+    if not SOFTMAX:
+        bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0)
     if USE_PDL:  # the logits are the previous kernel's
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -94,8 +99,12 @@ def _topk_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, counts_ptr, T, E, scale,
     for s in tl.static_range(SPLIT):
         logits += tl.load(logits_ptr + s * T * E + rows[:, None] * E + cols[None, :],
                           mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-    scores = tl.sigmoid(logits)
-    choice = tl.where(col_ok[None, :], scores + bias[None, :], float("-inf"))
+    if SOFTMAX:
+        scores = logits.to(ROUND_DTYPE).to(tl.float32)
+        choice = tl.where(col_ok[None, :], scores, float("-inf"))
+    else:
+        scores = tl.sigmoid(logits)
+        choice = tl.where(col_ok[None, :], scores + bias[None, :], float("-inf"))
     if N_GROUP > 1:
         # a group's score is the sum of its two best choices; keep the TOPK_GROUP best groups
         group = cols // PER_GROUP
@@ -123,10 +132,15 @@ def _topk_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, counts_ptr, T, E, scale,
     if COUNTS:
         tl.store(counts_ptr + tl.program_id(0) * E + cols, tl.sum(tl.where(row_ok[:, None], chosen, 0), axis=0),
                  mask=col_ok)
-    w = tl.where(chosen > 0, scores, 0.0)
-    if NORM:
-        w = w / (tl.sum(w, axis=1)[:, None] + 1e-20)
-    w = w * scale
+    if SOFTMAX:
+        top = tl.max(tl.where(chosen > 0, scores, float("-inf")), axis=1)
+        w = tl.where(chosen > 0, tl.exp(scores - top[:, None]), 0.0)
+        w = (w / tl.sum(w, axis=1)[:, None]).to(ROUND_DTYPE).to(tl.float32)
+    else:
+        w = tl.where(chosen > 0, scores, 0.0)
+        if NORM:
+            w = w / (tl.sum(w, axis=1)[:, None] + 1e-20)
+        w = w * scale
     for j in tl.static_range(TOP_K):  # ascending expert order
         e = tl.min(tl.where(chosen > 0, cols[None, :], BLOCK_E), axis=1)
         hit = cols[None, :] == e[:, None]
@@ -203,8 +217,20 @@ def _check_block_counts(op: str, block_counts, tokens: int, n_experts: int) -> N
                          f"{list(block_counts.shape)}")
 
 
+# how a router scores experts: NemotronH's sigmoid (a score-correction bias, group limits) or
+# Granite's softmax over the top-k logits
+SCORINGS = ("sigmoid", "softmax")
+
+
 def moe_route_ref(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 1, norm_topk: bool = True,
-                  scale: float = 1.0, gate_terms=None, block_counts=None, pdl: bool = False):
+                  scale: float = 1.0, gate_terms=None, block_counts=None, pdl: bool = False, scoring="sigmoid"):
+    if scoring == "softmax":
+        logits = F.linear(x.float(), gate.float()).to(x.dtype).float()
+        idx = logits.topk(top_k, dim=-1)[1].sort(dim=-1)[0]
+        w = logits.gather(1, idx).softmax(dim=-1).to(x.dtype).float()
+        if block_counts is not None:
+            block_counts.copy_(block_counts_ref(idx, gate.shape[0]))
+        return idx.to(torch.int32), w
     scores = F.linear(x.float(), gate.float()).sigmoid()
     choice = scores + bias
     T, E = scores.shape
@@ -233,13 +259,15 @@ ROUTER_KERNEL_MAX_T = 16
 
 @with_reference(moe_route_ref)
 def moe_route(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 1, norm_topk: bool = True,
-              scale: float = 1.0, gate_terms=None, block_counts=None, pdl: bool = False):
-    """A token's experts and weights, as HF's NemotronH router.
+              scale: float = 1.0, gate_terms=None, block_counts=None, pdl: bool = False, scoring="sigmoid"):
+    """A token's experts and weights, as HF's NemotronH router (``scoring="sigmoid"``) or
+    Granite's (``"softmax"``: the top-k of the logits rounded to x's dtype, weighted by their
+    softmax, rounded so too; bias, groups, norm_topk and scale unused).
 
     x [T, D] (any float dtype), gate [E, D] fp32, bias [E] fp32 (the score-correction bias, which
-    steers the choice but not the weights) -> (idx [T, top_k] int32 in ascending order, weights
-    [T, top_k] fp32). ``n_group``/``topk_group``: the choice is limited to the ``topk_group``
-    groups (of E / n_group experts) with the best two-expert sums. ``gate_terms``: ``router_terms(gate)``,
+    steers the choice but not the weights; None with softmax) -> (idx [T, top_k] int32 in
+    ascending order, weights [T, top_k] fp32). ``n_group``/``topk_group``: the choice is limited
+    to the ``topk_group`` groups (of E / n_group experts) with the best two-expert sums. ``gate_terms``: ``router_terms(gate)``,
     for bf16 rows past a decode step's few (the logits as bf16 products). ``block_counts``: an int32
     [cdiv(T, ROUTE_BLOCK_T), E] buffer, filled with each block of tokens' pairs per expert (what
     ``moe_experts`` takes to skip a counting pass). ``pdl``: its kernels launch as programmatic
@@ -247,6 +275,11 @@ def moe_route(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 
     """
     T, D = x.shape
     E = gate.shape[0]
+    if scoring not in SCORINGS:
+        raise ValueError(f"moe_route: scoring must be one of {SCORINGS}, got {scoring!r}")
+    softmax = scoring == "softmax"
+    if softmax:
+        bias = gate[:, 0]  # any [E] stand-in: the softmax kernel does not read it
     if gate.shape != (E, D) or bias.shape != (E,) or x.stride(1) != 1 or not gate.is_contiguous():
         raise ValueError(f"moe_route: x [T, D] with contiguous rows, contiguous gate [E, D] and bias [E]; got "
                          f"{list(x.shape)}, {list(gate.shape)}, {list(bias.shape)}")
@@ -274,8 +307,12 @@ def moe_route(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 
         logits, bias, idx, w, block_counts if block_counts is not None else idx, T, E, float(scale), TOP_K=top_k,
         N_GROUP=n_group, PER_GROUP=E // n_group, TOPK_GROUP=topk_group, NORM=norm_topk, SPLIT=split, BLOCK_T=block_t,
         BLOCK_E=max(16, triton.next_power_of_2(E)), BLOCK_G=max(2, triton.next_power_of_2(n_group)),
-        COUNTS=block_counts is not None, USE_PDL=pdl, num_warps=1 if block_t < 4 else 4, **extra)
+        COUNTS=block_counts is not None, USE_PDL=pdl, SOFTMAX=softmax, ROUND_DTYPE=_TL_DTYPES[x.dtype],
+        num_warps=1 if block_t < 4 else 4, **extra)
     return idx, w
+
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 # programs _router_dot's split over D aims for: about two per SM (one 4-warp tile per SM left the
@@ -641,27 +678,34 @@ def _expert(weight, e: int, dtype: torch.dtype) -> torch.Tensor:
     return weight.expert(e).dequantize(dtype) if isinstance(weight, Fp8Weight) else weight[e]
 
 
+# the experts' activations: what follows the up projection (SwiGLU's halves the width)
+ACTIVATIONS = ("relu2", "swiglu")
+
+
 def moe_experts_ref(x, idx, w, up, down, *, shared=None, residual=None, out=None, shared_ready=None,
-                    block_counts=None, pdl=False):
+                    block_counts=None, pdl=False, act="relu2"):
     """The dense math: every expert over every token, weighted by its routing weight (zero where
     the token did not choose it), summed in fp32 in expert order."""
     T, E = x.shape[0], up.shape[0]
+    activation = relu2_ref if act == "relu2" else silu_mul_ref
     dense = torch.zeros(T, E, dtype=torch.float32, device=x.device).scatter_(1, idx.long(), w.float())
     acc = torch.zeros(T, down.shape[1], dtype=torch.float32, device=x.device)
     for e in range(E):
-        h = relu2_ref(F.linear(x, _expert(up, e, x.dtype)))
+        h = activation(F.linear(x, _expert(up, e, x.dtype)))
         acc += F.linear(h, _expert(down, e, x.dtype)).float() * dense[:, e : e + 1]
     return _finish_ref(acc.to(x.dtype), shared, residual, out)
 
 
 @with_reference(moe_experts_ref)
 def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, shared_ready=None, block_counts=None,
-                pdl=False):
-    """sum_j w[t, j] * down_e(relu2(up_e(x[t]))) over each token's experts e = idx[t, j], over the
+                pdl=False, act="relu2"):
+    """sum_j w[t, j] * down_e(act(up_e(x[t]))) over each token's experts e = idx[t, j], over the
     routed pairs only.
 
     x [T, K] (the activations' dtype), idx [T, k] int32 and w [T, k] fp32 from ``moe_route``,
-    up [E, I, K], down [E, D, I], plain or ``Fp8Weight`` (their values streamed, entering the
+    act: "relu2", up [E, I, K]; or "swiglu", up [E, 2I, K] (the gate's I rows, then the up's:
+    silu(gate) * up, a kernel of its own after the up projection, ``kernels.activation``);
+    down [E, D, I], plain or ``Fp8Weight`` (their values streamed, entering the
     tensor cores in x's dtype, and scaled per column or block in the kernel). The routed sum is
     rounded to x's dtype; then ``shared`` [T, D] (the shared expert's output) is added, and the
     result is written to ``out`` [T, D], or added into ``residual`` [T, D] in place. Returns what
@@ -676,10 +720,15 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
     """
     T, K = x.shape
     (up, up_scale), (down, down_scale) = _values_and_scales(up), _values_and_scales(down)
-    E, I, _ = up.shape
+    if act not in ACTIVATIONS:
+        raise ValueError(f"moe_experts: act must be one of {ACTIVATIONS}, got {act!r}")
+    swiglu = act == "swiglu"
+    E, up_n, _ = up.shape
+    I = up_n // 2 if swiglu else up_n
     D = down.shape[1]
     k = idx.shape[1]
-    if up.shape[2] != K or down.shape != (E, D, I) or idx.shape != (T, k) or w.shape != (T, k):
+    if (up.shape[2] != K or down.shape != (E, D, I) or (swiglu and up_n % 2) or idx.shape != (T, k)
+            or w.shape != (T, k)):
         raise ValueError(f"moe_experts: x [T, K], idx and w [T, k], up [E, I, K], down [E, D, I]; got {list(x.shape)}, "
                          f"{list(idx.shape)}, {list(w.shape)}, {list(up.shape)}, {list(down.shape)}")
     if not (x.is_contiguous() and up.is_contiguous() and down.is_contiguous() and idx.is_contiguous()
@@ -703,12 +752,16 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
         S = slot_count(T, k, E, bm)
         slot_of_pair, token_of_slot, starts, counts = _align(idx, E, bm, S, pdl, block_counts)
         block_e = max(16, triton.next_power_of_2(E))
+    gate_up = torch.empty(S, up_n, dtype=x.dtype, device=dev) if swiglu else None
     h = torch.empty(S, I, dtype=x.dtype, device=dev)
     y = torch.empty(S, D, dtype=x.dtype, device=dev)
-    # up (gathering each slot's token row, relu2 after), then down; the TMA unit copies the
-    # weight tiles (and, in the sorted layout, the down projection's input tiles, whose rows are
-    # a tile's slots in order), where it can
-    for a, weight, scales, result, up_proj in ((x, up, up_scale, h, True), (h, down, down_scale, y, False)):
+    # up (gathering each slot's token row, relu2 after, or SwiGLU's kernel), then down; the TMA
+    # unit copies the weight tiles (and, in the sorted layout, the down projection's input tiles,
+    # whose rows are a tile's slots in order), where it can
+    for a, weight, scales, result, up_proj in ((x, up, up_scale, gate_up if swiglu else h, True),
+                                               (h, down, down_scale, y, False)):
+        if not up_proj and swiglu:  # padding slots' rows are zeros, and silu(0) * 0 = 0
+            silu_mul(gate_up, out=h, pdl=pdl)
         n, kk = weight.shape[1], weight.shape[2]
         scale, scale_block = scales if scales is not None else (weight, 0)
         mode = 0 if scales is None else 2 if scale_block else 1
@@ -721,7 +774,8 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
         w_arg = TensorDescriptor.from_tensor(weight, [1, bn, bk]) if tma else weight
         if pairs:
             _pair_kernel[(S, triton.cdiv(n, bn))](
-                a, idx, w_arg, result, n, kk, *common, GATHER=up_proj, TOP_K=k, RELU2=up_proj, PRECISION=precision,
+                a, idx, w_arg, result, n, kk, *common, GATHER=up_proj, TOP_K=k, RELU2=up_proj and not swiglu,
+                PRECISION=precision,
                 BM=bm, BN=bn, BK=bk, USE_PDL=pdl, W_TMA=tma, SCALE=mode, SCALE_BLOCK=scale_block, num_warps=warps,
                 num_stages=stages, **extra)
         else:
@@ -730,7 +784,7 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
             a_arg = TensorDescriptor.from_tensor(a, [bm, bk]) if tma and not up_proj else a
             _grouped_kernel[(triton.cdiv(n, bn), triton.cdiv(S, bm))](
                 a_arg, token_of_slot, w_arg, w_last, result, starts, counts, n, kk, E, *common, GATHER=up_proj,
-                RELU2=up_proj, PRECISION=precision, BM=bm, BN=bn, BK=bk, BLOCK_E=block_e, USE_PDL=pdl,
+                RELU2=up_proj and not swiglu, PRECISION=precision, BM=bm, BN=bn, BK=bk, BLOCK_E=block_e, USE_PDL=pdl,
                 A_TMA=tma and not up_proj, W_TMA=tma, ZERO_PAD=up_proj, BN_LAST=bn_last, SCALE=mode,
                 SCALE_BLOCK=scale_block, num_warps=warps, num_stages=stages, **extra)
     if shared_ready is not None:

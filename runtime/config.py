@@ -1,9 +1,12 @@
 """One flat, validated model config, read from an HF ``config.json`` or built from a preset.
 
-Two HF architectures map onto it: ``Mamba2ForCausalLM`` (every layer a Mamba2 mixer) and
-``NemotronHForCausalLM`` (a hybrid pattern of Mamba2, attention, MLP and MoE layers); and
-mamba_ssm's own ``config.json`` (``d_model``, ``n_layer``, ``ssm_cfg``: the official
-state-spaces/mamba2-* checkpoints). A ``quantization_config`` (or ModelOpt's
+Three HF architectures map onto it: ``Mamba2ForCausalLM`` (every layer a Mamba2 mixer),
+``NemotronHForCausalLM`` (a hybrid pattern of Mamba2, attention, MLP and MoE layers) and
+``GraniteMoeHybridForCausalLM`` (Granite-4.0-H: each HF layer a Mamba2 or attention block, then
+a SwiGLU MLP block, or a softmax-routed MoE block with a shared SwiGLU expert; muP multipliers);
+and mamba_ssm's own ``config.json`` (``d_model``, ``n_layer``, ``ssm_cfg``: the official
+state-spaces/mamba2-* checkpoints). A block here is one (norm, mixer) pair: a Granite layer is
+two. A ``quantization_config`` (or ModelOpt's
 ``hf_quant_config.json``) is read into ``quantization`` (``runtime.quantization``). What cannot be
 read exactly (other quantization methods, other families, multimodal wrappers) is refused by name.
 """
@@ -17,7 +20,7 @@ from pathlib import Path
 
 from .quantization import Quantization, QuantizationError, parse_quantization
 
-__all__ = ["ModelConfig", "LAYER_KINDS", "ConfigError"]
+__all__ = ["ARCHITECTURES", "ConfigError", "LAYER_KINDS", "MLP_ACTIVATIONS", "MOE_SCORINGS", "ModelConfig"]
 
 LAYER_KINDS = ("mamba", "attention", "mlp", "moe")
 
@@ -33,9 +36,19 @@ class ConfigError(ValueError):
     """A config field is missing, unsupported or inconsistent; the message names the field."""
 
 
+# the architectures (checkpoint families) a config comes from: how their tensors are named
+# (``runtime.checkpoint_names``) and how their norms round
+ARCHITECTURES = ("mamba2", "nemotron_h", "granite_hybrid")
+# what follows an MLP's (or expert's) up projection: NemotronH's relu(x)^2, or SwiGLU's
+# silu(gate) * up over an up projection twice as wide (gate rows first)
+MLP_ACTIVATIONS = ("relu2", "swiglu")
+# how a MoE router scores experts: NemotronH's sigmoid, Granite's softmax over the top-k logits
+MOE_SCORINGS = ("sigmoid", "softmax")
+
+
 @dataclass(slots=True, frozen=True)
 class ModelConfig:
-    architecture: str  # "mamba2" or "nemotron_h"
+    architecture: str  # one of ARCHITECTURES
     vocab_size: int
     hidden_size: int
     layer_types: tuple[str, ...]
@@ -56,15 +69,19 @@ class ModelConfig:
     mamba_proj_bias: bool = False
     # prefill dt is clamped to this range (config.json's time_step_limit), decode dt is not, as in HF
     dt_limit: tuple[float, float] = (0.0, math.inf)
-    # attention (GQA, no rotary embedding: NemotronH)
+    # attention (GQA, no rotary embedding: NemotronH, Granite-4.0-H)
     num_attention_heads: int = 0
     num_key_value_heads: int = 0
     attention_head_dim: int = 0
     attention_bias: bool = False
-    # dense MLP (relu2)
+    # the softmax scale; None: attention_head_dim ** -0.5 (Granite's attention_multiplier)
+    attention_scale: float | None = None
+    # dense MLP
     intermediate_size: int = 0
     mlp_bias: bool = False
-    # mixture of experts (relu2 experts, sigmoid router with group-limited top-k)
+    mlp_activation: str = "relu2"  # of the MLP, the experts and the shared expert: MLP_ACTIVATIONS
+    # mixture of experts (NemotronH: sigmoid router with group-limited top-k)
+    moe_scoring: str = "sigmoid"
     n_routed_experts: int = 0
     n_shared_experts: int = 0
     num_experts_per_tok: int = 0
@@ -76,14 +93,24 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     # routed experts in a smaller latent space (None: the hidden size), as the larger Nemotron 3
     moe_latent_size: int | None = None
+    # muP multipliers (Granite): the embeddings are scaled by the first, every block's output by
+    # the second before its residual add, and the logits divided by the third
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
     # how the block linears are stored (runtime.quantization); None: as the activations
     quantization: Quantization | None = None
 
     def __post_init__(self):
         for f in fields(self):
             _check_type(f.name, f.type, getattr(self, f.name))
-        if self.architecture not in ("mamba2", "nemotron_h"):
+        if self.architecture not in ARCHITECTURES:
             raise ConfigError(f"architecture: unsupported {self.architecture!r}")
+        for name, allowed in (("mlp_activation", MLP_ACTIVATIONS), ("moe_scoring", MOE_SCORINGS)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name}: expected one of {allowed}, got {getattr(self, name)!r}")
+        if self.logits_scaling == 0 or (self.attention_scale is not None and self.attention_scale <= 0):
+            raise ConfigError("logits_scaling and attention_scale: must be nonzero and positive")
         bad = [t for t in self.layer_types if t not in LAYER_KINDS]
         if bad or not self.layer_types:
             raise ConfigError(f"layer_types: expected a non-empty list of {LAYER_KINDS}, got {bad or 'none'}")
@@ -184,6 +211,8 @@ class ModelConfig:
             return cls._from_mamba2(hf)
         if model_type == "nemotron_h" or "NemotronHForCausalLM" in archs:
             return cls._from_nemotron_h(hf)
+        if model_type == "granitemoehybrid" or "GraniteMoeHybridForCausalLM" in archs:
+            return cls._from_granite_hybrid(hf)
         if model_type is None and "d_model" in hf and "n_layer" in hf:
             return cls._from_mamba_ssm(hf)
         inner = hf.get("text_config") or hf.get("llm_config")
@@ -194,7 +223,8 @@ class ModelConfig:
                               "use the text model's own release")
         raise ConfigError(
             f"model_type: unsupported {model_type!r} (architectures {archs}); "
-            "mambastep reads Mamba2ForCausalLM and NemotronHForCausalLM checkpoints, and mamba_ssm's Mamba2"
+            "mambastep reads Mamba2ForCausalLM, NemotronHForCausalLM and GraniteMoeHybridForCausalLM checkpoints, "
+            "and mamba_ssm's Mamba2"
         )
 
     @classmethod
@@ -281,6 +311,73 @@ class ModelConfig:
         )
 
     @classmethod
+    def _from_granite_hybrid(cls, hf: dict) -> "ModelConfig":
+        """Granite-4.0-H. Each HF layer is two blocks here: its Mamba2 or attention mixer (norm:
+        ``input_layernorm``), then its MLP (``post_attention_layernorm``): the shared SwiGLU MLP,
+        or with ``num_local_experts`` a softmax-routed MoE with that MLP as its shared expert."""
+        _require(hf, "hidden_size", "vocab_size", "num_hidden_layers")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"hidden_act: only silu is supported, got {hf['hidden_act']!r}")
+        if hf.get("position_embedding_type") not in (None, "nope"):
+            raise ConfigError(f"position_embedding_type: {hf['position_embedding_type']!r}; mambastep reads "
+                              "Granite-4.0-H's attention without positional embeddings (\"nope\") only")
+        hidden, layers = hf["hidden_size"], hf["num_hidden_layers"]
+        # the released configs say mamba / attention, HF (5.x) saves linear_ / full_attention
+        named = hf.get("layer_types") or hf.get("layers_block_type") or ["mamba"] * layers
+        mixers = [_HF_LAYER_TYPES.get(t) for t in named]
+        unknown = sorted({t for t, kind in zip(named, mixers) if kind not in ("mamba", "attention")})
+        if unknown or len(mixers) != layers:
+            raise ConfigError(f"layer_types: expected {layers} of 'mamba' and 'attention', got "
+                              f"{len(mixers)} with {unknown or 'no unknown kinds'}")
+        experts = hf.get("num_local_experts", 8) or 0
+        mlp = "moe" if experts else "mlp"
+        mamba_heads = hf.get("mamba_n_heads", 128)
+        head_dim = hf.get("mamba_d_head", "auto")
+        if head_dim == "auto":
+            head_dim = hf.get("mamba_expand", 2) * hidden // mamba_heads
+        if head_dim * mamba_heads != hf.get("mamba_expand", 2) * hidden:
+            raise ConfigError("mamba_d_head: mamba_n_heads * mamba_d_head must equal mamba_expand * hidden_size")
+        attn_heads = hf.get("num_attention_heads", 32)
+        shared = hf.get("shared_intermediate_size", 1024)
+        return cls(
+            architecture="granite_hybrid",
+            vocab_size=hf["vocab_size"],
+            hidden_size=hidden,
+            layer_types=tuple(kind for mixer in mixers for kind in (mixer, mlp)),
+            norm_eps=hf.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            eos_token_id=_first(hf.get("eos_token_id")),
+            pad_token_id=hf.get("pad_token_id"),
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            mamba_num_heads=mamba_heads,
+            mamba_head_dim=head_dim,
+            ssm_state_size=hf.get("mamba_d_state", 256),
+            n_groups=hf.get("mamba_n_groups", 1),
+            conv_kernel=hf.get("mamba_d_conv", 4),
+            chunk_size=hf.get("mamba_chunk_size", 256),
+            use_conv_bias=hf.get("mamba_conv_bias", True),
+            mamba_proj_bias=hf.get("mamba_proj_bias", False),
+            dt_limit=_pair("time_step_limit", hf.get("time_step_limit") or (0.0, math.inf)),
+            num_attention_heads=attn_heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or attn_heads,
+            attention_head_dim=hidden // attn_heads,
+            attention_bias=hf.get("attention_bias", False),
+            attention_scale=_float("attention_multiplier", hf.get("attention_multiplier", 1.0)),
+            intermediate_size=shared,
+            mlp_activation="swiglu",
+            moe_scoring="softmax",
+            n_routed_experts=experts,
+            n_shared_experts=1 if experts else 0,
+            num_experts_per_tok=hf.get("num_experts_per_tok", 2) if experts else 0,
+            moe_intermediate_size=hf.get("intermediate_size", 11008) if experts else 0,
+            moe_shared_expert_intermediate_size=shared,
+            norm_topk_prob=False,
+            embedding_multiplier=_float("embedding_multiplier", hf.get("embedding_multiplier", 1.0)),
+            residual_multiplier=_float("residual_multiplier", hf.get("residual_multiplier", 1.0)),
+            logits_scaling=_float("logits_scaling", hf.get("logits_scaling", 1.0)),
+        )
+
+    @classmethod
     def _from_mamba_ssm(cls, hf: dict) -> "ModelConfig":
         """mamba_ssm's MambaConfig (the official state-spaces/mamba2-* checkpoints), with the
         defaults of its Mamba2 module where ``ssm_cfg`` names none."""
@@ -347,6 +444,7 @@ _TYPE_CHECKS = {
     "int": (_is_int, "an integer"),
     "int | None": (lambda v: v is None or _is_int(v), "an integer or null"),
     "float": (_is_real, "a number"),
+    "float | None": (lambda v: v is None or _is_real(v), "a number or null"),
     "bool": (lambda v: isinstance(v, bool), "true or false"),
     "tuple[str, ...]": (lambda v: isinstance(v, tuple) and all(isinstance(t, str) for t in v), "a list of names"),
     "tuple[float, float]": (lambda v: isinstance(v, tuple) and len(v) == 2 and all(map(_is_real, v)),

@@ -36,6 +36,7 @@ from ..kernels.embedding import embed_rows
 from .config import ModelConfig
 from .decode_options import DecodeOptions, one_tile
 from .mixers import MIXERS, Block, Norm, StepContext
+from .multipliers import fold_multipliers
 from .presets import preset_config
 from .quantization import online_fp8
 from .state_pool import StatePool
@@ -55,10 +56,12 @@ class Model:
         how small decode steps run (default: ``DecodeOptions()``, resolved for the model and
         device); fold_norms: see the module doc (None: where the fused decode streams K)."""
         self.cfg = cfg
+        weights = fold_multipliers(cfg, weights)
         self.embed = weights["embeddings.weight"]
+        self.embed_scale = cfg.embedding_multiplier
         self.dtype, self.device = self.embed.dtype, self.embed.device
         self.lm_head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
-        round_first = cfg.architecture == "mamba2"
+        round_first = cfg.architecture != "nemotron_h"
         self.blocks = [Block(Norm(weights[f"layers.{i}.norm.weight"], cfg.norm_eps, round_first),
                              MIXERS[kind](cfg, i, weights)) for i, kind in enumerate(cfg.layer_types)]
         if fold_norms is None:
@@ -127,7 +130,7 @@ class Model:
         # in a fused step, the first kernel after the step's copy and the head of the PDL chain
         fused = self.takes_fused(inputs)
         embed_rows(ids, self.embed, residual, pdl=fused and self.options.pdl,
-                   slots=None if drawn is None else inputs.decode_slots, drawn=drawn)
+                   slots=None if drawn is None else inputs.decode_slots, drawn=drawn, scale=self.embed_scale)
         if fused:
             return self._fused_decode(residual, ctx)
         return self._layered(residual, ctx)

@@ -1,7 +1,8 @@
 """Load HF safetensors checkpoints (single file or sharded with an index), or mamba_ssm's
 ``pytorch_model.bin``, into a flat dict.
 
-Names are HF's without the ``model.``/``backbone.`` prefix (``layers.3.mixer.in_proj.weight``);
+Names are NemotronH's without the ``model.``/``backbone.`` prefix (``layers.3.mixer.in_proj.weight``),
+found in other families' checkpoints under their own names (``runtime.checkpoint_names``);
 ``weight_shapes`` lists every tensor a config needs and its shape. Every needed tensor's name,
 shape and dtype are checked before any is read, so a missing, mis-shaped or quantized tensor is
 reported by name and nothing is half-loaded.
@@ -21,6 +22,7 @@ import torch
 from safetensors import safe_open
 
 from ..kernels.fp8 import Fp8Weight, quantize_fp8
+from .checkpoint_names import checkpoint_names
 from .config import ModelConfig
 from .quantization import Quantization, module_of, quantizable
 
@@ -52,6 +54,8 @@ class WeightError(ValueError):
 def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the model needs, by name, with its shape."""
     D = cfg.hidden_size
+    # an up projection's rows per unit of width: SwiGLU's holds the gate's and the up's
+    up = 2 if cfg.mlp_activation == "swiglu" else 1
     shapes: dict[str, tuple[int, ...]] = {"embeddings.weight": (cfg.vocab_size, D), "norm_f.weight": (D,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, D)
@@ -81,26 +85,27 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                 if cfg.attention_bias:
                     shapes[m + name + ".bias"] = (rows,)
         elif kind == "mlp":
-            shapes[m + "up_proj.weight"] = (cfg.intermediate_size, D)
+            shapes[m + "up_proj.weight"] = (up * cfg.intermediate_size, D)
             shapes[m + "down_proj.weight"] = (D, cfg.intermediate_size)
             if cfg.mlp_bias:
-                shapes[m + "up_proj.bias"] = (cfg.intermediate_size,)
+                shapes[m + "up_proj.bias"] = (up * cfg.intermediate_size,)
                 shapes[m + "down_proj.bias"] = (D,)
         elif kind == "moe":
             E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
             L = cfg.moe_latent_size or D  # the routed experts' width
             shapes.update({
                 m + "gate.weight": (E, D),
-                m + "gate.e_score_correction_bias": (E,),
-                m + "experts.up_proj": (E, I, L),
+                m + "experts.up_proj": (E, up * I, L),
                 m + "experts.down_proj": (E, L, I),
             })
+            if cfg.moe_scoring == "sigmoid":
+                shapes[m + "gate.e_score_correction_bias"] = (E,)
             linears = []
             if cfg.moe_latent_size:
                 linears += [("fc1_latent_proj", L, D), ("fc2_latent_proj", D, L)]
             if cfg.n_shared_experts:
                 S = cfg.moe_shared_expert_intermediate_size * cfg.n_shared_experts
-                linears += [("shared_experts.up_proj", S, D), ("shared_experts.down_proj", D, S)]
+                linears += [("shared_experts.up_proj", up * S, D), ("shared_experts.down_proj", D, S)]
             for name, rows, cols in linears:
                 shapes[m + name + ".weight"] = (rows, cols)
                 if cfg.mlp_bias:
@@ -229,13 +234,15 @@ def _locate(ckpt: _Checkpoint, name: str, shape: tuple[int, ...], cfg: ModelConf
             path) -> tuple[list[str], bool, bool]:
     """Where tensor ``name`` is in the checkpoint, checked from the headers: (its tensors, one
     or an expert stack's; whether stacked; whether FP8, its scales checked too)."""
-    full, stacked = ckpt.find(name), False
+    sources = checkpoint_names(cfg, name)
+    full, stacked = next((f for f in map(ckpt.find, sources) if f is not None), None), False
     if full is None and name.endswith(("experts.up_proj", "experts.down_proj")):
         parts, stacked = _stacked_expert_names(ckpt, name, cfg.n_routed_experts), True
     else:
         parts = None if full is None else [full]
     if parts is None:
-        raise WeightError(f"{name}: missing from the checkpoint at {path}")
+        stored_as = "" if sources == (name,) else f" (stored as {sources[0]})"
+        raise WeightError(f"{name}{stored_as}: missing from the checkpoint at {path}")
     kinds = set()
     for part in parts:
         stored, got = ckpt.describe(part)

@@ -1,4 +1,4 @@
-"""Tiny random HF checkpoints of both architectures, saved with save_pretrained, and a tiny
+"""Tiny random HF checkpoints of each architecture, saved with save_pretrained, and a tiny
 byte-level BPE tokenizer to save beside one."""
 
 import inspect
@@ -8,7 +8,8 @@ import pytest
 import torch
 import transformers
 from packaging.version import Version
-from transformers import Mamba2Config, Mamba2ForCausalLM, NemotronHConfig, NemotronHForCausalLM
+from transformers import (GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM, Mamba2Config, Mamba2ForCausalLM,
+                          NemotronHConfig, NemotronHForCausalLM)
 
 VOCAB = 96
 # HF's Mamba2 gated norm ignores n_groups before transformers 5.23 (the GPU image has 5.17), so
@@ -47,16 +48,35 @@ def nemotron_h_config(**kw):
     return NemotronHConfig(**{**base, **kw})
 
 
+def granite_config(**kw):
+    """Granite-4.0-H-tiny's fields and values (its muP multipliers, NoPE attention, one group,
+    tied embeddings, softmax-routed SwiGLU experts beside the shared MLP), sizes shrunk;
+    ``num_local_experts=0`` is the dense micro's layout."""
+    base = dict(
+        hidden_size=32, num_hidden_layers=6, layer_types=["mamba", "attention", "mamba", "mamba", "attention", "mamba"],
+        mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
+        mamba_chunk_size=8, mamba_conv_bias=True, mamba_proj_bias=False, time_step_limit=(0.0, float("inf")),
+        num_attention_heads=4, num_key_value_heads=2, attention_bias=False, position_embedding_type="nope",
+        intermediate_size=16, shared_intermediate_size=48, num_local_experts=8, num_experts_per_tok=3,
+        embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125, logits_scaling=6.0,
+        rms_norm_eps=1e-5, hidden_act="silu", vocab_size=VOCAB, tie_word_embeddings=True, initializer_range=0.1,
+        eos_token_id=0, pad_token_id=0, bos_token_id=0,
+    )
+    return GraniteMoeHybridConfig(**{**base, **kw})
+
+
+_MODELS = {"mamba2": (Mamba2ForCausalLM, mamba2_config), "nemotron_h": (NemotronHForCausalLM, nemotron_h_config),
+           "granite": (GraniteMoeHybridForCausalLM, granite_config)}
+
+
 def save_tiny(kind: str, path, seed: int = 0, **kw):
-    """Build a tiny random model of ``kind`` ("mamba2" or "nemotron_h"), perturb the parameters
-    HF initialises to constants (so the test sees them), save it to ``path`` and return it."""
-    if kind != "mamba2" and not HF_5_25:
+    """Build a tiny random model of ``kind`` ("mamba2", "nemotron_h" or "granite"), perturb the
+    parameters HF initialises to constants (so the test sees them), save it to ``path`` and return it."""
+    if kind == "nemotron_h" and not HF_5_25:
         pytest.skip(f"transformers {transformers.__version__} clamps NemotronH's prefill dt at time_step_min")
     torch.manual_seed(seed)
-    if kind == "mamba2":
-        model = Mamba2ForCausalLM(mamba2_config(**kw))
-    else:
-        model = NemotronHForCausalLM(nemotron_h_config(**kw))
+    model_class, config = _MODELS[kind]
+    model = model_class(config(**kw))
     perturb(model)
     model.save_pretrained(path)
     return model
@@ -75,7 +95,8 @@ def perturb(model) -> None:
             p.copy_(dt + torch.log(-torch.expm1(-dt)))
         elif name.endswith((".D", "norm.weight", "norm_f.weight", "conv1d.bias", "e_score_correction_bias")):
             p.add_(0.1 * torch.randn_like(p))
-        elif name.endswith("gate.weight") or name.endswith(("experts.up_proj", "experts.down_proj")):
+        elif name.endswith(("gate.weight", "router.weight", "experts.up_proj", "experts.gate_up_proj",
+                            "experts.down_proj")):
             p.normal_(0, 0.3)
     for name, b in model.named_buffers():
         if name.endswith("e_score_correction_bias"):

@@ -1,4 +1,5 @@
-"""Causal GQA attention (NemotronH: no rotary embedding) over packed ``[prefill | decode]`` tokens.
+"""Causal GQA attention (NemotronH, Granite-4.0-H: no rotary embedding) over packed ``[prefill |
+decode]`` tokens.
 
 Keys and values live in the state pool's per-slot KV cache; prefill rows write their keys at
 positions ``context_lens + j`` and attend to everything before them in the slot (so chunked
@@ -28,7 +29,7 @@ class AttentionMixer(Mixer):
         p = f"layers.{idx}.mixer."
         self.idx = idx
         self.H, self.KVH, self.Dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.attention_head_dim
-        self.scale = self.Dh**-0.5
+        self.scale = cfg.attention_scale if cfg.attention_scale is not None else self.Dh**-0.5
         # one GEMM for q, k and v
         self.qkv = _concat([w[p + n + ".weight"] for n in ("q_proj", "k_proj", "v_proj")], p + "q/k/v_proj")
         self.qkv_bias = None

@@ -35,7 +35,7 @@ __all__ = ["Block", "Mixer", "Norm", "StepContext", "run_branches"]
 
 @dataclass(frozen=True)
 class Norm:
-    """A block's RMSNorm. ``round_first``: HF's Mamba2 rounds the normalised row before its weight,
+    """A block's RMSNorm. ``round_first``: HF's Mamba2 (and Granite) rounds the normalised row before its weight,
     NemotronH only the product (only bf16 tells them apart). ``unit``: the weight is all ones, the
     checkpoint's folded into the projection after it (``Model``'s ``fold_norms``), so a fused
     kernel need not read it."""

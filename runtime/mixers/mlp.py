@@ -1,23 +1,46 @@
-"""NemotronH's relu2 MLP. Fused, a small decode step is block norm + up_proj + relu2; down_proj +
-residual add."""
+"""The dense MLP: ``down(act(up(x)))`` with NemotronH's relu2, or SwiGLU (Granite, Bamba,
+Falcon-H1: silu(gate) * up, over an up projection holding the gate's rows, then the up's).
+Fused, a small decode step is block norm + up_proj (+ relu2 in its epilogue; SwiGLU: a kernel of
+its own after it); down_proj + residual add. The MoE's shared expert is this MLP too.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from ...kernels.activation import relu2
+from ...kernels.activation import relu2, silu_mul
 from ...kernels.decode_linear import norm_linear
 from ...kernels.linear import linear
 from ..config import ModelConfig
 from .base import Mixer, Norm, StepContext
 
-__all__ = ["MLPMixer", "relu2_mlp"]
+__all__ = ["MLPMixer", "mlp", "mlp_fused"]
 
 
-def relu2_mlp(x, up, down, up_bias=None, down_bias=None):
-    """down(relu(up(x))^2)."""
+def mlp(x, up, down, up_bias=None, down_bias=None, act="relu2"):
+    """down(act(up(x))) layer by layer."""
     h = linear(x, up, up_bias)
-    return linear(relu2(h, out=h), down, down_bias)
+    return linear(relu2(h, out=h) if act == "relu2" else silu_mul(h), down, down_bias)
+
+
+def mlp_fused(x, norm: Norm | None, up, down, up_bias, down_bias, act, ctx: StepContext, *,
+              residual: torch.Tensor | None = None, first_pdl: bool = True) -> torch.Tensor:
+    """down(act(up(norm(x)))) as skinny kernels (``kernels.decode_linear``): added into
+    ``residual`` in place when given, else returned. ``norm``: the block norm to apply first, or
+    None for x already normed. ``first_pdl``: the first kernel is a programmatic dependent (not
+    on another stream, where what it follows is the other stream's)."""
+    opts = ctx.options
+    width = up.shape[0]
+    h = torch.empty(x.shape[0], width, dtype=norm.weight.dtype if norm else x.dtype, device=x.device)
+    norm_linear(x, norm.weight if norm else None, norm.eps if norm else 0.0, up, bias=up_bias,
+                round_first=norm.round_first if norm else True, relu2=act == "relu2", out=h,
+                pdl=opts.pdl and first_pdl, tile_k=opts.tile_k, unit_norm=bool(norm and norm.unit))
+    if act == "swiglu":
+        h = silu_mul(h, pdl=opts.pdl)
+    out = None if residual is not None else torch.empty(x.shape[0], down.shape[0], dtype=h.dtype, device=x.device)
+    # a residual is the previous block's, two or more kernels back
+    return norm_linear(h, None, 0.0, down, bias=down_bias, residual=residual, out=out, pdl=opts.pdl,
+                       tile_k=opts.tile_k, early=residual is not None)
 
 
 class MLPMixer(Mixer):
@@ -28,15 +51,10 @@ class MLPMixer(Mixer):
         p = f"layers.{idx}.mixer."
         self.up, self.down = w[p + "up_proj.weight"], w[p + "down_proj.weight"]
         self.up_bias, self.down_bias = w.get(p + "up_proj.bias"), w.get(p + "down_proj.bias")
+        self.act = cfg.mlp_activation
 
     def forward(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        return relu2_mlp(h, self.up, self.down, self.up_bias, self.down_bias)
+        return mlp(h, self.up, self.down, self.up_bias, self.down_bias, self.act)
 
     def fused_decode(self, residual: torch.Tensor, norm: Norm, ctx: StepContext) -> None:
-        opts = ctx.options
-        h = torch.empty(residual.shape[0], self.up.shape[0], dtype=norm.weight.dtype, device=residual.device)
-        norm_linear(residual, norm.weight, norm.eps, self.up, bias=self.up_bias, round_first=norm.round_first,
-                    relu2=True, out=h, pdl=opts.pdl, tile_k=opts.tile_k, unit_norm=norm.unit)
-        # the residual is the previous block's, two kernels back
-        norm_linear(h, None, norm.eps, self.down, bias=self.down_bias, residual=residual, pdl=opts.pdl,
-                    tile_k=opts.tile_k, early=True)
+        mlp_fused(residual, norm, self.up, self.down, self.up_bias, self.down_bias, self.act, ctx, residual=residual)

@@ -1,5 +1,7 @@
-"""NemotronH's mixture of relu2 experts with a shared expert, over the routed pairs only
-(``kernels.moe``): route, the routed experts, the shared expert beside them, combine.
+"""A mixture of experts with a shared expert, over the routed pairs only (``kernels.moe``):
+route, the routed experts, the shared expert beside them, combine. NemotronH's: relu2 experts, a
+sigmoid router with a score-correction bias; Granite's: SwiGLU experts, a softmax over the top-k
+router logits, its shared MLP as the shared expert (``cfg.mlp_activation``, ``cfg.moe_scoring``).
 
 In a step of up to ``SHARED_BESIDE_MAX_TOKENS`` tokens with an expert stream (``StepContext``),
 the shared expert runs on that stream, forked after the block norm and joined at the combine, so
@@ -16,12 +18,11 @@ from __future__ import annotations
 
 import torch
 
-from ...kernels.decode_linear import norm_linear
 from ...kernels.linear import linear
 from ...kernels.moe import block_counts_buffer, moe_experts, moe_route, router_terms
 from ..config import ModelConfig
 from .base import Mixer, Norm, StepContext
-from .mlp import relu2_mlp
+from .mlp import mlp, mlp_fused
 
 __all__ = ["MoEMixer", "SHARED_BESIDE_MAX_TOKENS"]
 
@@ -39,7 +40,8 @@ class MoEMixer(Mixer):
         p = f"layers.{idx}.mixer."
         self.gate = w[p + "gate.weight"].float()
         self.gate_terms = router_terms(self.gate)  # the logits of bf16 rows as bf16 products
-        self.bias = w[p + "gate.e_score_correction_bias"].float()
+        self.bias = w[p + "gate.e_score_correction_bias"].float() if cfg.moe_scoring == "sigmoid" else None
+        self.act = cfg.mlp_activation
         self.up, self.down = w[p + "experts.up_proj"], w[p + "experts.down_proj"]  # [E, I, L], [E, L, I]
         self.shared = None
         if cfg.n_shared_experts:
@@ -51,10 +53,10 @@ class MoEMixer(Mixer):
             self.latent = tuple(w.get(p + name) for name in ("fc1_latent_proj.weight", "fc1_latent_proj.bias",
                                                             "fc2_latent_proj.weight", "fc2_latent_proj.bias"))
         self.route = dict(top_k=cfg.num_experts_per_tok, n_group=cfg.n_group, topk_group=cfg.topk_group,
-                          norm_topk=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor)
+                          norm_topk=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor, scoring=cfg.moe_scoring)
 
     def forward(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        return self._moe(h, ctx, lambda: relu2_mlp(h, *self.shared))
+        return self._moe(h, ctx, lambda: mlp(h, *self.shared, act=self.act))
 
     def fused_decode(self, residual: torch.Tensor, norm: Norm, ctx: StepContext) -> None:
         h = norm(residual, out=torch.empty(residual.shape, dtype=norm.weight.dtype, device=residual.device),
@@ -85,20 +87,16 @@ class MoEMixer(Mixer):
             ctx.observe(self.layer, idx)
         if self.latent is None:
             return moe_experts(h, idx, w, self.up, self.down, shared=shared, residual=residual, shared_ready=ready,
-                               block_counts=counts, pdl=pdl)
+                               block_counts=counts, pdl=pdl, act=self.act)
         down_w, down_b, up_w, up_b = self.latent
-        routed = linear(moe_experts(linear(h, down_w, down_b), idx, w, self.up, self.down, block_counts=counts),
-                        up_w, up_b)
+        routed = linear(moe_experts(linear(h, down_w, down_b), idx, w, self.up, self.down, block_counts=counts,
+                                    act=self.act), up_w, up_b)
         if ready is not None:
             torch.cuda.current_stream(h.device).wait_event(ready)
         out = routed if shared is None else routed + shared
         return out if residual is None else residual.add_(out)
 
     def _shared_fused(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """The shared expert as two skinny kernels. The first is no programmatic dependent: on
-        the expert stream, what it follows is the other stream's."""
-        up, down, up_bias, down_bias = self.shared
-        pdl, tile_k = ctx.options.pdl, ctx.options.tile_k
-        a = torch.empty(h.shape[0], up.shape[0], dtype=h.dtype, device=h.device)
-        norm_linear(h, None, 0.0, up, bias=up_bias, relu2=True, out=a, tile_k=tile_k)
-        return norm_linear(a, None, 0.0, down, bias=down_bias, out=torch.empty_like(h), pdl=pdl, tile_k=tile_k)
+        """The shared expert as skinny kernels. The first is no programmatic dependent: on the
+        expert stream, what it follows is the other stream's."""
+        return mlp_fused(h, None, *self.shared, self.act, ctx, first_pdl=False)

@@ -17,6 +17,19 @@ def test_embed_rows(device, dtype, D):
     assert torch.equal(embed_rows_ref(ids.cpu(), table.cpu(), torch.empty(4, D, dtype=dtype)), expect)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embed_rows_scaled(device, dtype):
+    """Granite's embedding multiplier: each row times the scale, rounded to the table's dtype as
+    HF's product in that dtype, then cast to the residual's."""
+    table = torch.randn(50, 40, device=device).to(torch.bfloat16)
+    ids = torch.tensor([7, 49, 0], device=device)
+    out = poisoned((3, 40), dtype, device)
+    embed_rows.triton(ids, table, out, scale=12.0)
+    expect = (table.cpu()[ids.cpu()] * 12.0).to(dtype)
+    assert torch.equal(out.cpu(), expect)
+    assert torch.equal(embed_rows_ref(ids.cpu(), table.cpu(), torch.empty(3, 40, dtype=dtype), scale=12.0), expect)
+
+
 @pytest.mark.parametrize("prefill_rows", [0, 3])
 def test_embed_rows_takes_drawn_tokens(device, prefill_rows):
     """Packed [prefill | decode] rows: a decode row whose id is -1 takes the token its slot drew

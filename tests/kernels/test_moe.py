@@ -126,6 +126,33 @@ def test_route_without_normalisation_keeps_the_scores(device):
     assert (w < 1).all() and not torch.allclose(w.sum(-1), torch.ones(4, device=device))  # scores as they are
 
 
+@pytest.mark.parametrize("E,k", [(8, 3), (64, 6), (72, 10)])
+@pytest.mark.parametrize("T", [1, 5, 33])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softmax_route_matches_hf_granite(device, E, k, T, dtype):
+    """Granite's router: the top-k of the logits in the model's dtype, weighted by their softmax,
+    rounded so too, as HF's GraniteMoeHybrid computes them (both logits kernels: T <= 16 and past).
+    In bf16 two logits may round to one value at the k-th place, and which of the two experts
+    wins is then the sort's choice (torch's CPU top-k takes the later one): the chosen logits and
+    weights are compared, not the expert ids."""
+    g = torch.Generator().manual_seed(T + E)
+    D = 40
+    x = torch.randn(T, D, generator=g).to(dtype)
+    gate = (torch.randn(E, D, generator=g) * 0.3).to(dtype)
+    idx, w = moe_route.triton(x.to(device), gate.float().to(device), None, top_k=k, scoring="softmax")
+    idx, w = idx.cpu().long(), w.cpu()
+    assert (idx.diff(dim=-1) > 0).all()  # k distinct experts, in ascending order
+    logits = torch.nn.functional.linear(x, gate).float()  # HF: in the model's dtype, then float
+    top, hf_idx = logits.topk(k, dim=-1)
+    hf_w = top.softmax(dim=-1).to(dtype).float()
+    assert torch.equal(logits.gather(1, idx).sort(dim=-1).values, top.sort(dim=-1).values)
+    torch.testing.assert_close(w.sort(dim=-1).values, hf_w.sort(dim=-1).values, rtol=1e-5, atol=1e-6)
+    if dtype == torch.float32:  # no ties: the same experts
+        assert torch.equal(idx, hf_idx.sort(dim=-1).values)
+    ref_idx, ref_w = moe_route_ref(x, gate.float(), None, top_k=k, scoring="softmax")
+    assert torch.equal(logits.gather(1, ref_idx.long()).sort(dim=-1).values, top.sort(dim=-1).values)
+
+
 # up to kernels.moe.PAIR_TILES_MAX (12) pairs a tile each, past it the sorted layout
 CASES = {
     "spread": dict(T=9, E=8, k=2),
@@ -165,6 +192,32 @@ def test_grouped_experts_equal_the_dense_reference(device, case, dtype):
     got = residual.to(device)
     moe_experts.triton(*dev[:5], shared=dev[5], residual=got)
     assert_close(got.cpu(), expect, dtype)
+
+
+@pytest.mark.parametrize("case", ["one token", "a few pairs, a tile each", "spread", "experts with no token",
+                                  "128-row tiles, narrow last column blocks"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_experts_equal_granite_math(device, case, dtype):
+    """SwiGLU experts (Granite: up [E, 2I, K], the gate's rows first): the grouped path equals
+    the dense reference, which equals HF's per-expert loop in fp32."""
+    c = CASES[case]
+    T, E, k = c["T"], c["E"], c["k"]
+    K, I, D = 32, c.get("I", 24), c.get("D", 32)
+    idx, w = routing(T, E, k, experts_used=c.get("experts_used"))
+    x = torch.randn(T, K).to(dtype)
+    up, _ = experts(E, 2 * I, K, D, dtype, "cpu")
+    _, down = experts(E, I, K, D, dtype, "cpu", seed=1)
+    ref = moe_experts_ref(x, idx, w, up, down, act="swiglu")
+    out = poisoned((T, D), dtype, device)
+    moe_experts.triton(*(t.to(device) for t in (x, idx, w, up, down)), out=out, act="swiglu")
+    assert_close(out.cpu(), ref, dtype)
+    if dtype == torch.float32:
+        hf = torch.zeros(T, D)
+        for t in range(T):
+            for j in range(k):
+                gate, up_half = (up[idx[t, j]] @ x[t]).chunk(2)
+                hf[t] += w[t, j] * (down[idx[t, j]] @ (torch.nn.functional.silu(gate) * up_half))
+        torch.testing.assert_close(ref, hf, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("block", [0, 16], ids=["fp8-column", "fp8-block16"])

@@ -19,7 +19,7 @@ from mambastep.runtime.step_runner import StepRunner
 from mambastep.runtime.weights import WeightError, load_weights
 from support import assert_close
 
-KINDS = ["mamba2", "nemotron_h"]
+KINDS = ["mamba2", "nemotron_h", "granite"]
 PROMPT_LENS = [1, 7, 8, 9, 21]
 
 
@@ -32,16 +32,20 @@ def prompts(lens=PROMPT_LENS, seed=0):
 # group-limited choice), and experts in a latent space, where the installed HF implements it.
 MOE = dict(layers_block_type=["mamba", "moe", "attention", "moe", "mamba", "moe"], n_routed_experts=16,
            num_experts_per_tok=3, n_group=4, topk_group=2, routed_scaling_factor=2.5)
+# Granite-4.0-H: MoE (tiny, small) and dense (micro)
+GRANITE_DENSE = {"num_local_experts": 0}
 VARIANTS = {"mamba2": ("mamba2", {}), "nemotron_h": ("nemotron_h", {}), "moe": ("nemotron_h", MOE),
-            "latent_moe": ("nemotron_h", {**MOE, "moe_latent_size": 16})}
+            "latent_moe": ("nemotron_h", {**MOE, "moe_latent_size": 16}), "granite": ("granite", {}),
+            "granite_dense": ("granite", GRANITE_DENSE)}
 _gpu = pytest.mark.gpu
 _latent = pytest.mark.skipif(not HF_LATENT_MOE, reason="the installed transformers has no latent MoE")
 
 
 @pytest.fixture(scope="module", params=[
-    "mamba2", "nemotron_h", "moe", pytest.param("latent_moe", marks=_latent),
+    "mamba2", "nemotron_h", "moe", pytest.param("latent_moe", marks=_latent), "granite", "granite_dense",
     # on a GPU, fp32 through the Triton kernels (the grouped experts among them)
     pytest.param("moe@cuda", marks=_gpu), pytest.param("latent_moe@cuda", marks=[_gpu, _latent]),
+    pytest.param("granite@cuda", marks=_gpu),
 ])
 def pair(request, tmp_path_factory):
     """(HF model, our model loaded from the HF checkpoint) for each checkpoint variant."""
@@ -327,7 +331,7 @@ def test_bf16_on_gpu_matches_hf(kind, tmp_path):
     """bf16 Triton path vs HF in fp32: prefill logits, then decode logits teacher-forced with
     HF's greedy tokens (so a near-tie flipping one token cannot derail the comparison). No MoE
     layer here: bf16 rounding flips near-tied expert choices, a discontinuity no tolerance bounds."""
-    no_moe = {} if kind == "mamba2" else {"layers_block_type": DENSE_HYBRID}
+    no_moe = {"mamba2": {}, "nemotron_h": {"layers_block_type": DENSE_HYBRID}, "granite": GRANITE_DENSE}[kind]
     hf = save_tiny(kind, tmp_path, **no_moe)
     hf.generation_config.eos_token_id = None
     ours = Model.from_pretrained(tmp_path, dtype=torch.bfloat16, device="cuda")

@@ -15,6 +15,24 @@ _NEMOTRON_3_NANO_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME
 _NEMOTRON_NANO_9B_V2_PATTERN = "M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-"
 _KIND = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 
+
+def _granite_blocks(attention: tuple[int, ...], layers: int, mlp: str) -> tuple[str, ...]:
+    """A Granite-4.0-H layer pattern as blocks: each layer's mixer, then its MLP (or MoE) block."""
+    return tuple(kind for i in range(layers) for kind in ("attention" if i in attention else "mamba", mlp))
+
+
+# the released Granite-4.0-H configs' common fields: attention at layers 5, 15, 25 and 35 of 40,
+# NoPE, one group, tied embeddings; muP multipliers of the releases' order (with random weights
+# they change no timing)
+_GRANITE = dict(
+    architecture="granite_hybrid", vocab_size=100352, mamba_head_dim=64, ssm_state_size=128, n_groups=1,
+    conv_kernel=4, chunk_size=256, attention_scale=0.0078125, mlp_activation="swiglu", moe_scoring="softmax",
+    norm_topk_prob=False, embedding_multiplier=12.0, residual_multiplier=0.22, logits_scaling=6.0,
+    tie_word_embeddings=True,
+    max_position_embeddings=131072, eos_token_id=100257,
+)
+_GRANITE_ATTENTION = (5, 15, 25, 35)
+
 PRESETS: dict[str, dict] = {
     # A few-layer hybrid with every layer kind, small enough for CPU tests and the CPU default run.
     "tiny-hybrid": dict(
@@ -42,6 +60,15 @@ PRESETS: dict[str, dict] = {
         chunk_size=32,
         num_attention_heads=4, num_key_value_heads=2, attention_head_dim=16, intermediate_size=128,
         max_position_embeddings=4096, eos_token_id=2,
+    ),
+    # Granite-4.0-H's blocks at test size: Mamba2 and NoPE attention, each followed by softmax-
+    # routed SwiGLU experts beside the shared SwiGLU MLP; the multipliers
+    "tiny-granite": dict(
+        _GRANITE, vocab_size=512, hidden_size=64, layer_types=_granite_blocks((1,), 3, "moe"),
+        mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, chunk_size=32,
+        num_attention_heads=4, num_key_value_heads=2, attention_head_dim=16, intermediate_size=64,
+        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=3, moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=64, max_position_embeddings=4096, eos_token_id=2,
     ),
     "mamba2-130m": dict(
         architecture="mamba2", vocab_size=50288, hidden_size=768, layer_types=("mamba",) * 24,
@@ -77,6 +104,27 @@ PRESETS: dict[str, dict] = {
         chunk_size=128,
         num_attention_heads=40, num_key_value_heads=8, attention_head_dim=128,
         intermediate_size=15680, max_position_embeddings=131072, eos_token_id=2,
+    ),
+    # ibm-granite/granite-4.0-h-micro: 3B dense; 40 layers (36 Mamba2, 4 attention), each with
+    # the shared SwiGLU MLP
+    "granite-4.0-h-micro": dict(
+        _GRANITE, hidden_size=2048, layer_types=_granite_blocks(_GRANITE_ATTENTION, 40, "mlp"),
+        mamba_num_heads=64, num_attention_heads=32, num_key_value_heads=8, attention_head_dim=64,
+        intermediate_size=8192,
+    ),
+    # ibm-granite/granite-4.0-h-tiny: 7B, 1B active; 64 SwiGLU experts top-6 beside the shared MLP
+    "granite-4.0-h-tiny": dict(
+        _GRANITE, hidden_size=1536, layer_types=_granite_blocks(_GRANITE_ATTENTION, 40, "moe"),
+        mamba_num_heads=48, num_attention_heads=12, num_key_value_heads=4, attention_head_dim=128,
+        n_routed_experts=64, n_shared_experts=1, num_experts_per_tok=6, moe_intermediate_size=512,
+        moe_shared_expert_intermediate_size=1024,
+    ),
+    # ibm-granite/granite-4.0-h-small: 32B, 9B active; 72 SwiGLU experts top-10 beside the shared MLP
+    "granite-4.0-h-small": dict(
+        _GRANITE, hidden_size=4096, layer_types=_granite_blocks(_GRANITE_ATTENTION, 40, "moe"),
+        mamba_num_heads=128, num_attention_heads=32, num_key_value_heads=8, attention_head_dim=128,
+        n_routed_experts=72, n_shared_experts=1, num_experts_per_tok=10, moe_intermediate_size=768,
+        moe_shared_expert_intermediate_size=1536,
     ),
 }
 

@@ -218,12 +218,16 @@ def captured_with(model: Model, pool: StatePool, buckets: list, progress: bool, 
 def bench_preset(name: str, bandwidth: float, rate: float, progress: bool) -> dict:
     torch.manual_seed(0)
     model = Model.from_preset(name, dtype=torch.bfloat16, device="cuda")
-    slots = max(DECODE_BATCHES) + max(MIXED_DECODE) + 1
-    pool = StatePool(model.cfg, slots, max_context=CONTEXT + 2 * max(PREFILL_CHUNKS), dtype=torch.bfloat16,
-                     device="cuda")
+    # the batches whose slots fit half the memory left (the rest: graphs and activations); a
+    # large model's state (Granite-4.0-H-Small: 0.2 GB a slot) may not fit 256 rows beside it
+    max_context = CONTEXT + 2 * max(PREFILL_CHUNKS)
+    per_slot = StatePool.bytes_per_slot(model.cfg, max_context, torch.bfloat16)
+    batches = tuple(b for b in DECODE_BATCHES if (b + 1) * per_slot <= torch.cuda.mem_get_info()[0] // 2)
+    slots = max(batches) + 1  # decode rows take slots from 0, a prefill chunk the last
+    pool = StatePool(model.cfg, slots, max_context=max_context, dtype=torch.bfloat16, device="cuda")
     for t in pool.tensors():
         t.normal_(0, 0.1)
-    buckets = BucketSet(decode=DECODE_BATCHES, mixed_decode=(0, *MIXED_DECODE), prefill=(256, 512, 2048),
+    buckets = BucketSet(decode=batches, mixed_decode=(0, *MIXED_DECODE), prefill=(256, 512, 2048),
                         max_prefill_seqs=1)
     eager = StepRunner(model, pool, buckets, overlap=False)
     forked = StepRunner(model, pool, buckets, overlap=True)
@@ -240,7 +244,7 @@ def bench_preset(name: str, bandwidth: float, rate: float, progress: bool) -> di
             other = "no_pdl_ms" if opts.pdl else "pdl_ms"
             variants[other] = captured_with(model, pool, small, progress, pdl=not opts.pdl)
     rows = []
-    for batch in tqdm(DECODE_BATCHES, desc=f"{name} decode", disable=not progress):
+    for batch in tqdm(batches, desc=f"{name} decode", disable=not progress):
         plan = decode_plan(batch)
         routed = routed_experts(eager, plan) if moe else None
         e, g = step_ms(eager, plan), step_ms(forked, plan)

@@ -247,6 +247,15 @@ TestPipelinedEngine = PipelinedMachine.TestCase
 TestPipelinedEngine.settings = _settings(12, 25)
 
 
+class GraniteMachine(EngineMachine):
+    # Granite-4.0-H's blocks: softmax-routed SwiGLU experts, the multipliers
+    preset = "tiny-granite"
+
+
+TestGraniteEngine = GraniteMachine.TestCase
+TestGraniteEngine.settings = _settings(12, 25)
+
+
 class GPUMachine(EngineMachine):
     # no MoE: decode steps of up to 4 rows take the fused path, the rest layered, all in graphs
     preset, device, graphs = "tiny-nemotron-h", "cuda", True
@@ -256,8 +265,13 @@ class GPUPipelinedMachine(GPUMachine):
     pipelined = True
 
 
+class GPUGraniteMachine(GPUMachine):
+    preset = "tiny-granite"
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("machine", [GPUMachine, GPUPipelinedMachine], ids=["default", "pipelined"])
+@pytest.mark.parametrize("machine", [GPUMachine, GPUPipelinedMachine, GPUGraniteMachine],
+                         ids=["default", "pipelined", "granite"])
 def test_engine_machine_on_gpu(machine):
     from hypothesis.stateful import run_state_machine_as_test
 

@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, Mamba2Config, Mamba2ForCausalLM, NemotronHConfig, NemotronHForCausalLM
+from transformers import (AutoModelForCausalLM, GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM, Mamba2Config,
+                          Mamba2ForCausalLM, NemotronHConfig, NemotronHForCausalLM)
 
 from hf_models import HF_5_23, HF_5_25, HF_LATENT_MOE, VOCAB, perturb
 
@@ -26,6 +27,19 @@ _NEMOTRON_H = dict(
     use_conv_bias=True, use_mamba_kernels=True, vocab_size=VOCAB, torch_dtype="bfloat16",
 )
 _MOE = dict(n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5, n_shared_experts=1)
+# ibm-granite/granite-4.0-h-*: every field of the released config.json but the sizes
+_GRANITE = dict(
+    architectures=["GraniteMoeHybridForCausalLM"], model_type="granitemoehybrid", attention_bias=False,
+    attention_dropout=0.0, attention_multiplier=0.0078125, bos_token_id=0, embedding_multiplier=12,
+    eos_token_id=0, hidden_act="silu", init_method="mup", initializer_range=0.1, logits_scaling=6,
+    mamba_chunk_size=16, mamba_conv_bias=True, mamba_d_conv=4, mamba_d_head=8, mamba_d_state=16,
+    mamba_expand=2, mamba_n_groups=1, mamba_n_heads=8, mamba_proj_bias=False, normalization_function="rmsnorm",
+    output_router_logits=False, pad_token_id=0, position_embedding_type="nope", residual_multiplier=0.22,
+    rms_norm_eps=1e-5, rope_scaling=None, rope_theta=10000, router_aux_loss_coef=0.0, tie_word_embeddings=True,
+    torch_dtype="bfloat16", use_cache=True, vocab_size=VOCAB, hidden_size=32, num_attention_heads=4,
+    num_key_value_heads=2, num_hidden_layers=6, layer_types=["mamba", "mamba", "attention", "mamba", "mamba", "mamba"],
+    max_position_embeddings=131072,
+)
 # Each: the released config's layout; sizes shrunk (hidden 32, heads of 8, a few layers); the
 # released name in the comment. HF reads only `head_dim` (default 128), NVIDIA's configs name it
 # `attention_head_dim`: tiny configs give both where the release gives the latter.
@@ -54,6 +68,12 @@ RELEASED = {
                                   moe_shared_expert_intermediate_size=32, moe_latent_size=16,
                                   num_nextn_predict_layers=1, mtp_hybrid_override_pattern="*E",
                                   max_position_embeddings=262144),
+    # ibm-granite/granite-4.0-h-tiny: 64 experts top-6 -> 16 top-6, SwiGLU experts beside the shared MLP
+    "granite-4.0-h-tiny": dict(_GRANITE, num_local_experts=16, num_experts_per_tok=6, intermediate_size=16,
+                               shared_intermediate_size=32),
+    # ibm-granite/granite-4.0-h-micro: dense, the shared MLP alone
+    "granite-4.0-h-micro": dict(_GRANITE, num_local_experts=0, num_experts_per_tok=0, intermediate_size=48,
+                                shared_intermediate_size=48, logits_scaling=8),
     # the HF conversion of state-spaces/mamba2-130m
     "mamba2-130m": dict(architectures=["Mamba2ForCausalLM"], model_type="mamba2", hidden_size=32, expand=2,
                         num_heads=8, head_dim=8, n_groups=1, state_size=16, conv_kernel=4, chunk_size=16,
@@ -85,8 +105,8 @@ def save_released(name: str, path) -> torch.nn.Module:
     """HF's model of the released layout, with random weights, saved to ``path`` under that
     layout's config.json (HF rewrites its own on save); returns the HF model read back from it."""
     fields = RELEASED[name]
-    hf_cls, cfg_cls = (Mamba2ForCausalLM, Mamba2Config) if fields["model_type"] == "mamba2" else \
-        (NemotronHForCausalLM, NemotronHConfig)
+    hf_cls, cfg_cls = {"mamba2": (Mamba2ForCausalLM, Mamba2Config), "nemotron_h": (NemotronHForCausalLM, NemotronHConfig),
+                       "granitemoehybrid": (GraniteMoeHybridForCausalLM, GraniteMoeHybridConfig)}[fields["model_type"]]
     torch.manual_seed(0)
     model = hf_cls(cfg_cls(**{k: v for k, v in fields.items() if k not in ("architectures", "model_type")}))
     perturb(model)

@@ -1,10 +1,11 @@
 """One flat, validated model config, read from an HF ``config.json`` or built from a preset.
 
-Three HF architectures map onto it: ``Mamba2ForCausalLM`` (every layer a Mamba2 mixer),
-``NemotronHForCausalLM`` (a hybrid pattern of Mamba2, attention, MLP and MoE layers) and
+Four HF architectures map onto it: ``Mamba2ForCausalLM`` (every layer a Mamba2 mixer),
+``NemotronHForCausalLM`` (a hybrid pattern of Mamba2, attention, MLP and MoE layers),
 ``GraniteMoeHybridForCausalLM`` (Granite-4.0-H: each HF layer a Mamba2 or attention block, then
-a SwiGLU MLP block, or a softmax-routed MoE block with a shared SwiGLU expert; muP multipliers);
-and mamba_ssm's own ``config.json`` (``d_model``, ``n_layer``, ``ssm_cfg``: the official
+a SwiGLU MLP block, or a softmax-routed MoE block with a shared SwiGLU expert; muP multipliers)
+and ``BambaForCausalLM`` (Bamba: each layer a Mamba2 or attention block with partial rotary
+embeddings, then a SwiGLU MLP block); and mamba_ssm's own ``config.json`` (``d_model``, ``n_layer``, ``ssm_cfg``: the official
 state-spaces/mamba2-* checkpoints). A block here is one (norm, mixer) pair: a Granite layer is
 two. A ``quantization_config`` (or ModelOpt's
 ``hf_quant_config.json``) is read into ``quantization`` (``runtime.quantization``). What cannot be
@@ -38,7 +39,7 @@ class ConfigError(ValueError):
 
 # the architectures (checkpoint families) a config comes from: how their tensors are named
 # (``runtime.checkpoint_names``) and how their norms round
-ARCHITECTURES = ("mamba2", "nemotron_h", "granite_hybrid")
+ARCHITECTURES = ("mamba2", "nemotron_h", "granite_hybrid", "bamba")
 # what follows an MLP's (or expert's) up projection: NemotronH's relu(x)^2, or SwiGLU's
 # silu(gate) * up over an up projection twice as wide (gate rows first)
 MLP_ACTIVATIONS = ("relu2", "swiglu")
@@ -76,6 +77,10 @@ class ModelConfig:
     attention_bias: bool = False
     # the softmax scale; None: attention_head_dim ** -0.5 (Granite's attention_multiplier)
     attention_scale: float | None = None
+    # rotary embedding of the first rotary_dim dims of each query and key head (0: none), HF's
+    # default frequencies at rope_theta
+    rotary_dim: int = 0
+    rope_theta: float = 10000.0
     # dense MLP
     intermediate_size: int = 0
     mlp_bias: bool = False
@@ -128,6 +133,10 @@ class ModelConfig:
         if "attention" in self.layer_types:
             for name in ("num_attention_heads", "num_key_value_heads", "attention_head_dim"):
                 _positive(self, name)
+            if self.rotary_dim % 2 or not 0 <= self.rotary_dim <= self.attention_head_dim or self.rope_theta <= 0:
+                raise ConfigError(f"rotary_dim: expected an even number of dims up to the head's "
+                                  f"{self.attention_head_dim} and a positive rope_theta, got {self.rotary_dim}, "
+                                  f"{self.rope_theta}")
             if self.num_attention_heads % self.num_key_value_heads:
                 raise ConfigError(
                     f"num_key_value_heads: {self.num_key_value_heads} does not divide "
@@ -213,6 +222,8 @@ class ModelConfig:
             return cls._from_nemotron_h(hf)
         if model_type == "granitemoehybrid" or "GraniteMoeHybridForCausalLM" in archs:
             return cls._from_granite_hybrid(hf)
+        if model_type == "bamba" or "BambaForCausalLM" in archs:
+            return cls._from_bamba(hf)
         if model_type is None and "d_model" in hf and "n_layer" in hf:
             return cls._from_mamba_ssm(hf)
         inner = hf.get("text_config") or hf.get("llm_config")
@@ -223,8 +234,8 @@ class ModelConfig:
                               "use the text model's own release")
         raise ConfigError(
             f"model_type: unsupported {model_type!r} (architectures {archs}); "
-            "mambastep reads Mamba2ForCausalLM, NemotronHForCausalLM and GraniteMoeHybridForCausalLM checkpoints, "
-            "and mamba_ssm's Mamba2"
+            "mambastep reads Mamba2ForCausalLM, NemotronHForCausalLM, GraniteMoeHybridForCausalLM and "
+            "BambaForCausalLM checkpoints, and mamba_ssm's Mamba2"
         )
 
     @classmethod
@@ -313,14 +324,16 @@ class ModelConfig:
     @classmethod
     def _from_granite_hybrid(cls, hf: dict) -> "ModelConfig":
         """Granite-4.0-H. Each HF layer is two blocks here: its Mamba2 or attention mixer (norm:
-        ``input_layernorm``), then its MLP (``post_attention_layernorm``): the shared SwiGLU MLP,
-        or with ``num_local_experts`` a softmax-routed MoE with that MLP as its shared expert."""
+        ``input_layernorm``; the released models' attention has no positional embedding, HF's
+        ``position_embedding_type="rope"`` rotates whole heads), then its MLP
+        (``post_attention_layernorm``): the shared SwiGLU MLP, or with ``num_local_experts`` a
+        softmax-routed MoE with that MLP as its shared expert."""
         _require(hf, "hidden_size", "vocab_size", "num_hidden_layers")
         if hf.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"hidden_act: only silu is supported, got {hf['hidden_act']!r}")
-        if hf.get("position_embedding_type") not in (None, "nope"):
-            raise ConfigError(f"position_embedding_type: {hf['position_embedding_type']!r}; mambastep reads "
-                              "Granite-4.0-H's attention without positional embeddings (\"nope\") only")
+        position = hf.get("position_embedding_type")
+        if position not in (None, "nope", "rope"):
+            raise ConfigError(f"position_embedding_type: {position!r}; expected none, \"nope\" or \"rope\"")
         hidden, layers = hf["hidden_size"], hf["num_hidden_layers"]
         # the released configs say mamba / attention, HF (5.x) saves linear_ / full_attention
         named = hf.get("layer_types") or hf.get("layers_block_type") or ["mamba"] * layers
@@ -331,12 +344,6 @@ class ModelConfig:
                               f"{len(mixers)} with {unknown or 'no unknown kinds'}")
         experts = hf.get("num_local_experts", 8) or 0
         mlp = "moe" if experts else "mlp"
-        mamba_heads = hf.get("mamba_n_heads", 128)
-        head_dim = hf.get("mamba_d_head", "auto")
-        if head_dim == "auto":
-            head_dim = hf.get("mamba_expand", 2) * hidden // mamba_heads
-        if head_dim * mamba_heads != hf.get("mamba_expand", 2) * hidden:
-            raise ConfigError("mamba_d_head: mamba_n_heads * mamba_d_head must equal mamba_expand * hidden_size")
         attn_heads = hf.get("num_attention_heads", 32)
         shared = hf.get("shared_intermediate_size", 1024)
         return cls(
@@ -349,20 +356,14 @@ class ModelConfig:
             eos_token_id=_first(hf.get("eos_token_id")),
             pad_token_id=hf.get("pad_token_id"),
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
-            mamba_num_heads=mamba_heads,
-            mamba_head_dim=head_dim,
-            ssm_state_size=hf.get("mamba_d_state", 256),
-            n_groups=hf.get("mamba_n_groups", 1),
-            conv_kernel=hf.get("mamba_d_conv", 4),
-            chunk_size=hf.get("mamba_chunk_size", 256),
-            use_conv_bias=hf.get("mamba_conv_bias", True),
-            mamba_proj_bias=hf.get("mamba_proj_bias", False),
-            dt_limit=_pair("time_step_limit", hf.get("time_step_limit") or (0.0, math.inf)),
+            **_mamba_fields(hf),
             num_attention_heads=attn_heads,
             num_key_value_heads=hf.get("num_key_value_heads") or attn_heads,
             attention_head_dim=hidden // attn_heads,
             attention_bias=hf.get("attention_bias", False),
             attention_scale=_float("attention_multiplier", hf.get("attention_multiplier", 1.0)),
+            rotary_dim=hidden // attn_heads if position == "rope" else 0,
+            rope_theta=_rope_theta(hf) if position == "rope" else 10000.0,
             intermediate_size=shared,
             mlp_activation="swiglu",
             moe_scoring="softmax",
@@ -375,6 +376,47 @@ class ModelConfig:
             embedding_multiplier=_float("embedding_multiplier", hf.get("embedding_multiplier", 1.0)),
             residual_multiplier=_float("residual_multiplier", hf.get("residual_multiplier", 1.0)),
             logits_scaling=_float("logits_scaling", hf.get("logits_scaling", 1.0)),
+        )
+
+    @classmethod
+    def _from_bamba(cls, hf: dict) -> "ModelConfig":
+        """Bamba. Each HF layer is two blocks here: its Mamba2 or attention mixer (norm:
+        ``input_layernorm``; attention at ``attn_layer_indices``, rotary over half of each head as
+        HF fixes it), then its SwiGLU MLP (``pre_ff_layernorm``)."""
+        _require(hf, "hidden_size", "vocab_size", "num_hidden_layers")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"hidden_act: only silu is supported, got {hf['hidden_act']!r}")
+        hidden, layers = hf["hidden_size"], hf["num_hidden_layers"]
+        attention = set(hf.get("attn_layer_indices") or [])
+        if not attention <= set(range(layers)):
+            raise ConfigError(f"attn_layer_indices: {sorted(attention)} are not all layers of {layers}")
+        attn_heads = hf.get("num_attention_heads", 32)
+        head_dim = hidden // attn_heads
+        rotary = int(head_dim * 0.5)  # HF's Bamba fixes partial_rotary_factor at 0.5
+        if hf.get("attn_rotary_emb", rotary) != rotary:
+            raise ConfigError(f"attn_rotary_emb: {hf['attn_rotary_emb']} rotary dims, but HF's Bamba rotates half of "
+                              f"each {head_dim}-dim head ({rotary}); mambastep reads it as HF does")
+        return cls(
+            architecture="bamba",
+            vocab_size=hf["vocab_size"],
+            hidden_size=hidden,
+            layer_types=tuple(kind for i in range(layers)
+                              for kind in ("attention" if i in attention else "mamba", "mlp")),
+            norm_eps=hf.get("rms_norm_eps", 1e-5),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            eos_token_id=_first(hf.get("eos_token_id")),
+            pad_token_id=hf.get("pad_token_id"),
+            max_position_embeddings=hf.get("max_position_embeddings", 262144),
+            **_mamba_fields(hf),
+            num_attention_heads=attn_heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or attn_heads,
+            attention_head_dim=head_dim,
+            attention_bias=hf.get("attention_bias", False),
+            rotary_dim=rotary,
+            rope_theta=_rope_theta(hf),
+            intermediate_size=hf.get("intermediate_size", 14336),
+            mlp_bias=hf.get("mlp_bias", False),
+            mlp_activation="swiglu",
         )
 
     @classmethod
@@ -419,6 +461,35 @@ class ModelConfig:
             mamba_proj_bias=ssm.get("bias", False),
             dt_limit=_pair("ssm_cfg.dt_limit", ssm.get("dt_limit", (0.0, math.inf))),
         )
+
+
+def _mamba_fields(hf: dict) -> dict:
+    """The Mamba2 mixer's fields as Bamba's config names them (Granite-4.0-H's and Falcon-H1's too)."""
+    hidden, expand = hf["hidden_size"], hf.get("mamba_expand", 2)
+    heads = hf.get("mamba_n_heads", 128)
+    head_dim = hf.get("mamba_d_head", "auto")
+    if head_dim == "auto":
+        head_dim = expand * hidden // heads
+    if head_dim * heads != expand * hidden:
+        raise ConfigError("mamba_d_head: mamba_n_heads * mamba_d_head must equal mamba_expand * hidden_size")
+    return dict(
+        mamba_num_heads=heads, mamba_head_dim=head_dim, ssm_state_size=hf.get("mamba_d_state", 256),
+        n_groups=hf.get("mamba_n_groups", 1), conv_kernel=hf.get("mamba_d_conv", 4),
+        chunk_size=hf.get("mamba_chunk_size", 256), use_conv_bias=hf.get("mamba_conv_bias", True),
+        mamba_proj_bias=hf.get("mamba_proj_bias", False),
+        dt_limit=_pair("time_step_limit", hf.get("time_step_limit") or (0.0, math.inf)),
+    )
+
+
+def _rope_theta(hf: dict) -> float:
+    """The rotary base of HF's default rope (``rope_parameters``, or the older ``rope_theta`` and
+    ``rope_scaling``); a scaled rope is refused by name."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind != "default":
+        raise ConfigError(f"rope_parameters.rope_type: {kind!r}; mambastep reads the default rotary embedding only")
+    return _float("rope_theta", params.get("rope_theta", hf.get("rope_theta", 10000.0)))
 
 
 def _attention_head_dim(hf: dict) -> int:

@@ -126,6 +126,15 @@ PRESETS: dict[str, dict] = {
         n_routed_experts=72, n_shared_experts=1, num_experts_per_tok=10, moe_intermediate_size=768,
         moe_shared_expert_intermediate_size=1536,
     ),
+    # ibm-ai-platform/Bamba-9B: 32 layers (29 Mamba2, attention at 9, 18 and 27 with half of each
+    # head rotated), each followed by a SwiGLU MLP
+    "bamba-9b": dict(
+        architecture="bamba", vocab_size=128256, hidden_size=4096,
+        layer_types=tuple(kind for i in range(32) for kind in ("attention" if i in (9, 18, 27) else "mamba", "mlp")),
+        mamba_num_heads=128, mamba_head_dim=64, ssm_state_size=128, n_groups=1, conv_kernel=4, chunk_size=256,
+        num_attention_heads=32, num_key_value_heads=8, attention_head_dim=128, rotary_dim=64, rope_theta=10000.0,
+        intermediate_size=14336, mlp_activation="swiglu", max_position_embeddings=262144,
+    ),
 }
 
 

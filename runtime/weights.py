@@ -217,51 +217,55 @@ def load_weights(path: str | Path, cfg: ModelConfig, *, dtype: torch.dtype, devi
         if scales:
             raise WeightError(f"{scales[0]}: a quantized checkpoint's scale tensor ({len(scales)} such) with no "
                               "quantization_config; mambastep reads bf16, fp16 and fp32 weights")
-    # name -> (its tensors in the file, stacked?, fp8?): everything checked before anything is read
+    # name -> (its tensors in the file, how they make it, fp8?): everything checked before anything is read
     found = {name: _locate(ckpt, name, shape, cfg, quant, path) for name, shape in weight_shapes(cfg).items()}
     out: dict[str, torch.Tensor] = {}
-    for name, (parts, stacked, fp8) in found.items():
+    for name, (parts, how, fp8) in found.items():
         if fp8:
-            experts = [_read_fp8(ckpt, p, quant) for p in parts]
-            out[name] = (_stack_fp8(experts) if stacked else experts[0]).to(device)
+            pieces = [_read_fp8(ckpt, p, quant) for p in parts]
+            out[name] = {"one": lambda: pieces[0], "stack": lambda: _stack_fp8(pieces),
+                         "cat": lambda: Fp8Weight.cat(pieces)}[how]().to(device)
             continue
-        t = torch.stack([ckpt.get(p) for p in parts]) if stacked else ckpt.get(parts[0])
+        pieces = [ckpt.get(p) for p in parts]
+        t = torch.stack(pieces) if how == "stack" else torch.cat(pieces) if how == "cat" else pieces[0]
         out[name] = t.to(device=device, dtype=torch.float32 if _keeps_fp32(name) else dtype)
     return out
 
 
 def _locate(ckpt: _Checkpoint, name: str, shape: tuple[int, ...], cfg: ModelConfig, quant: Quantization | None,
-            path) -> tuple[list[str], bool, bool]:
-    """Where tensor ``name`` is in the checkpoint, checked from the headers: (its tensors, one
-    or an expert stack's; whether stacked; whether FP8, its scales checked too)."""
+            path) -> tuple[list[str], str, bool]:
+    """Where tensor ``name`` is in the checkpoint, checked from the headers: (its tensors; how
+    they make it: "one", an expert "stack", or rows to "cat" (a family's gate and up
+    projections); whether FP8, its scales checked too)."""
     sources = checkpoint_names(cfg, name)
-    full, stacked = next((f for f in map(ckpt.find, sources) if f is not None), None), False
-    if full is None and name.endswith(("experts.up_proj", "experts.down_proj")):
-        parts, stacked = _stacked_expert_names(ckpt, name, cfg.n_routed_experts), True
-    else:
-        parts = None if full is None else [full]
+    parts = next(([ckpt.find(p) for p in alt] for alt in sources if all(map(ckpt.find, alt))), None)
+    how = "one" if parts is None or len(parts) == 1 else "cat"
+    if parts is None and name.endswith(("experts.up_proj", "experts.down_proj")):
+        parts, how = _stacked_expert_names(ckpt, name, cfg.n_routed_experts), "stack"
     if parts is None:
-        stored_as = "" if sources == (name,) else f" (stored as {sources[0]})"
+        stored_as = "" if sources == ((name,),) else f" (stored as {' + '.join(sources[0])})"
         raise WeightError(f"{name}{stored_as}: missing from the checkpoint at {path}")
-    kinds = set()
+    kinds, rows = set(), 0
     for part in parts:
         stored, got = ckpt.describe(part)
-        label = part if stacked else name  # an expert of the stack by its own name
+        label = part if how != "one" else name  # a part by its own name
         kinds.add(_stored_kind(label, stored, name, quant))
-        if stacked:  # one expert of the stack
-            got = (len(parts), *got)
-        if got != shape:
-            raise WeightError(f"{label}: expected shape {list(shape[stacked:])}, checkpoint has {list(got[stacked:])}")
+        want = shape[1:] if how == "stack" else (got[0], *shape[1:]) if how == "cat" else shape
+        if got != want:
+            raise WeightError(f"{label}: expected shape {list(want)}, checkpoint has {list(got)}")
+        rows += got[0] if got else 0
+    if how == "cat" and rows != shape[0]:
+        raise WeightError(f"{name}: {' + '.join(parts)} have {rows} rows together, expected {shape[0]}")
     if len(kinds) > 1:
-        raise WeightError(f"{name}: its experts are stored in different precisions (FP8 and not)")
+        raise WeightError(f"{name}: its parts are stored in different precisions (FP8 and not)")
     fp8 = kinds == {"fp8"}
     if fp8:
-        if not stacked and name.endswith(("experts.up_proj", "experts.down_proj")):
+        if how == "one" and name.endswith(("experts.up_proj", "experts.down_proj")):
             raise WeightError(f"{name}: an expert stack stored in FP8 as one tensor; FP8 experts are read one by one "
                               "(experts.{j}.up_proj.weight with their scales)")
         for part in parts:
-            _check_scales(ckpt, part, shape[-2:], quant)
-    return parts, stacked, fp8
+            _check_scales(ckpt, part, ckpt.describe(part)[1][-2:], quant)
+    return parts, how, fp8
 
 
 def _stored_kind(label: str, stored, name: str, quant: Quantization | None) -> str:

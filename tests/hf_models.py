@@ -8,8 +8,8 @@ import pytest
 import torch
 import transformers
 from packaging.version import Version
-from transformers import (GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM, Mamba2Config, Mamba2ForCausalLM,
-                          NemotronHConfig, NemotronHForCausalLM)
+from transformers import (BambaConfig, BambaForCausalLM, GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM,
+                          Mamba2Config, Mamba2ForCausalLM, NemotronHConfig, NemotronHForCausalLM)
 
 VOCAB = 96
 # HF's Mamba2 gated norm ignores n_groups before transformers 5.23 (the GPU image has 5.17), so
@@ -65,12 +65,26 @@ def granite_config(**kw):
     return GraniteMoeHybridConfig(**{**base, **kw})
 
 
+def bamba_config(**kw):
+    """Bamba-9B's fields and values (attention at a few layers with half of each head rotated,
+    SwiGLU MLPs, one group, untied embeddings), sizes shrunk."""
+    base = dict(
+        hidden_size=32, num_hidden_layers=6, attn_layer_indices=[1, 4], mamba_n_heads=8, mamba_d_head=8,
+        mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8,
+        mamba_conv_bias=True, mamba_proj_bias=False, time_step_limit=(0.0, float("inf")), num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=48, rms_norm_eps=1e-5, hidden_act="silu", vocab_size=VOCAB,
+        tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        eos_token_id=0, pad_token_id=0, bos_token_id=0,
+    )
+    return BambaConfig(**{**base, **kw})
+
+
 _MODELS = {"mamba2": (Mamba2ForCausalLM, mamba2_config), "nemotron_h": (NemotronHForCausalLM, nemotron_h_config),
-           "granite": (GraniteMoeHybridForCausalLM, granite_config)}
+           "granite": (GraniteMoeHybridForCausalLM, granite_config), "bamba": (BambaForCausalLM, bamba_config)}
 
 
 def save_tiny(kind: str, path, seed: int = 0, **kw):
-    """Build a tiny random model of ``kind`` ("mamba2", "nemotron_h" or "granite"), perturb the
+    """Build a tiny random model of ``kind`` ("mamba2", "nemotron_h", "granite" or "bamba"), perturb the
     parameters HF initialises to constants (so the test sees them), save it to ``path`` and return it."""
     if kind == "nemotron_h" and not HF_5_25:
         pytest.skip(f"transformers {transformers.__version__} clamps NemotronH's prefill dt at time_step_min")

@@ -1,10 +1,12 @@
-"""Causal GQA attention (NemotronH, Granite-4.0-H: no rotary embedding) over packed ``[prefill |
-decode]`` tokens.
+"""Causal GQA attention over packed ``[prefill | decode]`` tokens: without positional embeddings
+(NemotronH, Granite-4.0-H), or with HF's rotary embedding of the first ``rotary_dim`` dims of each
+head (Bamba: half), applied to every token's query and key in place after the projection.
 
 Keys and values live in the state pool's per-slot KV cache; prefill rows write their keys at
 positions ``context_lens + j`` and attend to everything before them in the slot (so chunked
 prefill sees its earlier chunks), decode rows write one key at ``kv_len - 1``. Fused, a small
-decode step is block norm + QKV projection; the decode attention kernels; o_proj + residual add.
+decode step is block norm + QKV projection; the rotation; the decode attention kernels; o_proj +
+residual add.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from ...kernels.attention import decode_attention, prefill_attention
 from ...kernels.decode_linear import norm_linear
 from ...kernels.fp8 import Fp8Weight
 from ...kernels.linear import linear
+from ...kernels.rope import rope, rope_inv_freq
 from ..config import ModelConfig
 from .base import Mixer, Norm, StepContext
 
@@ -36,9 +39,18 @@ class AttentionMixer(Mixer):
         if cfg.attention_bias:
             self.qkv_bias = torch.cat([w[p + n + ".bias"] for n in ("q_proj", "k_proj", "v_proj")])
         self.o_proj, self.o_bias = w[p + "o_proj.weight"], w.get(p + "o_proj.bias")
+        self.inv_freq = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, self.qkv.device) if cfg.rotary_dim else None
 
-    def project(self, h: torch.Tensor):
-        return self._split(linear(h, self.qkv, self.qkv_bias))
+    def project(self, h: torch.Tensor, ctx: StepContext):
+        work = self._split(linear(h, self.qkv, self.qkv_bias))
+        self._rotate(work, ctx)
+        return work
+
+    def _rotate(self, work, ctx: StepContext, pdl: bool = False) -> None:
+        """The rotary embedding of every token's query and key, in place (none without one)."""
+        if self.inv_freq is not None:
+            (q, k, _), _ = work
+            rope(q, k, self.inv_freq, ctx.inputs.prefill, ctx.inputs.decode_kv_lens, pdl=pdl)
 
     def _split(self, qkv: torch.Tensor):
         """q, k, v views of the packed projection, and the attention output buffer."""
@@ -73,6 +85,7 @@ class AttentionMixer(Mixer):
         norm_linear(residual, norm.weight, norm.eps, self.qkv, bias=self.qkv_bias, round_first=norm.round_first,
                     out=qkv, pdl=opts.pdl, tile_k=opts.tile_k, unit_norm=norm.unit)
         work = self._split(qkv)
+        self._rotate(work, ctx, pdl=opts.pdl)
         self.decode(work, ctx, pdl=opts.pdl)  # in the chain of programmatic dependents
         out = work[1]
         # the residual is the previous block's, four kernels back

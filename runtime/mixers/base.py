@@ -82,7 +82,7 @@ class Mixer:
 
     def forward(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """The mixer over the step's packed tokens: h [T, D] normed input -> out [T, D]."""
-        work = self.project(h)
+        work = self.project(h, ctx)
         tp, b = ctx.inputs.num_prefill_tokens, ctx.inputs.num_decode
         forked = ctx.aux_stream is not None and tp and b
         passed = torch.cuda.Event() if forked and self.staggered else None
@@ -93,7 +93,7 @@ class Mixer:
         )
         return self.finish(work)
 
-    def project(self, h: torch.Tensor):
+    def project(self, h: torch.Tensor, ctx: StepContext):
         """The work both branches share (one GEMM over all tokens, and the buffers they write)."""
         raise NotImplementedError
 

@@ -66,7 +66,7 @@ class Mamba2Mixer(Mixer):
         C = xbc[:, self.inner + GN :].view(T, self.G, self.N)
         return x, B, C
 
-    def project(self, h: torch.Tensor):
+    def project(self, h: torch.Tensor, ctx: StepContext):
         """in_proj over all tokens, and the empty buffers both branches write into."""
         proj = linear(h, self.in_proj, self.in_proj_bias)  # [T, inner + conv_dim + H]
         T = h.shape[0]

@@ -19,7 +19,7 @@ from mambastep.runtime.step_runner import StepRunner
 from mambastep.runtime.weights import WeightError, load_weights
 from support import assert_close
 
-KINDS = ["mamba2", "nemotron_h", "granite"]
+KINDS = ["mamba2", "nemotron_h", "granite", "bamba"]
 PROMPT_LENS = [1, 7, 8, 9, 21]
 
 
@@ -36,16 +36,18 @@ MOE = dict(layers_block_type=["mamba", "moe", "attention", "moe", "mamba", "moe"
 GRANITE_DENSE = {"num_local_experts": 0}
 VARIANTS = {"mamba2": ("mamba2", {}), "nemotron_h": ("nemotron_h", {}), "moe": ("nemotron_h", MOE),
             "latent_moe": ("nemotron_h", {**MOE, "moe_latent_size": 16}), "granite": ("granite", {}),
-            "granite_dense": ("granite", GRANITE_DENSE)}
+            "granite_dense": ("granite", GRANITE_DENSE), "granite_rope": ("granite", {"position_embedding_type": "rope"}),
+            "bamba": ("bamba", {})}
 _gpu = pytest.mark.gpu
 _latent = pytest.mark.skipif(not HF_LATENT_MOE, reason="the installed transformers has no latent MoE")
 
 
 @pytest.fixture(scope="module", params=[
     "mamba2", "nemotron_h", "moe", pytest.param("latent_moe", marks=_latent), "granite", "granite_dense",
+    "granite_rope", "bamba",
     # on a GPU, fp32 through the Triton kernels (the grouped experts among them)
     pytest.param("moe@cuda", marks=_gpu), pytest.param("latent_moe@cuda", marks=[_gpu, _latent]),
-    pytest.param("granite@cuda", marks=_gpu),
+    pytest.param("granite@cuda", marks=_gpu), pytest.param("bamba@cuda", marks=_gpu),
 ])
 def pair(request, tmp_path_factory):
     """(HF model, our model loaded from the HF checkpoint) for each checkpoint variant."""
@@ -331,7 +333,8 @@ def test_bf16_on_gpu_matches_hf(kind, tmp_path):
     """bf16 Triton path vs HF in fp32: prefill logits, then decode logits teacher-forced with
     HF's greedy tokens (so a near-tie flipping one token cannot derail the comparison). No MoE
     layer here: bf16 rounding flips near-tied expert choices, a discontinuity no tolerance bounds."""
-    no_moe = {"mamba2": {}, "nemotron_h": {"layers_block_type": DENSE_HYBRID}, "granite": GRANITE_DENSE}[kind]
+    no_moe = {"mamba2": {}, "nemotron_h": {"layers_block_type": DENSE_HYBRID}, "granite": GRANITE_DENSE,
+              "bamba": {}}[kind]
     hf = save_tiny(kind, tmp_path, **no_moe)
     hf.generation_config.eos_token_id = None
     ours = Model.from_pretrained(tmp_path, dtype=torch.bfloat16, device="cuda")

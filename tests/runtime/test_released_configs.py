@@ -8,8 +8,9 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import (AutoModelForCausalLM, GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM, Mamba2Config,
-                          Mamba2ForCausalLM, NemotronHConfig, NemotronHForCausalLM)
+from transformers import (AutoModelForCausalLM, BambaConfig, BambaForCausalLM, GraniteMoeHybridConfig,
+                          GraniteMoeHybridForCausalLM, Mamba2Config, Mamba2ForCausalLM, NemotronHConfig,
+                          NemotronHForCausalLM)
 
 from hf_models import HF_5_23, HF_5_25, HF_LATENT_MOE, VOCAB, perturb
 
@@ -74,6 +75,17 @@ RELEASED = {
     # ibm-granite/granite-4.0-h-micro: dense, the shared MLP alone
     "granite-4.0-h-micro": dict(_GRANITE, num_local_experts=0, num_experts_per_tok=0, intermediate_size=48,
                                 shared_intermediate_size=48, logits_scaling=8),
+    # ibm-ai-platform/Bamba-9B: attention at layers 9, 18, 27 of 32 (-> 2 and 5 of 7), half of each head
+    # rotated (attn_rotary_emb), rope_theta 10000, untied embeddings
+    "bamba-9b": dict(architectures=["BambaForCausalLM"], model_type="bamba", attention_dropout=0.0,
+                     attn_layer_indices=[2, 5], attn_rotary_emb=4, bos_token_id=1, eos_token_id=2,
+                     hidden_act="silu", hidden_size=32, initializer_range=0.02, intermediate_size=48,
+                     mamba_chunk_size=16, mamba_conv_bias=True, mamba_d_conv=4, mamba_d_head=8, mamba_d_state=16,
+                     mamba_expand=2, mamba_n_groups=1, mamba_n_heads=8, mamba_proj_bias=False,
+                     max_position_embeddings=262144, num_attention_heads=4, num_hidden_layers=7,
+                     num_key_value_heads=2, num_logits_to_keep=1, pad_token_id=0, rms_norm_eps=1e-5,
+                     rope_theta=10000.0, tie_word_embeddings=False, torch_dtype="bfloat16", use_cache=True,
+                     use_mamba_kernels=True, vocab_size=VOCAB, z_loss_coefficient=0.0),
     # the HF conversion of state-spaces/mamba2-130m
     "mamba2-130m": dict(architectures=["Mamba2ForCausalLM"], model_type="mamba2", hidden_size=32, expand=2,
                         num_heads=8, head_dim=8, n_groups=1, state_size=16, conv_kernel=4, chunk_size=16,
@@ -106,7 +118,8 @@ def save_released(name: str, path) -> torch.nn.Module:
     layout's config.json (HF rewrites its own on save); returns the HF model read back from it."""
     fields = RELEASED[name]
     hf_cls, cfg_cls = {"mamba2": (Mamba2ForCausalLM, Mamba2Config), "nemotron_h": (NemotronHForCausalLM, NemotronHConfig),
-                       "granitemoehybrid": (GraniteMoeHybridForCausalLM, GraniteMoeHybridConfig)}[fields["model_type"]]
+                       "granitemoehybrid": (GraniteMoeHybridForCausalLM, GraniteMoeHybridConfig),
+                       "bamba": (BambaForCausalLM, BambaConfig)}[fields["model_type"]]
     torch.manual_seed(0)
     model = hf_cls(cfg_cls(**{k: v for k, v in fields.items() if k not in ("architectures", "model_type")}))
     perturb(model)

@@ -1,6 +1,7 @@
-"""The MLP activations, each one pass in fp32 rounded once: relu(x)^2 (NemotronH's, in place when
-``out`` is ``x``) and silu(gate) * up (SwiGLU: Granite, Bamba, Falcon-H1), whose input is one
-projection's output with the gate columns first, as those checkpoints store it."""
+"""The MLP activations, each one pass in fp32: relu(x)^2 (NemotronH's, in place when ``out`` is
+``x``) and silu(gate) * up (SwiGLU: Granite, Bamba, Falcon-H1), whose input is one projection's
+output with the gate columns first, as those checkpoints store it; and the same product over two
+tensors, ``y * silu(z)`` (Falcon-H1's Mamba2 output gate, where no gated norm follows)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import triton.language as tl
 
 from .dispatch import with_reference
 
-__all__ = ["relu2", "relu2_ref", "silu_mul", "silu_mul_ref"]
+__all__ = ["gate_silu", "gate_silu_ref", "relu2", "relu2_ref", "silu_mul", "silu_mul_ref"]
 
 
 @triton.jit
@@ -39,16 +40,17 @@ def relu2(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, I, stride_x, stride_out, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    # grid: (rows, cdiv(I, BLOCK))
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, I, stride_g, stride_u, stride_out, BLOCK: tl.constexpr,
+                     USE_PDL: tl.constexpr):
+    # grid: (rows, cdiv(I, BLOCK)): out = silu(g) * u, row by row
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < I
-    if USE_PDL:  # x is the previous kernel's
+    if USE_PDL:  # the inputs are the previous kernel's
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    g = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(x_ptr + row * stride_x + I + cols, mask=ok, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + row * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + cols, mask=ok, other=0.0).to(tl.float32)
     # silu(g) rounded as HF's act_fn(gate) before the product with up, then the product rounded
     s = (g * tl.sigmoid(g)).to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, (s * u).to(out_ptr.dtype.element_ty), mask=ok)
@@ -56,8 +58,7 @@ def _silu_mul_kernel(x_ptr, out_ptr, I, stride_x, stride_out, BLOCK: tl.constexp
 
 def silu_mul_ref(x: torch.Tensor, out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
-    y = F.silu(gate.float()).to(x.dtype).float() * up.float()
-    return y.to(x.dtype) if out is None else out.copy_(y)
+    return gate_silu_ref(up, gate, out)
 
 
 @with_reference(silu_mul_ref)
@@ -67,15 +68,29 @@ def silu_mul(x: torch.Tensor, out: torch.Tensor | None = None, pdl: bool = False
     programmatic dependent of the previous kernel (``kernels.decode_linear``); it signals its
     own dependents right after its wait."""
     T, two_i = x.shape
-    if two_i % 2 or x.stride(1) != 1:
-        raise ValueError(f"silu_mul: x [T, 2I] with contiguous rows, got {list(x.shape)}")
+    if two_i % 2:
+        raise ValueError(f"silu_mul: x [T, 2I], got {list(x.shape)}")
     I = two_i // 2
-    out = torch.empty(T, I, dtype=x.dtype, device=x.device) if out is None else out
-    if out.shape != (T, I) or out.stride(1) != 1:
-        raise ValueError(f"silu_mul: out must be [{T}, {I}] with contiguous rows, got {list(out.shape)}")
+    return gate_silu.triton(x[:, I:], x[:, :I], out, pdl)
+
+
+def gate_silu_ref(y: torch.Tensor, z: torch.Tensor, out: torch.Tensor | None = None, pdl: bool = False):
+    h = F.silu(z.float()).to(y.dtype).float() * y.float()
+    return h.to(y.dtype) if out is None else out.copy_(h)
+
+
+@with_reference(gate_silu_ref)
+def gate_silu(y: torch.Tensor, z: torch.Tensor, out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
+    """y * silu(z): y, z [T, I] (row-strided views allowed) -> out [T, I] in y's dtype, silu(z)
+    rounded to it before the product (HF's two ops). pdl: as ``silu_mul``'s."""
+    T, I = y.shape
+    out = torch.empty(T, I, dtype=y.dtype, device=y.device) if out is None else out
+    for name, t in (("y", y), ("z", z), ("out", out)):
+        if t.shape != (T, I) or t.stride(1) != 1:
+            raise ValueError(f"gate_silu: {name} must be [{T}, {I}] with contiguous rows, got {list(t.shape)}")
     if T:
         block = min(1024, triton.next_power_of_2(I))
-        _silu_mul_kernel[(T, triton.cdiv(I, block))](x, out, I, x.stride(0), out.stride(0), BLOCK=block,
-                                                      USE_PDL=pdl, num_warps=4,
+        _silu_mul_kernel[(T, triton.cdiv(I, block))](z, y, out, I, z.stride(0), y.stride(0), out.stride(0),
+                                                      BLOCK=block, USE_PDL=pdl, num_warps=4,
                                                       **({"launch_pdl": True} if pdl else {}))
     return out

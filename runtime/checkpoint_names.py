@@ -13,6 +13,9 @@ NemotronH checkpoints use them as they are. In Granite-4.0-H and Bamba a layer i
   (``block_sparse_moe.experts.gate_up_proj`` ...);
 - Bamba: after ``pre_ff_layernorm``, ``feed_forward``'s gate_proj and up_proj (read as one
   projection, the gate's rows first) and down_proj; the final norm is ``final_layernorm``.
+
+Falcon-H1 is laid out as Bamba, but its first block of a layer is a parallel one, holding both
+the layer's ``mamba.`` and ``self_attn.`` tensors.
 """
 
 from __future__ import annotations
@@ -27,10 +30,13 @@ __all__ = ["checkpoint_names"]
 # along their first dimension, make it
 Sources = tuple[tuple[str, ...], ...]
 
+_BAMBA_TOP = {"embeddings.weight": "embed_tokens.weight", "norm_f.weight": "final_layernorm.weight"}
 _TOP = {"granite_hybrid": {"embeddings.weight": "embed_tokens.weight", "norm_f.weight": "norm.weight"},
-        "bamba": {"embeddings.weight": "embed_tokens.weight", "norm_f.weight": "final_layernorm.weight"}}
+        "bamba": _BAMBA_TOP, "falcon_h1": _BAMBA_TOP}
 _MIXER = {"mamba": "mamba.", "attention": "self_attn."}
-_MLP_NORM = {"granite_hybrid": "post_attention_layernorm.weight", "bamba": "pre_ff_layernorm.weight"}
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP_NORM = {"granite_hybrid": "post_attention_layernorm.weight", "bamba": "pre_ff_layernorm.weight",
+             "falcon_h1": "pre_ff_layernorm.weight"}
 _GRANITE_MLP = {
     "up_proj.weight": (("shared_mlp.input_linear.weight",),),
     "down_proj.weight": (("shared_mlp.output_linear.weight",),),
@@ -46,7 +52,7 @@ _BAMBA_MLP = {
     "down_proj.weight": (("feed_forward.down_proj.weight",),),
     "down_proj.bias": (("feed_forward.down_proj.bias",),),
 }
-_MLP = {"granite_hybrid": _GRANITE_MLP, "bamba": _BAMBA_MLP}
+_MLP = {"granite_hybrid": _GRANITE_MLP, "bamba": _BAMBA_MLP, "falcon_h1": _BAMBA_MLP}
 _BLOCK = re.compile(r"layers\.(\d+)\.(norm\.weight|mixer\.(.+))")
 
 
@@ -66,6 +72,8 @@ def checkpoint_names(cfg: ModelConfig, name: str) -> Sources:
     if tensor is None:  # the block's norm
         return ((layer + ("input_layernorm.weight" if i % 2 == 0 else _MLP_NORM[family]),),)
     kind = cfg.layer_types[i]
+    if kind == "parallel":
+        kind = "attention" if tensor.split(".")[0] in _ATTENTION else "mamba"
     if kind in _MIXER:
         return ((layer + _MIXER[kind] + tensor,),)
     sources = _MLP[family].get(tensor, ((tensor,),))

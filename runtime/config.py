@@ -1,11 +1,13 @@
 """One flat, validated model config, read from an HF ``config.json`` or built from a preset.
 
-Four HF architectures map onto it: ``Mamba2ForCausalLM`` (every layer a Mamba2 mixer),
+Five HF architectures map onto it: ``Mamba2ForCausalLM`` (every layer a Mamba2 mixer),
 ``NemotronHForCausalLM`` (a hybrid pattern of Mamba2, attention, MLP and MoE layers),
 ``GraniteMoeHybridForCausalLM`` (Granite-4.0-H: each HF layer a Mamba2 or attention block, then
 a SwiGLU MLP block, or a softmax-routed MoE block with a shared SwiGLU expert; muP multipliers)
-and ``BambaForCausalLM`` (Bamba: each layer a Mamba2 or attention block with partial rotary
-embeddings, then a SwiGLU MLP block); and mamba_ssm's own ``config.json`` (``d_model``, ``n_layer``, ``ssm_cfg``: the official
+``BambaForCausalLM`` (Bamba: each layer a Mamba2 or attention block with partial rotary
+embeddings, then a SwiGLU MLP block) and ``FalconH1ForCausalLM`` (Falcon-H1: each layer a
+``parallel`` block, Mamba2 and rotary attention side by side on one norm, then a SwiGLU MLP
+block; muP multipliers); and mamba_ssm's own ``config.json`` (``d_model``, ``n_layer``, ``ssm_cfg``: the official
 state-spaces/mamba2-* checkpoints). A block here is one (norm, mixer) pair: a Granite layer is
 two. A ``quantization_config`` (or ModelOpt's
 ``hf_quant_config.json``) is read into ``quantization`` (``runtime.quantization``). What cannot be
@@ -23,7 +25,9 @@ from .quantization import Quantization, QuantizationError, parse_quantization
 
 __all__ = ["ARCHITECTURES", "ConfigError", "LAYER_KINDS", "MLP_ACTIVATIONS", "MOE_SCORINGS", "ModelConfig"]
 
-LAYER_KINDS = ("mamba", "attention", "mlp", "moe")
+LAYER_KINDS = ("mamba", "attention", "mlp", "moe", "parallel")
+# a kind whose block holds the mixers of other kinds (and their states)
+_PARTS = {"parallel": ("mamba", "attention")}
 
 # NemotronH's pattern characters and HF's layer type names, to our layer kinds.
 _PATTERN = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
@@ -33,13 +37,21 @@ _HF_LAYER_TYPES = {
 }
 
 
+# hybrid families known and not read, with what they would take (docs/ARCHITECTURE.md)
+_NOT_READ = {
+    "zamba2": "Zamba2's attention blocks are shared across layers, each use adapted by a LoRA of its own and "
+              "fed the original embeddings beside the residual stream; mambastep's blocks own their weights",
+    "jamba": "Jamba's Mamba layers are Mamba-1 (a selective scan with per-channel dt), not Mamba2",
+}
+
+
 class ConfigError(ValueError):
     """A config field is missing, unsupported or inconsistent; the message names the field."""
 
 
 # the architectures (checkpoint families) a config comes from: how their tensors are named
 # (``runtime.checkpoint_names``) and how their norms round
-ARCHITECTURES = ("mamba2", "nemotron_h", "granite_hybrid", "bamba")
+ARCHITECTURES = ("mamba2", "nemotron_h", "granite_hybrid", "bamba", "falcon_h1")
 # what follows an MLP's (or expert's) up projection: NemotronH's relu(x)^2, or SwiGLU's
 # silu(gate) * up over an up projection twice as wide (gate rows first)
 MLP_ACTIVATIONS = ("relu2", "swiglu")
@@ -70,6 +82,8 @@ class ModelConfig:
     mamba_proj_bias: bool = False
     # prefill dt is clamped to this range (config.json's time_step_limit), decode dt is not, as in HF
     dt_limit: tuple[float, float] = (0.0, math.inf)
+    # the output y * silu(z) is RMS-normed in groups before out_proj (Falcon-H1: not)
+    mamba_gated_norm: bool = True
     # attention (GQA, no rotary embedding: NemotronH, Granite-4.0-H)
     num_attention_heads: int = 0
     num_key_value_heads: int = 0
@@ -103,6 +117,15 @@ class ModelConfig:
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    # Falcon-H1's: the Mamba2 input and output scaled, and its in_proj's z, x, B, C and dt columns
+    # each by one of ssm_multipliers; attention's input, keys and output; the MLP's gate and output
+    ssm_in_multiplier: float = 1.0
+    ssm_out_multiplier: float = 1.0
+    ssm_multipliers: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0, 1.0)
+    attention_in_multiplier: float = 1.0
+    key_multiplier: float = 1.0
+    attention_out_multiplier: float = 1.0
+    mlp_multipliers: tuple[float, ...] = (1.0, 1.0)
     # how the block linears are stored (runtime.quantization); None: as the activations
     quantization: Quantization | None = None
 
@@ -121,7 +144,10 @@ class ModelConfig:
             raise ConfigError(f"layer_types: expected a non-empty list of {LAYER_KINDS}, got {bad or 'none'}")
         for name in ("vocab_size", "hidden_size"):
             _positive(self, name)
-        if "mamba" in self.layer_types:
+        if len(self.ssm_multipliers) != 5 or len(self.mlp_multipliers) != 2:
+            raise ConfigError(f"ssm_multipliers and mlp_multipliers: expected 5 and 2 numbers, got "
+                              f"{list(self.ssm_multipliers)} and {list(self.mlp_multipliers)}")
+        if self.has("mamba"):
             for name in ("mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "chunk_size"):
                 _positive(self, name)
             if self.mamba_num_heads % self.n_groups:
@@ -130,7 +156,7 @@ class ModelConfig:
                 raise ConfigError(f"conv_kernel: must be at least 2, got {self.conv_kernel}")
             if not 0 <= self.dt_limit[0] <= self.dt_limit[1]:
                 raise ConfigError(f"dt_limit: expected 0 <= low <= high, got {self.dt_limit}")
-        if "attention" in self.layer_types:
+        if self.has("attention"):
             for name in ("num_attention_heads", "num_key_value_heads", "attention_head_dim"):
                 _positive(self, name)
             if self.rotary_dim % 2 or not 0 <= self.rotary_dim <= self.attention_head_dim or self.rope_theta <= 0:
@@ -142,9 +168,9 @@ class ModelConfig:
                     f"num_key_value_heads: {self.num_key_value_heads} does not divide "
                     f"num_attention_heads={self.num_attention_heads}"
                 )
-        if "mlp" in self.layer_types:
+        if self.has("mlp"):
             _positive(self, "intermediate_size")
-        if "moe" in self.layer_types:
+        if self.has("moe"):
             for name in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"):
                 _positive(self, name)
             if self.num_experts_per_tok > self.n_routed_experts:
@@ -173,7 +199,13 @@ class ModelConfig:
         return self.mamba_inner + self.conv_dim + self.mamba_num_heads
 
     def layers_of(self, kind: str) -> list[int]:
-        return [i for i, t in enumerate(self.layer_types) if t == kind]
+        """The blocks with a mixer of ``kind``: of that kind, or holding one (a parallel block
+        is a Mamba2 and an attention layer both)."""
+        return [i for i, t in enumerate(self.layer_types) if t == kind or kind in _PARTS.get(t, ())]
+
+    def has(self, kind: str) -> bool:
+        """Whether any block has a mixer of ``kind`` (as ``layers_of``)."""
+        return bool(self.layers_of(kind))
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "ModelConfig":
@@ -224,8 +256,12 @@ class ModelConfig:
             return cls._from_granite_hybrid(hf)
         if model_type == "bamba" or "BambaForCausalLM" in archs:
             return cls._from_bamba(hf)
+        if model_type == "falcon_h1" or "FalconH1ForCausalLM" in archs:
+            return cls._from_falcon_h1(hf)
         if model_type is None and "d_model" in hf and "n_layer" in hf:
             return cls._from_mamba_ssm(hf)
+        if model_type in _NOT_READ:
+            raise ConfigError(f"model_type: {model_type!r} is not read: {_NOT_READ[model_type]}")
         inner = hf.get("text_config") or hf.get("llm_config")
         if isinstance(inner, dict):
             name = inner.get("model_type") or (inner.get("architectures") or [None])[0]
@@ -234,8 +270,8 @@ class ModelConfig:
                               "use the text model's own release")
         raise ConfigError(
             f"model_type: unsupported {model_type!r} (architectures {archs}); "
-            "mambastep reads Mamba2ForCausalLM, NemotronHForCausalLM, GraniteMoeHybridForCausalLM and "
-            "BambaForCausalLM checkpoints, and mamba_ssm's Mamba2"
+            "mambastep reads Mamba2ForCausalLM, NemotronHForCausalLM, GraniteMoeHybridForCausalLM, BambaForCausalLM "
+            "and FalconH1ForCausalLM checkpoints, and mamba_ssm's Mamba2"
         )
 
     @classmethod
@@ -420,6 +456,59 @@ class ModelConfig:
         )
 
     @classmethod
+    def _from_falcon_h1(cls, hf: dict) -> "ModelConfig":
+        """Falcon-H1. Each HF layer is two blocks here: a parallel block (norm:
+        ``input_layernorm``), its Mamba2 mixer (no gated norm) and its attention (rotary over
+        whole heads) summed, then its SwiGLU MLP (``pre_ff_layernorm``); the muP multipliers
+        fold into the weights (``runtime.multipliers``)."""
+        _require(hf, "hidden_size", "vocab_size", "num_hidden_layers")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"hidden_act: only silu is supported, got {hf['hidden_act']!r}")
+        if hf.get("mamba_rms_norm", False):
+            raise ConfigError("mamba_rms_norm: true (a gated norm in Falcon-H1's Mamba2 layers, normed before its "
+                              "gate); mambastep reads the released models' false")
+        for key in ("projectors_bias", "mamba_proj_bias"):
+            if hf.get(key, False):
+                raise ConfigError(f"{key}: true; mambastep reads Falcon-H1's Mamba2 projections without biases, as "
+                                  "released")
+        hidden, layers = hf["hidden_size"], hf["num_hidden_layers"]
+        attn_heads = hf.get("num_attention_heads", 32)
+        head_dim = hf.get("head_dim") or hidden // attn_heads
+        params = hf.get("rope_parameters") or {}
+        rotary = int(head_dim * params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+        return cls(
+            architecture="falcon_h1",
+            vocab_size=hf["vocab_size"],
+            hidden_size=hidden,
+            layer_types=("parallel", "mlp") * layers,
+            norm_eps=hf.get("rms_norm_eps", 1e-5),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            eos_token_id=_first(hf.get("eos_token_id")),
+            pad_token_id=hf.get("pad_token_id"),
+            max_position_embeddings=hf.get("max_position_embeddings", 8192),
+            **_mamba_fields(hf),
+            mamba_gated_norm=False,
+            num_attention_heads=attn_heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or attn_heads,
+            attention_head_dim=head_dim,
+            attention_bias=hf.get("attention_bias", False),
+            rotary_dim=rotary,
+            rope_theta=_rope_theta(hf),
+            intermediate_size=hf.get("intermediate_size", 14336),
+            mlp_bias=hf.get("mlp_bias", False),
+            mlp_activation="swiglu",
+            embedding_multiplier=_float("embedding_multiplier", hf.get("embedding_multiplier", 1.0)),
+            logits_scaling=1.0 / _float("lm_head_multiplier", hf.get("lm_head_multiplier", 1.0)),
+            ssm_in_multiplier=_float("ssm_in_multiplier", hf.get("ssm_in_multiplier", 1.0)),
+            ssm_out_multiplier=_float("ssm_out_multiplier", hf.get("ssm_out_multiplier", 1.0)),
+            ssm_multipliers=_floats("ssm_multipliers", hf.get("ssm_multipliers") or [1.0] * 5),
+            attention_in_multiplier=_float("attention_in_multiplier", hf.get("attention_in_multiplier", 1.0)),
+            key_multiplier=_float("key_multiplier", hf.get("key_multiplier", 1.0)),
+            attention_out_multiplier=_float("attention_out_multiplier", hf.get("attention_out_multiplier", 1.0)),
+            mlp_multipliers=_floats("mlp_multipliers", hf.get("mlp_multipliers") or [1.0, 1.0]),
+        )
+
+    @classmethod
     def _from_mamba_ssm(cls, hf: dict) -> "ModelConfig":
         """mamba_ssm's MambaConfig (the official state-spaces/mamba2-* checkpoints), with the
         defaults of its Mamba2 module where ``ssm_cfg`` names none."""
@@ -465,13 +554,15 @@ class ModelConfig:
 
 def _mamba_fields(hf: dict) -> dict:
     """The Mamba2 mixer's fields as Bamba's config names them (Granite-4.0-H's and Falcon-H1's too)."""
-    hidden, expand = hf["hidden_size"], hf.get("mamba_expand", 2)
+    # the mixer's width: Falcon-H1 names it (mamba_d_ssm), the others take mamba_expand * hidden_size
+    inner = hf.get("mamba_d_ssm") or hf.get("mamba_expand", 2) * hf["hidden_size"]
     heads = hf.get("mamba_n_heads", 128)
     head_dim = hf.get("mamba_d_head", "auto")
     if head_dim == "auto":
-        head_dim = expand * hidden // heads
-    if head_dim * heads != expand * hidden:
-        raise ConfigError("mamba_d_head: mamba_n_heads * mamba_d_head must equal mamba_expand * hidden_size")
+        head_dim = inner // heads
+    if head_dim * heads != inner:
+        raise ConfigError(f"mamba_d_head: mamba_n_heads * mamba_d_head must equal the Mamba2 width {inner} "
+                          "(mamba_d_ssm, or mamba_expand * hidden_size)")
     return dict(
         mamba_num_heads=heads, mamba_head_dim=head_dim, ssm_state_size=hf.get("mamba_d_state", 256),
         n_groups=hf.get("mamba_n_groups", 1), conv_kernel=hf.get("mamba_d_conv", 4),
@@ -520,6 +611,7 @@ _TYPE_CHECKS = {
     "tuple[str, ...]": (lambda v: isinstance(v, tuple) and all(isinstance(t, str) for t in v), "a list of names"),
     "tuple[float, float]": (lambda v: isinstance(v, tuple) and len(v) == 2 and all(map(_is_real, v)),
                             "a pair of numbers"),
+    "tuple[float, ...]": (lambda v: isinstance(v, tuple) and all(map(_is_real, v)), "a list of numbers"),
     "Quantization | None": (lambda v: v is None or isinstance(v, Quantization), "a Quantization or null"),
 }
 
@@ -566,6 +658,12 @@ def _float(name: str, value) -> float:
         return float(value)
     except (TypeError, ValueError):
         raise ConfigError(f"{name}: expected a number, got {value!r}") from None
+
+
+def _floats(name: str, values) -> tuple[float, ...]:
+    if not isinstance(values, (list, tuple)):
+        raise ConfigError(f"{name}: expected a list of numbers, got {values!r}")
+    return tuple(_float(name, v) for v in values)
 
 
 def _pair(name: str, value) -> tuple[float, float]:

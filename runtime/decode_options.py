@@ -16,13 +16,13 @@ def one_tile(cfg: ModelConfig) -> bool:
     """Whether every fused decode projection holds its whole K in registers (Mamba2-130M), as
     opposed to streaming K over several waves of programs (Nemotron-H-8B)."""
     widest = cfg.hidden_size
-    if "mamba" in cfg.layer_types:
+    if cfg.has("mamba"):
         widest = max(widest, cfg.mamba_inner)
-    if "mlp" in cfg.layer_types:
+    if cfg.has("mlp"):
         widest = max(widest, cfg.intermediate_size)
-    if "attention" in cfg.layer_types:
+    if cfg.has("attention"):
         widest = max(widest, cfg.num_attention_heads * cfg.attention_head_dim)
-    if "moe" in cfg.layer_types:  # the shared expert's down projection
+    if cfg.has("moe"):  # the shared expert's down projection
         widest = max(widest, cfg.moe_shared_expert_intermediate_size * cfg.n_shared_experts)
     return widest <= ONE_TILE_MAX_K
 

@@ -115,16 +115,16 @@ class Model:
         return inputs.prefill is None and 0 < inputs.num_decode <= self.options.max_rows
 
     def forward(self, inputs: StepInputs, pool: StatePool, aux_stream=None,
-                drawn: torch.Tensor | None = None, observe=None, expert_stream=None) -> torch.Tensor:
+                drawn: torch.Tensor | None = None, observe=None, side_stream=None) -> torch.Tensor:
         """Logits [R, vocab] in fp32 for the rows ``inputs.logit_rows`` of the packed tokens.
 
         With ``aux_stream``, mixers run their prefill branch on it, overlapped with the decode
-        branch on the current stream; with ``expert_stream``, MoE layers run their shared expert
-        on it beside the routed ones (see StepContext). ``drawn`` [slots]: the token each slot
+        branch on the current stream; with ``side_stream``, MoE layers run their shared expert
+        on it beside the routed ones, parallel blocks their attention (see StepContext). ``drawn`` [slots]: the token each slot
         drew last step, which a decode row whose id is -1 takes as its input. ``observe``: see
         StepContext.
         """
-        ctx = StepContext(inputs, pool, aux_stream, self.options, observe, expert_stream)
+        ctx = StepContext(inputs, pool, aux_stream, self.options, observe, side_stream)
         ids = inputs.input_ids
         residual = torch.empty(ids.shape[0], self.embed.shape[1], dtype=self.residual_dtype, device=ids.device)
         # in a fused step, the first kernel after the step's copy and the head of the PDL chain

@@ -70,6 +70,17 @@ PRESETS: dict[str, dict] = {
         n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=3, moe_intermediate_size=32,
         moe_shared_expert_intermediate_size=64, max_position_embeddings=4096, eos_token_id=2,
     ),
+    # Falcon-H1's blocks at test size: Mamba2 (no gated norm) beside rotary attention in every
+    # layer, then a SwiGLU MLP; its muP multipliers
+    "tiny-falcon-h1": dict(
+        architecture="falcon_h1", vocab_size=512, hidden_size=64, layer_types=("parallel", "mlp") * 3,
+        mamba_num_heads=6, mamba_head_dim=16, ssm_state_size=32, n_groups=1, conv_kernel=4, chunk_size=32,
+        mamba_gated_norm=False, num_attention_heads=4, num_key_value_heads=2, attention_head_dim=16, rotary_dim=16,
+        rope_theta=1e11, intermediate_size=96, mlp_activation="swiglu", embedding_multiplier=5.65,
+        logits_scaling=1 / 0.0390625, ssm_in_multiplier=1.25, ssm_out_multiplier=0.2357,
+        ssm_multipliers=(0.3535, 0.25, 0.3535, 0.5, 0.3535), key_multiplier=0.39, attention_out_multiplier=0.9375,
+        mlp_multipliers=(0.8838, 0.5859), max_position_embeddings=4096, eos_token_id=2,
+    ),
     "mamba2-130m": dict(
         architecture="mamba2", vocab_size=50288, hidden_size=768, layer_types=("mamba",) * 24,
         mamba_num_heads=24, mamba_head_dim=64, ssm_state_size=128, n_groups=1, conv_kernel=4,
@@ -134,6 +145,16 @@ PRESETS: dict[str, dict] = {
         mamba_num_heads=128, mamba_head_dim=64, ssm_state_size=128, n_groups=1, conv_kernel=4, chunk_size=256,
         num_attention_heads=32, num_key_value_heads=8, attention_head_dim=128, rotary_dim=64, rope_theta=10000.0,
         intermediate_size=14336, mlp_activation="swiglu", max_position_embeddings=262144,
+    ),
+    # tiiuae/Falcon-H1-7B: 44 layers, each Mamba2 (24 heads of 128, d_state 256, its own width
+    # 3072) beside rotary attention (12 query, 2 KV heads of 128), then a SwiGLU MLP (multipliers
+    # left at 1: with random weights they change no timing)
+    "falcon-h1-7b": dict(
+        architecture="falcon_h1", vocab_size=130048, hidden_size=3072, layer_types=("parallel", "mlp") * 44,
+        mamba_num_heads=24, mamba_head_dim=128, ssm_state_size=256, n_groups=1, conv_kernel=4, chunk_size=128,
+        mamba_gated_norm=False, num_attention_heads=12, num_key_value_heads=2, attention_head_dim=128,
+        rotary_dim=128, rope_theta=1e11, intermediate_size=12288, mlp_activation="swiglu",
+        max_position_embeddings=262144,
     ),
 }
 

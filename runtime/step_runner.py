@@ -70,7 +70,7 @@ class StepRunner:
             max_decode=max(max_decode or 0, buckets.max_decode),
             max_prefill_tokens=max(max_prefill_tokens or 0, buckets.max_prefill_tokens),
             max_prefill_seqs=buckets.max_prefill_seqs,
-            chunk_size=model.cfg.chunk_size if "mamba" in model.cfg.layer_types else 64,
+            chunk_size=model.cfg.chunk_size if model.cfg.has("mamba") else 64,
             device=model.device,
         )
         # High priority: when both branches queue kernels, the prefill branch's (short grids, on
@@ -79,7 +79,7 @@ class StepRunner:
         # A MoE layer's shared expert, beside the routed experts, is off the critical path: at the
         # step's own priority, so the routed grids are not kept waiting for SMs (Nemotron-3-Nano
         # at 4 and 8 rows 2% faster than on the auxiliary stream; 1, 2, 32 and 64 rows tie).
-        self.expert_stream = torch.cuda.Stream(model.device, priority=0) if (overlap and self.cuda) else None
+        self.side_stream = torch.cuda.Stream(model.device, priority=0) if (overlap and self.cuda) else None
         # the token drawn for each slot, the next decode input; the extra last entry takes the
         # tokens of rows that keep none
         self.slot_tokens = torch.zeros(pool.num_slots + 1, dtype=torch.int64, device=model.device)
@@ -93,7 +93,7 @@ class StepRunner:
         # The stages close over the step's parts, not over the runner: a runner that held its graph
         # runner through its own bound methods would be a reference cycle, freed only by the
         # garbage collector, whose run inside another engine's capture breaks that capture.
-        forward = functools.partial(_run_model, model, self.buffers, pool, self.aux_stream, self.expert_stream,
+        forward = functools.partial(_run_model, model, self.buffers, pool, self.aux_stream, self.side_stream,
                                     self.slot_tokens)
         draw = functools.partial(_draw, self.buffers, self.slot_tokens, self.seen, self.logprobs)
         variants = tuple(itertools.product(MODES, (False, True), (False, True)))
@@ -160,10 +160,10 @@ class StepRunner:
         return PendingTokens(host.numpy(), event, bucket, host_logprobs)
 
 
-def _run_model(model: Model, buffers: StepBuffers, pool: StatePool, aux_stream, expert_stream,
+def _run_model(model: Model, buffers: StepBuffers, pool: StatePool, aux_stream, side_stream,
                slot_tokens: torch.Tensor, bucket: Bucket) -> torch.Tensor:
     """The model over the buffers' views for ``bucket``: logits [rows, vocab] fp32."""
-    return model.forward(buffers.inputs(bucket), pool, aux_stream, drawn=slot_tokens, expert_stream=expert_stream)
+    return model.forward(buffers.inputs(bucket), pool, aux_stream, drawn=slot_tokens, side_stream=side_stream)
 
 
 def _draw(buffers: StepBuffers, slot_tokens: torch.Tensor, seen: SlotTokensSeen, logprob_out: tuple,

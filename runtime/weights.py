@@ -63,21 +63,22 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         p = f"layers.{i}."
         shapes[p + "norm.weight"] = (D,)
         m = p + "mixer."
-        if kind == "mamba":
+        if kind in ("mamba", "parallel"):  # a parallel block's Mamba2 and attention share its prefix
             H = cfg.mamba_num_heads
             shapes.update({
                 m + "in_proj.weight": (cfg.in_proj_dim, D),
                 m + "conv1d.weight": (cfg.conv_dim, 1, cfg.conv_kernel),
                 m + "dt_bias": (H,), m + "A_log": (H,), m + "D": (H,),
-                m + "norm.weight": (cfg.mamba_inner,),
                 m + "out_proj.weight": (D, cfg.mamba_inner),
             })
+            if cfg.mamba_gated_norm:
+                shapes[m + "norm.weight"] = (cfg.mamba_inner,)
             if cfg.use_conv_bias:
                 shapes[m + "conv1d.bias"] = (cfg.conv_dim,)
             if cfg.mamba_proj_bias:
                 shapes[m + "in_proj.bias"] = (cfg.in_proj_dim,)
                 shapes[m + "out_proj.bias"] = (D,)
-        elif kind == "attention":
+        if kind in ("attention", "parallel"):
             q = cfg.num_attention_heads * cfg.attention_head_dim
             kv = cfg.num_key_value_heads * cfg.attention_head_dim
             for name, rows, cols in (("q_proj", q, D), ("k_proj", kv, D), ("v_proj", kv, D), ("o_proj", D, q)):

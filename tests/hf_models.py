@@ -8,8 +8,9 @@ import pytest
 import torch
 import transformers
 from packaging.version import Version
-from transformers import (BambaConfig, BambaForCausalLM, GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM,
-                          Mamba2Config, Mamba2ForCausalLM, NemotronHConfig, NemotronHForCausalLM)
+from transformers import (BambaConfig, BambaForCausalLM, FalconH1Config, FalconH1ForCausalLM, GraniteMoeHybridConfig,
+                          GraniteMoeHybridForCausalLM, Mamba2Config, Mamba2ForCausalLM, NemotronHConfig,
+                          NemotronHForCausalLM)
 
 VOCAB = 96
 # HF's Mamba2 gated norm ignores n_groups before transformers 5.23 (the GPU image has 5.17), so
@@ -79,12 +80,32 @@ def bamba_config(**kw):
     return BambaConfig(**{**base, **kw})
 
 
+def falcon_h1_config(**kw):
+    """Falcon-H1's fields and values (a Mamba2 width of its own, mamba_d_ssm; no gated norm; every
+    muP multiplier, here at values of the releases' order; rotary over whole heads at a large
+    theta; head_dim given), sizes shrunk."""
+    base = dict(
+        hidden_size=32, num_hidden_layers=4, mamba_d_ssm=48, mamba_n_heads=6, mamba_d_head=8, mamba_n_groups=1,
+        mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8, mamba_conv_bias=True,
+        mamba_proj_bias=False, mamba_rms_norm=False, mamba_norm_before_gate=False, projectors_bias=False,
+        time_step_limit=(0.0, float("inf")), num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        intermediate_size=48, rms_norm_eps=1e-5, hidden_act="silu", vocab_size=VOCAB, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e11}, embedding_multiplier=5.65,
+        lm_head_multiplier=0.0390625, mlp_multipliers=[0.8838, 0.5859], key_multiplier=0.39,
+        attention_in_multiplier=1.0, attention_out_multiplier=0.9375, ssm_in_multiplier=1.25,
+        ssm_out_multiplier=0.2357, ssm_multipliers=[0.3535, 0.25, 0.3535, 0.5, 0.3535],
+        eos_token_id=0, pad_token_id=0, bos_token_id=0,
+    )
+    return FalconH1Config(**{**base, **kw})
+
+
 _MODELS = {"mamba2": (Mamba2ForCausalLM, mamba2_config), "nemotron_h": (NemotronHForCausalLM, nemotron_h_config),
-           "granite": (GraniteMoeHybridForCausalLM, granite_config), "bamba": (BambaForCausalLM, bamba_config)}
+           "granite": (GraniteMoeHybridForCausalLM, granite_config), "bamba": (BambaForCausalLM, bamba_config),
+           "falcon_h1": (FalconH1ForCausalLM, falcon_h1_config)}
 
 
 def save_tiny(kind: str, path, seed: int = 0, **kw):
-    """Build a tiny random model of ``kind`` ("mamba2", "nemotron_h", "granite" or "bamba"), perturb the
+    """Build a tiny random model of ``kind`` ("mamba2", "nemotron_h", "granite", "bamba" or "falcon_h1"), perturb the
     parameters HF initialises to constants (so the test sees them), save it to ``path`` and return it."""
     if kind == "nemotron_h" and not HF_5_25:
         pytest.skip(f"transformers {transformers.__version__} clamps NemotronH's prefill dt at time_step_min")

@@ -29,6 +29,7 @@ from ..graphs import BucketSet
 from ..kernels.decode_linear import pdl_supported
 from ..kernels.fp8 import Fp8Weight
 from ..runtime.decode_options import DecodeOptions
+from ..runtime.mixers import Mixer
 from ..runtime.mixers.moe import MoEMixer
 from ..runtime.model import Model
 from ..runtime.plan import StepPlan
@@ -89,6 +90,11 @@ def decode_plan(batch: int, first_slot: int = 0) -> StepPlan:
 def prefill_plan(tokens: int, slot: int) -> StepPlan:
     ids = torch.randint(1, 1000, (tokens,)).tolist()
     return StepPlan.make([(ids, slot, 0)])
+
+
+def _side_work(model: Model) -> str | None:
+    """What runs on the side stream in a decode step: what the unforked column names."""
+    return "shared expert" if _moe_mixers(model) else "attention" if model.cfg.has("parallel") else None
 
 
 def _moe_mixers(model: Model):
@@ -182,10 +188,13 @@ def prefill_roofline_ms(model: Model, tokens: int, routed: dict[int, int] | None
 
 
 def _mixer_weights(mixer):
-    """A mixer's weights: its tensor and FP8 fields, and those of its tuple fields."""
+    """A mixer's weights: its tensor and FP8 fields, those of its tuple fields and of the mixers
+    it holds (a parallel block's)."""
     for v in vars(mixer).values():
         if isinstance(v, (torch.Tensor, Fp8Weight)):
             yield v
+        elif isinstance(v, Mixer):
+            yield from _mixer_weights(v)
         elif isinstance(v, tuple):
             yield from (t for t in v if isinstance(t, (torch.Tensor, Fp8Weight)))
 
@@ -233,8 +242,11 @@ def bench_preset(name: str, bandwidth: float, rate: float, progress: bool) -> di
     forked = StepRunner(model, pool, buckets, overlap=True)
     unforked = StepRunner(model, pool, buckets, overlap=False)
     moe = bool(_moe_mixers(model))
-    reports = [str(forked.capture(progress=progress)),  # unforked: the mixed steps' (and a MoE model's all)
-               str(unforked.capture([b for b in buckets.all() if b.prefill or moe], progress=progress))]
+    # work beside the critical path on the side stream (a MoE's shared expert, a parallel block's
+    # attention), timed in turn too
+    side = moe or model.cfg.has("parallel")
+    reports = [str(forked.capture(progress=progress)),  # unforked: the mixed steps' (and side work's all)
+               str(unforked.capture([b for b in buckets.all() if b.prefill or side], progress=progress))]
     variants = {}
     opts = model.options
     if opts.fused:
@@ -253,6 +265,7 @@ def bench_preset(name: str, bandwidth: float, rate: float, progress: bool) -> di
                "back_to_back_ms": step_ms(forked, plan, steps=50, rounds=5), "replay_ms": replay_ms(forked, plan)}
         if moe:
             row["experts_per_layer"] = sum(routed.values()) / len(routed)
+        if side:
             row["unforked_ms"] = step_ms(unforked, plan)
         if batch <= opts.max_rows:
             row.update({k: step_ms(r, plan) for k, r in variants.items()})
@@ -264,7 +277,7 @@ def bench_preset(name: str, bandwidth: float, rate: float, progress: bool) -> di
                  "floor_ms": prefill_flops(model, tokens) / rate * 1e3,
                  "roofline_ms": prefill_roofline_ms(model, tokens, routed_experts(eager, chunk) if moe else None, rate,
                                                     bandwidth),
-                 **({"unforked_ms": step_ms(unforked, chunk)} if moe else {})})
+                 **({"unforked_ms": step_ms(unforked, chunk)} if side else {})})
     for d in tqdm(MIXED_DECODE, desc=f"{name} mixed", disable=not progress):
         for c in PREFILL_CHUNKS:
             pre = prefill_plan(c, prefill_slot)
@@ -279,7 +292,7 @@ def bench_preset(name: str, bandwidth: float, rate: float, progress: bool) -> di
             })
     del eager, forked, unforked, variants, pool, model
     torch.cuda.empty_cache()
-    return {"preset": name, "capture": reports, "rows": rows}
+    return {"preset": name, "capture": reports, "rows": rows, "side": _side_work(model)}
 
 
 def run(presets=("mamba2-130m", "nemotron-h-8b"), progress: bool = True) -> dict:
@@ -313,11 +326,12 @@ def tables(result: dict) -> str:
     for p in result["presets"]:
         out += ["", f"{p['preset']}: " + "; ".join(p["capture"]), ""]
         moe = any("experts_per_layer" in r for r in p["rows"])
-        # a MoE model's runs timed unforked too (older results may lack them)
+        # a MoE or parallel model's runs timed unforked too (older results may lack them)
         unforked = any("unforked_ms" in r for r in p["rows"] if r["kind"] != "mixed")
+        side = p.get("side") or "shared expert"
         out += ["| decode batch | eager (ms) | graph (ms) | eager/graph | graph, back to back (ms) "
                 "| replay on device (ms) | HBM floor (ms) | graph/floor |" + (" experts read a layer |" if moe else "")
-                + (" graph, shared expert unforked (ms) |" if unforked else ""),
+                + (f" graph, {side} in turn (ms) |" if unforked else ""),
                 "| --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if moe else "")
                 + (" --- |" if unforked else "")]
         for r in p["rows"]:
@@ -332,7 +346,7 @@ def tables(result: dict) -> str:
                 roof = "roofline_ms" in r  # (JSON from before it was measured has none)
                 out += ["", "| prefill chunk (tokens) | graph (ms) | FLOP floor of its matrix products (ms) | "
                         "graph/floor |" + (" each product's FLOPs or weight bytes, the slower (ms) | graph/that |"
-                                           if roof else "") + (" shared expert unforked (ms) |" if unforked else ""),
+                                           if roof else "") + (f" {side} in turn (ms) |" if unforked else ""),
                         "| --- | --- | --- | --- |" + (" --- | --- |" if roof else "") + (" --- |" if unforked else ""),
                         f"| {r['tokens']} | {r['graph_ms']:.2f} | {r['floor_ms']:.2f} | {r['graph_ms'] / r['floor_ms']:.2f}x |"
                         + (f" {r['roofline_ms']:.2f} | {r['graph_ms'] / r['roofline_ms']:.2f}x |" if roof else "")

@@ -80,17 +80,25 @@ class AttentionMixer(Mixer):
         return linear(out.view(out.shape[0], -1), self.o_proj, self.o_bias)
 
     def fused_decode(self, residual: torch.Tensor, norm: Norm, ctx: StepContext) -> None:
+        self.fused(residual, norm, ctx, residual=residual)
+
+    def fused(self, x: torch.Tensor, norm: Norm | None, ctx: StepContext, *, residual: torch.Tensor | None = None,
+              out: torch.Tensor | None = None, first_pdl: bool = True) -> torch.Tensor:
+        """The fused decode of ``norm(x)`` (x as it is without a norm): added into ``residual``
+        in place, or written to ``out``; returns what it wrote. ``first_pdl``: as Mamba2Mixer's."""
         opts = ctx.options
-        qkv = torch.empty(residual.shape[0], self.qkv.shape[0], dtype=norm.weight.dtype, device=residual.device)
-        norm_linear(residual, norm.weight, norm.eps, self.qkv, bias=self.qkv_bias, round_first=norm.round_first,
-                    out=qkv, pdl=opts.pdl, tile_k=opts.tile_k, unit_norm=norm.unit)
+        qkv = torch.empty(x.shape[0], self.qkv.shape[0], dtype=norm.weight.dtype if norm else x.dtype,
+                          device=x.device)
+        norm_linear(x, norm.weight if norm else None, norm.eps if norm else 0.0, self.qkv, bias=self.qkv_bias,
+                    round_first=norm.round_first if norm else True, out=qkv, pdl=opts.pdl and first_pdl,
+                    tile_k=opts.tile_k, unit_norm=bool(norm and norm.unit))
         work = self._split(qkv)
         self._rotate(work, ctx, pdl=opts.pdl)
         self.decode(work, ctx, pdl=opts.pdl)  # in the chain of programmatic dependents
-        out = work[1]
-        # the residual is the previous block's, four kernels back
-        norm_linear(out.view(out.shape[0], -1), None, norm.eps, self.o_proj, bias=self.o_bias, residual=residual,
-                    pdl=opts.pdl, tile_k=opts.tile_k, early=True)
+        o = work[1]
+        # the residual is the previous block's, four or more kernels back
+        return norm_linear(o.view(o.shape[0], -1), None, 0.0, self.o_proj, bias=self.o_bias, residual=residual,
+                           out=out, pdl=opts.pdl, tile_k=opts.tile_k, early=residual is not None)
 
 
 def _concat(parts: list, name: str):

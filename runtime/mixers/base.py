@@ -55,17 +55,17 @@ class StepContext:
     """What a mixer reads besides its input: the step's metadata (shared by every layer), the
     state pool, the auxiliary stream of a forked step (or None) and the model's decode options.
     ``observe``: None, or a callable that MoE layers hand ``(layer, expert ids)`` (benchmarks
-    count the experts a step reads; an eager step only). ``expert_stream``: where a MoE layer's
-    shared expert runs beside its routed experts (None: in turn). It has the step's own
-    priority, where the auxiliary stream has a higher one: the shared expert is not on the
-    step's critical path."""
+    count the experts a step reads; an eager step only). ``side_stream``: where work beside a
+    block's critical path runs (None: in turn): a MoE layer's shared expert beside its routed
+    experts, a parallel block's attention beside its Mamba2 mixer. It has the step's own
+    priority, where the auxiliary stream has a higher one."""
 
     inputs: StepInputs
     pool: StatePool
     aux_stream: torch.cuda.Stream | None
     options: DecodeOptions
     observe: Callable[[int, torch.Tensor], None] | None = None
-    expert_stream: torch.cuda.Stream | None = None
+    side_stream: torch.cuda.Stream | None = None
 
 
 class Mixer:

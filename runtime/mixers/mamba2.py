@@ -3,14 +3,16 @@
 One in_proj GEMM over all tokens, then two branches that touch disjoint rows and disjoint slots:
 prefill rows go through the varlen conv and the chunked SSD scan, decode rows through the conv
 update and the selective state update. Both write into one output buffer, then the gated norm
-and out_proj run over all tokens again. Fused, a small decode step is three kernels: block norm +
-in_proj + conv update; state update; gated norm + out_proj + residual add.
+(Falcon-H1: the gate alone, ``y * silu(z)``) and out_proj run over all tokens again. Fused, a small
+decode step is three kernels: block norm + in_proj + conv update; state update; gated norm +
+out_proj + residual add (without the norm: the gate a kernel of its own, then out_proj).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ...kernels.activation import gate_silu
 from ...kernels.conv1d import conv1d_update, conv1d_varlen
 from ...kernels.decode_linear import ConvTail, gated_norm_linear, norm_linear
 from ...kernels.linear import linear
@@ -44,7 +46,7 @@ class Mamba2Mixer(Mixer):
         self.A = -torch.exp(w[p + "A_log"].float())
         self.D = w[p + "D"]
         self.dt_bias = w[p + "dt_bias"]
-        self.norm_w = w[p + "norm.weight"]
+        self.norm_w = w[p + "norm.weight"] if cfg.mamba_gated_norm else None
         self.out_proj = w[p + "out_proj.weight"]
         self.out_proj_bias = w.get(p + "out_proj.bias")
 
@@ -95,26 +97,40 @@ class Mamba2Mixer(Mixer):
                                dt_bias=self.dt_bias, dt_softplus=True, out=y[rows])
 
     def finish(self, work) -> torch.Tensor:
-        """Gated norm with z, then out_proj, over all tokens."""
+        """Gated norm with z (or the gate alone), then out_proj, over all tokens."""
         proj, _, y = work
-        T = y.shape[0]
-        normed = gated_rms_norm(y.view(T, self.inner), self._z(proj), self.norm_w, self.inner // self.G, self.eps)
+        y = y.view(y.shape[0], self.inner)
+        if self.norm_w is None:
+            return linear(gate_silu(y, self._z(proj)), self.out_proj, self.out_proj_bias)
+        normed = gated_rms_norm(y, self._z(proj), self.norm_w, self.inner // self.G, self.eps)
         return linear(normed, self.out_proj, self.out_proj_bias)
 
     def fused_decode(self, residual: torch.Tensor, norm: Norm, ctx: StepContext) -> None:
-        T, opts, slots = residual.shape[0], ctx.options, ctx.inputs.decode_slots
-        proj = torch.empty(T, self.in_proj.shape[0], dtype=norm.weight.dtype, device=residual.device)
+        self.fused(residual, norm, ctx, residual=residual)
+
+    def fused(self, x: torch.Tensor, norm: Norm | None, ctx: StepContext, *, residual: torch.Tensor | None = None,
+              out: torch.Tensor | None = None, first_pdl: bool = True) -> torch.Tensor:
+        """The fused decode of ``norm(x)`` (x as it is without a norm): added into ``residual``
+        in place, or written to ``out``; returns what it wrote. ``first_pdl``: the first kernel
+        is a programmatic dependent (not where it follows another stream's work)."""
+        T, opts, slots = x.shape[0], ctx.options, ctx.inputs.decode_slots
+        proj = torch.empty(T, self.in_proj.shape[0], dtype=norm.weight.dtype if norm else x.dtype, device=x.device)
         # the conv update of the xBC columns rides in in_proj's epilogue: proj's xBC columns
         # come out already convolved, as ``decode`` writes them into xbc
         conv = ConvTail(ctx.pool.conv[self.idx], self.conv_w, self.conv_b, slots, self.inner)
-        norm_linear(residual, norm.weight, norm.eps, self.in_proj, bias=self.in_proj_bias,
-                    round_first=norm.round_first, conv=conv, out=proj, pdl=opts.pdl, tile_k=opts.tile_k,
-                    unit_norm=norm.unit)
-        x, B, C = self._ssm_operands(self._xbc(proj))
+        norm_linear(x, norm.weight if norm else None, norm.eps if norm else 0.0, self.in_proj, bias=self.in_proj_bias,
+                    round_first=norm.round_first if norm else True, conv=conv, out=proj, pdl=opts.pdl and first_pdl,
+                    tile_k=opts.tile_k, unit_norm=bool(norm and norm.unit))
+        xs, B, C = self._ssm_operands(self._xbc(proj))
         y = torch.empty(T, self.H, self.P, dtype=proj.dtype, device=proj.device)
-        selective_state_update(ctx.pool.ssm[self.idx], x, self._dt(proj), self.A, B, C, self.D, slots,
+        selective_state_update(ctx.pool.ssm[self.idx], xs, self._dt(proj), self.A, B, C, self.D, slots,
                                dt_bias=self.dt_bias, dt_softplus=True, out=y, pdl=opts.pdl)
+        y = y.view(T, self.inner)
+        if self.norm_w is None:
+            return norm_linear(gate_silu(y, self._z(proj), pdl=opts.pdl), None, 0.0, self.out_proj,
+                               bias=self.out_proj_bias, residual=residual, out=out, pdl=opts.pdl, tile_k=opts.tile_k,
+                               early=residual is not None)
         # z (from in_proj) and the residual (from the previous block) are two or more kernels back
-        gated_norm_linear(y.view(T, self.inner), self._z(proj), self.norm_w, self.inner // self.G, self.eps,
-                          self.out_proj, bias=self.out_proj_bias, residual=residual, pdl=opts.pdl, early=True,
-                          tile_k=opts.tile_k)
+        return gated_norm_linear(y, self._z(proj), self.norm_w, self.inner // self.G, self.eps, self.out_proj,
+                                 bias=self.out_proj_bias, residual=residual, out=out, pdl=opts.pdl, early=True,
+                                 tile_k=opts.tile_k)

@@ -68,7 +68,7 @@ class MoEMixer(Mixer):
         over h): returned, or added into ``residual``."""
         shared = ready = None
         if self.shared is not None:
-            side = ctx.expert_stream if h.shape[0] <= SHARED_BESIDE_MAX_TOKENS else None
+            side = ctx.side_stream if h.shape[0] <= SHARED_BESIDE_MAX_TOKENS else None
             if side is None:
                 shared = shared_expert()
             else:

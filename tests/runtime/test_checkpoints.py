@@ -183,3 +183,38 @@ def test_experts_stored_one_by_one_load_as_the_stack_and_a_misshaped_one_is_name
     save_file(apart, tmp_path / "apart" / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(WeightError, match=r"experts\.3\.up_proj\.weight: expected shape"):
         Model.from_pretrained(tmp_path / "apart", dtype=torch.float32)
+
+
+@pytest.mark.parametrize("kind, change, named", [
+    ("falcon_h1", {"mamba_rms_norm": True}, "mamba_rms_norm: true"),
+    ("falcon_h1", {"projectors_bias": True}, "projectors_bias: true"),
+    ("falcon_h1", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e11, "factor": 4.0}},
+     "rope_parameters.rope_type: 'yarn'"),
+    ("bamba", {"attn_rotary_emb": 8}, "attn_rotary_emb: 8 rotary dims"),
+    ("granite", {"position_embedding_type": "alibi"}, "position_embedding_type: 'alibi'"),
+    ("granite", {"model_type": "zamba2", "architectures": ["Zamba2ForCausalLM"]},
+     "model_type: 'zamba2' is not read: Zamba2's attention blocks are shared"),
+])
+def test_family_variants_not_read_are_named(tmp_path, kind, change, named):
+    """What a family's checkpoint may say that mambastep does not compute as HF does is refused
+    in one line naming the field, before any weight is read."""
+    save_tiny(kind, tmp_path)
+    _edit_config(tmp_path, **change)
+    with pytest.raises(ConfigError, match=named.replace("(", r"\(").replace(")", r"\)")):
+        ModelConfig.from_pretrained(tmp_path)
+
+
+@torch.no_grad()
+def test_bamba_gate_and_up_are_read_as_one_projection_and_a_misshaped_part_is_named(tmp_path):
+    """Bamba's feed_forward.gate_proj and up_proj are read as one SwiGLU projection, the gate's
+    rows first; parts that do not make the projection are named."""
+    hf = save_tiny("bamba", tmp_path)
+    ours = Model.from_pretrained(tmp_path, dtype=torch.float32)
+    ff = hf.model.layers[0].feed_forward
+    assert torch.equal(ours.blocks[1].mixer.up, torch.cat([ff.gate_proj.weight, ff.up_proj.weight]))
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["model.layers.2.feed_forward.up_proj.weight"] = tensors["model.layers.2.feed_forward.up_proj.weight"][:-1]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(WeightError, match=r"layers\.5\.mixer\.up_proj\.weight: model\.layers\.2\.feed_forward\.gate_proj"
+                                          r"\.weight \+ model\.layers\.2\.feed_forward\.up_proj\.weight have 95 rows"):
+        Model.from_pretrained(tmp_path, dtype=torch.float32)

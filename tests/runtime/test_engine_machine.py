@@ -256,6 +256,15 @@ TestGraniteEngine = GraniteMachine.TestCase
 TestGraniteEngine.settings = _settings(12, 25)
 
 
+class FalconMachine(EngineMachine):
+    # Falcon-H1's parallel blocks (Mamba2 beside rotary attention), the muP multipliers
+    preset = "tiny-falcon-h1"
+
+
+TestFalconEngine = FalconMachine.TestCase
+TestFalconEngine.settings = _settings(12, 25)
+
+
 class GPUMachine(EngineMachine):
     # no MoE: decode steps of up to 4 rows take the fused path, the rest layered, all in graphs
     preset, device, graphs = "tiny-nemotron-h", "cuda", True
@@ -269,9 +278,14 @@ class GPUGraniteMachine(GPUMachine):
     preset = "tiny-granite"
 
 
+class GPUFalconMachine(GPUMachine):
+    # decode steps fork each block's attention onto the side stream, in the graphs
+    preset = "tiny-falcon-h1"
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("machine", [GPUMachine, GPUPipelinedMachine, GPUGraniteMachine],
-                         ids=["default", "pipelined", "granite"])
+@pytest.mark.parametrize("machine", [GPUMachine, GPUPipelinedMachine, GPUGraniteMachine, GPUFalconMachine],
+                         ids=["default", "pipelined", "granite", "falcon-h1"])
 def test_engine_machine_on_gpu(machine):
     from hypothesis.stateful import run_state_machine_as_test
 

@@ -19,7 +19,7 @@ from mambastep.runtime.step_runner import StepRunner
 from mambastep.runtime.weights import WeightError, load_weights
 from support import assert_close
 
-KINDS = ["mamba2", "nemotron_h", "granite", "bamba"]
+KINDS = ["mamba2", "nemotron_h", "granite", "bamba", "falcon_h1"]
 PROMPT_LENS = [1, 7, 8, 9, 21]
 
 
@@ -37,17 +37,18 @@ GRANITE_DENSE = {"num_local_experts": 0}
 VARIANTS = {"mamba2": ("mamba2", {}), "nemotron_h": ("nemotron_h", {}), "moe": ("nemotron_h", MOE),
             "latent_moe": ("nemotron_h", {**MOE, "moe_latent_size": 16}), "granite": ("granite", {}),
             "granite_dense": ("granite", GRANITE_DENSE), "granite_rope": ("granite", {"position_embedding_type": "rope"}),
-            "bamba": ("bamba", {})}
+            "bamba": ("bamba", {}), "falcon_h1": ("falcon_h1", {})}
 _gpu = pytest.mark.gpu
 _latent = pytest.mark.skipif(not HF_LATENT_MOE, reason="the installed transformers has no latent MoE")
 
 
 @pytest.fixture(scope="module", params=[
     "mamba2", "nemotron_h", "moe", pytest.param("latent_moe", marks=_latent), "granite", "granite_dense",
-    "granite_rope", "bamba",
+    "granite_rope", "bamba", "falcon_h1",
     # on a GPU, fp32 through the Triton kernels (the grouped experts among them)
     pytest.param("moe@cuda", marks=_gpu), pytest.param("latent_moe@cuda", marks=[_gpu, _latent]),
     pytest.param("granite@cuda", marks=_gpu), pytest.param("bamba@cuda", marks=_gpu),
+    pytest.param("falcon_h1@cuda", marks=_gpu),
 ])
 def pair(request, tmp_path_factory):
     """(HF model, our model loaded from the HF checkpoint) for each checkpoint variant."""
@@ -182,8 +183,8 @@ def test_fused_decode_equals_layer_by_layer(kind, tmp_path):
 def test_folded_norms_give_the_checkpoints_logits(kind, tmp_path):
     """Block norm weights folded into the projections that read them (the default only where the
     fused decode streams K; asked for here): prefill and decode logits, layered and fused, equal
-    the unfolded model's in fp32, and greedy tokens HF's. MoE blocks keep their norms (three
-    readers); the checkpoint's tensors are left as they were."""
+    the unfolded model's in fp32, and greedy tokens HF's. MoE and parallel blocks keep their
+    norms (several readers); the checkpoint's tensors are left as they were."""
     hf = save_tiny(kind, tmp_path, **(MOE if kind == "nemotron_h" else {}))
     cfg = ModelConfig.from_pretrained(tmp_path)
     weights = load_weights(tmp_path, cfg, dtype=torch.float32)
@@ -193,8 +194,9 @@ def test_folded_norms_give_the_checkpoints_logits(kind, tmp_path):
     plain = Model.from_pretrained(tmp_path, dtype=torch.float32)
     assert not any(block.norm.unit for block in plain.blocks)
     for i, kind_ in enumerate(cfg.layer_types):
-        assert folded.blocks[i].norm.unit == (kind_ != "moe")
-        assert torch.equal(folded.blocks[i].norm.weight, plain.blocks[i].norm.weight) == (kind_ == "moe")
+        kept = kind_ in ("moe", "parallel")  # several readers
+        assert folded.blocks[i].norm.unit != kept
+        assert torch.equal(folded.blocks[i].norm.weight, plain.blocks[i].norm.weight) == kept
     ps = prompts([5, 12], seed=9)
     runs = []
     for model in (plain, folded, folded.with_options(DecodeOptions(fused=False))):
@@ -334,7 +336,7 @@ def test_bf16_on_gpu_matches_hf(kind, tmp_path):
     HF's greedy tokens (so a near-tie flipping one token cannot derail the comparison). No MoE
     layer here: bf16 rounding flips near-tied expert choices, a discontinuity no tolerance bounds."""
     no_moe = {"mamba2": {}, "nemotron_h": {"layers_block_type": DENSE_HYBRID}, "granite": GRANITE_DENSE,
-              "bamba": {}}[kind]
+              "bamba": {}, "falcon_h1": {}}[kind]
     hf = save_tiny(kind, tmp_path, **no_moe)
     hf.generation_config.eos_token_id = None
     ours = Model.from_pretrained(tmp_path, dtype=torch.bfloat16, device="cuda")

@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import (AutoModelForCausalLM, BambaConfig, BambaForCausalLM, GraniteMoeHybridConfig,
-                          GraniteMoeHybridForCausalLM, Mamba2Config, Mamba2ForCausalLM, NemotronHConfig,
-                          NemotronHForCausalLM)
+from transformers import (AutoModelForCausalLM, BambaConfig, BambaForCausalLM, FalconH1Config, FalconH1ForCausalLM,
+                          GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM, Mamba2Config, Mamba2ForCausalLM,
+                          NemotronHConfig, NemotronHForCausalLM)
 
 from hf_models import HF_5_23, HF_5_25, HF_LATENT_MOE, VOCAB, perturb
 
@@ -86,6 +86,24 @@ RELEASED = {
                      num_key_value_heads=2, num_logits_to_keep=1, pad_token_id=0, rms_norm_eps=1e-5,
                      rope_theta=10000.0, tie_word_embeddings=False, torch_dtype="bfloat16", use_cache=True,
                      use_mamba_kernels=True, vocab_size=VOCAB, z_loss_coefficient=0.0),
+    # tiiuae/Falcon-H1-0.5B-Instruct: Mamba2 of its own width beside rotary attention (theta 1e11)
+    # in every layer, no gated norm, every muP multiplier as released
+    "falcon-h1-0.5b": dict(architectures=["FalconH1ForCausalLM"], model_type="falcon_h1", attention_bias=False,
+                           attention_dropout=0.0, attention_in_multiplier=1.0, attention_out_multiplier=0.9375,
+                           bos_token_id=1, embedding_multiplier=5.656854249492381, eos_token_id=11, head_dim=8,
+                           hidden_act="silu", hidden_size=32, initializer_range=0.02, intermediate_size=64,
+                           key_multiplier=0.390625, lm_head_multiplier=0.0390625, mamba_chunk_size=16,
+                           mamba_conv_bias=True, mamba_d_conv=4, mamba_d_head=8, mamba_d_ssm=48, mamba_d_state=16,
+                           mamba_expand=2, mamba_n_groups=1, mamba_n_heads=6, mamba_norm_before_gate=False,
+                           mamba_proj_bias=False, mamba_rms_norm=False, mamba_use_mlp=True,
+                           max_position_embeddings=16384, mlp_bias=False, mlp_expansion_factor=8,
+                           mlp_multipliers=[0.8838834764831844, 0.5859375], num_attention_heads=4,
+                           num_hidden_layers=4, num_key_value_heads=2, num_logits_to_keep=1, pad_token_id=0,
+                           projectors_bias=False, rms_norm_eps=1e-5, rope_scaling=None, rope_theta=1e11,
+                           ssm_in_multiplier=1.25,
+                           ssm_multipliers=[0.3535533905932738, 0.25, 0.3535533905932738, 0.5, 0.3535533905932738],
+                           ssm_out_multiplier=0.23570226039551587, tie_word_embeddings=False, torch_dtype="bfloat16",
+                           use_cache=True, vocab_size=VOCAB),
     # the HF conversion of state-spaces/mamba2-130m
     "mamba2-130m": dict(architectures=["Mamba2ForCausalLM"], model_type="mamba2", hidden_size=32, expand=2,
                         num_heads=8, head_dim=8, n_groups=1, state_size=16, conv_kernel=4, chunk_size=16,
@@ -119,7 +137,8 @@ def save_released(name: str, path) -> torch.nn.Module:
     fields = RELEASED[name]
     hf_cls, cfg_cls = {"mamba2": (Mamba2ForCausalLM, Mamba2Config), "nemotron_h": (NemotronHForCausalLM, NemotronHConfig),
                        "granitemoehybrid": (GraniteMoeHybridForCausalLM, GraniteMoeHybridConfig),
-                       "bamba": (BambaForCausalLM, BambaConfig)}[fields["model_type"]]
+                       "bamba": (BambaForCausalLM, BambaConfig),
+                       "falcon_h1": (FalconH1ForCausalLM, FalconH1Config)}[fields["model_type"]]
     torch.manual_seed(0)
     model = hf_cls(cfg_cls(**{k: v for k, v in fields.items() if k not in ("architectures", "model_type")}))
     perturb(model)

@@ -67,7 +67,8 @@ def embed_rows_ref(ids, table, out, pdl=False, slots=None, drawn=None, scale=1.0
 
 @with_reference(embed_rows_ref)
 def embed_rows(ids: torch.Tensor, table: torch.Tensor, out: torch.Tensor, pdl: bool = False,
-               slots: torch.Tensor | None = None, drawn: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
+               slots: torch.Tensor | None = None, drawn: torch.Tensor | None = None,
+               scale: float = 1.0) -> torch.Tensor:
     """out[t] = table[ids[t]] (times ``scale``, rounded to table's dtype: Granite's and
     Falcon-H1's embedding multiplier), cast to out's dtype.
 

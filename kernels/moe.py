@@ -267,11 +267,12 @@ def moe_route(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 
     x [T, D] (any float dtype), gate [E, D] fp32, bias [E] fp32 (the score-correction bias, which
     steers the choice but not the weights; None with softmax) -> (idx [T, top_k] int32 in
     ascending order, weights [T, top_k] fp32). ``n_group``/``topk_group``: the choice is limited
-    to the ``topk_group`` groups (of E / n_group experts) with the best two-expert sums. ``gate_terms``: ``router_terms(gate)``,
-    for bf16 rows past a decode step's few (the logits as bf16 products). ``block_counts``: an int32
-    [cdiv(T, ROUTE_BLOCK_T), E] buffer, filled with each block of tokens' pairs per expert (what
-    ``moe_experts`` takes to skip a counting pass). ``pdl``: its kernels launch as programmatic
-    dependents of the previous kernel (``kernels.decode_linear``).
+    to the ``topk_group`` groups (of E / n_group experts) with the best two-expert sums.
+    ``gate_terms``: ``router_terms(gate)``, for bf16 rows past a decode step's few (the logits as
+    bf16 products). ``block_counts``: an int32 [cdiv(T, ROUTE_BLOCK_T), E] buffer, filled with
+    each block of tokens' pairs per expert (what ``moe_experts`` takes to skip a counting pass).
+    ``pdl``: its kernels launch as programmatic dependents of the previous kernel
+    (``kernels.decode_linear``).
     """
     T, D = x.shape
     E = gate.shape[0]

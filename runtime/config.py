@@ -365,12 +365,11 @@ class ModelConfig:
         (``post_attention_layernorm``): the shared SwiGLU MLP, or with ``num_local_experts`` a
         softmax-routed MoE with that MLP as its shared expert."""
         _require(hf, "hidden_size", "vocab_size", "num_hidden_layers")
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ConfigError(f"hidden_act: only silu is supported, got {hf['hidden_act']!r}")
+        _silu(hf)
         position = hf.get("position_embedding_type")
         if position not in (None, "nope", "rope"):
             raise ConfigError(f"position_embedding_type: {position!r}; expected none, \"nope\" or \"rope\"")
-        hidden, layers = hf["hidden_size"], hf["num_hidden_layers"]
+        layers = hf["num_hidden_layers"]
         # the released configs say mamba / attention, HF (5.x) saves linear_ / full_attention
         named = hf.get("layer_types") or hf.get("layers_block_type") or ["mamba"] * layers
         mixers = [_HF_LAYER_TYPES.get(t) for t in named]
@@ -380,25 +379,16 @@ class ModelConfig:
                               f"{len(mixers)} with {unknown or 'no unknown kinds'}")
         experts = hf.get("num_local_experts", 8) or 0
         mlp = "moe" if experts else "mlp"
-        attn_heads = hf.get("num_attention_heads", 32)
+        head_dim = hf["hidden_size"] // hf.get("num_attention_heads", 32)
         shared = hf.get("shared_intermediate_size", 1024)
         return cls(
             architecture="granite_hybrid",
-            vocab_size=hf["vocab_size"],
-            hidden_size=hidden,
             layer_types=tuple(kind for mixer in mixers for kind in (mixer, mlp)),
-            norm_eps=hf.get("rms_norm_eps", 1e-6),
-            tie_word_embeddings=hf.get("tie_word_embeddings", False),
-            eos_token_id=_first(hf.get("eos_token_id")),
-            pad_token_id=hf.get("pad_token_id"),
-            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            **_common_fields(hf, norm_eps=1e-6, max_positions=2048),
             **_mamba_fields(hf),
-            num_attention_heads=attn_heads,
-            num_key_value_heads=hf.get("num_key_value_heads") or attn_heads,
-            attention_head_dim=hidden // attn_heads,
-            attention_bias=hf.get("attention_bias", False),
+            **_attention_fields(hf, head_dim),
             attention_scale=_float("attention_multiplier", hf.get("attention_multiplier", 1.0)),
-            rotary_dim=hidden // attn_heads if position == "rope" else 0,
+            rotary_dim=head_dim if position == "rope" else 0,
             rope_theta=_rope_theta(hf) if position == "rope" else 10000.0,
             intermediate_size=shared,
             mlp_activation="swiglu",
@@ -420,34 +410,23 @@ class ModelConfig:
         ``input_layernorm``; attention at ``attn_layer_indices``, rotary over half of each head as
         HF fixes it), then its SwiGLU MLP (``pre_ff_layernorm``)."""
         _require(hf, "hidden_size", "vocab_size", "num_hidden_layers")
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ConfigError(f"hidden_act: only silu is supported, got {hf['hidden_act']!r}")
-        hidden, layers = hf["hidden_size"], hf["num_hidden_layers"]
+        _silu(hf)
+        layers = hf["num_hidden_layers"]
         attention = set(hf.get("attn_layer_indices") or [])
         if not attention <= set(range(layers)):
             raise ConfigError(f"attn_layer_indices: {sorted(attention)} are not all layers of {layers}")
-        attn_heads = hf.get("num_attention_heads", 32)
-        head_dim = hidden // attn_heads
+        head_dim = hf["hidden_size"] // hf.get("num_attention_heads", 32)
         rotary = int(head_dim * 0.5)  # HF's Bamba fixes partial_rotary_factor at 0.5
         if hf.get("attn_rotary_emb", rotary) != rotary:
             raise ConfigError(f"attn_rotary_emb: {hf['attn_rotary_emb']} rotary dims, but HF's Bamba rotates half of "
                               f"each {head_dim}-dim head ({rotary}); mambastep reads it as HF does")
         return cls(
             architecture="bamba",
-            vocab_size=hf["vocab_size"],
-            hidden_size=hidden,
             layer_types=tuple(kind for i in range(layers)
                               for kind in ("attention" if i in attention else "mamba", "mlp")),
-            norm_eps=hf.get("rms_norm_eps", 1e-5),
-            tie_word_embeddings=hf.get("tie_word_embeddings", False),
-            eos_token_id=_first(hf.get("eos_token_id")),
-            pad_token_id=hf.get("pad_token_id"),
-            max_position_embeddings=hf.get("max_position_embeddings", 262144),
+            **_common_fields(hf, norm_eps=1e-5, max_positions=262144),
             **_mamba_fields(hf),
-            num_attention_heads=attn_heads,
-            num_key_value_heads=hf.get("num_key_value_heads") or attn_heads,
-            attention_head_dim=head_dim,
-            attention_bias=hf.get("attention_bias", False),
+            **_attention_fields(hf, head_dim),
             rotary_dim=rotary,
             rope_theta=_rope_theta(hf),
             intermediate_size=hf.get("intermediate_size", 14336),
@@ -462,8 +441,7 @@ class ModelConfig:
         whole heads) summed, then its SwiGLU MLP (``pre_ff_layernorm``); the muP multipliers
         fold into the weights (``runtime.multipliers``)."""
         _require(hf, "hidden_size", "vocab_size", "num_hidden_layers")
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ConfigError(f"hidden_act: only silu is supported, got {hf['hidden_act']!r}")
+        _silu(hf)
         if hf.get("mamba_rms_norm", False):
             raise ConfigError("mamba_rms_norm: true (a gated norm in Falcon-H1's Mamba2 layers, normed before its "
                               "gate); mambastep reads the released models' false")
@@ -471,27 +449,17 @@ class ModelConfig:
             if hf.get(key, False):
                 raise ConfigError(f"{key}: true; mambastep reads Falcon-H1's Mamba2 projections without biases, as "
                                   "released")
-        hidden, layers = hf["hidden_size"], hf["num_hidden_layers"]
-        attn_heads = hf.get("num_attention_heads", 32)
-        head_dim = hf.get("head_dim") or hidden // attn_heads
+        layers = hf["num_hidden_layers"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // hf.get("num_attention_heads", 32)
         params = hf.get("rope_parameters") or {}
         rotary = int(head_dim * params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
         return cls(
             architecture="falcon_h1",
-            vocab_size=hf["vocab_size"],
-            hidden_size=hidden,
             layer_types=("parallel", "mlp") * layers,
-            norm_eps=hf.get("rms_norm_eps", 1e-5),
-            tie_word_embeddings=hf.get("tie_word_embeddings", False),
-            eos_token_id=_first(hf.get("eos_token_id")),
-            pad_token_id=hf.get("pad_token_id"),
-            max_position_embeddings=hf.get("max_position_embeddings", 8192),
+            **_common_fields(hf, norm_eps=1e-5, max_positions=8192),
             **_mamba_fields(hf),
             mamba_gated_norm=False,
-            num_attention_heads=attn_heads,
-            num_key_value_heads=hf.get("num_key_value_heads") or attn_heads,
-            attention_head_dim=head_dim,
-            attention_bias=hf.get("attention_bias", False),
+            **_attention_fields(hf, head_dim),
             rotary_dim=rotary,
             rope_theta=_rope_theta(hf),
             intermediate_size=hf.get("intermediate_size", 14336),
@@ -550,6 +518,27 @@ class ModelConfig:
             mamba_proj_bias=ssm.get("bias", False),
             dt_limit=_pair("ssm_cfg.dt_limit", ssm.get("dt_limit", (0.0, math.inf))),
         )
+
+
+def _silu(hf: dict) -> None:
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"hidden_act: only silu is supported, got {hf['hidden_act']!r}")
+
+
+def _common_fields(hf: dict, *, norm_eps: float, max_positions: int) -> dict:
+    """The fields every family names alike (Granite's, Bamba's and Falcon-H1's names), with the
+    family's defaults for the norm's epsilon and the context."""
+    return dict(
+        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], norm_eps=hf.get("rms_norm_eps", norm_eps),
+        tie_word_embeddings=hf.get("tie_word_embeddings", False), eos_token_id=_first(hf.get("eos_token_id")),
+        pad_token_id=hf.get("pad_token_id"), max_position_embeddings=hf.get("max_position_embeddings", max_positions),
+    )
+
+
+def _attention_fields(hf: dict, head_dim: int) -> dict:
+    heads = hf.get("num_attention_heads", 32)
+    return dict(num_attention_heads=heads, num_key_value_heads=hf.get("num_key_value_heads") or heads,
+                attention_head_dim=head_dim, attention_bias=hf.get("attention_bias", False))
 
 
 def _mamba_fields(hf: dict) -> dict:

@@ -120,9 +120,9 @@ class Model:
 
         With ``aux_stream``, mixers run their prefill branch on it, overlapped with the decode
         branch on the current stream; with ``side_stream``, MoE layers run their shared expert
-        on it beside the routed ones, parallel blocks their attention (see StepContext). ``drawn`` [slots]: the token each slot
-        drew last step, which a decode row whose id is -1 takes as its input. ``observe``: see
-        StepContext.
+        on it beside the routed ones, parallel blocks their attention (see StepContext).
+        ``drawn`` [slots]: the token each slot drew last step, which a decode row whose id is -1
+        takes as its input. ``observe``: see StepContext.
         """
         ctx = StepContext(inputs, pool, aux_stream, self.options, observe, side_stream)
         ids = inputs.input_ids

@@ -6,7 +6,10 @@ and without the forked stream beside separate steps. Where the model has a fused
 small decode batches are also timed layer by layer and fused without programmatic dependent
 launch, each captured in its own graphs.
 A mixture-of-experts model's floors count the experts the step's routing reads, layer by layer
-(the bench counts them on an eager run of the same step).
+(the bench counts them on an eager run of the same step). Where a decode step runs work beside
+its critical path on a side stream (a MoE's shared expert, a parallel block's attention), it is
+also timed in turn. A model whose state does not fit 256 rows beside it is timed up to the
+largest batch that does.
 
 Every number is a median of per-step wall times, each step synchronised (the latency a caller
 that waits for its tokens sees), on presets with random weights; beside them, decode steps
@@ -244,7 +247,8 @@ def bench_preset(name: str, bandwidth: float, rate: float, progress: bool) -> di
     moe = bool(_moe_mixers(model))
     # work beside the critical path on the side stream (a MoE's shared expert, a parallel block's
     # attention), timed in turn too
-    side = moe or model.cfg.has("parallel")
+    side_work = _side_work(model)
+    side = side_work is not None
     reports = [str(forked.capture(progress=progress)),  # unforked: the mixed steps' (and side work's all)
                str(unforked.capture([b for b in buckets.all() if b.prefill or side], progress=progress))]
     variants = {}
@@ -292,7 +296,7 @@ def bench_preset(name: str, bandwidth: float, rate: float, progress: bool) -> di
             })
     del eager, forked, unforked, variants, pool, model
     torch.cuda.empty_cache()
-    return {"preset": name, "capture": reports, "rows": rows, "side": _side_work(model)}
+    return {"preset": name, "capture": reports, "rows": rows, "side": side_work}
 
 
 def run(presets=("mamba2-130m", "nemotron-h-8b"), progress: bool = True) -> dict:

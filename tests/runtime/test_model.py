@@ -36,7 +36,8 @@ MOE = dict(layers_block_type=["mamba", "moe", "attention", "moe", "mamba", "moe"
 GRANITE_DENSE = {"num_local_experts": 0}
 VARIANTS = {"mamba2": ("mamba2", {}), "nemotron_h": ("nemotron_h", {}), "moe": ("nemotron_h", MOE),
             "latent_moe": ("nemotron_h", {**MOE, "moe_latent_size": 16}), "granite": ("granite", {}),
-            "granite_dense": ("granite", GRANITE_DENSE), "granite_rope": ("granite", {"position_embedding_type": "rope"}),
+            "granite_dense": ("granite", GRANITE_DENSE),
+            "granite_rope": ("granite", {"position_embedding_type": "rope"}),
             "bamba": ("bamba", {}), "falcon_h1": ("falcon_h1", {})}
 _gpu = pytest.mark.gpu
 _latent = pytest.mark.skipif(not HF_LATENT_MOE, reason="the installed transformers has no latent MoE")

@@ -135,7 +135,8 @@ def save_released(name: str, path) -> torch.nn.Module:
     """HF's model of the released layout, with random weights, saved to ``path`` under that
     layout's config.json (HF rewrites its own on save); returns the HF model read back from it."""
     fields = RELEASED[name]
-    hf_cls, cfg_cls = {"mamba2": (Mamba2ForCausalLM, Mamba2Config), "nemotron_h": (NemotronHForCausalLM, NemotronHConfig),
+    hf_cls, cfg_cls = {"mamba2": (Mamba2ForCausalLM, Mamba2Config),
+                       "nemotron_h": (NemotronHForCausalLM, NemotronHConfig),
                        "granitemoehybrid": (GraniteMoeHybridForCausalLM, GraniteMoeHybridConfig),
                        "bamba": (BambaForCausalLM, BambaConfig),
                        "falcon_h1": (FalconH1ForCausalLM, FalconH1Config)}[fields["model_type"]]

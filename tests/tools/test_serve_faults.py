@@ -231,7 +231,9 @@ def test_a_signal_drains_within_the_bound_then_exits_cleanly(how):
             long_started, short_started = asyncio.Event(), asyncio.Event()
             long = asyncio.create_task(streamed(server.url, 4000, long_started))
             await asyncio.wait_for(long_started.wait(), 60)
-            short = asyncio.create_task(streamed(server.url, 40, short_started))
+            # a few tokens: it finishes inside the bound even where the CPU engine is starved for
+            # cores (40 did not, twice, beside eight GPU test workers)
+            short = asyncio.create_task(streamed(server.url, 8, short_started))
             await asyncio.wait_for(short_started.wait(), 60)
             if how.startswith("SIGTERM"):
                 os.kill(server.proc.pid, signal.SIGTERM)

@@ -103,7 +103,10 @@ def fold_multipliers(cfg: ModelConfig, weights: dict) -> dict:
             continue
         factor = _factor(cfg, cfg.layer_types[int(match[1])], match[2])
         if isinstance(factor, torch.Tensor) or factor != 1.0:
-            out[name] = _scaled(w, factor)
+            try:
+                out[name] = _scaled(w, factor)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
     if cfg.logits_scaling != 1.0:
         out["norm_f.weight"] = _scaled(weights["norm_f.weight"], 1.0 / cfg.logits_scaling)
     return out

@@ -86,10 +86,10 @@ def module_of(name: str) -> str:
 def online_fp8(layer_types: tuple[str, ...]) -> Quantization:
     """FP8 at load time, per output channel, with NVIDIA's recipe for its hybrid releases: the
     attention layers and the Mamba layer before each stay in full precision (the LM head and
-    embeddings always do)."""
+    embeddings always do); a parallel block (Falcon-H1), which holds attention, stays whole."""
     keep = []
     for i, kind in enumerate(layer_types):
-        if kind == "attention":
+        if kind in ("attention", "parallel"):
             keep.append(f"layers.{i}.*")
             before = [j for j in range(i) if layer_types[j] == "mamba"]
             if before:

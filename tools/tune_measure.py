@@ -73,9 +73,12 @@ def cache_key(model: Model) -> dict:
             "device": device, "code": code_version()}
 
 
-def _plan(bucket: Bucket, slot: int) -> StepPlan:
-    decode = [(1 + i, i, CONTEXT) for i in range(bucket.decode)]
-    prefill = [(list(range(1, bucket.prefill + 1)), slot, 0)] if bucket.prefill else []
+def _plan(bucket: Bucket, slot: int, vocab: int) -> StepPlan:
+    """A step that fills ``bucket`` exactly, its token ids inside the vocabulary (a tiny preset's
+    has 512 tokens, a prefill candidate thousands)."""
+    token = lambda i: 1 + i % (vocab - 1)  # noqa: E731
+    decode = [(token(i), i, CONTEXT) for i in range(bucket.decode)]
+    prefill = [([token(i) for i in range(bucket.prefill)], slot, 0)] if bucket.prefill else []
     return StepPlan.make(prefill, decode)
 
 
@@ -92,7 +95,7 @@ def measure(model: Model, candidates: Candidates, rounds: int | None = None, pro
 
     def one(bucket: Bucket):
         """(graph ms, eager ms, pool MiB, capture s) of a step that fills ``bucket`` exactly."""
-        plan = _plan(bucket, slot)
+        plan = _plan(bucket, slot, model.cfg.vocab_size)
         e = step_ms(eager, plan, rounds=rounds, warmup=1)
         if not cuda:
             return e, e, 0.0, 0.0

@@ -21,6 +21,16 @@ def model():
     return Model.from_preset("tiny-hybrid", dtype=torch.float32)
 
 
+@pytest.mark.parametrize("preset", ["tiny-granite", "tiny-falcon-h1"])
+def test_candidates_past_the_vocabulary_are_measured(preset):
+    """A prefill candidate longer than a tiny preset's vocabulary (2048 tokens of 512) is
+    measured with ids inside it, on every family."""
+    small = Model.from_preset(preset, dtype=torch.float32)
+    measured = tune_measure.measure(small, tune_measure.Candidates((1,), (0, 2), (600,)), rounds=1, progress=False)
+    costs = measured["costs"]
+    assert costs["decode_eager_ms"][0] > 0 and all(row[0] > 0 for row in costs["mixed_eager_ms"])
+
+
 def test_measurements_round_trip_and_are_keyed(model, tmp_path):
     candidates = tune_measure.Candidates((1, 2), (0, 2), (16, 32))
     measured = tune_measure.measure(model, candidates, rounds=1, progress=False)

@@ -7,6 +7,7 @@ the field; a field this server does not do yet is refused by name unless it asks
 
 from __future__ import annotations
 
+from ...kernels.logits_processors import MAX_LOGPROBS
 from ..request import SamplingParams
 
 __all__ = ["BadRequest", "best_of", "choices", "echo", "known_fields", "messages", "only", "prompts", "sampling", "stop",
@@ -71,8 +72,8 @@ def _chat_logprobs(body: dict) -> int | None:
     on, top = body.get("logprobs"), body.get("top_logprobs")
     if on is not None and not isinstance(on, bool):
         raise BadRequest(f"logprobs: expected true or false, got {on!r}", "logprobs")
-    if top is not None and (isinstance(top, bool) or not isinstance(top, int)):
-        raise BadRequest(f"top_logprobs: expected an int from 0 to 20, got {top!r}", "top_logprobs")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_LOGPROBS):
+        raise BadRequest(f"top_logprobs: expected an int from 0 to {MAX_LOGPROBS}, got {top!r}", "top_logprobs")
     if top is not None and not on:
         raise BadRequest("top_logprobs: only with \"logprobs\": true", "top_logprobs")
     return (top or 0) if on else None

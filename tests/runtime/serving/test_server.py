@@ -739,7 +739,7 @@ def test_penalties_and_logit_bias_are_the_engines(server, checkpoint):
             r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, **body})
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
         for body, param in (({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": 1}, "logprobs"),
-                            ({"logprobs": True, "top_logprobs": 30}, "logprobs")):
+                            ({"logprobs": True, "top_logprobs": 30}, "top_logprobs")):
             r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
                                                         **body})
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)

@@ -30,6 +30,7 @@ from ..graphs import Bucket, BucketSet
 from ..kernels.logits_processors import MAX_BIASED
 from .decode_options import DecodeOptions
 from .model import Model
+from .prefix_cache import PrefixCache
 from .request import Request, RequestOutput, SamplingParams, TokenLogprobs
 from .scheduler import Scheduler
 from .slot_tokens_seen import SlotTokensSeen
@@ -63,13 +64,16 @@ class Engine:
         memory_fraction: float = 0.4,
         progress: bool = True,
         trace: bool = False,
+        prefix_cache_slots: int = 0,
     ):
         """model: a loaded Model; num_slots: concurrent requests (default: what
         ``memory_fraction`` of free device memory holds, at most the largest decode bucket);
         max_context: prompt plus output tokens per request; buckets: a BucketSet or a tuned bucket
         file (``mambastep tune``); use_graphs: capture CUDA graphs (default: on CUDA);
         overlap: fork prefill onto a second stream in mixed steps; pipelined: see the module doc;
-        trace: record every launched step's shape and bucket in ``self.trace``."""
+        trace: record every launched step's shape and bucket in ``self.trace``;
+        prefix_cache_slots: snapshots a prefix cache keeps (``runtime.prefix_cache``; 0: none),
+        each a slot of the pool beside the requests', at block boundaries of the SSD chunk size."""
         self.model, self.cfg = model, model.cfg
         cuda = model.device.type == "cuda"
         if isinstance(buckets, (str, Path)):
@@ -85,10 +89,18 @@ class Engine:
                             + SlotTokensSeen.bytes_per_slot(self.cfg.vocab_size))
                 fit = int(free * memory_fraction // per_slot)
                 num_slots = max(1, min(num_slots, fit))
-        self.pool = StatePool(self.cfg, num_slots, max_context, dtype=model.dtype, device=model.device)
+        self.num_slots = num_slots  # the requests'; a prefix cache's snapshots take slots beyond them
+        if not (isinstance(prefix_cache_slots, int) and prefix_cache_slots >= 0):
+            raise ValueError(f"prefix_cache_slots: expected an int >= 0, got {prefix_cache_slots!r}")
+        self.pool = StatePool(self.cfg, num_slots + prefix_cache_slots, max_context, dtype=model.dtype,
+                              device=model.device)
+        self.prefix_cache = None
+        if prefix_cache_slots:
+            self.prefix_cache = PrefixCache(list(range(num_slots, num_slots + prefix_cache_slots)),
+                                            self.cfg.chunk_size if self.cfg.has("mamba") else 64)
         self.runner = StepRunner(model, self.pool, self.buckets, max_decode=num_slots, overlap=overlap)
         self.scheduler = Scheduler(num_slots, self.buckets.max_prefill_tokens, self.buckets.max_prefill_seqs,
-                                   self.runner.buffers.max_decode)
+                                   self.runner.buffers.max_decode, self.prefix_cache)
         self.pipelined = pipelined
         self.capture_report = None
         if use_graphs if use_graphs is not None else cuda:
@@ -136,8 +148,8 @@ class Engine:
         or where the engine has fewer than ``n`` slots."""
         if not (isinstance(n, int) and not isinstance(n, bool) and n >= 1):
             raise ValueError(f"n: expected an int >= 1, got {n!r}")
-        if n > self.pool.num_slots:
-            raise ValueError(f"n: {n} choices run at once, in {n} slots; this engine has {self.pool.num_slots}")
+        if n > self.num_slots:
+            raise ValueError(f"n: {n} choices run at once, in {n} slots; this engine has {self.num_slots}")
         first = self._request(prompt_ids, params)
         seed = first.seed
         if first.params.seed is None:
@@ -261,11 +273,16 @@ class Engine:
             plan, rows = self.scheduler.schedule()
             for src, dsts, tokens in self.scheduler.forks:
                 self.runner.fork(src, dsts, tokens)
+            for snapshot, slot, tokens in self.scheduler.restores:
+                self.runner.copy_state(snapshot, [slot], tokens)
             if plan.num_rows:
                 launched = (self.runner.launch(plan), rows)
                 if self.trace is not None:
                     self.trace.append(StepShape(plan.num_decode, plan.num_prefill_tokens, plan.num_prefill,
                                                 launched[0].bucket))
+            # after the step that fills them, before the next: a snapshot holds its chunk's end
+            for slot, snapshot, tokens in self.scheduler.snapshots:
+                self.runner.copy_state(slot, [snapshot], tokens)
         if not self.pipelined:
             return self._collect(launched) if launched else []
         done, self._in_flight = self._in_flight, launched

@@ -11,6 +11,13 @@ last chunk is scheduled it forks: its slot becomes the first choice's, and ``for
 copies of its state into the others' reserved slots, which the engine makes before the next
 step. Each choice then runs the prompt's last token as a chunk of its own and draws with its
 own seed.
+
+With a prefix cache (``runtime.prefix_cache``), an admitted prompt starts from the longest
+cached prefix (``restores``: copies the engine makes before the step), and a prompt chunk that
+ends on a block boundary is snapshotted (``snapshots``: copies after the step). A chunk that
+would run past its prompt's last block boundary ends there, so the prompt's longest whole-block
+prefix is kept (the tail, shorter than a block, runs in the next step). Requests with logits
+processors (whose slot tables a restore would not carry) and several choices do not take part.
 """
 
 from __future__ import annotations
@@ -21,15 +28,22 @@ import numpy as np
 
 from ..kernels.logits_processors import MAX_BIASED
 from .plan import StepPlan
+from .prefix_cache import PrefixCache
 from .request import Request
 
 __all__ = ["Scheduler"]
 
 
 class Scheduler:
-    def __init__(self, num_slots: int, token_budget: int, max_prefill_seqs: int, max_decode: int):
+    def __init__(self, num_slots: int, token_budget: int, max_prefill_seqs: int, max_decode: int,
+                 prefix_cache: PrefixCache | None = None):
         self.token_budget, self.max_prefill_seqs, self.max_decode = token_budget, max_prefill_seqs, max_decode
         self.free_slots = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self.cache = prefix_cache
+        # (snapshot slot, request slot, tokens) to restore before the last schedule()'s step, and
+        # (request slot, snapshot slot, tokens) to snapshot after it
+        self.restores: list[tuple[int, int, int]] = []
+        self.snapshots: list[tuple[int, int, int]] = []
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # (source slot, destination slots, tokens) of the prefix requests forked by the last
@@ -63,12 +77,13 @@ class Scheduler:
         prompt chunk that does not end its prompt). Advances each request's ``computed`` and
         ``drawn``; forks the prefix requests that are ready (``forks``)."""
         self.forks = [self._fork(r) for r in list(self.running) if r.choices and r.prompt_done]
+        self.restores, self.snapshots = [], []
         decodes = [r for r in self.running if r.prompt_done and not r.finished and not r.choices][: self.max_decode]
         budget = self.token_budget
         chunks: list[tuple[Request, int]] = []
         for r in self.running:
             if not r.prompt_done and budget > 0 and len(chunks) < self.max_prefill_seqs:
-                n = min(len(r.prompt) - r.computed, budget)
+                n = self._chunk(r, budget)
                 chunks.append((r, n))
                 budget -= n
         while self.waiting and self.free_slots and budget > 0 and len(chunks) < self.max_prefill_seqs:
@@ -79,10 +94,34 @@ class Scheduler:
             for c in (r.choices or [])[1:]:
                 c.slot = self.free_slots.pop()
             self.running.append(r)
-            n = min(len(r.prompt), budget)
+            if self._cached(r):
+                hit = self.cache.lookup(r.prompt)
+                if hit is not None:
+                    self.restores.append((hit[0], r.slot, hit[1]))
+                    r.computed = hit[1]
+            n = self._chunk(r, budget)
             chunks.append((r, n))
             budget -= n
+        for r, n in chunks:
+            end = r.computed + n
+            if self._cached(r) and end % self.cache.block == 0:
+                snapshot = self.cache.claim(r.prompt, end)
+                if snapshot is not None:
+                    self.snapshots.append((r.slot, snapshot, end))
         return self._plan(chunks, decodes)
+
+    def _cached(self, r: Request) -> bool:
+        return self.cache is not None and not r.params.processed and not r.choices
+
+    def _chunk(self, r: Request, budget: int) -> int:
+        """The tokens of ``r``'s prompt the step prefills: what the budget allows, ending at the
+        prompt's last block boundary where it would pass it (with a prefix cache)."""
+        n = min(len(r.prompt) - r.computed, budget)
+        if self._cached(r):
+            last = len(r.prompt) // self.cache.block * self.cache.block
+            if r.computed < last < r.computed + n:
+                n = last - r.computed
+        return n
 
     def _fork(self, prefix: Request) -> tuple[int, list[int], int]:
         """Hand ``prefix``'s slot to its first choice (the others hold theirs); the copy."""

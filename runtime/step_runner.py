@@ -121,10 +121,18 @@ class StepRunner:
         """Copy slot ``src``'s state (its first ``tokens`` positions) and what it has seen into
         slots ``dsts``, on the device after every step launched so far and before the next: a
         few kernels, outside the graphs, when a prompt of several choices has been prefilled."""
+        index = self.copy_state(src, dsts, tokens)
+        with torch.inference_mode():
+            self.seen.copy(src, index)
+
+    def copy_state(self, src: int, dsts: list[int], tokens: int) -> torch.Tensor:
+        """Copy slot ``src``'s state (its first ``tokens`` positions) into slots ``dsts``, on the
+        device after every step launched so far and before the next (a prefix cache's snapshot
+        and restore); returns the destinations' index on the device."""
         index = torch.tensor(dsts, dtype=torch.int64, pin_memory=self.cuda).to(self.model.device, non_blocking=True)
         with torch.inference_mode():
             self.pool.copy_slot(src, index, tokens)
-            self.seen.copy(src, index)
+        return index
 
     def logits(self, plan: StepPlan, bucket: Bucket | None = None) -> torch.Tensor:
         """Run the plan's forward without drawing: logits [n_rows, vocab] fp32 for its rows (the

@@ -92,11 +92,12 @@ class EngineMachine(RuleBasedStateMachine):
     device = "cpu"
     pipelined = False
     graphs = False
+    cache_slots = 0  # a prefix cache's snapshots
 
     def __init__(self):
         super().__init__()
         self.engine = new_engine(self.preset, self.device, pipelined=self.pipelined, use_graphs=self.graphs,
-                                 trace=True)
+                                 trace=True, prefix_cache_slots=self.cache_slots)
         self.added: dict[int, tuple[list[int], SamplingParams]] = {}
         self.tokens: dict[int, list[int]] = {}
         self.ended: dict[int, str] = {}
@@ -121,6 +122,20 @@ class EngineMachine(RuleBasedStateMachine):
             assert rid == len(self.added)
             seeded = params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
             self.added[rid], self.tokens[rid] = (prompt, seeded), []
+
+    @precondition(lambda self: self.added)
+    @rule(params=sampling(), data=st.data())
+    def resend(self, params, data):
+        """A conversation's next turn: an earlier prompt (cut anywhere) and what it has drawn so
+        far, then new tokens: with a prefix cache it restores what is cached of it."""
+        earlier = data.draw(st.sampled_from(sorted(self.added)), label="earlier request")
+        prompt = list(self.added[earlier][0]) + self.tokens[earlier]
+        # mostly the whole of it, as a conversation resends itself
+        cut = data.draw(st.one_of(st.just(len(prompt)), st.integers(1, len(prompt))), label="tokens kept")
+        extra = data.draw(st.lists(st.integers(3, 511), max_size=BUDGET), label="new tokens")
+        prompt = (prompt[:cut] + extra)[: MAX_CONTEXT - 1]
+        rid = self.engine.add_request(prompt, params)
+        self.added[rid], self.tokens[rid] = (prompt, params), []
 
     @rule(prompt=prompts(), params=sampling())
     def generate(self, prompt, params):
@@ -205,6 +220,12 @@ class EngineMachine(RuleBasedStateMachine):
         assert sorted(held + sched.free_slots) == list(range(SLOTS))
 
     @invariant()
+    def the_prefix_cache_keeps_to_its_slots(self):
+        cache = self.engine.prefix_cache
+        if cache is not None:
+            assert len(cache) <= len(cache.slots) and not set(cache.slots) & set(self.engine.scheduler.free_slots)
+
+    @invariant()
     def steps_ran_in_their_bucket(self):
         for s in self.engine.trace[self.checked_steps:]:
             want = BUCKETS.choose(s.decode, s.prefill_tokens, s.prefill_seqs) or Bucket(s.decode, s.prefill_tokens)
@@ -247,6 +268,16 @@ TestPipelinedEngine = PipelinedMachine.TestCase
 TestPipelinedEngine.settings = _settings(12, 25)
 
 
+class CachedMachine(EngineMachine):
+    # a prefix cache of two snapshots (evicted often), pipelined: resent prompts restore
+    cache_slots = 2
+    pipelined = True
+
+
+TestCachedEngine = CachedMachine.TestCase
+TestCachedEngine.settings = _settings(12, 25)
+
+
 class GraniteMachine(EngineMachine):
     # Granite-4.0-H's blocks: softmax-routed SwiGLU experts, the multipliers
     preset = "tiny-granite"
@@ -278,14 +309,18 @@ class GPUGraniteMachine(GPUMachine):
     preset = "tiny-granite"
 
 
+class GPUCachedMachine(GPUMachine):
+    cache_slots = 2
+
+
 class GPUFalconMachine(GPUMachine):
     # decode steps fork each block's attention onto the side stream, in the graphs
     preset = "tiny-falcon-h1"
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("machine", [GPUMachine, GPUPipelinedMachine, GPUGraniteMachine, GPUFalconMachine],
-                         ids=["default", "pipelined", "granite", "falcon-h1"])
+@pytest.mark.parametrize("machine", [GPUMachine, GPUPipelinedMachine, GPUCachedMachine, GPUGraniteMachine,
+                                     GPUFalconMachine], ids=["default", "pipelined", "prefix-cache", "granite", "falcon-h1"])
 def test_engine_machine_on_gpu(machine):
     from hypothesis.stateful import run_state_machine_as_test
 

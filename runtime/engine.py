@@ -65,6 +65,7 @@ class Engine:
         progress: bool = True,
         trace: bool = False,
         prefix_cache_slots: int = 0,
+        prefix_cache_gib: float = 0.0,
     ):
         """model: a loaded Model; num_slots: concurrent requests (default: what
         ``memory_fraction`` of free device memory holds, at most the largest decode bucket);
@@ -73,7 +74,8 @@ class Engine:
         overlap: fork prefill onto a second stream in mixed steps; pipelined: see the module doc;
         trace: record every launched step's shape and bucket in ``self.trace``;
         prefix_cache_slots: snapshots a prefix cache keeps (``runtime.prefix_cache``; 0: none),
-        each a slot of the pool beside the requests', at block boundaries of the SSD chunk size."""
+        each a slot of the pool beside the requests', at block boundaries of the SSD chunk size;
+        or prefix_cache_gib: as many as that much device memory holds."""
         self.model, self.cfg = model, model.cfg
         cuda = model.device.type == "cuda"
         if isinstance(buckets, (str, Path)):
@@ -92,6 +94,14 @@ class Engine:
         self.num_slots = num_slots  # the requests'; a prefix cache's snapshots take slots beyond them
         if not (isinstance(prefix_cache_slots, int) and prefix_cache_slots >= 0):
             raise ValueError(f"prefix_cache_slots: expected an int >= 0, got {prefix_cache_slots!r}")
+        if prefix_cache_gib:
+            if prefix_cache_slots:
+                raise ValueError("prefix_cache_slots and prefix_cache_gib: give one of them")
+            per_slot = StatePool.bytes_per_slot(self.cfg, max_context, model.dtype)
+            prefix_cache_slots = int(prefix_cache_gib * 2**30 // per_slot)
+            if prefix_cache_slots < 1:
+                raise ValueError(f"prefix_cache_gib: {prefix_cache_gib} GiB holds no snapshot of "
+                                 f"{per_slot / 2**30:.3f} GiB (a slot's state at max_context={max_context})")
         self.pool = StatePool(self.cfg, num_slots + prefix_cache_slots, max_context, dtype=model.dtype,
                               device=model.device)
         self.prefix_cache = None

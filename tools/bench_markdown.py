@@ -20,6 +20,10 @@ def run_command(r: dict) -> str:
     flags = [f"--preset {r['model']}", f"--concurrency {r['concurrency']}", f"--requests {r['requests']}"]
     if r.get("quantization"):
         flags.append(f"--quantization {r['quantization']}")
+    if r.get("workload", "chat") != "chat":
+        flags.append(f"--workload {r['workload']}")
+    if r.get("prefix_cache_gib"):
+        flags.append(f"--prefix-cache-gib {r['prefix_cache_gib']:g}")
     if r.get("pipelined"):
         flags.append("--pipelined")
     if r.get("mode") == "eager":

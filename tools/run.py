@@ -1,9 +1,18 @@
-"""mambastep run: serve a synthetic chat-like workload through the Engine and report latencies.
+"""mambastep run: serve a synthetic workload through the Engine and report latencies.
 
-Prompt and output lengths are drawn around 223 and 140 tokens (ShareGPT's means); requests
-arrive as earlier ones finish, keeping ``--concurrency`` in flight. Reported per request: time to
-first token (TTFT), inter-token latency (ITL, the mean gap between its tokens) and request
-latency; and over the run: output tokens/s and requests/s.
+Workloads (``--workload``):
+  chat        independent requests, prompt and output lengths drawn around 223 and 140 tokens
+              (ShareGPT's means)
+  multi-turn  conversations of ``--turns`` turns, each resending the whole conversation (its
+              prompts and answers) with a new user message of about 60 tokens
+  agentic     long prompts (``--prompt-tokens``, default three quarters of --max-context) of
+              which 90% is one of four shared prefixes (an agent's instructions and tools)
+
+Requests arrive as earlier ones finish, keeping ``--concurrency`` in flight (a conversation's
+next turn as soon as its last ends). Reported per request: time to first token (TTFT),
+inter-token latency (ITL, the mean gap between its tokens) and request latency, and for
+conversations the TTFT of their later turns apart; over the run: output tokens/s and
+requests/s. ``--prefix-cache-gib`` runs the engine with a prefix cache of that size.
 """
 
 from __future__ import annotations
@@ -12,6 +21,7 @@ import datetime
 import json
 import sys
 import time
+from collections import deque
 
 import numpy as np
 import torch
@@ -29,28 +39,69 @@ from .args import writable_path
 MIN_CONTEXT = 8
 
 
+WORKLOADS = ("chat", "multi-turn", "agentic")
+
+
+def _lognormal(rng, mean, n, hi):
+    return np.clip(rng.lognormal(np.log(mean) - 0.18, 0.6, n), 4, hi).astype(int)
+
+
 def workload(n: int, vocab: int, seed: int, prompt_mean=223, output_mean=140, max_context=4096):
     """n (prompt ids, output length) pairs, lengths log-normal around the given means."""
     rng = np.random.default_rng(seed)
-    prompt_lens = np.clip(rng.lognormal(np.log(prompt_mean) - 0.18, 0.6, n), 4, max_context // 2).astype(int)
-    output_lens = np.clip(rng.lognormal(np.log(output_mean) - 0.18, 0.6, n), 4, max_context // 2).astype(int)
+    prompt_lens = _lognormal(rng, prompt_mean, n, max_context // 2)
+    output_lens = _lognormal(rng, output_mean, n, max_context // 2)
     return [(rng.integers(1, vocab, p).tolist(), int(o)) for p, o in zip(prompt_lens, output_lens)]
 
 
-def serve(engine: Engine, jobs, concurrency: int, sampling: dict, progress: bool) -> dict:
-    """Run every job with at most ``concurrency`` in flight, each request sampling with the
-    ``SamplingParams`` fields in ``sampling``; per-request timings in seconds."""
-    pending = list(reversed(jobs))
-    started, first, last, counts, gaps = {}, {}, {}, {}, {}
-    done = 0
-    bar = tqdm(total=len(jobs), desc="requests", disable=not progress, file=sys.stderr)
+def conversations(kind: str, n: int, vocab: int, seed: int, max_context: int, turns: int = 4,
+                  prompt_tokens: int | None = None) -> list[list[tuple[list[int], int]]]:
+    """``n`` requests as conversations, each a list of turns (the tokens the turn adds, its
+    output length): ``chat`` one turn each; ``multi-turn`` ``turns`` each (n rounded up to
+    whole conversations), the later ones adding a user message of about 60 tokens; ``agentic``
+    one turn of ``prompt_tokens``, 90% of them one of four shared prefixes."""
+    rng = np.random.default_rng(seed)
+    if kind == "chat":
+        return [[job] for job in workload(n, vocab, seed, max_context=max_context)]
+    if kind == "agentic":
+        total = prompt_tokens or max_context * 3 // 4
+        shared = [rng.integers(1, vocab, total * 9 // 10).tolist() for _ in range(4)]
+        out = _lognormal(rng, 140, n, max(4, (max_context - total) // 2))
+        return [[(shared[i % 4] + rng.integers(1, vocab, total - total * 9 // 10).tolist(), int(o))]
+                for i, o in enumerate(out)]
+    convs = []
+    for _ in range(-(-n // turns)):
+        users = [rng.integers(1, vocab, int(k)).tolist()
+                 for k in [_lognormal(rng, 223, 1, max_context // 4)[0], *_lognormal(rng, 60, turns - 1, 200)]]
+        convs.append(list(zip(users, (int(o) for o in _lognormal(rng, 140, turns, max_context // 8)))))
+    return convs
+
+
+def serve(engine: Engine, convs, concurrency: int, sampling: dict, progress: bool) -> dict:
+    """Run every conversation's turns, each after the last (resending the conversation so far),
+    with at most ``concurrency`` requests in flight, each sampling with the ``SamplingParams``
+    fields in ``sampling``; per-request timings in seconds. A turn that would pass the engine's
+    max_context ends its conversation."""
+    pending = deque((c, 0, []) for c in range(len(convs)))  # (conversation, turn, its history)
+    started, first, last, counts, gaps, turn_of, tokens = {}, {}, {}, {}, {}, {}, {}
+    of_request = {}
+    done, total = 0, sum(len(c) for c in convs)
+    bar = tqdm(total=total, desc="requests", disable=not progress, file=sys.stderr)
     t0 = time.perf_counter()
-    while done < len(jobs):
+    while done < total:
         while pending and len(started) - done < concurrency:
-            prompt, n_out = pending.pop()
+            c, turn, history = pending.popleft()
+            added, n_out = convs[c][turn]
+            prompt = history + added
+            if len(prompt) + n_out > engine.max_context:  # the conversation is as long as it gets
+                total -= len(convs[c]) - turn
+                bar.total = total
+                continue
             params = SamplingParams(**sampling, max_tokens=n_out, ignore_eos=True)
             rid = engine.add_request(prompt, params)
-            started[rid] = time.perf_counter()
+            started[rid], turn_of[rid], tokens[rid], of_request[rid] = time.perf_counter(), turn, [], (c, prompt)
+        if done >= total:
+            break
         for out in engine.step():
             now = time.perf_counter()
             if out.id not in first:
@@ -59,26 +110,34 @@ def serve(engine: Engine, jobs, concurrency: int, sampling: dict, progress: bool
                 gaps.setdefault(out.id, []).append(now - last[out.id])
             last[out.id] = now
             counts[out.id] = counts.get(out.id, 0) + len(out.new_tokens)
+            tokens[out.id] += out.new_tokens
             if out.finished:
                 done += 1
                 bar.update()
+                c, prompt = of_request[out.id]
+                if turn_of[out.id] + 1 < len(convs[c]):
+                    pending.appendleft((c, turn_of[out.id] + 1, prompt + tokens[out.id]))
     wall = time.perf_counter() - t0
     bar.close()
     ids = sorted(started)
     return {
         "ttft": [first[i] - started[i] for i in ids],
+        "ttft_later_turns": [first[i] - started[i] for i in ids if turn_of[i] > 0],
         "itl": [float(np.mean(gaps[i])) for i in ids if i in gaps],
         "latency": [last[i] - started[i] for i in ids],
         "output_tokens": int(sum(counts.values())),
+        "requests": len(ids),
         "wall": wall,
     }
 
 
 def summarize(t: dict, n_requests: int) -> dict:
     stats = {}
-    for key in ("ttft", "itl", "latency"):
-        v = np.asarray(t[key]) * 1e3
-        stats[key + "_ms"] = {"mean": float(v.mean()), **{f"p{q}": float(np.percentile(v, q)) for q in (50, 90, 99)}}
+    for key in ("ttft", "itl", "latency", "ttft_later_turns"):
+        if t.get(key):
+            v = np.asarray(t[key]) * 1e3
+            stats[key + "_ms"] = {"mean": float(v.mean()),
+                                  **{f"p{q}": float(np.percentile(v, q)) for q in (50, 90, 99)}}
     stats["output_tokens"] = t["output_tokens"]
     stats["output_tokens_per_s"] = t["output_tokens"] / t["wall"]
     stats["requests_per_s"] = n_requests / t["wall"]
@@ -90,8 +149,11 @@ def print_table(stats: dict, header: str) -> None:
     print(header)
     print("| metric | mean | p50 | p90 | p99 |")
     print("| --- | --- | --- | --- | --- |")
-    for key, name in (("ttft_ms", "time to first token (ms)"), ("itl_ms", "inter-token latency (ms)"),
-                      ("latency_ms", "request latency (ms)")):
+    for key, name in (("ttft_ms", "time to first token (ms)"),
+                      ("ttft_later_turns_ms", "  of a conversation's later turns (ms)"),
+                      ("itl_ms", "inter-token latency (ms)"), ("latency_ms", "request latency (ms)")):
+        if key not in stats:
+            continue
         s = stats[key]
         print(f"| {name} | {s['mean']:.3f} | {s['p50']:.3f} | {s['p90']:.3f} | {s['p99']:.3f} |")
     print(f"output tokens/s: {stats['output_tokens_per_s']:.1f}   requests/s: {stats['requests_per_s']:.2f}   "
@@ -118,6 +180,15 @@ def main(argv=None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the statistics as JSON to PATH")
     parser.add_argument("--trace", metavar="PATH", help="write every step's shape and bucket as JSON lines to PATH "
                         "(`mambastep tune` reads such traces)")
+    parser.add_argument("--workload", choices=WORKLOADS, default="chat",
+                        help="chat (independent requests), multi-turn (conversations resent whole each turn) or "
+                             "agentic (long prompts sharing 90%% of their tokens); see above")
+    parser.add_argument("--turns", type=int, default=4, help="turns a conversation (multi-turn)")
+    parser.add_argument("--prompt-tokens", type=int, default=None,
+                        help="prompt length (agentic; default three quarters of --max-context)")
+    parser.add_argument("--prefix-cache-gib", type=float, default=0.0, metavar="GIB",
+                        help="keep snapshots of prompts' state in this much device memory, so that a repeated "
+                             "prefix is not prefilled again (default 0: no prefix cache)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
 
@@ -131,6 +202,12 @@ def main(argv=None) -> int:
     if args.max_context < MIN_CONTEXT:
         parser.error(f"--max-context: must be at least {MIN_CONTEXT} (the workload's shortest prompt and "
                      f"output), got {args.max_context}")
+    if args.turns < 1 or args.prefix_cache_gib < 0:
+        parser.error(f"--turns must be at least 1 and --prefix-cache-gib at least 0, got {args.turns}, "
+                     f"{args.prefix_cache_gib}")
+    if args.prompt_tokens is not None and not 10 <= args.prompt_tokens <= args.max_context - 8:
+        parser.error(f"--prompt-tokens: expected 10 to --max-context - 8 = {args.max_context - 8}, "
+                     f"got {args.prompt_tokens}")
     sampling = sampling_fields(parser, args)
     buckets = bucket_file(parser, "--buckets", args.buckets)
     writable_path(parser, "--json", args.json)
@@ -138,32 +215,44 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if gpu else torch.float32
     common = dict(dtype=dtype, device=device, max_context=args.max_context, use_graphs=gpu and not args.eager,
                   pipelined=args.pipelined, progress=not args.quiet, buckets=buckets, trace=args.trace is not None,
-                  quantization=args.quantization)
-    if args.model:
-        try:
-            engine = Engine.from_pretrained(args.model, **common)
-        except (ConfigError, WeightError) as e:
-            parser.error(f"--model {args.model}: {e}")
-        name = args.model
-    else:
-        name = args.preset or ("mamba2-130m" if gpu else "tiny-hybrid")
-        engine = Engine.from_preset(name, seed=args.seed, **common)
+                  quantization=args.quantization, prefix_cache_gib=args.prefix_cache_gib)
+    try:
+        if args.model:
+            try:
+                engine = Engine.from_pretrained(args.model, **common)
+            except (ConfigError, WeightError) as e:
+                parser.error(f"--model {args.model}: {e}")
+            name = args.model
+        else:
+            name = args.preset or ("mamba2-130m" if gpu else "tiny-hybrid")
+            engine = Engine.from_preset(name, seed=args.seed, **common)
+    except ValueError as e:  # a prefix cache that holds no snapshot
+        parser.error(str(e).replace("prefix_cache_gib", "--prefix-cache-gib", 1))
     if engine.capture_report is not None and not args.quiet:
         print(engine.capture_report, file=sys.stderr)
 
-    jobs = workload(requests, engine.cfg.vocab_size, args.seed, max_context=args.max_context)
-    timings = serve(engine, jobs, concurrency, sampling, progress=not args.quiet)
+    convs = conversations(args.workload, requests, engine.cfg.vocab_size, args.seed, args.max_context, args.turns,
+                          args.prompt_tokens)
+    timings = serve(engine, convs, concurrency, sampling, progress=not args.quiet)
     if args.trace:
         engine.write_trace(args.trace)
+    requests = timings["requests"]
     stats = summarize(timings, requests)
+    if engine.prefix_cache is not None:
+        stats["prefix_cache"] = {"snapshots": len(engine.prefix_cache.slots), **engine.prefix_cache.stats}
     mode = "eager" if (args.eager or not gpu) else "CUDA graphs"
-    print_table(stats, f"\n{name} on {torch.cuda.get_device_name() if gpu else 'CPU'} ({mode}), "
+    print_table(stats, f"\n{name} on {torch.cuda.get_device_name() if gpu else 'CPU'} ({mode}), {args.workload}, "
                        f"{requests} requests, concurrency {concurrency}")
+    if engine.prefix_cache is not None:
+        c = stats["prefix_cache"]
+        print(f"prefix cache: {c['snapshots']} snapshots, {c['hits']} hits of {c['lookups']} lookups, "
+              f"{c['tokens_restored']} prompt tokens restored, {c['evictions']} evictions")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": name, "device": device, "device_name": torch.cuda.get_device_name() if gpu else "CPU",
                        "date": datetime.date.today().isoformat(), "mode": mode, "pipelined": args.pipelined,
-                       "quantization": args.quantization,
+                       "quantization": args.quantization, "workload": args.workload,
+                       "prefix_cache_gib": args.prefix_cache_gib,
                        "requests": requests, "concurrency": concurrency, "sampling": sampling, **stats}, f, indent=1)
     return 0
 

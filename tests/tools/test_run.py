@@ -67,6 +67,9 @@ def _fails_in_one_line(capsys, argv, match):
     (["--json", "/nonexistent/dir/r.json"], "no directory"),
     (["--device", "tpu"], "expected cpu or cuda"),
     (["--requests", "x"], "invalid int value"),
+    (["--turns", "0"], "--turns must be at least 1"),
+    (["--prompt-tokens", "5"], "--prompt-tokens: expected 10 to --max-context - 8"),
+    (["--prefix-cache-gib", "1e-9"], "--prefix-cache-gib: 1e-09 GiB holds no snapshot"),
 ])
 def test_run_checks_its_arguments_first(capsys, argv, match):
     _fails_in_one_line(capsys, ["run", "--device", "cpu", "--quiet", *argv], match)
@@ -103,3 +106,17 @@ def test_run_writes_the_step_trace(tmp_path):
     for s in steps:
         b = buckets.choose(s["decode"], s["prefill_tokens"], s["prefill_seqs"])
         assert s["bucket"] == [b.decode, b.prefill]
+
+
+@pytest.mark.parametrize("workload", ["multi-turn", "agentic"])
+def test_run_workloads_that_repeat_prefixes_hit_the_prefix_cache(capsys, tmp_path, workload):
+    """Conversations resent whole each turn, and long prompts sharing 90% of their tokens: with
+    a prefix cache their repeats restore, and the report says how much; later turns' TTFT apart."""
+    path = tmp_path / "r.json"
+    assert run.main(["--device", "cpu", "--quiet", "--workload", workload, "--requests", "8", "--concurrency", "2",
+                     "--max-context", "1024", "--prefix-cache-gib", "0.01", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    stats = json.loads(path.read_text())
+    assert stats["workload"] == workload and stats["prefix_cache"]["hits"] > 0
+    assert stats["prefix_cache"]["tokens_restored"] > 0 and "prefix cache:" in out
+    assert ("ttft_later_turns_ms" in stats) == (workload == "multi-turn")

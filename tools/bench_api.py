@@ -34,6 +34,7 @@ class StandInEngine:
     def __init__(self, step_s: float = 1.75e-3, slots: int = 256):
         self.step_s, self.slots = step_s, slots
         self.max_context = 1 << 20
+        self.prefix_cache = None
         self.requests: dict[int, list[int]] = {}  # id -> [tokens left, tokens made]
         self._ids = itertools.count()
 

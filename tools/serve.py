@@ -52,6 +52,10 @@ def main(argv=None) -> int:
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="max_tokens where a request names none (default: the rest of the context)")
     parser.add_argument("--max-context", type=int, default=4096, help="prompt + output tokens per request")
+    parser.add_argument("--prefix-cache-gib", type=float, default=0.0, metavar="GIB",
+                        help="keep snapshots of prompts' state in this much device memory, so that a repeated "
+                             "prefix (a conversation's next turn, a shared system prompt) is not prefilled again "
+                             "(default 0: no prefix cache); /metrics counts its hits")
     add_quantization(parser)
     parser.add_argument("--buckets", metavar="PATH", help="graph buckets from `mambastep tune`")
     parser.add_argument("--pipelined", action="store_true", help="launch step N+1 before reading step N's tokens")
@@ -117,7 +121,8 @@ def main(argv=None) -> int:
     template_file(parser, args.chat_template)
     common = dict(dtype=torch.bfloat16 if gpu else torch.float32, device=device, max_context=args.max_context,
                   buckets=bucket_file(parser, "--buckets", args.buckets), use_graphs=gpu and not args.eager,
-                  pipelined=args.pipelined, chat_template=args.chat_template, quantization=args.quantization)
+                  pipelined=args.pipelined, chat_template=args.chat_template, quantization=args.quantization,
+                  prefix_cache_gib=args.prefix_cache_gib)
     if args.engine == "process":
         try:
             loop = EngineProcess(functools.partial(TextEngine.load, args.model, args.preset, **common),

@@ -117,10 +117,12 @@ def _drop(text: TextEngine, rid: int) -> None:
         text.abort(rid)
 
 
-def _counts(text: TextEngine) -> tuple[int, int, int]:
-    """The engine's (free slots, running requests, waiting requests)."""
-    scheduler = text.engine.scheduler
-    return len(scheduler.free_slots), len(scheduler.running), len(scheduler.waiting)
+def _counts(text: TextEngine) -> tuple[int, int, int, dict | None]:
+    """The engine's (free slots, running requests, waiting requests, its prefix cache's counts
+    or None)."""
+    scheduler, cache = text.engine.scheduler, text.engine.prefix_cache
+    return (len(scheduler.free_slots), len(scheduler.running), len(scheduler.waiting),
+            None if cache is None else dict(cache.stats))
 
 
 def _put_all(items) -> None:
@@ -297,8 +299,8 @@ class EngineLoop(_Streams):
         """Drop a request (a client went away); a no-op for one already finished."""
         self._inbox.put(("abort", request_id))
 
-    def counts(self) -> tuple[int, int, int]:
-        """The engine's (free slots, running requests, waiting requests)."""
+    def counts(self) -> tuple[int, int, int, dict | None]:
+        """The engine's (free slots, running requests, waiting requests, prefix cache counts)."""
         return _counts(self.text)
 
     def close(self, timeout: float = 10.0) -> None:
@@ -522,7 +524,7 @@ class EngineClient(_Streams):
             except OSError:
                 pass
 
-    def counts(self) -> tuple[int, int, int]:
+    def counts(self) -> tuple[int, int, int, dict | None]:
         return self._counts
 
     def close(self, timeout: float = 10.0) -> None:

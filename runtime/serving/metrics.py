@@ -4,7 +4,8 @@ Each request is counted once, when it ends, by outcome: "stop" or "length" (fini
 (the engine failed or the server ended it), "timeout" (past --request-timeout), "aborted" (its
 client left), "rejected" (refused before admission: a 4xx, or a 503). Latencies are observed
 once a request too (time to first token, time per output token after it, the whole request),
-so the cost stays off the per-token path. The engine's slots and queue are read when scraped.
+so the cost stays off the per-token path. The engine's slots and queue, and its prefix cache's
+counts, are read when scraped.
 
 Under `mambastep serve` every HTTP server process counts its own requests into files under
 PROMETHEUS_MULTIPROC_DIR (set before prometheus_client is imported: it picks its value store
@@ -54,6 +55,11 @@ class Metrics:
         self.waiting = Gauge("mambastep_requests_waiting", "Requests queued for an engine slot", **engine)
         self.free_slots = Gauge("mambastep_slots_free", "Engine slots free", **engine)
         self.steps = Gauge("mambastep_engine_steps", "Engine steps so far", **engine)
+        self.cache = {name: Gauge(f"mambastep_prefix_cache_{name}", text, **engine) for name, text in (
+            ("lookups", "Prompts looked up in the prefix cache so far"),
+            ("hits", "Prompts that restored a cached prefix so far"),
+            ("tokens_restored", "Prompt tokens restored rather than prefilled so far"),
+            ("snapshots", "Snapshots taken so far"), ("evictions", "Snapshots evicted so far"))}
 
     def admitted(self, prompt_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)
@@ -77,7 +83,9 @@ class Metrics:
 
     def render(self) -> bytes:
         """The text exposition of every metric (every process's, under `mambastep serve`)."""
-        free, running, waiting = self.loop.counts()
+        free, running, waiting, cache = self.loop.counts()
+        for name, value in (cache or {}).items():
+            self.cache[name].set(value)
         self.free_slots.set(free)
         self.running.set(running)
         self.waiting.set(waiting)

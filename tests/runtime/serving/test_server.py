@@ -623,6 +623,34 @@ def test_metrics_count_each_request_once_by_outcome_and_a_deadline_ends_a_long_o
     assert samples[("mambastep_engine_steps", ())] > 0
 
 
+def test_a_prefix_cache_behind_the_server_restores_and_counts_in_metrics(checkpoint):
+    """An engine in its own process with a prefix cache: a conversation's second turn restores
+    its first turn's prompt, answers as a fresh engine does, and /metrics counts the hit."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    build = functools.partial(TextEngine.load, str(checkpoint), dtype=torch.float32, device="cpu", num_slots=SLOTS,
+                              max_context=96, prefix_cache_slots=2)
+    loop = EngineProcess(build)
+    app = create_app(loop, NAME)
+    first = "the quick brown fox jumps over the lazy dog, the cat sat on the mat"
+    body = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://x", timeout=60) as http:
+            one = (await http.post("/v1/completions", json={"prompt": first, **body})).json()["choices"][0]["text"]
+            second = first + one + " and more"
+            two = (await http.post("/v1/completions", json={"prompt": second, **body})).json()["choices"][0]["text"]
+            return one, second, two, (await http.get("/metrics")).text
+
+    try:
+        one, second, two, text = asyncio.run(main())
+    finally:
+        loop.close()
+    assert one == alone(checkpoint, first, 6) and two == alone(checkpoint, second, 6)
+    samples = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+    assert samples["mambastep_prefix_cache_hits"] >= 1 and samples["mambastep_prefix_cache_tokens_restored"] >= 8
+
+
 def test_a_body_sent_too_slowly_is_a_408(checkpoint):
     loop = EngineLoop(text_engine(checkpoint))
     app = create_app(loop, NAME, body_timeout=0.3)

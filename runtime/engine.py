@@ -283,8 +283,10 @@ class Engine:
             plan, rows = self.scheduler.schedule()
             for src, dsts, tokens in self.scheduler.forks:
                 self.runner.fork(src, dsts, tokens)
-            for snapshot, slot, tokens in self.scheduler.restores:
-                self.runner.copy_state(snapshot, [slot], tokens)
+            for snapshot, req, tokens in self.scheduler.restores:
+                self.runner.copy_state(snapshot, [req.slot], tokens)
+                if req.params.processed:  # what its slot has seen: its bias, the prompt so far
+                    self.runner.admit(req.slot, req.bias, req.prompt[:tokens])
             if plan.num_rows:
                 launched = (self.runner.launch(plan), rows)
                 if self.trace is not None:

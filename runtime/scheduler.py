@@ -16,8 +16,8 @@ With a prefix cache (``runtime.prefix_cache``), an admitted prompt starts from t
 cached prefix (``restores``: copies the engine makes before the step), and a prompt chunk that
 ends on a block boundary is snapshotted (``snapshots``: copies after the step). A chunk that
 would run past its prompt's last block boundary ends there, so the prompt's longest whole-block
-prefix is kept (the tail, shorter than a block, runs in the next step). Requests with logits
-processors (whose slot tables a restore would not carry) and several choices do not take part.
+prefix is kept (the tail, shorter than a block, runs in the next step). A prompt of several
+choices prefills whole.
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ class Scheduler:
         self.token_budget, self.max_prefill_seqs, self.max_decode = token_budget, max_prefill_seqs, max_decode
         self.free_slots = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self.cache = prefix_cache
-        # (snapshot slot, request slot, tokens) to restore before the last schedule()'s step, and
+        # (snapshot slot, request, tokens) to restore before the last schedule()'s step, and
         # (request slot, snapshot slot, tokens) to snapshot after it
-        self.restores: list[tuple[int, int, int]] = []
+        self.restores: list[tuple[int, Request, int]] = []
         self.snapshots: list[tuple[int, int, int]] = []
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -97,7 +97,7 @@ class Scheduler:
             if self._cached(r):
                 hit = self.cache.lookup(r.prompt)
                 if hit is not None:
-                    self.restores.append((hit[0], r.slot, hit[1]))
+                    self.restores.append((hit[0], r, hit[1]))
                     r.computed = hit[1]
             n = self._chunk(r, budget)
             chunks.append((r, n))
@@ -111,7 +111,7 @@ class Scheduler:
         return self._plan(chunks, decodes)
 
     def _cached(self, r: Request) -> bool:
-        return self.cache is not None and not r.params.processed and not r.choices
+        return self.cache is not None and not r.choices
 
     def _chunk(self, r: Request, budget: int) -> int:
         """The tokens of ``r``'s prompt the step prefills: what the budget allows, ending at the

@@ -125,11 +125,27 @@ class StepRunner:
         with torch.inference_mode():
             self.seen.copy(src, index)
 
+    def admit(self, slot: int, bias, prompt) -> None:
+        """Start what ``slot`` has seen for a request whose prompt did not start in a step (a
+        prefix cache restored its beginning): its bias entries (ids, values, until: numpy
+        [MAX_BIASED] each) and its prompt's tokens so far marked; between steps, no sync."""
+        ids, values, until = (self._on_device(a, dtype)[None] for a, dtype in
+                              zip(bias, (torch.int32, torch.float32, torch.int32)))
+        tokens = self._on_device(prompt, torch.int64)
+        with torch.inference_mode():
+            self.seen.admit(self._on_device([slot], torch.int32), ids, values, until)
+            self.seen.see_prompt(torch.full_like(tokens, slot), tokens)
+
+    def _on_device(self, values, dtype: torch.dtype) -> torch.Tensor:
+        """A host array on the model's device, copied from pinned memory without a sync."""
+        t = torch.as_tensor(np.asarray(values), dtype=dtype)
+        return t.pin_memory().to(self.model.device, non_blocking=True) if self.cuda else t
+
     def copy_state(self, src: int, dsts: list[int], tokens: int) -> torch.Tensor:
         """Copy slot ``src``'s state (its first ``tokens`` positions) into slots ``dsts``, on the
         device after every step launched so far and before the next (a prefix cache's snapshot
         and restore); returns the destinations' index on the device."""
-        index = torch.tensor(dsts, dtype=torch.int64, pin_memory=self.cuda).to(self.model.device, non_blocking=True)
+        index = self._on_device(dsts, torch.int64)
         with torch.inference_mode():
             self.pool.copy_slot(src, index, tokens)
         return index

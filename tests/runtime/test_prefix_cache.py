@@ -133,16 +133,21 @@ def test_eviction_while_a_restored_request_runs(model):
     assert out[rb] == engine(model).generate([b], GREEDY)[0]
 
 
+@pytest.mark.parametrize("pipelined", [False, True])
 @torch.no_grad()
-def test_requests_with_processors_do_not_take_part(model):
-    """A repetition penalty reads the prompt's tokens from its slot's tables, which a restore
-    does not carry: such a request prefills its whole prompt."""
+def test_restored_requests_with_processors_see_their_whole_prompt(model, pipelined):
+    """A repetition penalty reads the prompt's tokens from the slot's tables, and a bias its
+    entries: a restored request starts its tables there (its bias, the restored tokens marked),
+    so its tokens equal a fresh engine's, whatever the slot held before."""
     prompt = tokens(70, 8)
-    cached = engine(model, 2)
-    cached.generate([prompt], GREEDY)
-    params = SamplingParams(temperature=0, max_tokens=6, repetition_penalty=1.3, ignore_eos=True)
-    assert cached.generate([prompt + [5]], params) == engine(model).generate([prompt + [5]], params)
-    assert cached.prefix_cache.stats["tokens_restored"] == 0
+    cached = engine(model, 2, pipelined=pipelined)
+    cached.generate([prompt, tokens(40, 9)], SamplingParams(temperature=0, max_tokens=6, frequency_penalty=2.0,
+                                                            logit_bias={3: 5.0}, ignore_eos=True))
+    params = SamplingParams(temperature=0, max_tokens=6, repetition_penalty=1.8, presence_penalty=1.5,
+                            logit_bias={7: 2.0}, min_tokens=3, ignore_eos=False)
+    resent = prompt + [5]
+    assert cached.generate([resent], params) == engine(model).generate([resent], params)
+    assert cached.prefix_cache.stats["tokens_restored"] == 64
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

@@ -75,7 +75,8 @@ class Scheduler:
     def schedule(self) -> tuple[StepPlan, list[Request | None]]:
         """The next step's plan and, per logit row, the request whose token it draws (None for a
         prompt chunk that does not end its prompt). Advances each request's ``computed`` and
-        ``drawn``; forks the prefix requests that are ready (``forks``)."""
+        ``drawn``; forks the prefix requests that are ready (``forks``); with a prefix cache,
+        names the copies around the step (``restores`` before it, ``snapshots`` after)."""
         self.forks = [self._fork(r) for r in list(self.running) if r.choices and r.prompt_done]
         self.restores, self.snapshots = [], []
         decodes = [r for r in self.running if r.prompt_done and not r.finished and not r.choices][: self.max_decode]

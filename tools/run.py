@@ -78,10 +78,11 @@ def conversations(kind: str, n: int, vocab: int, seed: int, max_context: int, tu
 
 
 def serve(engine: Engine, convs, concurrency: int, sampling: dict, progress: bool) -> dict:
-    """Run every conversation's turns, each after the last (resending the conversation so far),
-    with at most ``concurrency`` requests in flight, each sampling with the ``SamplingParams``
-    fields in ``sampling``; per-request timings in seconds. A turn that would pass the engine's
-    max_context ends its conversation."""
+    """Run every conversation (a list of turns, each the tokens it adds and its output length;
+    an independent request is a conversation of one turn), each turn after the last and resending
+    the conversation so far, with at most ``concurrency`` requests in flight, each sampling with
+    the ``SamplingParams`` fields in ``sampling``; per-request timings in seconds. A turn that
+    would pass the engine's max_context ends its conversation."""
     pending = deque((c, 0, []) for c in range(len(convs)))  # (conversation, turn, its history)
     started, first, last, counts, gaps, turn_of, tokens = {}, {}, {}, {}, {}, {}, {}
     of_request = {}

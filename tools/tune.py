@@ -80,7 +80,7 @@ def read_trace(path: str | Path) -> list[dict]:
 
 def record(engine: Engine, jobs, concurrency: int, progress: bool) -> list:
     """Run ``jobs`` at ``concurrency`` through a tracing engine; the steps it ran."""
-    serve(engine, jobs, concurrency, {"temperature": 0.0}, progress)
+    serve(engine, [[job] for job in jobs], concurrency, {"temperature": 0.0}, progress)
     return engine.trace
 
 
@@ -136,7 +136,7 @@ def _run(make_engine, buckets: BucketSet, jobs, concurrency: int, progress: bool
     """The workload once, on a fresh engine over ``buckets``: what it measured."""
     engine = make_engine(buckets)
     report = engine.capture_report
-    t = serve(engine, jobs, concurrency, {"temperature": 0.0}, progress)
+    t = serve(engine, [[job] for job in jobs], concurrency, {"temperature": 0.0}, progress)
     stats = summarize(t, len(jobs))
     return {"pool_mib": report.pool_bytes / 2**20 if report is not None else None,
             "capture_s": report.seconds if report is not None else None,

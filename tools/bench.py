@@ -12,6 +12,10 @@
     mambastep bench sampling [--preset P ...] [--json PATH]
                                             what logprobs and the penalties add to a decode step,
                                             beside the same step greedy
+    mambastep bench prefix [--preset P ...] [--json PATH]
+                                            the prefix cache beside none on the same model: a
+                                            multi-turn chat and an agentic workload of long
+                                            prompts, TTFT and throughput, hit rate, equal tokens
     mambastep bench profile --preset P --batch B [--prefill T] [--timeline [--window LO:HI]]
                                             per-kernel time of one eager step: B decode rows
                                             (and a prefill chunk of T tokens); --timeline: what
@@ -37,10 +41,11 @@ import sys
 
 import torch
 
-from . import bench_fp8, bench_kernels, bench_markdown, bench_profile, bench_sampling, bench_steps
+from . import bench_fp8, bench_kernels, bench_markdown, bench_prefix, bench_profile, bench_sampling, bench_steps
 from .args import Parser, writable_path
 
-SUITES = {"kernels": bench_kernels, "steps": bench_steps, "fp8": bench_fp8, "sampling": bench_sampling}
+SUITES = {"kernels": bench_kernels, "steps": bench_steps, "fp8": bench_fp8, "sampling": bench_sampling,
+          "prefix": bench_prefix}
 
 
 def _window(text: str) -> tuple[int, int]:
@@ -65,7 +70,8 @@ def main(argv=None) -> int:
     parser.add_argument("what", choices=sorted(SUITES) + ["profile", "markdown", "serve", "api"],
                         help="which benchmark to run")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
-    parser.add_argument("--preset", action="append", help="steps, fp8, sampling: preset(s) to run (default: the suite's)")
+    parser.add_argument("--preset", action="append",
+                        help="steps, fp8, sampling, prefix: preset(s) to run (default: the suite's)")
     parser.add_argument("--batch", type=int, default=1, help="profile: decode batch")
     parser.add_argument("--prefill", type=int, default=0, help="profile: tokens of one prefill chunk (0: none)")
     parser.add_argument("--timeline", action="store_true",
@@ -77,6 +83,7 @@ def main(argv=None) -> int:
     parser.add_argument("--kernels", metavar="JSON", help="markdown: the JSON of `bench kernels`")
     parser.add_argument("--fp8", metavar="JSON", nargs="*", default=[], help="markdown: JSONs of `bench fp8`")
     parser.add_argument("--sampling", metavar="JSON", help="markdown: the JSON of `bench sampling`")
+    parser.add_argument("--prefix", metavar="JSON", help="markdown: the JSON of `bench prefix`")
     parser.add_argument("--run", metavar="JSON", nargs="*", default=[], help="markdown: JSONs of `mambastep run`")
     parser.add_argument("--serve", metavar="JSON", nargs="*", default=[],
                         help="markdown: JSONs of `bench serve` and of the in-process runs beside them (.ci/gpu-serve)")
@@ -94,7 +101,7 @@ def main(argv=None) -> int:
             parser.error("--readme needs --steps")
         text = (bench_markdown.readme_table(args.steps, args.run, args.kernels) if args.readme
                 else bench_markdown.render(args.steps, args.kernels, args.run, args.serve, args.tune, args.fp8,
-                                           args.sampling))
+                                           args.sampling, args.prefix))
         if args.out:
             with open(args.out, "w") as f:
                 f.write(text)
@@ -111,7 +118,8 @@ def main(argv=None) -> int:
             print(bench_profile.profile(preset, args.batch, args.prefill))
         return 0
     suite = SUITES[args.what]
-    result = suite.run(tuple(args.preset)) if (args.what in ("steps", "fp8", "sampling") and args.preset) else suite.run()
+    result = suite.run(tuple(args.preset)) if (args.what in ("steps", "fp8", "sampling", "prefix") and args.preset) \
+        else suite.run()
     suite.print_table(result)
     if args.json:
         with open(args.json, "w") as f:

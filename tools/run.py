@@ -58,8 +58,9 @@ def conversations(kind: str, n: int, vocab: int, seed: int, max_context: int, tu
                   prompt_tokens: int | None = None) -> list[list[tuple[list[int], int]]]:
     """``n`` requests as conversations, each a list of turns (the tokens the turn adds, its
     output length): ``chat`` one turn each; ``multi-turn`` ``turns`` each (n rounded up to
-    whole conversations), the later ones adding a user message of about 60 tokens; ``agentic``
-    one turn of ``prompt_tokens``, 90% of them one of four shared prefixes."""
+    whole conversations), the first of ``prompt_tokens`` (default: about 223) and the later ones
+    adding a user message of about 60 tokens; ``agentic`` one turn of ``prompt_tokens``, 90% of
+    them one of four shared prefixes."""
     rng = np.random.default_rng(seed)
     if kind == "chat":
         return [[job] for job in workload(n, vocab, seed, max_context=max_context)]
@@ -71,8 +72,8 @@ def conversations(kind: str, n: int, vocab: int, seed: int, max_context: int, tu
                 for i, o in enumerate(out)]
     convs = []
     for _ in range(-(-n // turns)):
-        users = [rng.integers(1, vocab, int(k)).tolist()
-                 for k in [_lognormal(rng, 223, 1, max_context // 4)[0], *_lognormal(rng, 60, turns - 1, 200)]]
+        first = prompt_tokens or _lognormal(rng, 223, 1, max_context // 4)[0]
+        users = [rng.integers(1, vocab, int(k)).tolist() for k in [first, *_lognormal(rng, 60, turns - 1, 200)]]
         convs.append(list(zip(users, (int(o) for o in _lognormal(rng, 140, turns, max_context // 8)))))
     return convs
 
@@ -129,6 +130,7 @@ def serve(engine: Engine, convs, concurrency: int, sampling: dict, progress: boo
         "output_tokens": int(sum(counts.values())),
         "requests": len(ids),
         "wall": wall,
+        "outputs": {(of_request[i][0], turn_of[i]): tokens[i] for i in ids},
     }
 
 
@@ -186,7 +188,8 @@ def main(argv=None) -> int:
                              "agentic (long prompts sharing 90%% of their tokens); see above")
     parser.add_argument("--turns", type=int, default=4, help="turns a conversation (multi-turn)")
     parser.add_argument("--prompt-tokens", type=int, default=None,
-                        help="prompt length (agentic; default three quarters of --max-context)")
+                        help="agentic: the prompts' length (default three quarters of --max-context); multi-turn: "
+                             "the first turn's (default about 223)")
     parser.add_argument("--prefix-cache-gib", type=float, default=0.0, metavar="GIB",
                         help="keep snapshots of prompts' state in this much device memory, so that a repeated "
                              "prefix is not prefilled again (default 0: no prefix cache)")

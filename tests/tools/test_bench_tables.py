@@ -1,5 +1,7 @@
 """The benchmark tables print every measured row (the measurements themselves need a GPU)."""
 
+import json
+
 import pytest
 
 from mambastep.tools import bench_kernels
@@ -210,3 +212,21 @@ def test_fp8_tables_set_bf16_beside_fp8(capsys):
     assert "| decode x1 | 1.000 | 0.500 | 2.00x | 0.800 | 0.500 | 1.60x | 1.25x |" in out
     assert "| prefill 2048 (FLOP floor) | 30.000 | 20.000 | 1.50x | 30.000 | 20.000 | 1.50x | 1.00x |" in out
     assert "top-1 agreement 0.900" in out and "Note: a note" in out and "FP8 1240 TFLOP/s" in out
+
+
+def test_the_prefix_bench_sets_the_cache_beside_none_on_the_cpu(tmp_path):
+    """`bench prefix` at test size on the CPU: both workloads with and without the cache, the
+    cached multi-turn run restoring with the uncached run's tokens; its markdown section."""
+    from mambastep.tools import bench_markdown, bench_prefix
+
+    result = bench_prefix.run(("tiny-hybrid",), progress=False, prompt_tokens=100, requests=8, concurrency=2,
+                              cache_gib=0.01, device="cpu")
+    rows = result["presets"][0]["rows"]
+    assert [(r["workload"], r["cache_gib"] > 0) for r in rows] == [("multi-turn", False), ("multi-turn", True),
+                                                                   ("agentic", False), ("agentic", True)]
+    assert rows[1]["hit_rate"] > 0 and rows[1]["tokens_restored"] > 0
+    assert rows[1]["outputs_equal"] and rows[3]["outputs_equal"]
+    path = tmp_path / "prefix.json"
+    path.write_text(json.dumps(result))
+    page = bench_markdown.render(prefix=str(path))
+    assert "mambastep bench prefix" in page and "| multi-turn | 0.01 GiB" in page

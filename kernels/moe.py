@@ -39,7 +39,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .activation import relu2_ref, silu_mul, silu_mul_ref
-from .decode_linear import hopper_or_newer
+from .decode_linear import _TL_DTYPES, hopper_or_newer
 from .dispatch import with_reference
 from .fp8 import Fp8Weight
 
@@ -262,7 +262,8 @@ def moe_route(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 
               scale: float = 1.0, gate_terms=None, block_counts=None, pdl: bool = False, scoring="sigmoid"):
     """A token's experts and weights, as HF's NemotronH router (``scoring="sigmoid"``) or
     Granite's (``"softmax"``: the top-k of the logits rounded to x's dtype, weighted by their
-    softmax, rounded so too; bias, groups, norm_topk and scale unused).
+    softmax, rounded so too: already normalised, so norm_topk changes nothing; no bias, groups
+    or scale).
 
     x [T, D] (any float dtype), gate [E, D] fp32, bias [E] fp32 (the score-correction bias, which
     steers the choice but not the weights; None with softmax) -> (idx [T, top_k] int32 in
@@ -280,6 +281,9 @@ def moe_route(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 
         raise ValueError(f"moe_route: scoring must be one of {SCORINGS}, got {scoring!r}")
     softmax = scoring == "softmax"
     if softmax:
+        if n_group != 1 or topk_group != 1 or scale != 1.0:
+            raise ValueError(f"moe_route: a softmax router takes no groups and no routed scale, got n_group="
+                             f"{n_group}, topk_group={topk_group}, scale={scale}")
         bias = gate[:, 0]  # any [E] stand-in: the softmax kernel does not read it
     if gate.shape != (E, D) or bias.shape != (E,) or x.stride(1) != 1 or not gate.is_contiguous():
         raise ValueError(f"moe_route: x [T, D] with contiguous rows, contiguous gate [E, D] and bias [E]; got "
@@ -311,9 +315,6 @@ def moe_route(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 
         COUNTS=block_counts is not None, USE_PDL=pdl, SOFTMAX=softmax, ROUND_DTYPE=_TL_DTYPES[x.dtype],
         num_warps=1 if block_t < 4 else 4, **extra)
     return idx, w
-
-
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 # programs _router_dot's split over D aims for: about two per SM (one 4-warp tile per SM left the

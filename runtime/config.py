@@ -179,6 +179,9 @@ class ModelConfig:
                     or self.num_experts_per_tok > self.topk_group * (self.n_routed_experts // self.n_group)):
                 raise ConfigError(f"n_group/topk_group: {self.num_experts_per_tok} of {self.n_routed_experts} "
                                   f"experts in {self.topk_group} of {self.n_group} groups do not fit")
+            if self.moe_scoring == "softmax" and (self.n_group, self.topk_group, self.routed_scaling_factor) != (1, 1, 1):
+                raise ConfigError(f"n_group/topk_group/routed_scaling_factor: a softmax router takes no groups and no "
+                                  f"routed scale, got {self.n_group}, {self.topk_group}, {self.routed_scaling_factor}")
             if self.moe_latent_size is not None and self.moe_latent_size < 1:
                 raise ConfigError(f"moe_latent_size: must be positive or null, got {self.moe_latent_size}")
 

@@ -149,6 +149,8 @@ def test_softmax_route_matches_hf_granite(device, E, k, T, dtype):
     torch.testing.assert_close(w.sort(dim=-1).values, hf_w.sort(dim=-1).values, rtol=1e-5, atol=1e-6)
     if dtype == torch.float32:  # no ties: the same experts
         assert torch.equal(idx, hf_idx.sort(dim=-1).values)
+    with pytest.raises(ValueError, match="a softmax router takes no groups and no routed scale"):
+        moe_route.triton(x.to(device), gate.float().to(device), None, top_k=k, scoring="softmax", scale=2.5)
     ref_idx, ref_w = moe_route_ref(x, gate.float(), None, top_k=k, scoring="softmax")
     assert torch.equal(logits.gather(1, ref_idx.long()).sort(dim=-1).values, top.sort(dim=-1).values)
 

@@ -321,6 +321,9 @@ def test_an_expert_choice_that_cannot_be_made_names_its_fields():
         dataclasses.replace(base, num_experts_per_tok=3, n_group=2, topk_group=1)
     with pytest.raises(ConfigError, match="moe_latent_size"):
         dataclasses.replace(base, moe_latent_size=0)
+    granite = preset_config("tiny-granite")  # a softmax router: no groups, no routed scale to ignore
+    with pytest.raises(ConfigError, match="a softmax router takes no groups and no routed scale, got 1, 1, 2.5"):
+        dataclasses.replace(granite, routed_scaling_factor=2.5)
 
 
 def test_inconsistent_config_names_the_field():

@@ -19,7 +19,7 @@ from ...kernels.fp8 import Fp8Weight
 from ...kernels.linear import linear
 from ...kernels.rope import rope, rope_inv_freq
 from ..config import ModelConfig
-from .base import Mixer, Norm, StepContext
+from .base import Mixer, Norm, StepContext, norm_args
 
 __all__ = ["AttentionMixer"]
 
@@ -87,11 +87,8 @@ class AttentionMixer(Mixer):
         """The fused decode of ``norm(x)`` (x as it is without a norm): added into ``residual``
         in place, or written to ``out``; returns what it wrote. ``first_pdl``: as Mamba2Mixer's."""
         opts = ctx.options
-        qkv = torch.empty(x.shape[0], self.qkv.shape[0], dtype=norm.weight.dtype if norm else x.dtype,
-                          device=x.device)
-        norm_linear(x, norm.weight if norm else None, norm.eps if norm else 0.0, self.qkv, bias=self.qkv_bias,
-                    round_first=norm.round_first if norm else True, out=qkv, pdl=opts.pdl and first_pdl,
-                    tile_k=opts.tile_k, unit_norm=bool(norm and norm.unit))
+        qkv = norm_linear(x, weight=self.qkv, bias=self.qkv_bias, pdl=opts.pdl and first_pdl, tile_k=opts.tile_k,
+                          **norm_args(norm))
         work = self._split(qkv)
         self._rotate(work, ctx, pdl=opts.pdl)
         self.decode(work, ctx, pdl=opts.pdl)  # in the chain of programmatic dependents

@@ -30,7 +30,7 @@ from ..decode_options import DecodeOptions
 from ..state_pool import StatePool
 from ..step_inputs import StepInputs
 
-__all__ = ["Block", "Mixer", "Norm", "StepContext", "run_branches"]
+__all__ = ["Block", "Mixer", "Norm", "StepContext", "norm_args", "run_branches"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,14 @@ class Norm:
     def __call__(self, x: torch.Tensor, *, residual: torch.Tensor | None = None,
                  out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps, residual=residual, out=out, round_first=self.round_first, pdl=pdl)
+
+
+def norm_args(norm: Norm | None) -> dict:
+    """``norm_linear``'s arguments for ``norm`` in the first projection's prologue of a fused
+    decode chain; for None (the rows come normed: a parallel block's, a shared expert's) no norm."""
+    if norm is None:
+        return dict(norm_w=None, eps=0.0, round_first=True, unit_norm=False)
+    return dict(norm_w=norm.weight, eps=norm.eps, round_first=norm.round_first, unit_norm=norm.unit)
 
 
 @dataclass(frozen=True)

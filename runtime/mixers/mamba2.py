@@ -20,7 +20,7 @@ from ...kernels.norm import gated_rms_norm
 from ...kernels.ssd import ssd_scan
 from ...kernels.state_update import selective_state_update
 from ..config import ModelConfig
-from .base import Mixer, Norm, StepContext
+from .base import Mixer, Norm, StepContext, norm_args
 
 __all__ = ["Mamba2Mixer"]
 
@@ -114,13 +114,11 @@ class Mamba2Mixer(Mixer):
         in place, or written to ``out``; returns what it wrote. ``first_pdl``: the first kernel
         is a programmatic dependent (not where it follows another stream's work)."""
         T, opts, slots = x.shape[0], ctx.options, ctx.inputs.decode_slots
-        proj = torch.empty(T, self.in_proj.shape[0], dtype=norm.weight.dtype if norm else x.dtype, device=x.device)
         # the conv update of the xBC columns rides in in_proj's epilogue: proj's xBC columns
         # come out already convolved, as ``decode`` writes them into xbc
         conv = ConvTail(ctx.pool.conv[self.idx], self.conv_w, self.conv_b, slots, self.inner)
-        norm_linear(x, norm.weight if norm else None, norm.eps if norm else 0.0, self.in_proj, bias=self.in_proj_bias,
-                    round_first=norm.round_first if norm else True, conv=conv, out=proj, pdl=opts.pdl and first_pdl,
-                    tile_k=opts.tile_k, unit_norm=bool(norm and norm.unit))
+        proj = norm_linear(x, weight=self.in_proj, bias=self.in_proj_bias, conv=conv, pdl=opts.pdl and first_pdl,
+                           tile_k=opts.tile_k, **norm_args(norm))
         xs, B, C = self._ssm_operands(self._xbc(proj))
         y = torch.empty(T, self.H, self.P, dtype=proj.dtype, device=proj.device)
         selective_state_update(ctx.pool.ssm[self.idx], xs, self._dt(proj), self.A, B, C, self.D, slots,

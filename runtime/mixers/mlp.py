@@ -12,7 +12,7 @@ from ...kernels.activation import relu2, silu_mul
 from ...kernels.decode_linear import norm_linear
 from ...kernels.linear import linear
 from ..config import ModelConfig
-from .base import Mixer, Norm, StepContext
+from .base import Mixer, Norm, StepContext, norm_args
 
 __all__ = ["MLPMixer", "mlp", "mlp_fused"]
 
@@ -30,17 +30,13 @@ def mlp_fused(x, norm: Norm | None, up, down, up_bias, down_bias, act, ctx: Step
     None for x already normed. ``first_pdl``: the first kernel is a programmatic dependent (not
     on another stream, where what it follows is the other stream's)."""
     opts = ctx.options
-    width = up.shape[0]
-    h = torch.empty(x.shape[0], width, dtype=norm.weight.dtype if norm else x.dtype, device=x.device)
-    norm_linear(x, norm.weight if norm else None, norm.eps if norm else 0.0, up, bias=up_bias,
-                round_first=norm.round_first if norm else True, relu2=act == "relu2", out=h,
-                pdl=opts.pdl and first_pdl, tile_k=opts.tile_k, unit_norm=bool(norm and norm.unit))
+    h = norm_linear(x, weight=up, bias=up_bias, relu2=act == "relu2", pdl=opts.pdl and first_pdl, tile_k=opts.tile_k,
+                    **norm_args(norm))
     if act == "swiglu":
         h = silu_mul(h, pdl=opts.pdl)
-    out = None if residual is not None else torch.empty(x.shape[0], down.shape[0], dtype=h.dtype, device=x.device)
     # a residual is the previous block's, two or more kernels back
-    return norm_linear(h, None, 0.0, down, bias=down_bias, residual=residual, out=out, pdl=opts.pdl,
-                       tile_k=opts.tile_k, early=residual is not None)
+    return norm_linear(h, None, 0.0, down, bias=down_bias, residual=residual, pdl=opts.pdl, tile_k=opts.tile_k,
+                       early=residual is not None)
 
 
 class MLPMixer(Mixer):

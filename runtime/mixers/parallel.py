@@ -52,7 +52,7 @@ class ParallelMixer(Mixer):
         side = self._side(ctx)
         if side is None:  # in turn: both add into the residual stream
             self.mamba.fused(h, None, ctx, residual=residual)
-            self.attention.fused(h, None, ctx, residual=residual, out=None)
+            self.attention.fused(h, None, ctx, residual=residual)
             return
         attended = self._beside(side, lambda: self.attention.fused(h, None, ctx, first_pdl=False))
         self.mamba.fused(h, None, ctx, residual=residual)

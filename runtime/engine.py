@@ -104,11 +104,11 @@ class Engine:
                                  f"{per_slot / 2**30:.3f} GiB (a slot's state at max_context={max_context})")
         self.pool = StatePool(self.cfg, num_slots + prefix_cache_slots, max_context, dtype=model.dtype,
                               device=model.device)
-        self.prefix_cache = None
-        if prefix_cache_slots:
-            self.prefix_cache = PrefixCache(list(range(num_slots, num_slots + prefix_cache_slots)),
-                                            self.cfg.chunk_size if self.cfg.has("mamba") else 64)
         self.runner = StepRunner(model, self.pool, self.buckets, max_decode=num_slots, overlap=overlap)
+        self.prefix_cache = None
+        if prefix_cache_slots:  # blocks of the SSD chunk the step buffers cut prompts into
+            self.prefix_cache = PrefixCache(list(range(num_slots, num_slots + prefix_cache_slots)),
+                                            self.runner.buffers.chunk_size)
         self.scheduler = Scheduler(num_slots, self.buckets.max_prefill_tokens, self.buckets.max_prefill_seqs,
                                    self.runner.buffers.max_decode, self.prefix_cache)
         self.pipelined = pipelined

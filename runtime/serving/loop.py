@@ -102,10 +102,16 @@ class Stream:
         return outs
 
 
+def _add(engine, ids: list[int], params, n: int) -> list[int]:
+    """Add a request of ``n`` choices to the engine (one choice: a plain request, which any
+    engine the loops run takes): their ids; raises on bad input, having changed nothing."""
+    return engine.add_choices(ids, params, n) if n > 1 else [engine.add_request(ids, params)]
+
+
 def _admit(text: TextEngine, ids: list[int], params, stop, n: int = 1) -> list[int]:
-    """Add an encoded request (``TextStreams.encode``) of ``n`` choices to the engine: their
-    ids; raises on bad input, having changed nothing."""
-    rids = text.engine.add_choices(ids, params, n) if n > 1 else [text.engine.add_request(ids, params)]
+    """Add an encoded request (``TextStreams.encode``) of ``n`` choices to the engine and open
+    their streams: their ids; raises on bad input, having changed nothing."""
+    rids = _add(text.engine, ids, params, n)
     for rid in rids:
         text.streams.open(rid, ids, stop)
     return rids
@@ -425,7 +431,7 @@ class _EngineServer:
                 self._send(i, "refused", token, refused)
                 return
             try:
-                rids = self.engine.add_choices(ids, params, n) if n > 1 else [self.engine.add_request(ids, params)]
+                rids = _add(self.engine, ids, params, n)
             except Exception as e:  # bad input: the caller's error, nothing changed here
                 self._send(i, "refused", token, e)
                 return

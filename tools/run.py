@@ -85,8 +85,8 @@ def serve(engine: Engine, convs, concurrency: int, sampling: dict, progress: boo
     the ``SamplingParams`` fields in ``sampling``; per-request timings in seconds. A turn that
     would pass the engine's max_context ends its conversation."""
     pending = deque((c, 0, []) for c in range(len(convs)))  # (conversation, turn, its history)
-    started, first, last, counts, gaps, turn_of, tokens = {}, {}, {}, {}, {}, {}, {}
-    of_request = {}
+    started, first, last, gaps, tokens = {}, {}, {}, {}, {}
+    job = {}  # request id -> (conversation, turn, prompt)
     done, total = 0, sum(len(c) for c in convs)
     bar = tqdm(total=total, desc="requests", disable=not progress, file=sys.stderr)
     t0 = time.perf_counter()
@@ -101,7 +101,7 @@ def serve(engine: Engine, convs, concurrency: int, sampling: dict, progress: boo
                 continue
             params = SamplingParams(**sampling, max_tokens=n_out, ignore_eos=True)
             rid = engine.add_request(prompt, params)
-            started[rid], turn_of[rid], tokens[rid], of_request[rid] = time.perf_counter(), turn, [], (c, prompt)
+            started[rid], tokens[rid], job[rid] = time.perf_counter(), [], (c, turn, prompt)
         if done >= total:
             break
         for out in engine.step():
@@ -111,26 +111,25 @@ def serve(engine: Engine, convs, concurrency: int, sampling: dict, progress: boo
             else:
                 gaps.setdefault(out.id, []).append(now - last[out.id])
             last[out.id] = now
-            counts[out.id] = counts.get(out.id, 0) + len(out.new_tokens)
             tokens[out.id] += out.new_tokens
             if out.finished:
                 done += 1
                 bar.update()
-                c, prompt = of_request[out.id]
-                if turn_of[out.id] + 1 < len(convs[c]):
-                    pending.appendleft((c, turn_of[out.id] + 1, prompt + tokens[out.id]))
+                c, turn, prompt = job[out.id]
+                if turn + 1 < len(convs[c]):
+                    pending.appendleft((c, turn + 1, prompt + tokens[out.id]))
     wall = time.perf_counter() - t0
     bar.close()
     ids = sorted(started)
     return {
         "ttft": [first[i] - started[i] for i in ids],
-        "ttft_later_turns": [first[i] - started[i] for i in ids if turn_of[i] > 0],
+        "ttft_later_turns": [first[i] - started[i] for i in ids if job[i][1] > 0],
         "itl": [float(np.mean(gaps[i])) for i in ids if i in gaps],
         "latency": [last[i] - started[i] for i in ids],
-        "output_tokens": int(sum(counts.values())),
+        "output_tokens": sum(len(t) for t in tokens.values()),
         "requests": len(ids),
         "wall": wall,
-        "outputs": {(of_request[i][0], turn_of[i]): tokens[i] for i in ids},
+        "outputs": {job[i][:2]: tokens[i] for i in ids},
     }
 
 

@@ -3,7 +3,7 @@ that a repeated prefix is never prefilled twice.
 
 A snapshot is a slot of the state pool the scheduler never hands to a request: the SSM and conv
 states of every Mamba2 layer and the attention layers' keys and values of the prefix, copied
-there from a request's slot right after the step whose prompt chunk ended on a block boundary
+there from a request's slot right after the step whose prompt chunk ended on the boundary
 (``StatePool.copy_slot``: kernels between steps, no host sync). A later prompt that starts with
 those tokens has the snapshot copied into its own slot before its first step and prefills only
 the rest.
@@ -13,6 +13,14 @@ at a chunk boundary runs the same computations as one that went through it (the 
 chunks start at the sequence's start, the conv window is the last K - 1 inputs, the keys are the
 keys), so a request restored from a snapshot gives the tokens and logits it gives without one.
 A request keeps at least one prompt token to prefill (its first draw needs its logits).
+
+Which boundaries are worth a slot: a recurrent state, unlike a KV cache, holds one prefix only,
+and a snapshot costs a whole slot, so a prompt is snapshotted at two boundaries at most (the
+admission of Marconi, Pan et al. 2024): its last one, which the next turn of a conversation
+resends, and its branch point, the deepest boundary some earlier prompt reached with the same
+tokens (a shared system prompt, a tool preamble), known from the keys of recent prompts' blocks
+(``seen``: no state, 16 bytes a block). The first prompt of a shared prefix is not snapshotted
+inside it; the second is, at the branch, and the third on restore from there.
 
 Keys chain the blocks (a digest of the previous key and the block's tokens), and every hit
 compares the prefix's tokens too. Capacity is a number of snapshot slots; the least recently
@@ -26,10 +34,27 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["PrefixCache"]
+__all__ = ["Admission", "Boundary", "PrefixCache"]
+
+
+class Boundary(NamedTuple):
+    """A block boundary of a prompt: the tokens before it, and their chained key."""
+
+    end: int
+    key: bytes
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What the cache says of a new prompt: the snapshot to restore, (slot, tokens) or None,
+    and the boundaries past it that its prefill should snapshot at, in order."""
+
+    restore: tuple[int, int] | None
+    snapshot_at: tuple[Boundary, ...]
 
 
 @dataclass
@@ -40,11 +65,14 @@ class _Snapshot:
 
 @dataclass
 class PrefixCache:
-    """slots: the pool's slots this cache owns; block: tokens a block (a multiple of the SSD chunk)."""
+    """slots: the pool's slots this cache owns; block: tokens a block (a multiple of the SSD
+    chunk); seen: how many recent prompts' block keys to remember for finding branch points."""
 
     slots: list[int]
     block: int
+    seen: int = 1 << 16
     _entries: OrderedDict = field(default_factory=OrderedDict)  # key -> _Snapshot, least recent first
+    _seen: OrderedDict = field(default_factory=OrderedDict)  # key -> None, least recent first
     stats: dict = field(default_factory=lambda: {"lookups": 0, "hits": 0, "tokens_restored": 0, "snapshots": 0,
                                                  "evictions": 0})
 
@@ -54,46 +82,60 @@ class PrefixCache:
                              f"{self.slots}")
         self._free = list(reversed(self.slots))
 
-    def _keys(self, tokens: np.ndarray, upto: int):
-        """(end, key) of every block boundary of ``tokens`` up to ``upto`` tokens, in order."""
-        key = b""
-        for end in range(self.block, upto + 1, self.block):
+    def boundaries(self, tokens: np.ndarray) -> list[Boundary]:
+        """Every block boundary of ``tokens``, in order."""
+        out, key = [], b""
+        for end in range(self.block, len(tokens) + 1, self.block):
             key = hashlib.blake2b(key + tokens[end - self.block : end].astype(np.int64).tobytes(),
                                   digest_size=16).digest()
-            yield end, key
+            out.append(Boundary(end, key))
+        return out
 
-    def lookup(self, prompt: np.ndarray) -> tuple[int, int] | None:
-        """(snapshot slot, tokens) of the longest cached prefix of ``prompt`` that leaves at least
-        one token to prefill, or None; a hit becomes the most recently used."""
+    def admit(self, prompt: np.ndarray) -> Admission:
+        """The longest cached prefix of ``prompt`` that leaves at least one token to prefill (a
+        hit becomes the most recently used), and where its prefill should snapshot: its branch
+        point and its last boundary, where deeper than that and not cached already."""
         self.stats["lookups"] += 1
-        best = None
-        for end, key in self._keys(prompt, len(prompt) - 1):
-            snap = self._entries.get(key)  # a longer prefix may be cached where a shorter one was evicted
-            if snap is not None and np.array_equal(snap.tokens, prompt[:end]):
-                best = (key, snap, end)
-        if best is None:
-            return None
-        key, snap, end = best
-        self._entries.move_to_end(key)
-        self.stats["hits"] += 1
-        self.stats["tokens_restored"] += end
-        return snap.slot, end
-
-    def claim(self, prompt: np.ndarray, end: int) -> int | None:
-        """A slot to snapshot ``prompt[:end]`` into (``end`` a block boundary), the least recently
-        used snapshot's if none is free; None where that prefix is cached already."""
-        if end % self.block or not 0 < end <= len(prompt):
-            raise ValueError(f"PrefixCache.claim: {end} is not a block boundary of a {len(prompt)}-token prompt")
-        *_, (_, key) = self._keys(prompt, end)
-        if key in self._entries:
+        bounds = self.boundaries(prompt)
+        hit, branch = None, None
+        for b in bounds:
+            snap = self._entries.get(b.key)  # a longer prefix may be cached where a shorter one was evicted
+            if b.end < len(prompt) and snap is not None and np.array_equal(snap.tokens, prompt[: b.end]):
+                hit = (b.key, snap, b.end)
+            if b.key in self._seen:
+                branch = b
+        self._remember(bounds)
+        start = 0
+        if hit is not None:
+            key, snap, start = hit
             self._entries.move_to_end(key)
+            self.stats["hits"] += 1
+            self.stats["tokens_restored"] += start
+        wanted = {b for b in (branch, bounds[-1] if bounds else None)
+                  if b is not None and b.end > start and b.key not in self._entries}
+        return Admission(None if hit is None else (hit[1].slot, start), tuple(sorted(wanted)))
+
+    def _remember(self, bounds: list[Boundary]):
+        for b in bounds:
+            self._seen[b.key] = None
+            self._seen.move_to_end(b.key)
+        while len(self._seen) > self.seen:
+            self._seen.popitem(last=False)
+
+    def claim(self, prompt: np.ndarray, at: Boundary) -> int | None:
+        """A slot to snapshot ``prompt[:at.end]`` into, the least recently used snapshot's if none
+        is free; None where that prefix is cached already."""
+        if at.end % self.block or not 0 < at.end <= len(prompt):
+            raise ValueError(f"PrefixCache.claim: {at.end} is not a block boundary of a {len(prompt)}-token prompt")
+        if at.key in self._entries:
+            self._entries.move_to_end(at.key)
             return None
         if not self._free:
             _, evicted = self._entries.popitem(last=False)
             self._free.append(evicted.slot)
             self.stats["evictions"] += 1
         slot = self._free.pop()
-        self._entries[key] = _Snapshot(slot, prompt[:end].copy())
+        self._entries[at.key] = _Snapshot(slot, prompt[: at.end].copy())
         self.stats["snapshots"] += 1
         return slot
 

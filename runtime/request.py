@@ -130,6 +130,8 @@ class Request:
     # a prefix request (``Engine.add_choices``): the choices that continue from its state; it
     # prefills all but their prompt's last token and draws nothing
     choices: list["Request"] | None = None
+    # with a prefix cache: the block boundaries its prefill snapshots at (``prefix_cache.Boundary``), in order
+    snapshot_at: list = field(default_factory=list)
 
     @property
     def prompt_done(self) -> bool:

@@ -13,10 +13,9 @@ step. Each choice then runs the prompt's last token as a chunk of its own and dr
 own seed.
 
 With a prefix cache (``runtime.prefix_cache``), an admitted prompt starts from the longest
-cached prefix (``restores``: copies the engine makes before the step), and a prompt chunk that
-ends on a block boundary is snapshotted (``snapshots``: copies after the step). A chunk that
-would run past its prompt's last block boundary ends there, so the prompt's longest whole-block
-prefix is kept (the tail, shorter than a block, runs in the next step). A prompt of several
+cached prefix (``restores``: copies the engine makes before the step), and the cache names the
+boundaries its prefill snapshots at (``snapshots``: copies after the step). A chunk that would
+run past such a boundary ends there (the rest runs in the next step). A prompt of several
 choices prefills whole.
 """
 
@@ -96,19 +95,20 @@ class Scheduler:
                 c.slot = self.free_slots.pop()
             self.running.append(r)
             if self._cached(r):
-                hit = self.cache.lookup(r.prompt)
-                if hit is not None:
-                    self.restores.append((hit[0], r, hit[1]))
-                    r.computed = hit[1]
+                admission = self.cache.admit(r.prompt)
+                if admission.restore is not None:
+                    slot, r.computed = admission.restore
+                    self.restores.append((slot, r, r.computed))
+                r.snapshot_at = list(admission.snapshot_at)
             n = self._chunk(r, budget)
             chunks.append((r, n))
             budget -= n
         for r, n in chunks:
-            end = r.computed + n
-            if self._cached(r) and end % self.cache.block == 0:
-                snapshot = self.cache.claim(r.prompt, end)
+            if r.snapshot_at and r.snapshot_at[0].end == r.computed + n:
+                at = r.snapshot_at.pop(0)
+                snapshot = self.cache.claim(r.prompt, at)
                 if snapshot is not None:
-                    self.snapshots.append((r.slot, snapshot, end))
+                    self.snapshots.append((r.slot, snapshot, at.end))
         return self._plan(chunks, decodes)
 
     def _cached(self, r: Request) -> bool:
@@ -116,12 +116,10 @@ class Scheduler:
 
     def _chunk(self, r: Request, budget: int) -> int:
         """The tokens of ``r``'s prompt the step prefills: what the budget allows, ending at the
-        prompt's last block boundary where it would pass it (with a prefix cache)."""
+        next boundary to snapshot at where it would pass it."""
         n = min(len(r.prompt) - r.computed, budget)
-        if self._cached(r):
-            last = len(r.prompt) // self.cache.block * self.cache.block
-            if r.computed < last < r.computed + n:
-                n = last - r.computed
+        if r.snapshot_at and r.snapshot_at[0].end < r.computed + n:
+            n = r.snapshot_at[0].end - r.computed
         return n
 
     def _fork(self, prefix: Request) -> tuple[int, list[int], int]:

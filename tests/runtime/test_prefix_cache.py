@@ -9,7 +9,7 @@ import torch
 from mambastep import Engine, SamplingParams
 from mambastep.graphs import BucketSet
 from mambastep.runtime.model import Model
-from mambastep.runtime.prefix_cache import PrefixCache
+from mambastep.runtime.prefix_cache import Admission, Boundary, PrefixCache
 
 # tiny-hybrid: chunk_size 32 (the block), conv_kernel 4; prefill chunks of up to 64 tokens
 BUCKETS = BucketSet(decode=(1, 2, 4), mixed_decode=(0, 2, 4), prefill=(16, 64), max_prefill_seqs=4)
@@ -33,29 +33,59 @@ def tokens(n, seed):
 def test_the_longest_prefix_is_found_and_verified():
     cache = PrefixCache(slots=[7, 8], block=4)
     prompt = np.arange(1, 20)
-    assert cache.lookup(prompt) is None
-    assert cache.claim(prompt, 8) == 7 and cache.claim(prompt, 16) == 8  # the slots in order
-    assert cache.claim(prompt, 8) is None  # cached already
-    assert cache.lookup(prompt) == (8, 16)
-    assert cache.lookup(prompt[:16]) == (7, 8)  # one token is left to prefill
+    at = cache.boundaries(prompt)
+    assert [b.end for b in at] == [4, 8, 12, 16]
+    assert cache.admit(prompt) == Admission(None, (at[3],))  # nothing cached; its last boundary
+    assert cache.claim(prompt, at[1]) == 7 and cache.claim(prompt, at[3]) == 8  # the slots in order
+    assert cache.claim(prompt, at[1]) is None  # cached already
+    assert cache.admit(prompt).restore == (8, 16)
+    assert cache.admit(prompt[:16]).restore == (7, 8)  # one token is left to prefill
     other = prompt.copy()
     other[5] = 99  # diverges inside the second block: only the first is shared, and it is not cached
-    assert cache.lookup(other) is None
+    assert cache.admit(other).restore is None
     with pytest.raises(ValueError, match="not a block boundary"):
-        cache.claim(prompt, 6)
+        cache.claim(prompt, Boundary(6, at[1].key))
+
+
+def test_a_prompt_snapshots_at_its_branch_point_and_its_last_boundary():
+    """The first prompt of a shared prefix is snapshotted at its end only; the second at the
+    deepest boundary the first shared with it too, and a third restores from there."""
+    cache = PrefixCache(slots=[0, 1, 2, 3], block=4)
+    shared = np.arange(1, 11)  # ten tokens: boundaries 4 and 8 inside
+    a, b, c = (np.concatenate([shared, np.full(7, t)]) for t in (50, 60, 70))
+    first = cache.admit(a)
+    assert first.restore is None and [x.end for x in first.snapshot_at] == [16]
+    second = cache.admit(b)
+    assert second.restore is None and [x.end for x in second.snapshot_at] == [8, 16]
+    for x in second.snapshot_at:
+        cache.claim(b, x)
+    third = cache.admit(c)
+    assert third.restore == (cache.admit(shared).restore[0], 8) and [x.end for x in third.snapshot_at] == [16]
+    resent = np.concatenate([b, [9, 9]])  # the next turn: restores b's whole 16, wants its own end
+    turn = cache.admit(resent)
+    assert turn.restore[1] == 16 and turn.snapshot_at == ()
 
 
 def test_the_least_recently_used_snapshot_goes_and_a_longer_one_outlives_a_shorter():
     cache = PrefixCache(slots=[0, 1], block=4)
     a, b = np.arange(1, 13), np.arange(100, 112)
-    cache.claim(a, 4)
-    cache.claim(a, 8)
-    cache.lookup(a[:5])  # a's first block, used most recently
-    assert cache.claim(b, 4) is not None  # evicts a's 8-token snapshot
-    assert cache.stats["evictions"] == 1 and cache.lookup(a) == (cache.lookup(a)[0], 4)
-    cache.claim(a, 8)  # evicts b's; then a's first block goes, its longer prefix stays
-    cache.claim(b, 4)
-    assert cache.lookup(a) is not None and cache.lookup(a)[1] == 8
+    (a4, a8, _), (b4, *_) = cache.boundaries(a), cache.boundaries(b)
+    cache.claim(a, a4)
+    cache.claim(a, a8)
+    cache.admit(a[:5])  # a's first block, used most recently
+    assert cache.claim(b, b4) is not None  # evicts a's 8-token snapshot
+    assert cache.stats["evictions"] == 1 and cache.admit(a).restore[1] == 4
+    cache.claim(a, a8)  # evicts b's; then a's first block goes, its longer prefix stays
+    cache.claim(b, b4)
+    assert cache.admit(a).restore[1] == 8
+
+
+@pytest.mark.parametrize("seen", [3, 4])
+def test_seen_keys_are_bounded(seen):
+    cache = PrefixCache(slots=[0], block=2, seen=seen)
+    cache.admit(np.arange(1, 9))  # four blocks: with room for three keys, the first is forgotten
+    wanted = cache.admit(np.array([1, 2, 0, 0, 0])).snapshot_at  # shares the first block only
+    assert [x.end for x in wanted] == ([4] if seen == 3 else [2, 4])
 
 
 @torch.no_grad()
@@ -78,7 +108,7 @@ def test_a_resent_conversation_restores_and_gives_the_same_tokens(model):
 def test_restored_requests_equal_fresh_ones(model, case):
     base = tokens(70, 2)
     cached = engine(model, 4)
-    # snapshots at chunk ends on block boundaries: 32 (the 40-token prompt's last), 64 (the 70's)
+    # snapshots at 32 (the 40-token prompt's last, the 70's branch) and 64 (the 70's last)
     cached.generate([base[:40], base], GREEDY)
     assert len(cached.prefix_cache) == 2 and cached.prefix_cache.stats["tokens_restored"] == 0
     params = GREEDY

@@ -111,9 +111,11 @@ def test_run_writes_the_step_trace(tmp_path):
 @pytest.mark.parametrize("workload", ["multi-turn", "agentic"])
 def test_run_workloads_that_repeat_prefixes_hit_the_prefix_cache(capsys, tmp_path, workload):
     """Conversations resent whole each turn, and long prompts sharing 90% of their tokens: with
-    a prefix cache their repeats restore, and the report says how much; later turns' TTFT apart."""
+    a prefix cache their repeats restore, and the report says how much; later turns' TTFT apart.
+    (Agentic: four prefixes, each snapshotted at its branch by its second prompt, restored from
+    its third.)"""
     path = tmp_path / "r.json"
-    assert run.main(["--device", "cpu", "--quiet", "--workload", workload, "--requests", "8", "--concurrency", "2",
+    assert run.main(["--device", "cpu", "--quiet", "--workload", workload, "--requests", "12", "--concurrency", "2",
                      "--max-context", "1024", "--prefix-cache-gib", "0.01", "--json", str(path)]) == 0
     out = capsys.readouterr().out
     stats = json.loads(path.read_text())

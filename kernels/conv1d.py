@@ -154,7 +154,7 @@ def _conv1d_varlen_out_kernel(
 @triton.jit
 def _conv1d_varlen_state_kernel(
     x_ptr, state_ptr,
-    cu_ptr, slot_ptr, init_ptr,
+    cu_ptr, slot_ptr, init_ptr, end_ptr, dst_ptr,
     T, D,
     sx_t, sx_d,
     ss_s, ss_d, ss_k,
@@ -162,15 +162,18 @@ def _conv1d_varlen_state_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    # grid: (max_seqs, channel blocks); launched after the output kernel, which reads old states
+    # grid: (max_seqs, channel blocks); launched after the output kernel, which reads old states.
+    # Sequence i's window ending before packed row end_ptr[i] goes to slot dst_ptr[i] (its own
+    # slot and its end; or a snapshot's, launched before the sequence's own slot is rewritten)
     i = tl.program_id(0)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     j = tl.arange(0, BLOCK_K)
     slot = tl.load(slot_ptr + i).to(tl.int64)
+    dst = tl.load(dst_ptr + i).to(tl.int64)
     # an unused sequence owns no channels: it reads and writes no state
-    d_ok = d < tl.where(slot >= 0, D, 0)
+    d_ok = d < tl.where((slot >= 0) & (dst >= 0), D, 0)
     start = tl.load(cu_ptr + i)
-    end = tl.load(cu_ptr + i + 1)
+    end = tl.load(end_ptr + i)
     has_init = tl.load(init_ptr + i) != 0
 
     # new column j holds position p = end - (K-1) + j of concat(initial window, tokens): a token
@@ -193,7 +196,8 @@ def _conv1d_varlen_state_kernel(
 
     # old columns are read by other threads of the CTA than the ones that overwrite them
     tl.debug_barrier()
-    tl.store(s_row + j[None, :] * ss_k, new, mask=col_ok[None, :] & d_ok[:, None])
+    dst_row = state_ptr + tl.maximum(dst, 0) * ss_s + d[:, None] * ss_d
+    tl.store(dst_row + j[None, :] * ss_k, new, mask=col_ok[None, :] & d_ok[:, None])
 
 
 # the prefill conv's tile: runs of CONV_RUN tokens (each reads K - 1 rows more) x CONV_BLOCK_D
@@ -275,6 +279,7 @@ def conv1d_varlen_ref(x, weight, bias, conv_state, meta, *, out=None, activation
     out.zero_()
     cu = meta.cu_seqlens.tolist()
     has_init = meta.has_initial_state.tolist()
+    snap_slots, snap_rows = meta.snapshot_slot.tolist(), meta.snapshot_row.tolist()
     for i, slot in enumerate(meta.slot_idx.tolist()):
         if slot < 0:
             continue
@@ -286,6 +291,9 @@ def conv1d_varlen_ref(x, weight, bias, conv_state, meta, *, out=None, activation
         taps = seq.unfold(1, K, 1)  # [D, L, K]: token t sees seq[:, t : t + K]
         y = (taps * w[:, None, :]).sum(-1) + b[:, None]  # [D, L]
         out[cu[i] : cu[i + 1]] = _activate(y, activation).T.to(out.dtype)
+        if snap_slots[i] >= 0:  # the window before the snapshot's row: seq's columns up to it
+            at = snap_rows[i] - cu[i] + K - 1
+            conv_state[snap_slots[i]] = seq[:, at - (K - 1) : at].to(conv_state.dtype)
         conv_state[slot] = seq[:, seq.shape[1] - (K - 1) :].to(conv_state.dtype)
     return out
 
@@ -358,14 +366,15 @@ def conv1d_varlen(
     bias:       [D]           fp32 or bf16, or None
     conv_state: [S, D, K-1]   fp32 or bf16, any strides; the last K-1 inputs, oldest first
     meta:       PrefillMetadata on x's device, int32: cu_seqlens [max_seqs + 1],
-                seq_idx [max_tokens], slot_idx [max_seqs], has_initial_state [max_seqs]
-                (the chunk fields are unused)
+                seq_idx [max_tokens], slot_idx [max_seqs], has_initial_state [max_seqs],
+                snapshot_slot, snapshot_row [max_seqs] (the chunk fields are unused)
     out:        [T, D]        x's dtype; allocated when None
 
     Sequence i with slot s >= 0 convolves its tokens x[cu[i]:cu[i+1]] starting from the window
     conv_state[s] when has_initial_state[i], else from zeros; afterwards conv_state[s] holds the
-    last K-1 inputs of concat(initial window, tokens). Tokens of skipped sequences and padding
-    tokens (seq_idx == -1) get zeros. Live sequences must have distinct slots and their tokens
+    last K-1 inputs of concat(initial window, tokens), and conv_state[snapshot_slot[i]], where
+    that is >= 0, the K-1 before packed row snapshot_row[i]. Tokens of skipped sequences and
+    padding tokens (seq_idx == -1) get zeros. Live sequences must have distinct slots and their tokens
     must lie within x's rows. activation: "silu" or None. Returns out.
     """
     if out is None:
@@ -398,15 +407,17 @@ def conv1d_varlen(
         num_warps=CONV_WARPS,
     )
 
-    # stream order puts every read of an old state (above) before its overwrite (here)
+    # stream order puts every read of an old state (above, and in the snapshots' windows) before
+    # its overwrite (the last launch)
     block_d = _block_d(D, 256)
     grid = (n_seqs, triton.cdiv(D, block_d))
-    _conv1d_varlen_state_kernel[grid](
-        x, conv_state,
-        meta.cu_seqlens, meta.slot_idx, meta.has_initial_state,
-        T, D,
-        *strides,
-        K=K, BLOCK_K=triton.next_power_of_2(K), BLOCK_D=block_d,
-        num_warps=_num_warps(block_d, 2),
-    )
+    for end, dst in ((meta.snapshot_row, meta.snapshot_slot), (meta.cu_seqlens[1:], meta.slot_idx)):
+        _conv1d_varlen_state_kernel[grid](
+            x, conv_state,
+            meta.cu_seqlens, meta.slot_idx, meta.has_initial_state, end, dst,
+            T, D,
+            *strides,
+            K=K, BLOCK_K=triton.next_power_of_2(K), BLOCK_D=block_d,
+            num_warps=_num_warps(block_d, 2),
+        )
     return out

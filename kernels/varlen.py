@@ -49,6 +49,10 @@ class PrefillMetadata:
     chunk_start:       [max_chunks]   first packed token of each chunk
     chunk_end:         [max_chunks]   one past the last packed token of each chunk
     seq_chunk_start:   [max_seqs + 1] first chunk of each sequence (cumulative over chunks)
+    snapshot_slot:     [max_seqs]     slot to snapshot the sequence's conv and SSM states into at
+                                      ``snapshot_row``, PAD_SLOT_ID when none (a prefix cache's)
+    snapshot_row:      [max_seqs]     packed row the snapshot's tokens end before: a chunk start
+                                      of the sequence, or its end
     chunk_size:        SSD chunk size the chunks were cut with (static)
     """
 
@@ -61,6 +65,8 @@ class PrefillMetadata:
     chunk_start: torch.Tensor | np.ndarray
     chunk_end: torch.Tensor | np.ndarray
     seq_chunk_start: torch.Tensor | np.ndarray
+    snapshot_slot: torch.Tensor | np.ndarray
+    snapshot_row: torch.Tensor | np.ndarray
     chunk_size: int
 
     @property
@@ -86,7 +92,8 @@ class PrefillMetadata:
         return cls(
             cu_seqlens=z(max_seqs + 1), seq_idx=z(max_tokens), slot_idx=z(max_seqs),
             has_initial_state=z(max_seqs), context_lens=z(max_seqs), chunk_seq=z(n_chunks), chunk_start=z(n_chunks),
-            chunk_end=z(n_chunks), seq_chunk_start=z(max_seqs + 1), chunk_size=chunk_size,
+            chunk_end=z(n_chunks), seq_chunk_start=z(max_seqs + 1), snapshot_slot=z(max_seqs),
+            snapshot_row=z(max_seqs), chunk_size=chunk_size,
         )
 
     def to(self, device: torch.device | str) -> "PrefillMetadata":
@@ -101,6 +108,7 @@ class PrefillMetadata:
         slots,
         has_initial_state=None,
         context_lens=None,
+        snapshots=None,
         *,
         chunk_size: int,
         max_tokens: int | None = None,
@@ -114,16 +122,19 @@ class PrefillMetadata:
         meta = cls.empty_host(max(max_tokens, 1), max(max_seqs, 1), chunk_size)
         if has_initial_state is None:
             has_initial_state = np.zeros(len(seq_lens), dtype=np.int32)
-        fill_prefill_metadata(meta, seq_lens, slots, has_initial_state, context_lens)
+        fill_prefill_metadata(meta, seq_lens, slots, has_initial_state, context_lens, snapshots)
         return meta.to(device)
 
 
-def fill_prefill_metadata(meta: PrefillMetadata, seq_lens, slots, has_initial_state, context_lens=None) -> None:
+def fill_prefill_metadata(meta: PrefillMetadata, seq_lens, slots, has_initial_state, context_lens=None,
+                          snapshots=None) -> None:
     """Write the metadata of the given sequences into host arrays ``meta`` in place.
 
     seq_lens, slots, has_initial_state, context_lens: [n] with n <= max_seqs and
-    sum(seq_lens) <= max_tokens; context_lens defaults to zeros. Every entry is rewritten, so
-    nothing from an earlier step survives.
+    sum(seq_lens) <= max_tokens; context_lens defaults to zeros. snapshots: None, or a pair of
+    [n] arrays (slot, tokens): sequence i's states after its first tokens[i] tokens (a multiple
+    of chunk_size, or its length) are also written to slot[i] where that is >= 0. Every entry is
+    rewritten, so nothing from an earlier step survives.
     """
     seq_lens = np.asarray(seq_lens, dtype=np.int64)
     n = len(seq_lens)
@@ -168,3 +179,16 @@ def fill_prefill_metadata(meta: PrefillMetadata, seq_lens, slots, has_initial_st
     meta.chunk_start[n_chunks:] = total
     meta.chunk_end[:n_chunks] = np.minimum(start + c, cu[chunk_seq + 1])
     meta.chunk_end[n_chunks:] = total
+
+    meta.snapshot_slot[:] = PAD_SLOT_ID
+    meta.snapshot_row[:] = 0
+    if snapshots is not None:
+        snap_slots, snap_tokens = (np.asarray(a, dtype=np.int64) for a in snapshots)
+        live = snap_slots >= 0
+        bad = live & ((snap_tokens <= 0) | (snap_tokens > seq_lens) | ((snap_tokens % c != 0) & (snap_tokens != seq_lens)))
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"prefill sequence {i}: a snapshot after {snap_tokens[i]} of its {seq_lens[i]} tokens "
+                             f"is neither at a chunk start (chunk_size {c}) nor at its end")
+        meta.snapshot_slot[:n] = np.where(live, snap_slots, PAD_SLOT_ID)
+        meta.snapshot_row[:n] = np.where(live, cu[:n] + snap_tokens, 0)

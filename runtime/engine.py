@@ -292,9 +292,9 @@ class Engine:
                 if self.trace is not None:
                     self.trace.append(StepShape(plan.num_decode, plan.num_prefill_tokens, plan.num_prefill,
                                                 launched[0].bucket))
-            # after the step that fills them, before the next: a snapshot holds its chunk's end
+            # the step wrote the snapshots' conv and SSM states; their keys and values, after it
             for slot, snapshot, tokens in self.scheduler.snapshots:
-                self.runner.copy_state(slot, [snapshot], tokens)
+                self.runner.copy_state(slot, [snapshot], tokens, recurrent=False)
         if not self.pipelined:
             return self._collect(launched) if launched else []
         done, self._in_flight = self._in_flight, launched

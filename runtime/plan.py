@@ -22,6 +22,10 @@ class StepPlan:
     prefill_lens:    [n_prefill] tokens of each prefill chunk
     prefill_slots:   [n_prefill] state slot of each
     prefill_context: [n_prefill] tokens already in the slot before the chunk (0 for a new prompt)
+    snapshot_slots:  [n_prefill] or empty: a slot each chunk's conv and SSM states are also
+                     written to after its first ``snapshot_tokens`` tokens (a whole number of SSD
+                     chunks, or the chunk's length); -1 for none (a prefix cache's snapshots)
+    snapshot_tokens: [n_prefill] or empty
     decode_tokens:   [n_decode] the token each decode row feeds in; -1 takes the token the
                      previous step sampled for its slot, already on the device
     decode_slots:    [n_decode] state slot of each decode row
@@ -48,6 +52,8 @@ class StepPlan:
     prefill_lens: np.ndarray = field(default_factory=_i32)
     prefill_slots: np.ndarray = field(default_factory=_i32)
     prefill_context: np.ndarray = field(default_factory=_i32)
+    snapshot_slots: np.ndarray = field(default_factory=_i32)
+    snapshot_tokens: np.ndarray = field(default_factory=_i32)
     decode_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     decode_slots: np.ndarray = field(default_factory=_i32)
     decode_context: np.ndarray = field(default_factory=_i32)

@@ -2,11 +2,12 @@
 that a repeated prefix is never prefilled twice.
 
 A snapshot is a slot of the state pool the scheduler never hands to a request: the SSM and conv
-states of every Mamba2 layer and the attention layers' keys and values of the prefix, copied
-there from a request's slot right after the step whose prompt chunk ended on the boundary
-(``StatePool.copy_slot``: kernels between steps, no host sync). A later prompt that starts with
-those tokens has the snapshot copied into its own slot before its first step and prefills only
-the rest.
+states of every Mamba2 layer at the boundary, which the step whose prompt chunk passes it writes
+there (the SSD scan's state chain and the conv's window kernel, inside the captured step; the
+plan's ``snapshot_slots``), and the attention layers' keys and values of the prefix, copied from
+the request's slot after that step (``StatePool.copy_slot``: kernels between steps, no host
+sync). A later prompt that starts with those tokens has the snapshot copied into its own slot
+before its first step and prefills only the rest.
 
 Exact, not close: a block is a whole number of SSD chunks (``chunk_size``), and a prefill resumed
 at a chunk boundary runs the same computations as one that went through it (the scan's logical

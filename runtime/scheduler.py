@@ -14,8 +14,10 @@ own seed.
 
 With a prefix cache (``runtime.prefix_cache``), an admitted prompt starts from the longest
 cached prefix (``restores``: copies the engine makes before the step), and the cache names the
-boundaries its prefill snapshots at (``snapshots``: copies after the step). A chunk that would
-run past such a boundary ends there (the rest runs in the next step). A prompt of several
+boundaries its prefill snapshots at: the step's kernels write the conv and SSM states there into
+the snapshot's slot (the plan's ``snapshot_slots``), and the engine copies the keys and values
+after the step (``snapshots``). A chunk holds one such boundary at most, and one that does not
+start on a block boundary ends at it (the rest runs in the next step). A prompt of several
 choices prefills whole.
 """
 
@@ -103,23 +105,28 @@ class Scheduler:
             n = self._chunk(r, budget)
             chunks.append((r, n))
             budget -= n
+        snapshots = {}  # request -> (snapshot slot, tokens of its chunk before the boundary)
         for r, n in chunks:
-            if r.snapshot_at and r.snapshot_at[0].end == r.computed + n:
+            if r.snapshot_at and r.snapshot_at[0].end <= r.computed + n:
                 at = r.snapshot_at.pop(0)
                 snapshot = self.cache.claim(r.prompt, at)
                 if snapshot is not None:
                     self.snapshots.append((r.slot, snapshot, at.end))
-        return self._plan(chunks, decodes)
+                    snapshots[r] = (snapshot, at.end - r.computed)
+        return self._plan(chunks, decodes, snapshots)
 
     def _cached(self, r: Request) -> bool:
         return self.cache is not None and not r.choices
 
     def _chunk(self, r: Request, budget: int) -> int:
-        """The tokens of ``r``'s prompt the step prefills: what the budget allows, ending at the
-        next boundary to snapshot at where it would pass it."""
+        """The tokens of ``r``'s prompt the step prefills: what the budget allows, with one
+        boundary to snapshot at, at most. The step's kernels take that snapshot inside the chunk
+        where it starts on a block boundary (its SSD chunks then start on every boundary);
+        otherwise, or where a second boundary falls inside too, the chunk ends at the first."""
         n = min(len(r.prompt) - r.computed, budget)
-        if r.snapshot_at and r.snapshot_at[0].end < r.computed + n:
-            n = r.snapshot_at[0].end - r.computed
+        inside = [b for b in r.snapshot_at if b.end < r.computed + n]
+        if inside and (r.computed % self.cache.block or len(inside) > 1):
+            n = inside[0].end - r.computed
         return n
 
     def _fork(self, prefix: Request) -> tuple[int, list[int], int]:
@@ -135,7 +142,7 @@ class Scheduler:
         prefix.choices = None
         return prefix.slot, [r.slot for r in others], prefix.computed
 
-    def _plan(self, chunks, decodes) -> tuple[StepPlan, list[Request | None]]:
+    def _plan(self, chunks, decodes, snapshots) -> tuple[StepPlan, list[Request | None]]:
         rows: list[Request | None] = []
         pre_tokens, pre_ctx = [], []
         for r, n in chunks:
@@ -162,6 +169,8 @@ class Scheduler:
             prefill_lens=i32([n for _, n in chunks]),
             prefill_slots=i32([r.slot for r, _ in chunks]),
             prefill_context=i32(pre_ctx),
+            snapshot_slots=i32([snapshots.get(r, (-1, 0))[0] for r, _ in chunks] if snapshots else []),
+            snapshot_tokens=i32([snapshots.get(r, (-1, 0))[1] for r, _ in chunks] if snapshots else []),
             # decode inputs are the tokens the previous steps drew, already on the device
             decode_tokens=np.full(len(decodes), -1, dtype=np.int64),
             decode_slots=i32([r.slot for r in decodes]),

@@ -45,11 +45,12 @@ class StatePool:
             self.k[i] = torch.zeros(shape, dtype=dtype, device=device)
             self.v[i] = torch.zeros(shape, dtype=dtype, device=device)
 
-    def copy_slot(self, src: int, dsts: torch.Tensor, tokens: int) -> None:
+    def copy_slot(self, src: int, dsts: torch.Tensor, tokens: int, recurrent: bool = True) -> None:
         """Copy slot ``src``'s state, its first ``tokens`` KV positions, into slots ``dsts`` (an
         int64 index tensor on the pool's device): two kernels a tensor (the source is copied out
-        first: it may not overlap what is written), no host sync."""
-        for states in (self.conv, self.ssm):
+        first: it may not overlap what is written), no host sync. ``recurrent=False``: the keys
+        and values only (a snapshot whose conv and SSM states the step's kernels wrote)."""
+        for states in (self.conv, self.ssm) if recurrent else ():
             for t in states.values():
                 t.index_copy_(0, dsts, t[src].clone().expand(len(dsts), *t.shape[1:]))
         for states in (self.k, self.v):

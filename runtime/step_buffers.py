@@ -96,6 +96,7 @@ class StepBuffers:
             "cu_seqlens": (i32, S + 1), "slot_idx": (i32, S),
             "has_initial_state": (i32, S), "context_lens": (i32, S), "chunk_seq": (i32, C),
             "chunk_start": (i32, C), "chunk_end": (i32, C), "seq_chunk_start": (i32, S + 1),
+            "snapshot_slot": (i32, S), "snapshot_row": (i32, S),
             # last, the two arrays as long as the prefill tokens, which the refill writes over
             # the bucket's part only
             "input_ids": (i64, T + max_decode), "seq_idx": (i32, T),
@@ -118,7 +119,7 @@ class StepBuffers:
     def _prefill_meta(self, views: dict, tokens: int) -> PrefillMetadata:
         S, C = self.max_prefill_seqs, max_chunks_for(tokens, self.max_prefill_seqs, self.chunk_size)
         sizes = dict(cu_seqlens=S + 1, seq_idx=tokens, slot_idx=S, has_initial_state=S, context_lens=S,
-                     chunk_seq=C, chunk_start=C, chunk_end=C, seq_chunk_start=S + 1)
+                     chunk_seq=C, chunk_start=C, chunk_end=C, seq_chunk_start=S + 1, snapshot_slot=S, snapshot_row=S)
         return PrefillMetadata(**{k: views[k][:n] for k, n in sizes.items()}, chunk_size=self.chunk_size)
 
     def inputs(self, bucket: Bucket) -> StepInputs:
@@ -178,7 +179,8 @@ class StepBuffers:
         if Tp:
             ids[: len(plan.prefill_tokens)] = plan.prefill_tokens
             fill_prefill_metadata(self._prefill_meta(h, Tp), plan.prefill_lens, plan.prefill_slots,
-                                  plan.prefill_context > 0, plan.prefill_context)
+                                  plan.prefill_context > 0, plan.prefill_context,
+                                  (plan.snapshot_slots, plan.snapshot_tokens) if len(plan.snapshot_slots) else None)
             rows[:n_pre] = np.cumsum(plan.prefill_lens) - 1
         if plan.sampled:
             for name in ("temperature", "top_k", "top_p", "seed", "position", "sample_slots"):

@@ -141,13 +141,14 @@ class StepRunner:
         t = torch.as_tensor(np.asarray(values), dtype=dtype)
         return t.pin_memory().to(self.model.device, non_blocking=True) if self.cuda else t
 
-    def copy_state(self, src: int, dsts: list[int], tokens: int) -> torch.Tensor:
-        """Copy slot ``src``'s state (its first ``tokens`` positions) into slots ``dsts``, on the
-        device after every step launched so far and before the next (a prefix cache's snapshot
-        and restore); returns the destinations' index on the device."""
+    def copy_state(self, src: int, dsts: list[int], tokens: int, recurrent: bool = True) -> torch.Tensor:
+        """Copy slot ``src``'s state (its first ``tokens`` positions; keys and values only where
+        not ``recurrent``) into slots ``dsts``, on the device after every step launched so far
+        and before the next (a prefix cache's snapshot and restore); returns the destinations'
+        index on the device."""
         index = self._on_device(dsts, torch.int64)
         with torch.inference_mode():
-            self.pool.copy_slot(src, index, tokens)
+            self.pool.copy_slot(src, index, tokens, recurrent)
         return index
 
     def logits(self, plan: StepPlan, bucket: Bucket | None = None) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """The prefix cache beside no cache, on the same model in one process: a multi-turn chat (each
-turn resends the whole conversation, whose first prompt is ``prompt_tokens`` long) and an agentic
-workload (prompts of ``prompt_tokens``, 90% of them one of four shared prefixes), each run on an
-engine without a cache and on one with ``cache_gib`` of snapshots (``runtime.prefix_cache``).
+turn resends the whole conversation, whose first prompt is ``prompt_tokens`` long), an agentic
+workload (prompts of ``prompt_tokens``, 90% of them one of four shared prefixes) and a chat of
+unique prompts (about 223 tokens: no hits, what the cache costs), each run on an engine without
+a cache and on one with ``cache_gib`` of snapshots (``runtime.prefix_cache``).
 
 Reported per run: TTFT p50 and p99 (all requests, and a conversation's later turns apart),
 output tokens/s, the cache's hit rate and the prompt tokens it restored, and how many requests'
@@ -26,7 +27,7 @@ from ..runtime.state_pool import StatePool
 from .run import conversations, serve, summarize
 
 PRESETS = ("nemotron-h-8b", "nemotron-3-nano-30b-a3b")
-WORKLOADS = ("multi-turn", "agentic")
+WORKLOADS = ("multi-turn", "agentic", "chat")
 
 
 def bench_preset(name: str, *, prompt_tokens: int = 16384, requests: int = 32, concurrency: int = 8,

@@ -190,6 +190,36 @@ def test_varlen_equals_token_by_token_update(device):
     assert torch.equal(pool, pool_steps)
 
 
+@pytest.mark.parametrize("impl", ["triton", "ref"])
+def test_a_snapshot_holds_the_window_before_its_row(impl, device):
+    """A sequence with a snapshot slot leaves there the K-1 inputs before its snapshot row: what
+    a conv of its tokens up to there alone leaves in its own slot (a window that reaches back
+    into the initial state, one inside the tokens, one at a sequence's end); the sequences' own
+    slots and every other slot are as without the snapshots."""
+    fn = conv1d_varlen.triton if impl == "triton" else conv1d_varlen_ref
+    device = device if impl == "triton" else "cpu"
+    D, K, dtype = 40, 4, torch.float32
+    lens, slots, init = [20, 2, 9], [1, 4, 6], [1, 1, 0]
+    w, b = make_params(D, K, dtype, device)
+    x = strided_rows(sum(lens), D, dtype, device)
+    pool = make_pool(11, D, K, dtype, device)
+
+    def conv(x, lens, slots, init, snapshots=None):
+        p = pool.clone()
+        meta = PrefillMetadata.build(lens, slots, init, snapshots=snapshots, chunk_size=2, device=device)
+        return fn(x, w, b, p, meta), p
+
+    # sequence 0 two tokens in (its window reaches back into its initial state), 1 at its end,
+    # 2 eight tokens in
+    out, got = conv(x, lens, slots, init, ([8, 9, 10], [2, 2, 8]))
+    plain_out, plain = conv(x, lens, slots, init)
+    assert torch.equal(out, plain_out)
+    assert torch.equal(got[8], conv(x[:2], [2], [1], [1])[1][1])
+    assert torch.equal(got[9], plain[4])
+    assert torch.equal(got[10], conv(x[22:30], [8], [6], [0])[1][6])
+    assert torch.equal(got[:8], plain[:8])
+
+
 def test_varlen_padding_is_inert(device):
     D, K, S, dtype = 72, 4, 8, torch.bfloat16
     lens, slots, init = [5, 2, 11], [6, 1, 3], [1, 1, 0]

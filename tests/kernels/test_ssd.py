@@ -209,6 +209,34 @@ def test_chunked_prefill_equals_one_scan(impl, device):
     assert_close(pool2, whole_pool)
 
 
+@pytest.mark.parametrize("impl", ["triton", "chunked_torch", "ref"])
+def test_a_snapshot_holds_the_state_of_its_prefix(impl, device):
+    """A sequence with a snapshot slot leaves there the state after its first tokens (a chunk
+    start, or its end): to the bit what a scan of those tokens alone leaves in its own slot; the
+    sequences' own slots and every other slot are as without the snapshots."""
+    fn = {"triton": ssd_scan.triton, "chunked_torch": ssd_scan_chunked_torch, "ref": ssd_scan_ref}[impl]
+    device = device if impl == "triton" else "cpu"
+    lens, slots, init = [45, 30], [3, 5], [1, 0]
+    inp = make_inputs(sum(lens), G=2, device=device)
+    # sequence 0 at its second chunk's end (32 tokens), sequence 1 at its end; a spare sequence
+    snapshots = ([6, 7], [2 * CHUNK, 30])
+    meta = PrefillMetadata.build(lens, slots, init, snapshots=snapshots, chunk_size=CHUNK, max_seqs=3, device=device)
+    out, pool = scan(fn, inp, meta)
+    plain_out, plain_pool = scan(fn, inp, PrefillMetadata.build(lens, slots, init, chunk_size=CHUNK, max_seqs=3,
+                                                                device=device))
+    prefix = {k: (v[: 2 * CHUNK] if v.dim() >= 2 and k != "ssm_state" else v) for k, v in inp.items()}
+    _, prefix_pool = scan(fn, prefix, PrefillMetadata.build([2 * CHUNK], [3], [1], chunk_size=CHUNK, device=device))
+    assert torch.equal(out, plain_out)
+    assert torch.equal(pool[6], prefix_pool[3]) and torch.equal(pool[7], plain_pool[5])
+    rest = [0, 1, 2, 3, 4, 5]
+    assert torch.equal(pool[rest], plain_pool[rest])
+
+
+def test_a_snapshot_off_a_chunk_start_is_refused():
+    with pytest.raises(ValueError, match="sequence 1: a snapshot after 20 of its 30 tokens"):
+        PrefillMetadata.build([45, 30], [3, 5], [1, 0], snapshots=([6, 7], [32, 20]), chunk_size=CHUNK)
+
+
 def test_reference_matches_hf():
     from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan
 

@@ -72,3 +72,28 @@ def test_decode_rows_are_capped_and_releasing_a_queued_request_drops_it():
     for r in reqs:
         s.release(r)
     assert sorted(s.free_slots) == [0, 1, 2] and not s.has_work()
+
+
+def test_a_snapshot_inside_a_chunk_adds_no_step():
+    """With a prefix cache (blocks of 4): a 14-token prompt wants a snapshot at 12, inside its
+    second 8-token chunk, which starts on a block boundary: the plan names the snapshot's slot
+    and the chunk's tokens before it, and the prompt ends in two steps as without a cache. A
+    second prompt whose chunk starts off a boundary (the budget's rest) ends that chunk at it."""
+    from mambastep.runtime.prefix_cache import PrefixCache
+
+    s = Scheduler(num_slots=2, token_budget=8, max_prefill_seqs=2, max_decode=4,
+                  prefix_cache=PrefixCache(slots=[2, 3], block=4))
+    a = request(0, 14)
+    s.add(a)
+    plan, _ = s.schedule()
+    assert plan.prefill_lens.tolist() == [8] and len(plan.snapshot_slots) == 0
+    b = request(1, 10)
+    s.add(b)
+    plan, rows = s.schedule()  # a's rest, 6 tokens, its snapshot 4 in; b gets 2 of the budget
+    assert plan.prefill_lens.tolist() == [6, 2] and rows == [a, None]
+    assert plan.snapshot_slots.tolist() == [2, -1] and plan.snapshot_tokens.tolist()[0] == 4
+    assert s.snapshots == [(a.slot, 2, 12)]
+    a.output.append(5)
+    plan, _ = s.schedule()  # b from 2, off a boundary: its chunk ends at its boundary, 8
+    assert plan.prefill_lens.tolist() == [6] and plan.prefill_context.tolist() == [2]
+    assert plan.snapshot_slots.tolist() == [3] and plan.snapshot_tokens.tolist() == [6]

@@ -215,7 +215,7 @@ def test_fp8_tables_set_bf16_beside_fp8(capsys):
 
 
 def test_the_prefix_bench_sets_the_cache_beside_none_on_the_cpu(tmp_path):
-    """`bench prefix` at test size on the CPU: both workloads with and without the cache, the
+    """`bench prefix` at test size on the CPU: the workloads with and without the cache, the
     cached multi-turn run restoring with the uncached run's tokens (fp32 on the CPU: to the bit,
     whatever the batching), the probe restoring with its logprobs; its markdown section."""
     from mambastep.tools import bench_markdown, bench_prefix
@@ -224,9 +224,11 @@ def test_the_prefix_bench_sets_the_cache_beside_none_on_the_cpu(tmp_path):
                               cache_gib=0.01, device="cpu")
     rows = result["presets"][0]["rows"]
     assert [(r["workload"], r["cache_gib"] > 0) for r in rows] == [("multi-turn", False), ("multi-turn", True),
-                                                                   ("agentic", False), ("agentic", True)]
+                                                                   ("agentic", False), ("agentic", True),
+                                                                   ("chat", False), ("chat", True)]
     assert rows[1]["hit_rate"] > 0 and rows[1]["tokens_restored"] > 0
-    assert rows[1]["same_tokens"] == rows[1]["requests"] and rows[3]["same_tokens"] == rows[3]["requests"]
+    assert all(r["same_tokens"] == r["requests"] for r in rows[1::2])
+    assert rows[5]["hit_rate"] == 0  # unique prompts
     probe = result["presets"][0]["probe"]
     assert probe["restored"] > 0 and probe["tokens_equal"] == 32 and probe["max_logprob_diff"] == 0
     path = tmp_path / "prefix.json"

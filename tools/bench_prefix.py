@@ -117,6 +117,17 @@ def tables(result: dict) -> str:
             later = f"{later['p50']:.1f}" if later else "-"
             out.append(f"| {r['workload']} | {cache} | {r['ttft_ms']['p50']:.1f} | {r['ttft_ms']['p99']:.1f} | "
                        f"{later} | {r['output_tokens_per_s']:.0f} | {hits} |")
+        by = {(r["workload"], r["cache_gib"] > 0): r for r in p["rows"]}
+        gains = []
+        for w, key in (("multi-turn", "ttft_later_turns_ms"), ("agentic", "ttft_ms")):
+            if (w, True) in by and by[w, True][key]:
+                gains.append(f"{w} {by[w, False][key]['p50'] / by[w, True][key]['p50']:.1f}x lower TTFT p50"
+                             + (" on later turns" if w == "multi-turn" else ""))
+        if ("chat", True) in by:
+            off, on = by["chat", False], by["chat", True]
+            gains.append(f"chat without hits: TTFT p50 {on['ttft_ms']['p50'] / off['ttft_ms']['p50'] - 1:+.1%}, "
+                         f"output tokens/s {on['output_tokens_per_s'] / off['output_tokens_per_s'] - 1:+.1%}")
+        out += ["", "With the cache: " + "; ".join(gains) + "."]
         q = p["probe"]
         out += ["", f"Probe, a conversation alone: its second turn restored {q['restored']} tokens; of its first "
                     f"{len(q['tokens'])} greedy tokens {q['tokens_equal']} lead equal to the uncached engine's, "

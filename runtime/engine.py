@@ -94,10 +94,10 @@ class Engine:
         self.num_slots = num_slots  # the requests'; a prefix cache's snapshots take slots beyond them
         if not (isinstance(prefix_cache_slots, int) and prefix_cache_slots >= 0):
             raise ValueError(f"prefix_cache_slots: expected an int >= 0, got {prefix_cache_slots!r}")
+        per_slot = StatePool.bytes_per_slot(self.cfg, max_context, model.dtype)
         if prefix_cache_gib:
             if prefix_cache_slots:
                 raise ValueError("prefix_cache_slots and prefix_cache_gib: give one of them")
-            per_slot = StatePool.bytes_per_slot(self.cfg, max_context, model.dtype)
             prefix_cache_slots = int(prefix_cache_gib * 2**30 // per_slot)
             if prefix_cache_slots < 1:
                 raise ValueError(f"prefix_cache_gib: {prefix_cache_gib} GiB holds no snapshot of "
@@ -108,7 +108,7 @@ class Engine:
         self.prefix_cache = None
         if prefix_cache_slots:  # blocks of the SSD chunk the step buffers cut prompts into
             self.prefix_cache = PrefixCache(list(range(num_slots, num_slots + prefix_cache_slots)),
-                                            self.runner.buffers.chunk_size)
+                                            self.runner.buffers.chunk_size, slot_bytes=per_slot)
         self.scheduler = Scheduler(num_slots, self.buckets.max_prefill_tokens, self.buckets.max_prefill_seqs,
                                    self.runner.buffers.max_decode, self.prefix_cache)
         self.pipelined = pipelined

@@ -59,7 +59,8 @@ class Metrics:
             ("lookups", "Prompts looked up in the prefix cache so far"),
             ("hits", "Prompts that restored a cached prefix so far"),
             ("tokens_restored", "Prompt tokens restored rather than prefilled so far"),
-            ("snapshots", "Snapshots taken so far"), ("evictions", "Snapshots evicted so far"))}
+            ("snapshots", "Snapshots taken so far"), ("evictions", "Snapshots evicted so far"),
+            ("bytes", "Device memory the snapshots held now use, in bytes"))}
 
     def admitted(self, prompt_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)

@@ -66,8 +66,8 @@ def test_a_prompt_snapshots_at_its_branch_point_and_its_last_boundary():
     assert turn.restore[1] == 16 and turn.snapshot_at == ()
 
 
-def test_the_least_recently_used_snapshot_goes_and_a_longer_one_outlives_a_shorter():
-    cache = PrefixCache(slots=[0, 1], block=4)
+def test_without_weights_the_least_recently_used_snapshot_goes():
+    cache = PrefixCache(slots=[0, 1], block=4, flop_weight=0, share_weight=0)
     a, b = np.arange(1, 13), np.arange(100, 112)
     (a4, a8, _), (b4, *_) = cache.boundaries(a), cache.boundaries(b)
     cache.claim(a, a4)
@@ -78,6 +78,44 @@ def test_the_least_recently_used_snapshot_goes_and_a_longer_one_outlives_a_short
     cache.claim(a, a8)  # evicts b's; then a's first block goes, its longer prefix stays
     cache.claim(b, b4)
     assert cache.admit(a).restore[1] == 8
+
+
+def test_eviction_keeps_long_and_shared_snapshots_over_more_recent_ones():
+    """Scores: recency (rank, 0 to 1) + tokens over the longest + 1 where shared. A 16-token
+    snapshot outlives newer 4-token ones; a branch point's outlives newer unshared ones as long;
+    a conversation's end restored once, by its next turn, is not shared; by a second prompt it is."""
+    def held(cache, prompt):  # the tokens restored for prompt and one more token
+        hit = cache.admit(np.append(prompt, 0)).restore
+        return 0 if hit is None else hit[1]
+
+    def claim(cache, prompt):
+        cache.claim(prompt, cache.boundaries(prompt)[-1])
+
+    cache = PrefixCache(slots=[0, 1, 2, 3], block=4)
+    long, shorts = np.arange(1, 17), [np.arange(t, t + 4) for t in (100, 200, 300, 400)]
+    for p in [long, *shorts]:  # the fifth evicts: long 0 + 1, the first short 1/3 + 1/4
+        claim(cache, p)
+    assert held(cache, long) == 16 and held(cache, shorts[0]) == 0
+
+    cache = PrefixCache(slots=[0, 1, 2], block=4)
+    shared = np.arange(1, 9)
+    cache.admit(np.append(shared, [50, 51]))
+    (branch,) = cache.admit(np.append(shared, [60, 61])).snapshot_at  # 8: the branch and last boundary
+    assert branch.branch and branch.end == 8
+    cache.claim(np.append(shared, [60, 61]), branch)
+    others = [np.arange(t, t + 8) for t in (300, 400, 500)]
+    for p in others:  # the third evicts: the branch 0 + 1 + 1, the first other 1/2 + 1
+        claim(cache, p)
+    assert held(cache, shared) == 8 and held(cache, others[0]) == 0
+
+    cache = PrefixCache(slots=[0, 1, 2], block=4)
+    turn = np.arange(1, 9)
+    claim(cache, turn)
+    snapshot = cache._entries[cache.boundaries(turn)[-1].key]
+    cache.admit(np.append(turn, [5, 6]))  # its next turn
+    assert not snapshot.shared
+    cache.admit(np.append(turn, [7, 8]))  # a second prompt continues from it
+    assert snapshot.shared
 
 
 @pytest.mark.parametrize("seen", [3, 4])

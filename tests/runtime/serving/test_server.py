@@ -649,6 +649,7 @@ def test_a_prefix_cache_behind_the_server_restores_and_counts_in_metrics(checkpo
     assert one == alone(checkpoint, first, 6) and two == alone(checkpoint, second, 6)
     samples = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
     assert samples["mambastep_prefix_cache_hits"] >= 1 and samples["mambastep_prefix_cache_tokens_restored"] >= 8
+    assert samples["mambastep_prefix_cache_bytes"] > 0
 
 
 def test_a_body_sent_too_slowly_is_a_408(checkpoint):

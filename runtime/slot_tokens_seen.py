@@ -51,10 +51,12 @@ class SlotTokensSeen:
         self.bias_values.index_copy_(0, rows, bias_values)
         self.bias_until.index_copy_(0, rows, bias_until.long())
 
-    def copy(self, src: int, dsts: torch.Tensor) -> None:
-        """Give slots ``dsts`` (int64 index tensor) what slot ``src`` has seen (a forked prompt)."""
+    def copy(self, src: int, dsts: list[int]) -> None:
+        """Give slots ``dsts`` what slot ``src`` has seen (a forked prompt): a copy kernel a table
+        and destination, no host sync."""
         for t in (self.counts, self.prompt, self.bias_ids, self.bias_values, self.bias_until):
-            t.index_copy_(0, dsts, t[src].clone().expand(len(dsts), *t.shape[1:]))
+            for d in dsts:
+                t[d].copy_(t[src])
 
     def see_prompt(self, token_slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Mark prompt tokens: token_slots [T] (-1: padding), tokens [T] int64."""

@@ -45,17 +45,19 @@ class StatePool:
             self.k[i] = torch.zeros(shape, dtype=dtype, device=device)
             self.v[i] = torch.zeros(shape, dtype=dtype, device=device)
 
-    def copy_slot(self, src: int, dsts: torch.Tensor, tokens: int, recurrent: bool = True) -> None:
-        """Copy slot ``src``'s state, its first ``tokens`` KV positions, into slots ``dsts`` (an
-        int64 index tensor on the pool's device): two kernels a tensor (the source is copied out
-        first: it may not overlap what is written), no host sync. ``recurrent=False``: the keys
-        and values only (a snapshot whose conv and SSM states the step's kernels wrote)."""
+    def copy_slot(self, src: int, dsts: list[int], tokens: int, recurrent: bool = True) -> None:
+        """Copy slot ``src``'s state, its first ``tokens`` KV positions, into slots ``dsts``: one
+        copy kernel a tensor and destination, no index on the device, no host sync.
+        ``recurrent=False``: the keys and values only (a snapshot whose conv and SSM states the
+        step's kernels wrote)."""
         for states in (self.conv, self.ssm) if recurrent else ():
             for t in states.values():
-                t.index_copy_(0, dsts, t[src].clone().expand(len(dsts), *t.shape[1:]))
+                for d in dsts:
+                    t[d].copy_(t[src])
         for states in (self.k, self.v):
             for t in states.values():
-                t[:, :tokens].index_copy_(0, dsts, t[src, :tokens].clone().expand(len(dsts), tokens, *t.shape[2:]))
+                for d in dsts:
+                    t[d, :tokens].copy_(t[src, :tokens])
 
     def tensors(self) -> list[torch.Tensor]:
         """Every state tensor of the pool (conv, SSM, keys, values): to poison, randomise or snapshot."""

@@ -121,9 +121,9 @@ class StepRunner:
         """Copy slot ``src``'s state (its first ``tokens`` positions) and what it has seen into
         slots ``dsts``, on the device after every step launched so far and before the next: a
         few kernels, outside the graphs, when a prompt of several choices has been prefilled."""
-        index = self.copy_state(src, dsts, tokens)
+        self.copy_state(src, dsts, tokens)
         with torch.inference_mode():
-            self.seen.copy(src, index)
+            self.seen.copy(src, dsts)
 
     def admit(self, slot: int, bias, prompt) -> None:
         """Start what ``slot`` has seen for a request whose prompt did not start in a step (a
@@ -141,15 +141,12 @@ class StepRunner:
         t = torch.as_tensor(np.asarray(values), dtype=dtype)
         return t.pin_memory().to(self.model.device, non_blocking=True) if self.cuda else t
 
-    def copy_state(self, src: int, dsts: list[int], tokens: int, recurrent: bool = True) -> torch.Tensor:
+    def copy_state(self, src: int, dsts: list[int], tokens: int, recurrent: bool = True) -> None:
         """Copy slot ``src``'s state (its first ``tokens`` positions; keys and values only where
         not ``recurrent``) into slots ``dsts``, on the device after every step launched so far
-        and before the next (a prefix cache's snapshot and restore); returns the destinations'
-        index on the device."""
-        index = self._on_device(dsts, torch.int64)
+        and before the next (a prefix cache's snapshot and restore, a fork)."""
         with torch.inference_mode():
-            self.pool.copy_slot(src, index, tokens, recurrent)
-        return index
+            self.pool.copy_slot(src, dsts, tokens, recurrent)
 
     def logits(self, plan: StepPlan, bucket: Bucket | None = None) -> torch.Tensor:
         """Run the plan's forward without drawing: logits [n_rows, vocab] fp32 for its rows (the

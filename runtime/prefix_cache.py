@@ -28,10 +28,8 @@ Which snapshot goes when a slot is needed (after Marconi's eviction): each score
 tokens over the longest held (every snapshot holds one slot's bytes, and the prefill it saves
 grows with its tokens), plus ``share_weight`` where it is shared (taken at a branch point, or
 restored by two prompts: a conversation's end is restored once, by its next turn, which then
-snapshots its own); the lowest goes, and with both weights 0 that is LRU. Replayed through the
-cache alone (admissions and claims, no model; docs/experiments.md), with 21 slots: four shared
-16k prefixes among short chats 44% of tokens restored against LRU's 0%, twelve prefixes 56%
-against 0%, and what LRU restores elsewhere.
+snapshots its own); the lowest goes, and with both weights 0 that is LRU. ``tools.prefix_replay``
+sets the weights side by side on workloads replayed through the cache alone (docs/experiments.md).
 
 Keys chain the blocks (a digest of the previous key and the block's tokens), and every hit
 compares the prefix's tokens too. A restore only reads its snapshot before the step it precedes, and a

@@ -28,7 +28,9 @@ Which snapshot goes when a slot is needed (after Marconi's eviction): each score
 tokens over the longest held (every snapshot holds one slot's bytes, and the prefill it saves
 grows with its tokens), plus ``share_weight`` where it is shared (taken at a branch point, or
 restored by two prompts: a conversation's end is restored once, by its next turn, which then
-snapshots its own); the lowest goes, and with both weights 0 that is LRU. ``tools.prefix_replay``
+snapshots its own); the lowest goes. Before any of them goes a superseded one (``supersede``):
+a conversation's end that its next turn restored and snapshots past. With both weights 0 and no
+superseding, that is LRU. ``tools.prefix_replay``
 sets the weights side by side on workloads replayed through the cache alone (docs/experiments.md).
 
 Keys chain the blocks (a digest of the previous key and the block's tokens), and every hit
@@ -73,6 +75,7 @@ class _Snapshot:
     tokens: np.ndarray  # the prefix it holds
     shared: bool  # taken at a branch point, or restored by two prompts
     restores: int = 0
+    superseded: bool = False  # restored by a prompt that snapshots past it, and not shared
 
 
 @dataclass
@@ -80,14 +83,15 @@ class PrefixCache:
     """slots: the pool's slots this cache owns; block: tokens a block (a multiple of the SSD
     chunk); seen: how many recent prompts' block keys to remember for finding branch points;
     flop_weight, share_weight: what a snapshot's length and its being shared weigh against its
-    recency in eviction (both 0: LRU); slot_bytes: a snapshot's bytes (``stats["bytes"]``: what
-    those held use)."""
+    recency in eviction; supersede: a superseded snapshot goes first (all three off: LRU);
+    slot_bytes: a snapshot's bytes (``stats["bytes"]``: what those held use)."""
 
     slots: list[int]
     block: int
     seen: int = 1 << 16
     flop_weight: float = 1.0
     share_weight: float = 1.0
+    supersede: bool = True
     slot_bytes: int = 0
     _entries: OrderedDict = field(default_factory=OrderedDict)  # key -> _Snapshot, least recent first
     _seen: OrderedDict = field(default_factory=OrderedDict)  # key -> None, least recent first
@@ -135,6 +139,8 @@ class PrefixCache:
             branch = branch._replace(branch=True)
         last = bounds[-1] if bounds and (branch is None or bounds[-1].end != branch.end) else None
         wanted = {b for b in (branch, last) if b is not None and b.end > start and b.key not in self._entries}
+        if hit is not None:
+            hit[1].superseded = self.supersede and bool(wanted) and not hit[1].shared
         return Admission(None if hit is None else (hit[1].slot, start), tuple(sorted(wanted)))
 
     def _remember(self, bounds: list[Boundary]):
@@ -162,12 +168,12 @@ class PrefixCache:
         return slot
 
     def _victim(self) -> bytes:
-        """The key of the snapshot with the lowest score (the module doc), the least recently
-        used of equals."""
+        """The key of the snapshot that goes (the module doc): a superseded one, else the lowest
+        score; the least recently used of equals."""
         n = len(self._entries)
         longest = max(len(s.tokens) for s in self._entries.values())
-        scores = ((i / max(1, n - 1) + self.flop_weight * len(s.tokens) / longest + self.share_weight * s.shared, key)
-                  for i, (key, s) in enumerate(self._entries.items()))
+        scores = (((not s.superseded, i / max(1, n - 1) + self.flop_weight * len(s.tokens) / longest
+                    + self.share_weight * s.shared), key) for i, (key, s) in enumerate(self._entries.items()))
         return min(scores, key=lambda t: t[0])[1]
 
     def __len__(self) -> int:

@@ -1,6 +1,6 @@
 """Prompts replayed through the prefix cache's own bookkeeping, no model: each prompt admitted
 (``PrefixCache.admit``) and its wanted snapshots claimed, in arrival order, as one request at a
-time would; the share of prompt tokens restored, for eviction weights side by side. It measures
+time would; the share of prompt tokens restored, for eviction policies side by side. It measures
 the policy (what is kept and found), not time; the CPU is enough.
 
     python -m mambastep.tools.prefix_replay [--slots 21 53] [--block 128]
@@ -18,7 +18,9 @@ import numpy as np
 
 from ..runtime.prefix_cache import PrefixCache
 
-WEIGHTS = {"LRU": (0.0, 0.0), "+ length": (1.0, 0.0), "+ length + shared (default)": (1.0, 1.0)}
+# (flop_weight, share_weight, supersede), each column adding one to the one before
+POLICIES = {"LRU": (0.0, 0.0, False), "+ superseded first": (0.0, 0.0, True), "+ length": (1.0, 0.0, True),
+            "+ shared (default)": (1.0, 1.0, True)}
 
 
 def workloads(seed: int = 0) -> dict[str, list[np.ndarray]]:
@@ -52,9 +54,11 @@ def workloads(seed: int = 0) -> dict[str, list[np.ndarray]]:
             "agentic, 64 prompts, 8 prefixes, 8 chats after each": agentic(64, 16384, 8, 8)}
 
 
-def replay(prompts: list[np.ndarray], slots: int, block: int, flop_weight: float, share_weight: float) -> float:
+def replay(prompts: list[np.ndarray], slots: int, block: int, flop_weight: float, share_weight: float,
+           supersede: bool) -> float:
     """The share of the prompts' tokens restored."""
-    cache = PrefixCache(list(range(slots)), block, flop_weight=flop_weight, share_weight=share_weight)
+    cache = PrefixCache(list(range(slots)), block, flop_weight=flop_weight, share_weight=share_weight,
+                        supersede=supersede)
     for p in prompts:
         for at in cache.admit(p).snapshot_at:
             cache.claim(p, at)
@@ -69,11 +73,11 @@ def main(argv=None) -> int:
     parser.add_argument("--block", type=int, default=128, help="tokens a block (the SSD chunk size)")
     args = parser.parse_args(argv)
     work = workloads()
-    print("| snapshots | workload | " + " | ".join(WEIGHTS) + " |")
-    print("| --- | --- |" + " --- |" * len(WEIGHTS))
+    print("| snapshots | workload | " + " | ".join(POLICIES) + " |")
+    print("| --- | --- |" + " --- |" * len(POLICIES))
     for slots in args.slots:
         for name, prompts in work.items():
-            cells = [f"{replay(prompts, slots, args.block, *w):.1%}" for w in WEIGHTS.values()]
+            cells = [f"{replay(prompts, slots, args.block, *policy):.1%}" for policy in POLICIES.values()]
             print(f"| {slots} | {name} | " + " | ".join(cells) + " |")
     return 0
 

@@ -67,7 +67,7 @@ def test_a_prompt_snapshots_at_its_branch_point_and_its_last_boundary():
 
 
 def test_without_weights_the_least_recently_used_snapshot_goes():
-    cache = PrefixCache(slots=[0, 1], block=4, flop_weight=0, share_weight=0)
+    cache = PrefixCache(slots=[0, 1], block=4, flop_weight=0, share_weight=0, supersede=False)
     a, b = np.arange(1, 13), np.arange(100, 112)
     (a4, a8, _), (b4, *_) = cache.boundaries(a), cache.boundaries(b)
     cache.claim(a, a4)
@@ -83,7 +83,8 @@ def test_without_weights_the_least_recently_used_snapshot_goes():
 def test_eviction_keeps_long_and_shared_snapshots_over_more_recent_ones():
     """Scores: recency (rank, 0 to 1) + tokens over the longest + 1 where shared. A 16-token
     snapshot outlives newer 4-token ones; a branch point's outlives newer unshared ones as long;
-    a conversation's end restored once, by its next turn, is not shared; by a second prompt it is."""
+    a conversation's end restored by its next turn, which snapshots past it, is superseded and
+    goes first; restored by a second prompt too, it is shared."""
     def held(cache, prompt):  # the tokens restored for prompt and one more token
         hit = cache.admit(np.append(prompt, 0)).restore
         return 0 if hit is None else hit[1]
@@ -109,13 +110,23 @@ def test_eviction_keeps_long_and_shared_snapshots_over_more_recent_ones():
     assert held(cache, shared) == 8 and held(cache, others[0]) == 0
 
     cache = PrefixCache(slots=[0, 1, 2], block=4)
-    turn = np.arange(1, 9)
+    old, turn = np.arange(100, 109), np.arange(1, 9)
+    claim(cache, old)
     claim(cache, turn)
     snapshot = cache._entries[cache.boundaries(turn)[-1].key]
-    cache.admit(np.append(turn, [5, 6]))  # its next turn
-    assert not snapshot.shared
-    cache.admit(np.append(turn, [7, 8]))  # a second prompt continues from it
-    assert snapshot.shared
+    nxt = np.append(turn, [5, 6, 7, 8, 9])  # its next turn restores it and snapshots its own end, 12
+    cache.admit(nxt)
+    assert not snapshot.shared and snapshot.superseded
+    claim(cache, nxt)
+    claim(cache, np.arange(200, 209))  # the superseded end goes, though older ones are held
+    assert held(cache, turn) == 0 and held(cache, old) == 8 and held(cache, nxt) == 12
+
+    cache = PrefixCache(slots=[0, 1, 2], block=4)
+    claim(cache, turn)
+    snapshot = cache._entries[cache.boundaries(turn)[-1].key]
+    cache.admit(nxt)
+    cache.admit(np.append(turn, [3, 3, 3, 3, 3]))  # a second prompt continues from it: shared
+    assert snapshot.shared and not snapshot.superseded
 
 
 @pytest.mark.parametrize("seen", [3, 4])

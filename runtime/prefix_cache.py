@@ -35,8 +35,10 @@ sets the weights side by side on workloads replayed through the cache alone (doc
 
 Keys chain the blocks (a digest of the previous key and the block's tokens), and every hit
 compares the prefix's tokens too. A restore only reads its snapshot before the step it precedes, and a
-snapshot slot is rewritten only after the step that fills it, both in stream order, so an
-eviction can never change a request that restored from the evicted snapshot.
+snapshot slot is rewritten only by a step after it, both in stream order, so an eviction can
+never change a request that restored from the evicted snapshot. A snapshot claimed for the next
+step is not evicted before that step is launched (``settle``): two sequences of one step would
+write one slot at once.
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ class PrefixCache:
     slot_bytes: int = 0
     _entries: OrderedDict = field(default_factory=OrderedDict)  # key -> _Snapshot, least recent first
     _seen: OrderedDict = field(default_factory=OrderedDict)  # key -> None, least recent first
+    _unwritten: set = field(default_factory=set)  # keys claimed since settle(): their step writes them
     stats: dict = field(default_factory=lambda: {"lookups": 0, "hits": 0, "tokens_restored": 0, "snapshots": 0,
                                                  "evictions": 0, "bytes": 0})
 
@@ -151,30 +154,40 @@ class PrefixCache:
             self._seen.popitem(last=False)
 
     def claim(self, prompt: np.ndarray, at: Boundary) -> int | None:
-        """A slot to snapshot ``prompt[:at.end]`` into, the least recently used snapshot's if none
-        is free; None where that prefix is cached already."""
+        """A slot to snapshot ``prompt[:at.end]`` into in the next step, a free one or an
+        evicted snapshot's; None where that prefix is cached already, or where every snapshot
+        held was claimed for that same step."""
         if at.end % self.block or not 0 < at.end <= len(prompt):
             raise ValueError(f"PrefixCache.claim: {at.end} is not a block boundary of a {len(prompt)}-token prompt")
         if at.key in self._entries:
             self._entries.move_to_end(at.key)
             return None
         if not self._free:
-            self._free.append(self._entries.pop(self._victim()).slot)
+            victim = self._victim()
+            if victim is None:
+                return None
+            self._free.append(self._entries.pop(victim).slot)
             self.stats["evictions"] += 1
         slot = self._free.pop()
+        self._unwritten.add(at.key)
         self._entries[at.key] = _Snapshot(slot, prompt[: at.end].copy(), at.branch)
         self.stats["snapshots"] += 1
         self.stats["bytes"] = len(self._entries) * self.slot_bytes
         return slot
 
-    def _victim(self) -> bytes:
+    def settle(self) -> None:
+        """The snapshots claimed so far have their step launched: later claims may evict them."""
+        self._unwritten.clear()
+
+    def _victim(self) -> bytes | None:
         """The key of the snapshot that goes (the module doc): a superseded one, else the lowest
-        score; the least recently used of equals."""
+        score; the least recently used of equals; None where all were claimed since ``settle``."""
         n = len(self._entries)
         longest = max(len(s.tokens) for s in self._entries.values())
-        scores = (((not s.superseded, i / max(1, n - 1) + self.flop_weight * len(s.tokens) / longest
-                    + self.share_weight * s.shared), key) for i, (key, s) in enumerate(self._entries.items()))
-        return min(scores, key=lambda t: t[0])[1]
+        scores = [((not s.superseded, i / max(1, n - 1) + self.flop_weight * len(s.tokens) / longest
+                    + self.share_weight * s.shared), key) for i, (key, s) in enumerate(self._entries.items())
+                  if key not in self._unwritten]
+        return min(scores, key=lambda t: t[0])[1] if scores else None
 
     def __len__(self) -> int:
         return len(self._entries)

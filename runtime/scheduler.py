@@ -80,6 +80,8 @@ class Scheduler:
         names the copies around the step (``restores`` before it, ``snapshots`` after)."""
         self.forks = [self._fork(r) for r in list(self.running) if r.choices and r.prompt_done]
         self.restores, self.snapshots = [], []
+        if self.cache is not None:  # the last plan's step, which writes its snapshots, was launched
+            self.cache.settle()
         decodes = [r for r in self.running if r.prompt_done and not r.finished and not r.choices][: self.max_decode]
         budget = self.token_budget
         chunks: list[tuple[Request, int]] = []

@@ -62,6 +62,7 @@ def replay(prompts: list[np.ndarray], slots: int, block: int, flop_weight: float
     for p in prompts:
         for at in cache.admit(p).snapshot_at:
             cache.claim(p, at)
+        cache.settle()  # the prompt's step launched
     return cache.stats["tokens_restored"] / sum(len(p) for p in prompts)
 
 

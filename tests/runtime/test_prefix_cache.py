@@ -70,14 +70,31 @@ def test_without_weights_the_least_recently_used_snapshot_goes():
     cache = PrefixCache(slots=[0, 1], block=4, flop_weight=0, share_weight=0, supersede=False)
     a, b = np.arange(1, 13), np.arange(100, 112)
     (a4, a8, _), (b4, *_) = cache.boundaries(a), cache.boundaries(b)
-    cache.claim(a, a4)
-    cache.claim(a, a8)
+
+    def claim(prompt, at):  # in a step of its own
+        slot = cache.claim(prompt, at)
+        cache.settle()
+        return slot
+
+    claim(a, a4)
+    claim(a, a8)
     cache.admit(a[:5])  # a's first block, used most recently
-    assert cache.claim(b, b4) is not None  # evicts a's 8-token snapshot
+    assert claim(b, b4) is not None  # evicts a's 8-token snapshot
     assert cache.stats["evictions"] == 1 and cache.admit(a).restore[1] == 4
-    cache.claim(a, a8)  # evicts b's; then a's first block goes, its longer prefix stays
-    cache.claim(b, b4)
+    claim(a, a8)  # evicts b's; then a's first block goes, its longer prefix stays
+    claim(b, b4)
     assert cache.admit(a).restore[1] == 8
+
+
+def test_a_snapshot_claimed_for_a_step_is_not_evicted_before_the_step_is_launched():
+    """Two sequences of one step must not write one slot: with one slot, the second claim of a
+    step gets none; after the step (settle), a claim may evict the first."""
+    cache = PrefixCache(slots=[0], block=4)
+    a, b = np.arange(1, 9), np.arange(100, 108)
+    assert cache.claim(a, cache.boundaries(a)[-1]) == 0
+    assert cache.claim(b, cache.boundaries(b)[-1]) is None and cache.stats["evictions"] == 0
+    cache.settle()
+    assert cache.claim(b, cache.boundaries(b)[-1]) == 0 and cache.stats["evictions"] == 1
 
 
 def test_eviction_keeps_long_and_shared_snapshots_over_more_recent_ones():
@@ -89,8 +106,9 @@ def test_eviction_keeps_long_and_shared_snapshots_over_more_recent_ones():
         hit = cache.admit(np.append(prompt, 0)).restore
         return 0 if hit is None else hit[1]
 
-    def claim(cache, prompt):
+    def claim(cache, prompt):  # in a step of its own
         cache.claim(prompt, cache.boundaries(prompt)[-1])
+        cache.settle()
 
     cache = PrefixCache(slots=[0, 1, 2, 3], block=4)
     long, shorts = np.arange(1, 17), [np.arange(t, t + 4) for t in (100, 200, 300, 400)]

@@ -122,29 +122,27 @@ class PrefixCache:
         point and its last boundary, where deeper than that and not cached already."""
         self.stats["lookups"] += 1
         bounds = self.boundaries(prompt)
-        hit, branch = None, None
+        hit, branch = None, None  # the deepest (boundary, snapshot) held, the deepest boundary seen
         for b in bounds:
-            snap = self._entries.get(b.key)  # a longer prefix may be cached where a shorter one was evicted
-            if b.end < len(prompt) and snap is not None and np.array_equal(snap.tokens, prompt[: b.end]):
-                hit = (b.key, snap, b.end)
+            held = self._entries.get(b.key)  # a longer prefix may be cached where a shorter one was evicted
+            if b.end < len(prompt) and held is not None and np.array_equal(held.tokens, prompt[: b.end]):
+                hit = (b, held)
             if b.key in self._seen:
-                branch = b
+                branch = b._replace(branch=True)
         self._remember(bounds)
-        start = 0
-        if hit is not None:
-            key, snap, start = hit
-            self._entries.move_to_end(key)
-            snap.restores += 1
-            snap.shared |= snap.restores > 1
-            self.stats["hits"] += 1
-            self.stats["tokens_restored"] += start
-        if branch is not None:
-            branch = branch._replace(branch=True)
+        start = 0 if hit is None else hit[0].end
         last = bounds[-1] if bounds and (branch is None or bounds[-1].end != branch.end) else None
         wanted = {b for b in (branch, last) if b is not None and b.end > start and b.key not in self._entries}
-        if hit is not None:
-            hit[1].superseded = self.supersede and bool(wanted) and not hit[1].shared
-        return Admission(None if hit is None else (hit[1].slot, start), tuple(sorted(wanted)))
+        if hit is None:
+            return Admission(None, tuple(sorted(wanted)))
+        at, snap = hit
+        self._entries.move_to_end(at.key)
+        snap.restores += 1
+        snap.shared |= snap.restores > 1
+        snap.superseded = self.supersede and bool(wanted) and not snap.shared
+        self.stats["hits"] += 1
+        self.stats["tokens_restored"] += start
+        return Admission((snap.slot, start), tuple(sorted(wanted)))
 
     def _remember(self, bounds: list[Boundary]):
         for b in bounds:

@@ -21,9 +21,8 @@ import numpy as np
 import torch
 
 from ..runtime.engine import Engine
-from ..runtime.request import SamplingParams
 from ..runtime.model import Model
-from ..runtime.state_pool import StatePool
+from ..runtime.request import SamplingParams
 from .run import conversations, serve, summarize
 
 PRESETS = ("nemotron-h-8b", "nemotron-3-nano-30b-a3b")
@@ -53,7 +52,7 @@ def bench_preset(name: str, *, prompt_tokens: int = 16384, requests: int = 32, c
                 c = {k: v - before[k] for k, v in cache.stats.items()}
                 row.update(snapshots=len(cache.slots), hit_rate=c["hits"] / max(1, c["lookups"]),
                            tokens_restored=c["tokens_restored"], evictions=c["evictions"],
-                           snapshot_gib=StatePool.bytes_per_slot(model.cfg, max_context, model.dtype) / 2**30,
+                           snapshot_gib=cache.slot_bytes / 2**30,
                            same_tokens=sum(v == outputs[workload].get(k) for k, v in t["outputs"].items()))
             outputs[workload] = t["outputs"]
             rows.append(row)
@@ -72,14 +71,15 @@ def _probe(engine: Engine, vocab: int, prompt_tokens: int, plain: dict | None, n
     beside the engine without a cache, how many lead equal and how far their logprobs differ."""
     rng = np.random.default_rng(1)
     first = rng.integers(1, vocab, prompt_tokens).tolist()
-    answer = _alone(engine, first, 16)[0]  # and on the cached engine, a snapshot at its last boundary
-    answer = plain["answer"] if plain else answer
-    restored = engine.prefix_cache.stats["tokens_restored"] if engine.prefix_cache else 0
+    own = _alone(engine, first, 16)[0]  # on the cached engine, also its snapshot at the last boundary
+    answer = plain["answer"] if plain else own
+    before = dict(engine.prefix_cache.stats) if engine.prefix_cache else None
     tokens, logprobs = _alone(engine, first + answer + rng.integers(1, vocab, 60).tolist(), n)
     out = {"answer": answer, "tokens": tokens, "logprobs": logprobs}
     if plain is not None:
         equal = next((i for i, (a, b) in enumerate(zip(tokens, plain["tokens"])) if a != b), n)
-        out.update(restored=engine.prefix_cache.stats["tokens_restored"] - restored, tokens_equal=equal,
+        restored = engine.prefix_cache.stats["tokens_restored"] - before["tokens_restored"]
+        out.update(restored=restored, tokens_equal=equal,
                    max_logprob_diff=max((abs(a - b) for a, b in zip(logprobs[:equal], plain["logprobs"])), default=0.0))
     return out
 

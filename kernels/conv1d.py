@@ -152,9 +152,33 @@ def _conv1d_varlen_out_kernel(
 
 
 @triton.jit
+def _window(x_ptr, s_row, d, d_ok, start, end, has_init, T, sx_t, sx_d, ss_k,
+            K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_D, BLOCK_K] the K-1 inputs before packed row ``end`` of concat(initial window at
+    ``s_row``, tokens from ``start``), oldest first: column j holds position p = end - (K-1) + j,
+    a token when p >= start, else (fewer than K-1 tokens before it) old column j + (end - start),
+    or zero."""
+    j = tl.arange(0, BLOCK_K)
+    p = end - (K - 1) + j
+    col_ok = j < K - 1
+    # (p < T only guards against metadata that overruns x)
+    from_x = col_ok & (p >= start) & (p < T)
+    from_state = tl.where(has_init, col_ok & (p < start), False)
+    new = tl.load(
+        x_ptr + tl.maximum(p, 0).to(tl.int64)[None, :] * sx_t + d[:, None] * sx_d,
+        mask=from_x[None, :] & d_ok[:, None], other=0.0,
+    )
+    old = tl.load(
+        s_row + tl.where(from_state, j + end - start, 0)[None, :] * ss_k,
+        mask=from_state[None, :] & d_ok[:, None], other=0.0,
+    )
+    return tl.where(from_state[None, :], old, new.to(old.dtype))
+
+
+@triton.jit
 def _conv1d_varlen_state_kernel(
     x_ptr, state_ptr,
-    cu_ptr, slot_ptr, init_ptr, end_ptr, dst_ptr,
+    cu_ptr, slot_ptr, init_ptr, final_ptr, snap_ptr, snap_row_ptr,
     T, D,
     sx_t, sx_d,
     ss_s, ss_d, ss_k,
@@ -163,41 +187,34 @@ def _conv1d_varlen_state_kernel(
     BLOCK_D: tl.constexpr,
 ):
     # grid: (max_seqs, channel blocks); launched after the output kernel, which reads old states.
-    # Sequence i's window ending before packed row end_ptr[i] goes to slot dst_ptr[i] (its own
-    # slot and its end; or a snapshot's, launched before the sequence's own slot is rewritten)
+    # Sequence i's window before its end goes to slot final_ptr[i], and the one before packed row
+    # snap_row_ptr[i] to snap_ptr[i] (each where >= 0). Both are read before either is written,
+    # so either destination may be the slot the initial window is read from.
     i = tl.program_id(0)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     j = tl.arange(0, BLOCK_K)
     slot = tl.load(slot_ptr + i).to(tl.int64)
-    dst = tl.load(dst_ptr + i).to(tl.int64)
-    # an unused sequence owns no channels: it reads and writes no state
-    d_ok = d < tl.where((slot >= 0) & (dst >= 0), D, 0)
+    final = tl.load(final_ptr + i).to(tl.int64)
+    snap = tl.load(snap_ptr + i).to(tl.int64)
+    # an unused sequence owns no channels: it reads and writes no state; nor does a window
+    # that goes nowhere
+    final_ok = d < tl.where((slot >= 0) & (final >= 0), D, 0)
+    snap_ok = d < tl.where((slot >= 0) & (snap >= 0), D, 0)
     start = tl.load(cu_ptr + i)
-    end = tl.load(end_ptr + i)
     has_init = tl.load(init_ptr + i) != 0
-
-    # new column j holds position p = end - (K-1) + j of concat(initial window, tokens): a token
-    # when p >= start, else (a sequence shorter than K-1) old column j + (end - start), or zero
-    p = end - (K - 1) + j
-    col_ok = j < K - 1
-    # (p < T only guards against metadata that overruns x)
-    from_x = col_ok & (p >= start) & (p < T)
-    from_state = tl.where(has_init, col_ok & (p < start), False)
     s_row = state_ptr + tl.maximum(slot, 0) * ss_s + d[:, None] * ss_d
-    new = tl.load(
-        x_ptr + tl.maximum(p, 0).to(tl.int64)[None, :] * sx_t + d[:, None] * sx_d,
-        mask=from_x[None, :] & d_ok[:, None], other=0.0,
-    ).to(state_ptr.dtype.element_ty)
-    old = tl.load(
-        s_row + tl.where(from_state, j + end - start, 0)[None, :] * ss_k,
-        mask=from_state[None, :] & d_ok[:, None], other=0.0,
-    )
-    new = tl.where(from_state[None, :], old, new)
+    last = _window(x_ptr, s_row, d, final_ok, start, tl.load(cu_ptr + i + 1), has_init, T, sx_t, sx_d,
+                   ss_k, K, BLOCK_K)
+    at = _window(x_ptr, s_row, d, snap_ok, start, tl.load(snap_row_ptr + i), has_init, T, sx_t, sx_d,
+                 ss_k, K, BLOCK_K)
 
     # old columns are read by other threads of the CTA than the ones that overwrite them
     tl.debug_barrier()
-    dst_row = state_ptr + tl.maximum(dst, 0) * ss_s + d[:, None] * ss_d
-    tl.store(dst_row + j[None, :] * ss_k, new, mask=col_ok[None, :] & d_ok[:, None])
+    col_ok = (j < K - 1)[None, :]
+    tl.store(state_ptr + tl.maximum(final, 0) * ss_s + d[:, None] * ss_d + j[None, :] * ss_k, last,
+             mask=col_ok & final_ok[:, None])
+    tl.store(state_ptr + tl.maximum(snap, 0) * ss_s + d[:, None] * ss_d + j[None, :] * ss_k, at,
+             mask=col_ok & snap_ok[:, None])
 
 
 # the prefill conv's tile: runs of CONV_RUN tokens (each reads K - 1 rows more) x CONV_BLOCK_D
@@ -280,6 +297,7 @@ def conv1d_varlen_ref(x, weight, bias, conv_state, meta, *, out=None, activation
     cu = meta.cu_seqlens.tolist()
     has_init = meta.has_initial_state.tolist()
     snap_slots, snap_rows = meta.snapshot_slot.tolist(), meta.snapshot_row.tolist()
+    finals = meta.final_slot.tolist()
     for i, slot in enumerate(meta.slot_idx.tolist()):
         if slot < 0:
             continue
@@ -294,7 +312,8 @@ def conv1d_varlen_ref(x, weight, bias, conv_state, meta, *, out=None, activation
         if snap_slots[i] >= 0:  # the window before the snapshot's row: seq's columns up to it
             at = snap_rows[i] - cu[i] + K - 1
             conv_state[snap_slots[i]] = seq[:, at - (K - 1) : at].to(conv_state.dtype)
-        conv_state[slot] = seq[:, seq.shape[1] - (K - 1) :].to(conv_state.dtype)
+        if finals[i] >= 0:
+            conv_state[finals[i]] = seq[:, seq.shape[1] - (K - 1) :].to(conv_state.dtype)
     return out
 
 
@@ -367,13 +386,14 @@ def conv1d_varlen(
     conv_state: [S, D, K-1]   fp32 or bf16, any strides; the last K-1 inputs, oldest first
     meta:       PrefillMetadata on x's device, int32: cu_seqlens [max_seqs + 1],
                 seq_idx [max_tokens], slot_idx [max_seqs], has_initial_state [max_seqs],
-                snapshot_slot, snapshot_row [max_seqs] (the chunk fields are unused)
+                final_slot, snapshot_slot, snapshot_row [max_seqs] (the chunk fields are unused)
     out:        [T, D]        x's dtype; allocated when None
 
     Sequence i with slot s >= 0 convolves its tokens x[cu[i]:cu[i+1]] starting from the window
-    conv_state[s] when has_initial_state[i], else from zeros; afterwards conv_state[s] holds the
-    last K-1 inputs of concat(initial window, tokens), and conv_state[snapshot_slot[i]], where
-    that is >= 0, the K-1 before packed row snapshot_row[i]. Tokens of skipped sequences and
+    conv_state[s] when has_initial_state[i], else from zeros; afterwards conv_state[final_slot[i]]
+    holds the last K-1 inputs of concat(initial window, tokens), and conv_state[snapshot_slot[i]]
+    the K-1 before packed row snapshot_row[i] (each where that slot is >= 0; either may be s).
+    Tokens of skipped sequences and
     padding tokens (seq_idx == -1) get zeros. Live sequences must have distinct slots and their tokens
     must lie within x's rows. activation: "silu" or None. Returns out.
     """
@@ -386,6 +406,7 @@ def conv1d_varlen(
     _check_index("meta.cu_seqlens", meta.cu_seqlens, n_seqs + 1, x.device)
     _check_index("meta.slot_idx", meta.slot_idx, n_seqs, x.device)
     _check_index("meta.has_initial_state", meta.has_initial_state, n_seqs, x.device)
+    _check_index("meta.final_slot", meta.final_slot, n_seqs, x.device)
     if T == 0:
         return out
     strides = (
@@ -407,17 +428,16 @@ def conv1d_varlen(
         num_warps=CONV_WARPS,
     )
 
-    # stream order puts every read of an old state (above, and in the snapshots' windows) before
-    # its overwrite (the last launch)
+    # stream order puts the output kernel's reads of old states before their overwrite
     block_d = _block_d(D, 256)
     grid = (n_seqs, triton.cdiv(D, block_d))
-    for end, dst in ((meta.snapshot_row, meta.snapshot_slot), (meta.cu_seqlens[1:], meta.slot_idx)):
-        _conv1d_varlen_state_kernel[grid](
-            x, conv_state,
-            meta.cu_seqlens, meta.slot_idx, meta.has_initial_state, end, dst,
-            T, D,
-            *strides,
-            K=K, BLOCK_K=triton.next_power_of_2(K), BLOCK_D=block_d,
-            num_warps=_num_warps(block_d, 2),
-        )
+    _conv1d_varlen_state_kernel[grid](
+        x, conv_state,
+        meta.cu_seqlens, meta.slot_idx, meta.has_initial_state, meta.final_slot, meta.snapshot_slot,
+        meta.snapshot_row,
+        T, D,
+        *strides,
+        K=K, BLOCK_K=triton.next_power_of_2(K), BLOCK_D=block_d,
+        num_warps=_num_warps(block_d, 2),
+    )
     return out

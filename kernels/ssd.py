@@ -9,8 +9,9 @@ start, never spanning two sequences), plus one that zeroes the output rows nobod
                               sum_l exp(cs_end - cs_l) dt'_l x_l B_l^T (in registers) passes the
                               state on; leaves each chunk's start state in the workspace (in the
                               activations' dtype, as the scan's products take it) and writes the
-                              final state to the sequence's slot, and a snapshot's (a chunk's start
-                              state or the final one) to the slot the metadata names for it
+                              final state to the sequence's final slot (its own, or none), and a
+                              snapshot's (a chunk's start state or the final one) to the slot the
+                              metadata names for it
 3. ``_chunk_cb_kernel``       per chunk, group, causal (row, column) tile: C B^T, which every head
                               of the group shares, into the workspace in fp32
 4. ``_chunk_scan_kernel``     per chunk, row block, head, head-dim block:
@@ -151,7 +152,7 @@ def _chunk_cumsum_kernel(
 def _state_chain_kernel(
     x_ptr, B_ptr, dt_ptr, cs_ptr, starts_ptr, ssm_state_ptr,
     chunk_start_ptr, chunk_end_ptr, slot_idx_ptr, has_initial_state_ptr, seq_chunk_start_ptr,
-    snapshot_slot_ptr, snapshot_row_ptr,
+    final_slot_ptr, snapshot_slot_ptr, snapshot_row_ptr,
     H, P, N, heads_per_group,
     s_x_t, s_x_h, s_x_p, s_B_t, s_B_g, s_B_n, s_st_s, s_st_h, s_st_p, s_st_n,
     CHUNK_SIZE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -159,8 +160,9 @@ def _state_chain_kernel(
 ):
     """Per sequence, head, state tile: each chunk's start state, then its own final state from
     zero (x^T against B weighted by dt' and the decay to the chunk's end), which passes the state
-    on; a sequence with a snapshot slot also leaves there the state its chunk at the snapshot row
-    starts from (or its final one). A chunk's loads do not depend on the state, so they are
+    on; the last goes to the sequence's final slot (where >= 0), and a sequence with a snapshot
+    slot also leaves there the state its chunk at the snapshot row starts from (or its final
+    one). The slot is read first, so either may be it. A chunk's loads do not depend on the state, so they are
     pipelined across the loop; only
     the multiply-add passing the state on is serial, and the chunks' own states never leave
     registers. Against the two kernels before it (a chunk's own state a program, then a pass over
@@ -186,10 +188,11 @@ def _state_chain_kernel(
     mask = mask_p[:, None] & mask_n[None, :]
     within = h * s_st_h + offs_p[:, None] * s_st_p + offs_n[None, :] * s_st_n
     pool = ssm_state_ptr + slot * s_st_s + within
+    final = tl.load(final_slot_ptr + s).to(tl.int64)
     snap = tl.load(snapshot_slot_ptr + s).to(tl.int64)
     snap_row = tl.where(snap >= 0, tl.load(snapshot_row_ptr + s), -1)
     snap_pool = ssm_state_ptr + tl.maximum(snap, 0) * s_st_s + within
-    # read the slot before this same program overwrites it at the end
+    # read the slot before this same program overwrites it (a snapshot or the final state)
     state = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
     if tl.load(has_initial_state_ptr + s) != 0:
         state = tl.load(pool, mask=mask, other=0.0).to(tl.float32)
@@ -222,7 +225,8 @@ def _state_chain_kernel(
         state = tl.exp(cs_end) * state + local
     if tl.load(chunk_end_ptr + c1 - 1) == snap_row:
         tl.store(snap_pool, state.to(ssm_state_ptr.dtype.element_ty), mask=mask)
-    tl.store(pool, state.to(ssm_state_ptr.dtype.element_ty), mask=mask)
+    tl.store(ssm_state_ptr + tl.maximum(final, 0) * s_st_s + within, state.to(ssm_state_ptr.dtype.element_ty),
+             mask=mask & (offs_p[:, None] < tl.where(final >= 0, P, 0)))
 
 
 @triton.jit
@@ -456,17 +460,18 @@ def process_dt(dt, dt_bias, dt_softplus, dt_limit):
 
 
 def _live_sequences(meta: PrefillMetadata):
-    """(tokens start, end, slot, has_initial_state, snapshot) of every sequence the kernels
-    would scan; snapshot: None, or (its slot, the tokens of the sequence before it)."""
+    """(tokens start, end, slot, has_initial_state, snapshot, final slot) of every sequence the
+    kernels would scan; snapshot: None, or (its slot, the tokens of the sequence before it)."""
     cu = torch.as_tensor(meta.cu_seqlens).tolist()
     slots = torch.as_tensor(meta.slot_idx).tolist()
+    finals = torch.as_tensor(meta.final_slot).tolist()
     init = torch.as_tensor(meta.has_initial_state).tolist()
     snap_slots = torch.as_tensor(meta.snapshot_slot).tolist()
     snap_rows = torch.as_tensor(meta.snapshot_row).tolist()
     for s, slot in enumerate(slots):
         if slot >= 0 and cu[s + 1] > cu[s]:
             snapshot = (snap_slots[s], snap_rows[s] - cu[s]) if snap_slots[s] >= 0 else None
-            yield cu[s], cu[s + 1], slot, bool(init[s]), snapshot
+            yield cu[s], cu[s + 1], slot, bool(init[s]), snapshot, finals[s]
 
 
 def _prepare_out(x, out):
@@ -487,10 +492,11 @@ def ssd_scan_ref(x, dt, A, B, C, D, ssm_state, meta, *, z=None, dt_bias=None, dt
     """The recurrence one token at a time, in fp32: obviously correct and slow."""
     H = x.shape[1]
     out = _prepare_out(x, out)
-    for t0, t1, slot, has_init, snapshot in _live_sequences(meta):
+    for t0, t1, slot, has_init, snapshot, final in _live_sequences(meta):
         dts = process_dt(dt[t0:t1], dt_bias, dt_softplus, dt_limit)  # [L, H]
         xs, Bs, Cs = x[t0:t1].float(), _per_head(B[t0:t1], H), _per_head(C[t0:t1], H)
-        h = ssm_state[slot].float() if has_init else ssm_state.new_zeros(ssm_state.shape[1:], dtype=torch.float32)
+        h = ssm_state[slot].float().clone() if has_init else ssm_state.new_zeros(ssm_state.shape[1:],
+                                                                                  dtype=torch.float32)
         for i in range(t1 - t0):
             if snapshot is not None and i == snapshot[1]:
                 ssm_state[snapshot[0]] = h.to(ssm_state.dtype)
@@ -505,15 +511,15 @@ def ssd_scan_ref(x, dt, A, B, C, D, ssm_state, meta, *, z=None, dt_bias=None, dt
             out[t0 + i] = y.to(out.dtype)
         if snapshot is not None and snapshot[1] == t1 - t0:
             ssm_state[snapshot[0]] = h.to(ssm_state.dtype)
-        ssm_state[slot] = h.to(ssm_state.dtype)
+        if final >= 0:
+            ssm_state[final] = h.to(ssm_state.dtype)
     return out
 
 
 def _scan_sequence(x, dt, A, B, C, h0, chunk_size):
     """SSD blocks of one sequence; x: [L, H, P], dt: [L, H], B, C: [L, H, N], h0: [H, P, N].
 
-    Returns y: [L, H, P] (without the D term), the state each chunk starts from [nc, H, P, N]
-    and the final state [H, P, N], all fp32.
+    Returns y: [L, H, P] (without the D term) and the final state [H, P, N], both fp32.
     """
     L, H, P = x.shape
     nc = -(-L // chunk_size)
@@ -547,30 +553,39 @@ def _scan_sequence(x, dt, A, B, C, h0, chunk_size):
     starts = torch.stack(starts)  # [nc, H, P, N]
 
     y = y + torch.einsum("clhn,chpn->clhp", Cc, starts) * cs.exp().transpose(1, 2)[..., None]
-    return y.reshape(nc * chunk_size, H, P)[:L], starts, h
+    return y.reshape(nc * chunk_size, H, P)[:L], h
 
 
 def ssd_scan_chunked_torch(x, dt, A, B, C, D, ssm_state, meta, *, z=None, dt_bias=None,
                            dt_softplus=True, dt_limit=(0.0, float("inf")), out=None, workspace=None, passed=None):
-    """The SSD block decomposition per sequence in fp32 torch ops (chunks of ``meta.chunk_size``):
-    the CPU path and the benchmark baseline. ``workspace`` and ``passed`` have no use here."""
+    """The SSD block decomposition per sequence in fp32 torch ops (chunks of ``meta.chunk_size``
+    from its start, and from its snapshot's row: ``varlen``'s chunk grid): the CPU path and the
+    benchmark baseline. ``workspace`` and ``passed`` have no use here."""
     H = x.shape[1]
     out = _prepare_out(x, out)
-    for t0, t1, slot, has_init, snapshot in _live_sequences(meta):
+    for t0, t1, slot, has_init, snapshot, final in _live_sequences(meta):
         xs = x[t0:t1].float()
-        h0 = ssm_state[slot].float() if has_init else ssm_state.new_zeros(ssm_state.shape[1:], dtype=torch.float32)
+        h = ssm_state[slot].float().clone() if has_init else ssm_state.new_zeros(ssm_state.shape[1:],
+                                                                                  dtype=torch.float32)
         dts = process_dt(dt[t0:t1], dt_bias, dt_softplus, dt_limit)
-        y, starts, h = _scan_sequence(xs, dts, A.float(), _per_head(B[t0:t1], H), _per_head(C[t0:t1], H), h0,
-                                      meta.chunk_size)
-        if snapshot is not None:
-            at = snapshot[1]
-            ssm_state[snapshot[0]] = (h if at == t1 - t0 else starts[at // meta.chunk_size]).to(ssm_state.dtype)
+        Bs, Cs = _per_head(B[t0:t1], H), _per_head(C[t0:t1], H)
+        cuts = [0, snapshot[1], t1 - t0] if snapshot is not None and snapshot[1] < t1 - t0 else [0, t1 - t0]
+        ys, at_snapshot = [], None
+        for a, b in zip(cuts, cuts[1:]):
+            y, h = _scan_sequence(xs[a:b], dts[a:b], A.float(), Bs[a:b], Cs[a:b], h, meta.chunk_size)
+            ys.append(y)
+            if snapshot is not None and b == snapshot[1]:
+                at_snapshot = h
+        y = torch.cat(ys)
+        if at_snapshot is not None:
+            ssm_state[snapshot[0]] = at_snapshot.to(ssm_state.dtype)
         if D is not None:
             y = y + D.float()[:, None] * xs
         if z is not None:
             y = y * F.silu(z[t0:t1].float())
         out[t0:t1] = y.to(out.dtype)
-        ssm_state[slot] = h.to(ssm_state.dtype)
+        if final >= 0:
+            ssm_state[final] = h.to(ssm_state.dtype)
     return out
 
 
@@ -624,7 +639,7 @@ def ssd_scan(x, dt, A, B, C, D, ssm_state, meta: PrefillMetadata, *, z=None, dt_
     grid = (max_seqs, H, triton.cdiv(P, bl.chain_p) * triton.cdiv(N, bl.chain_n))
     _state_chain_kernel[grid](
         x, B, ws.dt, ws.dA_cumsum, ws.starts, ssm_state, meta.chunk_start, meta.chunk_end, meta.slot_idx,
-        meta.has_initial_state, meta.seq_chunk_start, meta.snapshot_slot, meta.snapshot_row,
+        meta.has_initial_state, meta.seq_chunk_start, meta.final_slot, meta.snapshot_slot, meta.snapshot_row,
         H, P, N, H // G, *x.stride(), *B.stride(),
         *ssm_state.stride(), CHUNK_SIZE=cs_size, BLOCK_L=bl.chain_l, BLOCK_P=bl.chain_p, BLOCK_N=bl.chain_n,
         **dot, num_warps=4, num_stages=bl.chain_stages,

@@ -14,8 +14,12 @@ sentinel, never a reserved pad slot), and write zeros to its output rows.
 
 SSD chunks are *logical* chunks aligned to each sequence's start: a sequence of length L owns
 ``ceil(L / chunk_size)`` consecutive chunks, the last one possibly short, so no chunk ever holds
-tokens of two sequences. A sequence need not start on a multiple of ``chunk_size`` in the packed
-buffer. The number of chunks is bounded by ``max_tokens / chunk_size + max_seqs``.
+tokens of two sequences. A sequence with a snapshot inside it is chunked as two: from its start
+to the snapshot's row, and from there to its end, so the scan passes the state at that row from
+one chunk to the next (the snapshot is that state), and everything after the row is computed as
+a prefill resumed there would compute it. A sequence need not start on a multiple of
+``chunk_size`` in the packed buffer. The number of chunks is bounded by
+``max_tokens / chunk_size + 2 * max_seqs``.
 """
 
 from __future__ import annotations
@@ -32,8 +36,9 @@ PAD_SLOT_ID = -1
 
 
 def max_chunks_for(max_tokens: int, max_seqs: int, chunk_size: int) -> int:
-    """Upper bound on logical chunks for ``max_seqs`` sequences totalling ``max_tokens``."""
-    return -(-max_tokens // chunk_size) + max_seqs
+    """Upper bound on logical chunks for ``max_seqs`` sequences totalling ``max_tokens``, each
+    cut at most once by a snapshot."""
+    return -(-max_tokens // chunk_size) + 2 * max_seqs
 
 
 @dataclass
@@ -49,10 +54,14 @@ class PrefillMetadata:
     chunk_start:       [max_chunks]   first packed token of each chunk
     chunk_end:         [max_chunks]   one past the last packed token of each chunk
     seq_chunk_start:   [max_seqs + 1] first chunk of each sequence (cumulative over chunks)
+    final_slot:        [max_seqs]     slot the sequence's conv and SSM states after its last token
+                                      go to: its own (``slot_idx``), or PAD_SLOT_ID for none (a
+                                      speculative step's, whose drafts may be rejected)
     snapshot_slot:     [max_seqs]     slot to snapshot the sequence's conv and SSM states into at
-                                      ``snapshot_row``, PAD_SLOT_ID when none (a prefix cache's)
-    snapshot_row:      [max_seqs]     packed row the snapshot's tokens end before: a chunk start
-                                      of the sequence, or its end
+                                      ``snapshot_row``, PAD_SLOT_ID when none (a prefix cache's;
+                                      a speculative step's own slot)
+    snapshot_row:      [max_seqs]     packed row the snapshot's tokens end before: past the
+                                      sequence's first token, at most its end (a chunk starts there)
     chunk_size:        SSD chunk size the chunks were cut with (static)
     """
 
@@ -65,6 +74,7 @@ class PrefillMetadata:
     chunk_start: torch.Tensor | np.ndarray
     chunk_end: torch.Tensor | np.ndarray
     seq_chunk_start: torch.Tensor | np.ndarray
+    final_slot: torch.Tensor | np.ndarray
     snapshot_slot: torch.Tensor | np.ndarray
     snapshot_row: torch.Tensor | np.ndarray
     chunk_size: int
@@ -92,7 +102,7 @@ class PrefillMetadata:
         return cls(
             cu_seqlens=z(max_seqs + 1), seq_idx=z(max_tokens), slot_idx=z(max_seqs),
             has_initial_state=z(max_seqs), context_lens=z(max_seqs), chunk_seq=z(n_chunks), chunk_start=z(n_chunks),
-            chunk_end=z(n_chunks), seq_chunk_start=z(max_seqs + 1), snapshot_slot=z(max_seqs),
+            chunk_end=z(n_chunks), seq_chunk_start=z(max_seqs + 1), final_slot=z(max_seqs), snapshot_slot=z(max_seqs),
             snapshot_row=z(max_seqs), chunk_size=chunk_size,
         )
 
@@ -109,6 +119,7 @@ class PrefillMetadata:
         has_initial_state=None,
         context_lens=None,
         snapshots=None,
+        final_slots=None,
         *,
         chunk_size: int,
         max_tokens: int | None = None,
@@ -122,19 +133,20 @@ class PrefillMetadata:
         meta = cls.empty_host(max(max_tokens, 1), max(max_seqs, 1), chunk_size)
         if has_initial_state is None:
             has_initial_state = np.zeros(len(seq_lens), dtype=np.int32)
-        fill_prefill_metadata(meta, seq_lens, slots, has_initial_state, context_lens, snapshots)
+        fill_prefill_metadata(meta, seq_lens, slots, has_initial_state, context_lens, snapshots, final_slots)
         return meta.to(device)
 
 
 def fill_prefill_metadata(meta: PrefillMetadata, seq_lens, slots, has_initial_state, context_lens=None,
-                          snapshots=None) -> None:
+                          snapshots=None, final_slots=None) -> None:
     """Write the metadata of the given sequences into host arrays ``meta`` in place.
 
     seq_lens, slots, has_initial_state, context_lens: [n] with n <= max_seqs and
     sum(seq_lens) <= max_tokens; context_lens defaults to zeros. snapshots: None, or a pair of
-    [n] arrays (slot, tokens): sequence i's states after its first tokens[i] tokens (a multiple
-    of chunk_size, or its length) are also written to slot[i] where that is >= 0. Every entry is
-    rewritten, so nothing from an earlier step survives.
+    [n] arrays (slot, tokens): sequence i's states after its first tokens[i] tokens (1 to its
+    length) are also written to slot[i] where that is >= 0. final_slots: [n], where each
+    sequence's states after its last token go (-1: nowhere); default its own slot. Every entry
+    is rewritten, so nothing from an earlier step survives.
     """
     seq_lens = np.asarray(seq_lens, dtype=np.int64)
     n = len(seq_lens)
@@ -157,38 +169,49 @@ def fill_prefill_metadata(meta: PrefillMetadata, seq_lens, slots, has_initial_st
 
     meta.slot_idx[:n] = slots
     meta.slot_idx[n:] = PAD_SLOT_ID
+    meta.final_slot[:n] = slots if final_slots is None else final_slots
+    meta.final_slot[n:] = PAD_SLOT_ID
     meta.has_initial_state[:n] = has_initial_state
     meta.has_initial_state[n:] = 0
     meta.context_lens[:n] = 0 if context_lens is None else context_lens
     meta.context_lens[n:] = 0
 
-    chunks_per_seq = -(-seq_lens // c)
-    n_chunks = int(chunks_per_seq.sum())
-    scs = meta.seq_chunk_start
-    scs[0] = 0
-    np.cumsum(chunks_per_seq, out=scs[1 : n + 1])
-    scs[n + 1 :] = n_chunks
+    meta.snapshot_slot[:] = PAD_SLOT_ID
+    meta.snapshot_row[:] = 0
+    # the chunk grid's segments: each sequence, cut in two at a snapshot strictly inside it
+    seg_seq, seg_start, seg_end = np.arange(n), cu[:n].astype(np.int64), cu[1 : n + 1].astype(np.int64)
+    if snapshots is not None:
+        snap_slots, snap_tokens = (np.asarray(a, dtype=np.int64) for a in snapshots)
+        live = snap_slots >= 0
+        bad = live & ((snap_tokens <= 0) | (snap_tokens > seq_lens))
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"prefill sequence {i}: a snapshot after {snap_tokens[i]} of its {seq_lens[i]} tokens")
+        meta.snapshot_slot[:n] = np.where(live, snap_slots, PAD_SLOT_ID)
+        meta.snapshot_row[:n] = np.where(live, cu[:n] + snap_tokens, 0)
+        cut = np.flatnonzero(live & (snap_tokens < seq_lens))
+        if len(cut):
+            rows = seg_start[cut] + snap_tokens[cut]
+            seg_seq = np.concatenate([seg_seq, cut])
+            seg_start = np.concatenate([seg_start, rows])
+            seg_end = np.concatenate([seg_end, seg_end[cut]])
+            seg_end[cut] = rows
+            order = np.argsort(seg_start, kind="stable")
+            seg_seq, seg_start, seg_end = seg_seq[order], seg_start[order], seg_end[order]
 
-    chunk_seq = np.repeat(np.arange(n), chunks_per_seq)
-    # index of each chunk within its sequence
-    within = np.arange(n_chunks) - scs[chunk_seq]
-    start = cu[chunk_seq] + within * c
+    chunks_per_seg = -(-(seg_end - seg_start) // c)
+    n_chunks = int(chunks_per_seg.sum())
+    first = np.cumsum(chunks_per_seg) - chunks_per_seg  # each segment's first chunk
+    seg = np.repeat(np.arange(len(seg_seq)), chunks_per_seg)
+    start = seg_start[seg] + (np.arange(n_chunks) - first[seg]) * c
+    chunk_seq = seg_seq[seg]
     meta.chunk_seq[:n_chunks] = chunk_seq
     meta.chunk_seq[n_chunks:] = -1
     meta.chunk_start[:n_chunks] = start
     meta.chunk_start[n_chunks:] = total
-    meta.chunk_end[:n_chunks] = np.minimum(start + c, cu[chunk_seq + 1])
+    meta.chunk_end[:n_chunks] = np.minimum(start + c, seg_end[seg])
     meta.chunk_end[n_chunks:] = total
-
-    meta.snapshot_slot[:] = PAD_SLOT_ID
-    meta.snapshot_row[:] = 0
-    if snapshots is not None:
-        snap_slots, snap_tokens = (np.asarray(a, dtype=np.int64) for a in snapshots)
-        live = snap_slots >= 0
-        bad = live & ((snap_tokens <= 0) | (snap_tokens > seq_lens) | ((snap_tokens % c != 0) & (snap_tokens != seq_lens)))
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise ValueError(f"prefill sequence {i}: a snapshot after {snap_tokens[i]} of its {seq_lens[i]} tokens "
-                             f"is neither at a chunk start (chunk_size {c}) nor at its end")
-        meta.snapshot_slot[:n] = np.where(live, snap_slots, PAD_SLOT_ID)
-        meta.snapshot_row[:n] = np.where(live, cu[:n] + snap_tokens, 0)
+    scs = meta.seq_chunk_start
+    scs[0] = 0
+    np.cumsum(np.bincount(chunk_seq, minlength=n)[:n], out=scs[1 : n + 1])
+    scs[n + 1 :] = n_chunks

@@ -220,6 +220,34 @@ def test_a_snapshot_holds_the_window_before_its_row(impl, device):
     assert torch.equal(got[:8], plain[:8])
 
 
+@pytest.mark.parametrize("impl", ["triton", "ref"])
+def test_a_snapshot_into_its_own_slot(impl, device):
+    """The speculative use: the window before the row goes to the sequence's own slot and the
+    final one nowhere, or elsewhere; both are read before either is written, even where the
+    snapshot's window reaches back into the initial one (sequence 0, one token in)."""
+    fn = conv1d_varlen.triton if impl == "triton" else conv1d_varlen_ref
+    device = device if impl == "triton" else "cpu"
+    D, K, dtype = 40, 4, torch.float32
+    lens, slots, init = [2, 9], [1, 4], [1, 1]
+    w, b = make_params(D, K, dtype, device)
+    x = strided_rows(sum(lens), D, dtype, device)
+    pool = make_pool(8, D, K, dtype, device)
+
+    def conv(x, lens, slots, init, snapshots=None, final_slots=None):
+        p = pool.clone()
+        meta = PrefillMetadata.build(lens, slots, init, snapshots=snapshots, final_slots=final_slots, chunk_size=2,
+                                     device=device)
+        return fn(x, w, b, p, meta), p
+
+    out, got = conv(x, lens, slots, init, ([1, 4], [1, 5]), [7, PAD_SLOT_ID])
+    plain_out, plain = conv(x, lens, slots, init)
+    assert torch.equal(out, plain_out)
+    assert torch.equal(got[1], conv(x[:1], [1], [1], [1])[1][1])
+    assert torch.equal(got[7], plain[1])
+    assert torch.equal(got[4], conv(x[2:7], [5], [4], [1])[1][4])
+    assert torch.equal(got[[0, 2, 3, 5, 6]], plain[[0, 2, 3, 5, 6]])
+
+
 def test_varlen_padding_is_inert(device):
     D, K, S, dtype = 72, 4, 8, torch.bfloat16
     lens, slots, init = [5, 2, 11], [6, 1, 3], [1, 1, 0]

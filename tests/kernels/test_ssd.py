@@ -232,9 +232,42 @@ def test_a_snapshot_holds_the_state_of_its_prefix(impl, device):
     assert torch.equal(pool[rest], plain_pool[rest])
 
 
-def test_a_snapshot_off_a_chunk_start_is_refused():
-    with pytest.raises(ValueError, match="sequence 1: a snapshot after 20 of its 30 tokens"):
-        PrefillMetadata.build([45, 30], [3, 5], [1, 0], snapshots=([6, 7], [32, 20]), chunk_size=CHUNK)
+@pytest.mark.parametrize("impl", ["triton", "chunked_torch", "ref"])
+def test_a_snapshot_anywhere_is_a_resumed_scan(impl, device):
+    """A snapshot off the chunk grid cuts the grid there: the sequence's outputs and final state
+    are those of a scan of its tokens before the row and one resumed from that state after it,
+    and the snapshot is the state at the row. The speculative use: the snapshot goes to the
+    sequence's own slot and its final state nowhere (the drafts after the row may be rejected);
+    sequence 1 keeps both in its slot as usual."""
+    fn = {"triton": ssd_scan.triton, "chunked_torch": ssd_scan_chunked_torch, "ref": ssd_scan_ref}[impl]
+    device = device if impl == "triton" else "cpu"
+    lens, slots, init, at = [45, 7], [3, 5], [1, 1], 21
+    inp = make_inputs(sum(lens), G=2, device=device)
+    meta = PrefillMetadata.build(lens, slots, init, snapshots=([3, -1], [at, 0]), final_slots=[PAD_SLOT_ID, 5],
+                                 chunk_size=CHUNK, max_seqs=3, device=device)
+    out, pool = scan(fn, inp, meta)
+
+    def part(rows, slot, state):
+        piece = {k: (v[rows] if v.dim() >= 2 and k != "ssm_state" else v) for k, v in inp.items()}
+        piece["ssm_state"] = state
+        return scan(fn, piece, PrefillMetadata.build([rows.stop - rows.start], [slot], [1], chunk_size=CHUNK,
+                                                     device=device))
+
+    # the Triton kernels run the same chunks to the bit; torch's products round by shape
+    same = torch.equal if impl == "triton" else (lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-5))
+    head_out, head_pool = part(slice(0, at), 3, inp["ssm_state"])
+    tail_out, tail_pool = part(slice(at, 45), 3, head_pool)
+    seq1_out, seq1_pool = part(slice(45, 52), 5, inp["ssm_state"])
+    assert same(out[:45], torch.cat([head_out, tail_out]))
+    assert same(pool[3], head_pool[3])
+    assert same(out[45:], seq1_out) and same(pool[5], seq1_pool[5])
+    rest = [0, 1, 2, 4, 6, 7]
+    assert torch.equal(pool[rest], inp["ssm_state"][rest])
+
+
+def test_a_snapshot_outside_its_sequence_is_refused():
+    with pytest.raises(ValueError, match="sequence 1: a snapshot after 31 of its 30 tokens"):
+        PrefillMetadata.build([45, 30], [3, 5], [1, 0], snapshots=([6, 7], [32, 31]), chunk_size=CHUNK)
 
 
 def test_reference_matches_hf():

@@ -18,6 +18,7 @@ launched when the stop is seen, and its token is dropped.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from .prefix_cache import PrefixCache
 from .request import Request, RequestOutput, SamplingParams, TokenLogprobs
 from .scheduler import Scheduler
 from .slot_tokens_seen import SlotTokensSeen
+from .speculative import Speculative, accepted
 from .state_pool import StatePool
 from .step_runner import PendingTokens, StepRunner
 
@@ -42,12 +44,14 @@ __all__ = ["Engine", "SamplingParams", "RequestOutput", "StepShape"]
 
 @dataclass(frozen=True)
 class StepShape:
-    """One launched step: its decode rows, prefill tokens and sequences, and the bucket it ran in."""
+    """One launched step: its decode rows, prefill tokens and sequences, the most drafts a
+    sequence carried, and the bucket it ran in."""
 
     decode: int
     prefill_tokens: int
     prefill_seqs: int
     bucket: Bucket
+    drafts: int = 0
 
 
 class Engine:
@@ -66,6 +70,7 @@ class Engine:
         trace: bool = False,
         prefix_cache_slots: int = 0,
         prefix_cache_gib: float = 0.0,
+        speculative: Speculative | None = None,
     ):
         """model: a loaded Model; num_slots: concurrent requests (default: what
         ``memory_fraction`` of free device memory holds, at most the largest decode bucket);
@@ -75,12 +80,22 @@ class Engine:
         trace: record every launched step's shape and bucket in ``self.trace``;
         prefix_cache_slots: snapshots a prefix cache keeps (``runtime.prefix_cache``; 0: none),
         each a slot of the pool beside the requests', at block boundaries of the SSD chunk size;
-        or prefix_cache_gib: as many as that much device memory holds."""
+        or prefix_cache_gib: as many as that much device memory holds; speculative: draft and
+        verify tokens (``runtime.speculative``; not pipelined), the buckets given verify graphs."""
         self.model, self.cfg = model, model.cfg
         cuda = model.device.type == "cuda"
         if isinstance(buckets, (str, Path)):
             buckets = BucketSet.load(buckets)
         self.buckets = buckets or BucketSet.default(cuda)
+        if speculative is not None:
+            if pipelined:
+                raise ValueError("speculative: a speculating engine reads each step's tokens before it schedules "
+                                 "the next; pipelined=True cannot be")
+            if self.buckets.drafts < speculative.num_drafts:
+                self.buckets = dataclasses.replace(self.buckets, drafts=speculative.num_drafts)
+        self.speculative = speculative
+        # verify sequences run, the drafts they carried, and how many of those were accepted
+        self.speculative_stats = {"verified": 0, "drafts": 0, "accepted": 0}
         self.max_context = max_context
         if num_slots is None:
             num_slots = self.buckets.max_decode
@@ -110,7 +125,7 @@ class Engine:
             self.prefix_cache = PrefixCache(list(range(num_slots, num_slots + prefix_cache_slots)),
                                             self.runner.buffers.chunk_size, slot_bytes=per_slot)
         self.scheduler = Scheduler(num_slots, self.buckets.max_prefill_tokens, self.buckets.max_prefill_seqs,
-                                   self.runner.buffers.max_decode, self.prefix_cache)
+                                   self.runner.buffers.max_decode, self.prefix_cache, speculative, max_context)
         self.pipelined = pipelined
         self.capture_report = None
         if use_graphs if use_graphs is not None else cuda:
@@ -166,8 +181,8 @@ class Engine:
             for _ in range(n - 1):
                 next(self._seeds)
         wrap = lambda s: (s + 2**63) % 2**64 - 2**63  # noqa: E731  (seed + i stays an int64)
-        choices = [first] + [Request(next(self._ids), first.prompt, first.params, wrap(seed + i), bias=first.bias)
-                             for i in range(1, n)]
+        choices = [first] + [Request(next(self._ids), first.prompt, first.params, wrap(seed + i), bias=first.bias,
+                                     drafter=self._drafter(first.params)) for i in range(1, n)]
         for r in choices:
             self.requests[r.id] = r
         if n == 1 or len(first.prompt) == 1:  # nothing to share
@@ -200,7 +215,17 @@ class Engine:
                              f"max_context={self.max_context} (prompt plus output tokens)")
         bias = self._bias_entries(params) if params.processed else None
         seed = params.seed if params.seed is not None else next(self._seeds)
-        return Request(next(self._ids), prompt.astype(np.int64), params, seed, bias=bias)
+        return Request(next(self._ids), prompt.astype(np.int64), params, seed, bias=bias,
+                       drafter=self._drafter(params))
+
+    def _drafter(self, params: SamplingParams):
+        """A new drafter where the request speculates: the engine does, the request asks to (or
+        leaves it to the engine's default), and it has no logits processors, whose counts a
+        verify step's rows would need per draft."""
+        spec = self.speculative
+        if spec is None or params.processed or not (spec.default if params.speculative is None else params.speculative):
+            return None
+        return spec.drafter()
 
     def _bias_entries(self, params: SamplingParams) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """A request's bias entries (ids, values, until), ``MAX_BIASED`` each: its logit_bias,
@@ -291,7 +316,7 @@ class Engine:
                 launched = (self.runner.launch(plan), rows)
                 if self.trace is not None:
                     self.trace.append(StepShape(plan.num_decode, plan.num_prefill_tokens, plan.num_prefill,
-                                                launched[0].bucket))
+                                                launched[0].bucket, plan.num_drafts))
             # the step wrote the snapshots' conv and SSM states; their keys and values, after it
             for slot, snapshot, tokens in self.scheduler.snapshots:
                 self.runner.copy_state(slot, [snapshot], tokens, recurrent=False)
@@ -302,23 +327,43 @@ class Engine:
 
     def _collect(self, launched) -> list[RequestOutput]:
         pending, rows = launched
-        tokens = pending.get()
+        tokens = pending.get().tolist()
         logprobs = pending.logprobs()
         outputs = []
-        for i, (req, token) in enumerate(zip(rows, tokens.tolist())):
-            if req is None or req.finished:
-                continue  # a prompt chunk, or a pipelined step past a stop or an abort
-            req.output.append(token)
-            req.finish_reason = self._stop_reason(req, token)
-            out = RequestOutput(req.id, [token], req.finished, req.finish_reason)
+        i = 0
+        while i < len(rows):
+            req = rows[i]
+            if req is None or req.finished:  # a prompt chunk, or a pipelined step past a stop or an abort
+                i += 1
+                continue
+            # a verify sequence's rows: its drafts are kept while each equals the draw before it
+            drafts, req.verify = req.verify or [], None
+            n = 1 + accepted(drafts, tokens[i : i + 1 + len(drafts)])
+            if drafts:
+                stats = self.speculative_stats
+                stats["verified"], stats["drafts"], stats["accepted"] = (
+                    stats["verified"] + 1, stats["drafts"] + len(drafts), stats["accepted"] + n - 1)
+            out = RequestOutput(req.id, [], False)
             k = req.params.logprobs
             if k is not None:
-                drawn, top_values, top_ids = logprobs
-                out.logprobs = [TokenLogprobs(float(drawn[i]), list(zip(top_ids[i, :k].tolist(),
-                                                                        top_values[i, :k].tolist())))]
+                out.logprobs = []
+            for j in range(i, i + n):
+                req.output.append(tokens[j])
+                out.new_tokens.append(tokens[j])
+                if k is not None:
+                    drawn, top_values, top_ids = logprobs
+                    out.logprobs.append(TokenLogprobs(float(drawn[j]), list(zip(top_ids[j, :k].tolist(),
+                                                                                top_values[j, :k].tolist()))))
+                req.finish_reason = self._stop_reason(req, tokens[j])
+                if req.finished:
+                    break
+            out.finished, out.finish_reason = req.finished, req.finish_reason
+            if drafts or req.drafter is not None:
+                req.drawn = len(req.output)  # the rows past the bonus token drew nothing kept
             outputs.append(out)
             if req.finished:
                 self._retire(req)
+            i += 1 + len(drafts)
         return outputs
 
     def _stop_reason(self, req: Request, token: int) -> str | None:

@@ -17,7 +17,7 @@ __all__ = ["NgramDrafter"]
 
 class NgramDrafter:
     """One request's drafter: ``extend`` with every token as it arrives (the prompt first), then
-    ``propose(k)``."""
+    ``propose(k)``; or ``draft(context, k)``, which extends with what the context adds."""
 
     def __init__(self, min_n: int = 2, max_n: int = 4):
         if not 1 <= min_n <= max_n:
@@ -35,6 +35,12 @@ class NgramDrafter:
             for n in range(self.min_n, min(self.max_n, end) + 1):
                 self._after[tuple(self.tokens[end - n : end])] = end
             self.tokens.append(t)
+
+    def draft(self, context, k: int) -> list[int]:
+        """``propose(k)`` after extending with the tokens ``context`` holds beyond those seen
+        (``runtime.speculative.Drafter``)."""
+        self.extend(context[len(self.tokens) :])
+        return self.propose(k)
 
     def propose(self, k: int) -> list[int]:
         """Up to ``k`` draft tokens (none where no suffix of ``min_n`` or more tokens occurred

@@ -26,12 +26,16 @@ class StepPlan:
                      written to after its first ``snapshot_tokens`` tokens (a whole number of SSD
                      chunks, or the chunk's length); -1 for none (a prefix cache's snapshots)
     snapshot_tokens: [n_prefill] or empty
+    final_slots:     [n_prefill] or empty (each its own slot): where each chunk's conv and SSM
+                     states after its last token go, -1 for nowhere (a verify sequence's drafts)
+    prefill_logits:  [n_prefill] or empty (1 each): the logit rows of each prefill sequence, its
+                     last tokens' (a verify sequence's: its last certain token and its drafts)
     decode_tokens:   [n_decode] the token each decode row feeds in; -1 takes the token the
                      previous step sampled for its slot, already on the device
     decode_slots:    [n_decode] state slot of each decode row
     decode_context:  [n_decode] tokens in the slot before the decode token
 
-    Sampling, one entry per logit row (each prefill sequence, then each decode row); empty
+    Sampling, one entry per logit row (each prefill sequence's, then each decode row); empty
     arrays mean greedy rows whose tokens are not kept:
     temperature, top_k, top_p: the row's sampling parameters
     seed, position:  the request's seed and the index of the token drawn within the request
@@ -54,6 +58,8 @@ class StepPlan:
     prefill_context: np.ndarray = field(default_factory=_i32)
     snapshot_slots: np.ndarray = field(default_factory=_i32)
     snapshot_tokens: np.ndarray = field(default_factory=_i32)
+    final_slots: np.ndarray = field(default_factory=_i32)
+    prefill_logits: np.ndarray = field(default_factory=_i32)
     decode_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     decode_slots: np.ndarray = field(default_factory=_i32)
     decode_context: np.ndarray = field(default_factory=_i32)
@@ -85,9 +91,19 @@ class StepPlan:
         return len(self.decode_slots)
 
     @property
+    def num_prefill_rows(self) -> int:
+        """Logit rows of the prefill sequences: one each, or ``prefill_logits``."""
+        return int(self.prefill_logits.sum()) if len(self.prefill_logits) else self.num_prefill
+
+    @property
+    def num_drafts(self) -> int:
+        """The most drafts a prefill sequence carries (logit rows past its first)."""
+        return int(self.prefill_logits.max()) - 1 if len(self.prefill_logits) else 0
+
+    @property
     def num_rows(self) -> int:
-        """Logit rows: one per prefill sequence, one per decode row."""
-        return self.num_prefill + self.num_decode
+        """Logit rows: the prefill sequences', one per decode row."""
+        return self.num_prefill_rows + self.num_decode
 
     @property
     def sampled(self) -> bool:

@@ -33,7 +33,9 @@ class SamplingParams:
     > 0 (HF's; 1 is off), ``logit_bias`` a mapping of token id to a bias in [-100, 100], and
     ``min_tokens``: the stop tokens (``stop_token_ids`` and, unless ``ignore_eos``, EOS) cannot
     be drawn before that many tokens. ``logprobs``: None, or how many alternatives (0 to 20) to
-    report beside each drawn token's log-probability."""
+    report beside each drawn token's log-probability. ``speculative``: whether to draft and
+    verify tokens on an engine that can (``runtime.speculative``; None: the engine's default;
+    a request with logits processors never does); the tokens are the same either way."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -48,6 +50,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     logprobs: int | None = None
+    speculative: bool | None = None
 
     def __post_init__(self):
         t = self.temperature
@@ -85,6 +88,8 @@ class SamplingParams:
         n = self.logprobs
         if n is not None and not (_is_int(n) and 0 <= n <= MAX_LOGPROBS):
             raise ValueError(f"logprobs: expected None or an int in [0, {MAX_LOGPROBS}], got {n!r}")
+        if self.speculative is not None and not isinstance(self.speculative, (bool, np.bool_)):
+            raise ValueError(f"speculative: expected None or a bool, got {self.speculative!r}")
 
     @property
     def greedy(self) -> bool:
@@ -132,6 +137,10 @@ class Request:
     choices: list["Request"] | None = None
     # with a prefix cache: the block boundaries its prefill snapshots at (``prefix_cache.Boundary``), in order
     snapshot_at: list = field(default_factory=list)
+    # speculating (``runtime.speculative``): its drafter, and while a step runs it in prefill
+    # form, the drafts that step verifies (None otherwise)
+    drafter: object | None = None
+    verify: list[int] | None = None
 
     @property
     def prompt_done(self) -> bool:

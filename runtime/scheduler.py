@@ -16,29 +16,33 @@ With a prefix cache (``runtime.prefix_cache``), an admitted prompt starts from t
 cached prefix (``restores``: copies the engine makes before the step), and the cache names the
 boundaries its prefill snapshots at: the step's kernels write the conv and SSM states there into
 the snapshot's slot (the plan's ``snapshot_slots``), and the engine copies the keys and values
-after the step (``snapshots``). A chunk holds one such boundary at most, and one that does not
-start on a block boundary ends at it (the rest runs in the next step). A prompt of several
+after the step (``snapshots``). A chunk holds one such boundary at most. A prompt of several
 choices prefills whole.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 
 from ..kernels.logits_processors import MAX_BIASED
+from ..kernels.varlen import PAD_SLOT_ID
 from .plan import StepPlan
 from .prefix_cache import PrefixCache
 from .request import Request
+from .speculative import Speculative
 
 __all__ = ["Scheduler"]
 
 
 class Scheduler:
     def __init__(self, num_slots: int, token_budget: int, max_prefill_seqs: int, max_decode: int,
-                 prefix_cache: PrefixCache | None = None):
+                 prefix_cache: PrefixCache | None = None, speculative: Speculative | None = None,
+                 max_context: int = 1 << 62):
         self.token_budget, self.max_prefill_seqs, self.max_decode = token_budget, max_prefill_seqs, max_decode
+        self.speculative, self.max_context = speculative, max_context
         self.free_slots = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self.cache = prefix_cache
         # (snapshot slot, request, tokens) to restore before the last schedule()'s step, and
@@ -83,14 +87,24 @@ class Scheduler:
         if self.cache is not None:  # the last plan's step, which writes its snapshots, was launched
             self.cache.settle()
         decodes = [r for r in self.running if r.prompt_done and not r.finished and not r.choices][: self.max_decode]
+        verify, drafting = self._verifying(decodes)
+        # the rest decode a token each; one with more pending that found no room waits a step
+        decodes = [r for r in decodes if r.verify is None and _pending(r) <= 1]
         budget = self.token_budget
+        seqs = []
+        for r in verify:
+            q = self._verify_sequence(r, drafting, budget)
+            if q is not None:
+                seqs.append(q)
+                budget -= len(q.tokens)
         chunks: list[tuple[Request, int]] = []
         for r in self.running:
-            if not r.prompt_done and budget > 0 and len(chunks) < self.max_prefill_seqs:
+            if not r.prompt_done and budget > 0 and len(seqs) + len(chunks) < self.max_prefill_seqs:
                 n = self._chunk(r, budget)
                 chunks.append((r, n))
                 budget -= n
-        while self.waiting and self.free_slots and budget > 0 and len(chunks) < self.max_prefill_seqs:
+        while (self.waiting and self.free_slots and budget > 0
+               and len(seqs) + len(chunks) < self.max_prefill_seqs):
             if len(self.free_slots) < len(self.waiting[0].choices or [None]):
                 break  # FCFS: a prefix waits for a slot per choice, and those behind it wait too
             r = self.waiting.popleft()
@@ -107,27 +121,65 @@ class Scheduler:
             n = self._chunk(r, budget)
             chunks.append((r, n))
             budget -= n
-        snapshots = {}  # request -> (snapshot slot, tokens of its chunk before the boundary)
         for r, n in chunks:
+            q = _Sequence(r, r.prompt[r.computed : r.computed + n], r.computed,
+                          draws=r.computed + n >= len(r.prompt) and not r.choices)
             if r.snapshot_at and r.snapshot_at[0].end <= r.computed + n:
                 at = r.snapshot_at.pop(0)
                 snapshot = self.cache.claim(r.prompt, at)
                 if snapshot is not None:
                     self.snapshots.append((r.slot, snapshot, at.end))
-                    snapshots[r] = (snapshot, at.end - r.computed)
-        return self._plan(chunks, decodes, snapshots)
+                    q.snapshot = (snapshot, at.end - r.computed)
+            r.computed += n
+            seqs.append(q)
+        return self._plan(seqs, decodes)
+
+    def _verifying(self, decodes: list[Request]) -> tuple[list[Request], bool]:
+        """The decode requests the step runs in prefill form, and whether they carry drafts:
+        every one, drafting, where all speculate and there are at most ``max_batch`` (and room
+        in the step's sequences); else those with more than one token pending (a verify step's
+        accepted drafts), which catch up without drafts. Sets their ``verify``."""
+        spec = self.speculative
+        drafting = (spec is not None and 0 < len(decodes) <= min(spec.max_batch, self.max_prefill_seqs)
+                    and all(r.drafter is not None for r in decodes))
+        verify = decodes if drafting else [r for r in decodes if _pending(r) > 1]
+        verify = verify[: self.max_prefill_seqs]
+        for r in verify:
+            r.verify = []
+        return verify, drafting
+
+    def _verify_sequence(self, r: Request, drafting: bool, budget: int) -> "_Sequence | None":
+        """``r``'s pending tokens and, where ``drafting``, its drafts (as many as its remaining
+        tokens, its context and the step's ``budget`` allow); the state after the pending tokens
+        is snapshotted into its own slot and the one after the drafts dropped
+        (``runtime.speculative``). None where the budget has no room (it waits a step)."""
+        pending = np.asarray(r.output[r.computed - len(r.prompt) :], dtype=np.int64)
+        if len(pending) > budget:
+            r.verify = None
+            return None
+        known = len(r.prompt) + len(r.output)
+        k = min(self.speculative.num_drafts, r.params.max_tokens - len(r.output) - 1, self.max_context - known,
+                budget - len(pending)) if drafting else 0
+        if k > 0:
+            context = np.concatenate([r.prompt, np.asarray(r.output, dtype=np.int64)])
+            r.verify = [int(t) for t in r.drafter.draft(context, k)[:k]]
+        q = _Sequence(r, np.concatenate([pending, np.asarray(r.verify, dtype=np.int64)]), r.computed, draws=True,
+                      drafts=len(r.verify))
+        if r.verify:
+            q.snapshot, q.final = (r.slot, len(pending)), PAD_SLOT_ID
+        r.computed += len(pending)
+        return q
 
     def _cached(self, r: Request) -> bool:
         return self.cache is not None and not r.choices
 
     def _chunk(self, r: Request, budget: int) -> int:
         """The tokens of ``r``'s prompt the step prefills: what the budget allows, with one
-        boundary to snapshot at, at most. The step's kernels take that snapshot inside the chunk
-        where it starts on a block boundary (its SSD chunks then start on every boundary);
-        otherwise, or where a second boundary falls inside too, the chunk ends at the first."""
+        boundary to snapshot at, at most (the step's kernels take it inside the chunk; where a
+        second boundary falls inside too, the chunk ends at the first)."""
         n = min(len(r.prompt) - r.computed, budget)
         inside = [b for b in r.snapshot_at if b.end < r.computed + n]
-        if inside and (r.computed % self.cache.block or len(inside) > 1):
+        if len(inside) > 1:
             n = inside[0].end - r.computed
         return n
 
@@ -144,37 +196,41 @@ class Scheduler:
         prefix.choices = None
         return prefix.slot, [r.slot for r in others], prefix.computed
 
-    def _plan(self, chunks, decodes, snapshots) -> tuple[StepPlan, list[Request | None]]:
+    def _plan(self, seqs: list["_Sequence"], decodes: list[Request]) -> tuple[StepPlan, list[Request | None]]:
         rows: list[Request | None] = []
-        pre_tokens, pre_ctx = [], []
-        for r, n in chunks:
-            pre_tokens.append(r.prompt[r.computed : r.computed + n])
-            pre_ctx.append(r.computed)
-            r.computed += n
-            rows.append(r if r.prompt_done and not r.choices else None)
-        dec_ctx = []
+        for q in seqs:
+            rows += [q.req if q.draws else None] * (1 + q.drafts)
+        dec_ctx, dec_tokens = [], []
         for r in decodes:
             dec_ctx.append(r.computed)
+            # a speculating request's input is on the host (a verify step's rows feed no slot's
+            # next input); otherwise the token the previous step drew, already on the device
+            dec_tokens.append(r.output[r.computed - len(r.prompt)] if r.drafter is not None else -1)
             r.computed += 1
             rows.append(r)
         i32 = lambda v: np.asarray(v, dtype=np.int32)  # noqa: E731
         params = [r.params if r is not None else None for r in rows]
         # a draw's position counts the draws scheduled before it, not the tokens collected: in
-        # pipelined mode the previous step's token is still on its way
+        # pipelined mode the previous step's token is still on its way (a verify step's rows
+        # draw the positions after it; the engine sets ``drawn`` from what it accepted)
         positions = []
         for r in rows:
             positions.append(r.drawn if r is not None else 0)
             if r is not None:
                 r.drawn += 1
+        verifying = any(q.drafts for q in seqs)
         plan = StepPlan(
-            prefill_tokens=np.concatenate(pre_tokens) if pre_tokens else np.zeros(0, np.int64),
-            prefill_lens=i32([n for _, n in chunks]),
-            prefill_slots=i32([r.slot for r, _ in chunks]),
-            prefill_context=i32(pre_ctx),
-            snapshot_slots=i32([snapshots.get(r, (-1, 0))[0] for r, _ in chunks] if snapshots else []),
-            snapshot_tokens=i32([snapshots.get(r, (-1, 0))[1] for r, _ in chunks] if snapshots else []),
-            # decode inputs are the tokens the previous steps drew, already on the device
-            decode_tokens=np.full(len(decodes), -1, dtype=np.int64),
+            prefill_tokens=np.concatenate([q.tokens for q in seqs]) if seqs else np.zeros(0, np.int64),
+            prefill_lens=i32([len(q.tokens) for q in seqs]),
+            prefill_slots=i32([q.req.slot for q in seqs]),
+            prefill_context=i32([q.context for q in seqs]),
+            snapshot_slots=i32([q.snapshot[0] if q.snapshot else -1 for q in seqs]
+                               if any(q.snapshot for q in seqs) else []),
+            snapshot_tokens=i32([q.snapshot[1] if q.snapshot else 0 for q in seqs]
+                                if any(q.snapshot for q in seqs) else []),
+            final_slots=i32([q.req.slot if q.final is None else q.final for q in seqs] if verifying else []),
+            prefill_logits=i32([1 + q.drafts for q in seqs] if verifying else []),
+            decode_tokens=np.asarray(dec_tokens, dtype=np.int64),
             decode_slots=i32([r.slot for r in decodes]),
             decode_context=i32(dec_ctx),
             temperature=np.array([p.temperature if p else 0.0 for p in params], dtype=np.float32),
@@ -182,12 +238,35 @@ class Scheduler:
             top_p=np.array([p.top_p if p else 1.0 for p in params], dtype=np.float32),
             seed=np.array([r.seed if r else 0 for r in rows], dtype=np.int64),
             position=np.array(positions, dtype=np.int64),
-            sample_slots=i32([r.slot if r is not None else -1 for r in rows]),
+            # a verify sequence's tokens reach the next step through the host
+            sample_slots=i32([-1 if r is None or r.verify is not None else r.slot for r in rows]),
             logprobs=any(p is not None and p.logprobs is not None for p in params),
         )
-        if any(r.params.processed for r, _ in chunks) or any(r.params.processed for r in decodes):
-            _processors(plan, [r for r, _ in chunks], rows)
+        if any(q.req.params.processed for q in seqs) or any(r.params.processed for r in decodes):
+            _processors(plan, [q.req for q in seqs], rows)
         return plan, rows
+
+
+def _pending(r: Request) -> int:
+    """Tokens ``r`` drew that its slot's state has not taken in (pipelined: 0 while the last
+    step's draw is on its way)."""
+    return len(r.prompt) + len(r.output) - r.computed
+
+
+@dataclass
+class _Sequence:
+    """A sequence of the step in prefill form: a prompt's chunk, or a decode request's pending
+    tokens and ``drafts`` drafts after them (a verify sequence). ``draws``: whether its logit
+    rows draw for the request; ``snapshot``: (slot, its tokens before the snapshot), or None;
+    ``final``: where its state after the last token goes (None: its own slot)."""
+
+    req: Request
+    tokens: np.ndarray
+    context: int
+    draws: bool
+    drafts: int = 0
+    snapshot: tuple[int, int] | None = None
+    final: int | None = None
 
 
 def _processors(plan: StepPlan, chunked: list[Request], rows: list[Request | None]) -> None:

@@ -78,25 +78,26 @@ class _Arena:
 
 class StepBuffers:
     def __init__(self, max_decode: int, max_prefill_tokens: int, max_prefill_seqs: int, chunk_size: int,
-                 device="cpu"):
+                 device="cpu", max_drafts: int = 0):
+        """max_drafts: the most drafts a verify bucket's sequences carry (each a logit row)."""
         self.device = torch.device(device)
         self.max_decode, self.max_prefill_tokens = max_decode, max_prefill_tokens
-        self.max_prefill_seqs, self.chunk_size = max_prefill_seqs, chunk_size
+        self.max_prefill_seqs, self.chunk_size, self.max_drafts = max_prefill_seqs, chunk_size, max_drafts
         T, S = max_prefill_tokens, max_prefill_seqs
         C = max_chunks_for(T, S, chunk_size)
+        R = S * (1 + max_drafts) + max_decode  # logit rows
         i32, i64 = np.int32, np.int64
         spec = {
-            "logit_rows": (i64, S + max_decode),
+            "logit_rows": (i64, R),
             # sampling, per logit row
-            "seed": (i64, S + max_decode), "position": (i64, S + max_decode),
-            "temperature": (np.float32, S + max_decode), "top_p": (np.float32, S + max_decode),
-            "top_k": (i32, S + max_decode), "sample_slots": (i32, S + max_decode),
+            "seed": (i64, R), "position": (i64, R), "temperature": (np.float32, R), "top_p": (np.float32, R),
+            "top_k": (i32, R), "sample_slots": (i32, R),
             "decode_slots": (i32, max_decode),
             "decode_kv_lens": (i32, max_decode),
             "cu_seqlens": (i32, S + 1), "slot_idx": (i32, S),
             "has_initial_state": (i32, S), "context_lens": (i32, S), "chunk_seq": (i32, C),
             "chunk_start": (i32, C), "chunk_end": (i32, C), "seq_chunk_start": (i32, S + 1),
-            "snapshot_slot": (i32, S), "snapshot_row": (i32, S),
+            "final_slot": (i32, S), "snapshot_slot": (i32, S), "snapshot_row": (i32, S),
             # last, the two arrays as long as the prefill tokens, which the refill writes over
             # the bucket's part only
             "input_ids": (i64, T + max_decode), "seq_idx": (i32, T),
@@ -107,8 +108,7 @@ class StepBuffers:
         self._padding = self.arena.bytes[: self.arena.offsets["input_ids"]].copy()
         f32 = np.float32
         self.processors = _Arena({
-            "presence": (f32, S + max_decode), "frequency": (f32, S + max_decode),
-            "repetition": (f32, S + max_decode), "processor_slots": (i32, S + max_decode),
+            "presence": (f32, R), "frequency": (f32, R), "repetition": (f32, R), "processor_slots": (i32, R),
             "admit_slots": (i32, S), "bias_ids": (i32, S * MAX_BIASED), "bias_values": (f32, S * MAX_BIASED),
             "bias_until": (i32, S * MAX_BIASED),
         }, self.device)
@@ -119,7 +119,8 @@ class StepBuffers:
     def _prefill_meta(self, views: dict, tokens: int) -> PrefillMetadata:
         S, C = self.max_prefill_seqs, max_chunks_for(tokens, self.max_prefill_seqs, self.chunk_size)
         sizes = dict(cu_seqlens=S + 1, seq_idx=tokens, slot_idx=S, has_initial_state=S, context_lens=S,
-                     chunk_seq=C, chunk_start=C, chunk_end=C, seq_chunk_start=S + 1, snapshot_slot=S, snapshot_row=S)
+                     chunk_seq=C, chunk_start=C, chunk_end=C, seq_chunk_start=S + 1, final_slot=S,
+                     snapshot_slot=S, snapshot_row=S)
         return PrefillMetadata(**{k: views[k][:n] for k, n in sizes.items()}, chunk_size=self.chunk_size)
 
     def inputs(self, bucket: Bucket) -> StepInputs:
@@ -138,8 +139,9 @@ class StepBuffers:
         return self._inputs[bucket]
 
     def rows(self, bucket: Bucket) -> int:
-        """Logit rows of ``bucket``: room for every prefill sequence, then one per decode row."""
-        return (self.max_prefill_seqs if bucket.prefill else 0) + bucket.decode
+        """Logit rows of ``bucket``: room for every prefill sequence's (one each, 1 + drafts in a
+        verify bucket), then one per decode row."""
+        return (self.max_prefill_seqs * (1 + bucket.drafts) if bucket.prefill else 0) + bucket.decode
 
     def sampling(self, bucket: Bucket) -> tuple[torch.Tensor, ...]:
         """Device views (temperature, top_k, top_p, seed, position, sample_slots), each [rows]."""
@@ -148,27 +150,30 @@ class StepBuffers:
                      ("temperature", "top_k", "top_p", "seed", "position", "sample_slots"))
 
     def _check(self, bucket: Bucket) -> None:
-        if bucket.decode > self.max_decode or bucket.prefill > self.max_prefill_tokens:
+        if (bucket.decode > self.max_decode or bucket.prefill > self.max_prefill_tokens
+                or bucket.drafts > self.max_drafts):
             raise ValueError(f"{bucket} exceeds the buffers' maxima ({self.max_decode} decode rows, "
-                             f"{self.max_prefill_tokens} prefill tokens)")
+                             f"{self.max_prefill_tokens} prefill tokens, {self.max_drafts} drafts)")
 
     def fill(self, plan: StepPlan, bucket: Bucket) -> None:
         """Write ``plan`` into the host arena, padded to ``bucket``.
 
-        Logit rows come in plan order, live ones first: the last token of each prefill sequence,
-        then each decode row; the rest point at row 0 and their logits are ignored. Every entry the
+        Logit rows come in plan order, live ones first: the last token of each prefill sequence
+        (its last ``prefill_logits`` tokens), then each decode row; the rest point at row 0 and
+        their logits are ignored. Every entry the
         bucket's inputs read is reset to padding first, so nothing from an earlier, larger step
         (or anything else left there) can reach this one.
         """
-        if not bucket.fits(plan.num_decode, plan.num_prefill_tokens, plan.num_prefill, self.max_prefill_seqs):
+        if not bucket.fits(plan.num_decode, plan.num_prefill_tokens, plan.num_prefill, self.max_prefill_seqs,
+                           plan.num_drafts):
             raise ValueError(f"plan ({plan.num_decode} decodes, {plan.num_prefill_tokens} prefill tokens in "
-                             f"{plan.num_prefill} sequences) does not fit {bucket}")
+                             f"{plan.num_prefill} sequences, {plan.num_drafts} drafts) does not fit {bucket}")
         self._check(bucket)
         # the previous step's copy must have left the host arena before we overwrite it
         self.arena.wait()
         self.arena.bytes[: len(self._padding)] = self._padding
         h, Tp = self.arena.np, bucket.prefill
-        n_pre, n_dec = plan.num_prefill, plan.num_decode
+        n_pre, n_dec = plan.num_prefill_rows, plan.num_decode
         ids = h["input_ids"][: Tp + bucket.decode]
         ids[:] = 0
         ids[Tp : Tp + n_dec] = plan.decode_tokens
@@ -180,8 +185,14 @@ class StepBuffers:
             ids[: len(plan.prefill_tokens)] = plan.prefill_tokens
             fill_prefill_metadata(self._prefill_meta(h, Tp), plan.prefill_lens, plan.prefill_slots,
                                   plan.prefill_context > 0, plan.prefill_context,
-                                  (plan.snapshot_slots, plan.snapshot_tokens) if len(plan.snapshot_slots) else None)
-            rows[:n_pre] = np.cumsum(plan.prefill_lens) - 1
+                                  (plan.snapshot_slots, plan.snapshot_tokens) if len(plan.snapshot_slots) else None,
+                                  plan.final_slots if len(plan.final_slots) else None)
+            ends = np.cumsum(plan.prefill_lens)
+            if len(plan.prefill_logits):  # each sequence's last tokens: ends - n .. ends - 1
+                n = plan.prefill_logits
+                rows[:n_pre] = np.repeat(ends - n, n) + (np.arange(n_pre) - np.repeat(np.cumsum(n) - n, n))
+            else:
+                rows[:n_pre] = ends - 1
         if plan.sampled:
             for name in ("temperature", "top_k", "top_p", "seed", "position", "sample_slots"):
                 h[name][: plan.num_rows] = getattr(plan, name)

@@ -72,6 +72,7 @@ class StepRunner:
             max_prefill_seqs=buckets.max_prefill_seqs,
             chunk_size=model.cfg.chunk_size if model.cfg.has("mamba") else 64,
             device=model.device,
+            max_drafts=buckets.drafts,
         )
         # High priority: when both branches queue kernels, the prefill branch's (short grids, on
         # the critical path) take SMs first and the decode branch fills around them.
@@ -84,7 +85,7 @@ class StepRunner:
         # tokens of rows that keep none
         self.slot_tokens = torch.zeros(pool.num_slots + 1, dtype=torch.int64, device=model.device)
         self.seen = SlotTokensSeen(pool.num_slots, model.cfg.vocab_size, model.device)
-        rows = self.buffers.rows(Bucket(self.buffers.max_decode, self.buffers.max_prefill_tokens))
+        rows = self.buffers.rows(Bucket(self.buffers.max_decode, self.buffers.max_prefill_tokens, buckets.drafts))
         k = min(MAX_LOGPROBS, model.cfg.vocab_size)
         # where the logprobs variants write: drawn, top values, top ids (a row each)
         self.logprobs = (torch.zeros(rows, dtype=torch.float32, device=model.device),
@@ -108,8 +109,8 @@ class StepRunner:
 
     def bucket_for(self, plan: StepPlan) -> Bucket:
         """The graph bucket for ``plan``, or an exact-size bucket when none holds it."""
-        return (self.buckets.choose(plan.num_decode, plan.num_prefill_tokens, plan.num_prefill)
-                or Bucket(plan.num_decode, plan.num_prefill_tokens))
+        return (self.buckets.choose(plan.num_decode, plan.num_prefill_tokens, plan.num_prefill, plan.num_drafts)
+                or Bucket(plan.num_decode, plan.num_prefill_tokens, plan.num_drafts))
 
     def capture(self, buckets: list[Bucket] | None = None, progress: bool = True) -> CaptureReport:
         """Capture ``buckets`` (default: all), largest first: a forward graph each and a
@@ -150,7 +151,7 @@ class StepRunner:
 
     def logits(self, plan: StepPlan, bucket: Bucket | None = None) -> torch.Tensor:
         """Run the plan's forward without drawing: logits [n_rows, vocab] fp32 for its rows (the
-        last token of each prefill sequence, then each decode row); ``bucket`` overrides the
+        last tokens of each prefill sequence, then each decode row); ``bucket`` overrides the
         choice. The tensor is the forward's output buffer, which the next step overwrites: copy
         what you keep."""
         bucket = bucket or self.bucket_for(plan)

@@ -16,6 +16,10 @@
                                             the prefix cache beside none on the same model: a
                                             multi-turn chat and an agentic workload of long
                                             prompts, TTFT and throughput, hit rate, equal tokens
+    mambastep bench spec [--preset P ...] [--json PATH]
+                                            speculative decoding beside plain: verify steps
+                                            against k, tokens/s alone against the acceptance
+                                            length, and at concurrency 64
     mambastep bench profile --preset P --batch B [--prefill T] [--timeline [--window LO:HI]]
                                             per-kernel time of one eager step: B decode rows
                                             (and a prefill chunk of T tokens); --timeline: what
@@ -41,11 +45,12 @@ import sys
 
 import torch
 
-from . import bench_fp8, bench_kernels, bench_markdown, bench_prefix, bench_profile, bench_sampling, bench_steps
+from . import (bench_fp8, bench_kernels, bench_markdown, bench_prefix, bench_profile, bench_sampling, bench_spec,
+               bench_steps)
 from .args import Parser, writable_path
 
 SUITES = {"kernels": bench_kernels, "steps": bench_steps, "fp8": bench_fp8, "sampling": bench_sampling,
-          "prefix": bench_prefix}
+          "prefix": bench_prefix, "spec": bench_spec}
 
 
 def _window(text: str) -> tuple[int, int]:
@@ -71,7 +76,7 @@ def main(argv=None) -> int:
                         help="which benchmark to run")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument("--preset", action="append",
-                        help="steps, fp8, sampling, prefix: preset(s) to run (default: the suite's)")
+                        help="steps, fp8, sampling, prefix, spec: preset(s) to run (default: the suite's)")
     parser.add_argument("--batch", type=int, default=1, help="profile: decode batch")
     parser.add_argument("--prefill", type=int, default=0, help="profile: tokens of one prefill chunk (0: none)")
     parser.add_argument("--timeline", action="store_true",
@@ -84,6 +89,7 @@ def main(argv=None) -> int:
     parser.add_argument("--fp8", metavar="JSON", nargs="*", default=[], help="markdown: JSONs of `bench fp8`")
     parser.add_argument("--sampling", metavar="JSON", help="markdown: the JSON of `bench sampling`")
     parser.add_argument("--prefix", metavar="JSON", help="markdown: the JSON of `bench prefix`")
+    parser.add_argument("--spec", metavar="JSON", help="markdown: the JSON of `bench spec`")
     parser.add_argument("--run", metavar="JSON", nargs="*", default=[], help="markdown: JSONs of `mambastep run`")
     parser.add_argument("--serve", metavar="JSON", nargs="*", default=[],
                         help="markdown: JSONs of `bench serve` and of the in-process runs beside them (.ci/gpu-serve)")
@@ -101,7 +107,7 @@ def main(argv=None) -> int:
             parser.error("--readme needs --steps")
         text = (bench_markdown.readme_table(args.steps, args.run, args.kernels) if args.readme
                 else bench_markdown.render(args.steps, args.kernels, args.run, args.serve, args.tune, args.fp8,
-                                           args.sampling, args.prefix))
+                                           args.sampling, args.prefix, args.spec))
         if args.out:
             with open(args.out, "w") as f:
                 f.write(text)
@@ -118,7 +124,7 @@ def main(argv=None) -> int:
             print(bench_profile.profile(preset, args.batch, args.prefill))
         return 0
     suite = SUITES[args.what]
-    result = suite.run(tuple(args.preset)) if (args.what in ("steps", "fp8", "sampling", "prefix") and args.preset) \
+    result = suite.run(tuple(args.preset)) if (args.what in ("steps", "fp8", "sampling", "prefix", "spec") and args.preset) \
         else suite.run()
     suite.print_table(result)
     if args.json:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from . import bench_fp8, bench_kernels, bench_prefix, bench_sampling, bench_steps
+from . import bench_fp8, bench_kernels, bench_prefix, bench_sampling, bench_spec, bench_steps
 from .tune import validated_table
 
 __all__ = ["readme_table", "render", "run_command", "run_table", "serve_table", "tune_tables"]
@@ -96,11 +96,11 @@ def _load_results(paths) -> list[dict]:
 
 
 def render(steps=(), kernels: str | None = None, runs=(), serve=(), tune=(), fp8=(), sampling: str | None = None,
-           prefix: str | None = None) -> str:
+           prefix: str | None = None, spec: str | None = None) -> str:
     """The page: ``steps`` one or more JSONs of `bench steps`, ``fp8`` of `bench fp8`, ``runs`` and ``serve`` JSONs of
     `mambastep run` and of .ci/gpu-serve, ``tune`` JSONs of `mambastep tune --validate`,
     ``kernels`` the JSON of `bench kernels`, ``sampling`` the JSON of `bench sampling`, ``prefix`` that of
-    `bench prefix`."""
+    `bench prefix`, ``spec`` that of `bench spec`."""
     out = ["# Benchmarks", "",
            "Current numbers only, each table under the command that printed it; the whole page is written by",
            "`mambastep bench markdown` from those commands' `--json` output (`.ci/gpu-bench` runs them all).",
@@ -123,6 +123,9 @@ def render(steps=(), kernels: str | None = None, runs=(), serve=(), tune=(), fp8
     if prefix:
         out += ["## Prefix cache", "", "```", "mambastep bench prefix [--preset P ...] --json prefix.json", "```", "",
                 bench_prefix.__doc__.strip(), "", bench_prefix.tables(json.loads(Path(prefix).read_text())), ""]
+    if spec:
+        out += ["## Speculative decoding", "", "```", "mambastep bench spec [--preset P ...] --json spec.json", "```", "",
+                bench_spec.__doc__.strip(), "", bench_spec.tables(json.loads(Path(spec).read_text())), ""]
     if runs:
         results = _load_results(runs)
         out += ["## The main job", "", "```", "mambastep run --preset P --concurrency C --requests N [--pipelined]",

@@ -2,7 +2,8 @@
 SSD chunk and conv-width edges; greedy or seeded sampling with top-k / top-p; stop tokens;
 short max_tokens; penalties, logit bias, min_tokens and logprobs, or none; n choices of one
 prompt, each like the request alone with seed + i), steps, aborts in every state, and every buffer region a step does not own
-poisoned between steps.
+poisoned between steps; variants pipelined, with a prefix cache, speculating (drafts accepted,
+in part, or not at all), and over the other families' blocks.
 
 After every rule: no slot is held twice and free plus held slots are the pool; every step ran
 in the smallest bucket that holds it; every request is either live in the engine or ended, none
@@ -17,6 +18,7 @@ Nemotron-H (fused decode steps too) in CUDA graphs, fp32, and a larger budget.
 import dataclasses
 import os
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, settings, strategies as st
@@ -25,7 +27,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from mambastep.graphs import Bucket, BucketSet
 from mambastep.runtime.engine import Engine
 from mambastep.runtime.model import Model
+from mambastep.runtime.ngram_drafter import NgramDrafter
 from mambastep.runtime.request import SamplingParams
+from mambastep.runtime.speculative import Speculative
 
 # A 40-token prefill budget in at most two sequences a step: long prompts chunk; 4 slots: queueing.
 BUCKETS = BucketSet(decode=(1, 2, 4), mixed_decode=(0, 2, 4), prefill=(16, 40), max_prefill_seqs=2)
@@ -93,11 +97,15 @@ class EngineMachine(RuleBasedStateMachine):
     pipelined = False
     graphs = False
     cache_slots = 0  # a prefix cache's snapshots
+    speculative = False  # draft and verify (``MachineDrafter``)
 
     def __init__(self):
         super().__init__()
+        spec = None
+        if self.speculative:
+            spec = Speculative(drafter=lambda: MachineDrafter(self), num_drafts=3, max_batch=3)
         self.engine = new_engine(self.preset, self.device, pipelined=self.pipelined, use_graphs=self.graphs,
-                                 trace=True, prefix_cache_slots=self.cache_slots)
+                                 trace=True, prefix_cache_slots=self.cache_slots, speculative=spec)
         self.added: dict[int, tuple[list[int], SamplingParams]] = {}
         self.tokens: dict[int, list[int]] = {}
         self.ended: dict[int, str] = {}
@@ -227,10 +235,12 @@ class EngineMachine(RuleBasedStateMachine):
 
     @invariant()
     def steps_ran_in_their_bucket(self):
+        buckets = self.engine.buckets  # BUCKETS, with verify buckets where the engine speculates
         for s in self.engine.trace[self.checked_steps:]:
-            want = BUCKETS.choose(s.decode, s.prefill_tokens, s.prefill_seqs) or Bucket(s.decode, s.prefill_tokens)
+            want = (buckets.choose(s.decode, s.prefill_tokens, s.prefill_seqs, s.drafts)
+                    or Bucket(s.decode, s.prefill_tokens, s.drafts))
             assert s.bucket == want and s.bucket.fits(s.decode, s.prefill_tokens, s.prefill_seqs,
-                                                      BUCKETS.max_prefill_seqs)
+                                                      buckets.max_prefill_seqs, s.drafts)
         self.checked_steps = len(self.engine.trace)
 
     @invariant()
@@ -296,6 +306,31 @@ TestFalconEngine = FalconMachine.TestCase
 TestFalconEngine.settings = _settings(12, 25)
 
 
+class MachineDrafter:
+    """Drafts what a request added to the machine draws alone (the first added whose prompt the
+    context starts with), each draft wrong with probability 0.3, so drafts are accepted whole,
+    in part and not at all; else prompt lookup."""
+
+    def __init__(self, machine):
+        self.machine, self.rng, self.ngram = machine, np.random.default_rng(len(machine.added)), NgramDrafter()
+
+    def draft(self, context, k):
+        for prompt, params in self.machine.added.values():
+            if len(context) >= len(prompt) and list(context[: len(prompt)]) == list(prompt):
+                drawn = self.machine._alone(prompt, params)[len(context) - len(prompt) :][:k]
+                return [(t + 1) % 512 if self.rng.random() < 0.3 else t for t in drawn]
+        return self.ngram.draft(context, k)
+
+
+class SpeculativeMachine(EngineMachine):
+    # draft and verify: a request's tokens are still those it draws alone
+    speculative = True
+
+
+TestSpeculativeEngine = SpeculativeMachine.TestCase
+TestSpeculativeEngine.settings = _settings(12, 25)
+
+
 class GPUMachine(EngineMachine):
     # no MoE: decode steps of up to 4 rows take the fused path, the rest layered, all in graphs
     preset, device, graphs = "tiny-nemotron-h", "cuda", True
@@ -313,6 +348,10 @@ class GPUCachedMachine(GPUMachine):
     cache_slots = 2
 
 
+class GPUSpeculativeMachine(GPUMachine):
+    speculative = True
+
+
 class GPUFalconMachine(GPUMachine):
     # decode steps fork each block's attention onto the side stream, in the graphs
     preset = "tiny-falcon-h1"
@@ -320,7 +359,8 @@ class GPUFalconMachine(GPUMachine):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("machine", [GPUMachine, GPUPipelinedMachine, GPUCachedMachine, GPUGraniteMachine,
-                                     GPUFalconMachine], ids=["default", "pipelined", "prefix-cache", "granite", "falcon-h1"])
+                                     GPUFalconMachine, GPUSpeculativeMachine],
+                         ids=["default", "pipelined", "prefix-cache", "granite", "falcon-h1", "speculative"])
 def test_engine_machine_on_gpu(machine):
     from hypothesis.stateful import run_state_machine_as_test
 

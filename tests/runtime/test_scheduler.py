@@ -77,8 +77,9 @@ def test_decode_rows_are_capped_and_releasing_a_queued_request_drops_it():
 def test_a_snapshot_inside_a_chunk_adds_no_step():
     """With a prefix cache (blocks of 4): a 14-token prompt wants a snapshot at 12, inside its
     second 8-token chunk, which starts on a block boundary: the plan names the snapshot's slot
-    and the chunk's tokens before it, and the prompt ends in two steps as without a cache. A
-    second prompt whose chunk starts off a boundary (the budget's rest) ends that chunk at it."""
+    and the chunk's tokens before it, and the prompt ends in two steps as without a cache. So
+    does a second prompt whose chunk starts off a boundary (the budget's rest): the kernels cut
+    their chunk grid at the snapshot's row."""
     from mambastep.runtime.prefix_cache import PrefixCache
 
     s = Scheduler(num_slots=2, token_budget=8, max_prefill_seqs=2, max_decode=4,
@@ -94,6 +95,6 @@ def test_a_snapshot_inside_a_chunk_adds_no_step():
     assert plan.snapshot_slots.tolist() == [2, -1] and plan.snapshot_tokens.tolist()[0] == 4
     assert s.snapshots == [(a.slot, 2, 12)]
     a.output.append(5)
-    plan, _ = s.schedule()  # b from 2, off a boundary: its chunk ends at its boundary, 8
-    assert plan.prefill_lens.tolist() == [6] and plan.prefill_context.tolist() == [2]
+    plan, _ = s.schedule()  # b from 2, off a boundary: its rest in one chunk, the snapshot at 8
+    assert plan.prefill_lens.tolist() == [8] and plan.prefill_context.tolist() == [2]
     assert plan.snapshot_slots.tolist() == [3] and plan.snapshot_tokens.tolist() == [6]

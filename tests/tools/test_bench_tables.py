@@ -235,3 +235,23 @@ def test_the_prefix_bench_sets_the_cache_beside_none_on_the_cpu(tmp_path):
     path.write_text(json.dumps(result))
     page = bench_markdown.render(prefix=str(path))
     assert "mambastep bench prefix" in page and "| multi-turn | 0.01 GiB" in page
+
+
+def test_the_spec_bench_sets_speculation_beside_plain_on_the_cpu(tmp_path):
+    """`bench spec` at test size on the CPU: verify steps for every k beside a decode step; alone,
+    the oracle drafter's acceptance length rising as fewer drafts are wrong, every run's tokens
+    the plain run's; at concurrency, the same tokens; its markdown section."""
+    from mambastep.tools import bench_markdown, bench_spec
+
+    result = bench_spec.run(("tiny-hybrid",), progress=False, prompt_tokens=40, max_tokens=12, wide=4, device="cpu")
+    p = result["presets"][0]
+    assert [s["batch"] for s in p["steps"]] == [1] and list(p["steps"][0]["verify_ms"]) == list(bench_spec.DRAFTS)
+    runs = p["alone"]
+    assert [r["drafter"] for r in runs] == ["none"] + ["oracle"] * len(bench_spec.WRONG) + ["ngram"]
+    assert all(r["equal"] for r in runs) and p["wide"]["equal"]
+    oracle = [r["acceptance_length"] for r in runs[1:-1]]
+    assert oracle[0] == 1.0 and oracle[-1] == 1 + p["num_drafts"] and oracle == sorted(oracle)
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(result))
+    page = bench_markdown.render(spec=str(path))
+    assert "mambastep bench spec" in page and "| oracle | 25% |" in page

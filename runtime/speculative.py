@@ -1,0 +1,76 @@
+"""Speculative decoding: a request's drafts verified in one step, a rejected draft leaving no trace.
+
+A request that speculates runs each decode step as a sequence in prefill form, a verify
+sequence: its pending tokens (drawn but not yet in its slot's state: the last token drawn, and
+after a verify step the drafts it accepted too), then the drafts its drafter proposes. The step
+yields logits at the last pending token and at each draft. Its kernels snapshot the conv and SSM
+states after the pending tokens into the request's own slot and write the state after the
+drafts nowhere (``PrefillMetadata.final_slot``), so the slot only ever holds a checkpoint of
+certain tokens, and the drafts the step accepts are replayed from it by the next step (as in
+ReplaySSM). Attention layers' keys and values past the checkpoint are overwritten by that
+replay, and never read before it.
+
+Acceptance: each logit row draws as the plain path draws that position (the request's seed, the
+token's index in its output), and the drafts are taken while each equals the draw before it;
+the first draw that differs, or the one after the last draft, is the step's last token. For a
+greedy row this is the longest matching prefix. For a sampled row and a drafter that proposes
+single tokens (prompt lookup, a greedy draft model: a point mass q) it is exact rejection
+sampling: a draft d is kept with probability p(d), and otherwise the draw is p conditioned on
+not being d, the residual (p - q)+ normalised. Either way the tokens are the ones the plain path
+draws, wherever the logits are equal.
+
+What runs where: the scheduler turns a decode request into a verify sequence
+(``Scheduler._verify``), the step buffers give it ``1 + drafts`` logit rows (a verify bucket,
+``graphs.Bucket``), and the engine takes the accepted tokens from the drawn ones (``accepted``)
+when it reads the step, before it schedules the next: a speculating engine is not pipelined.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
+
+from .ngram_drafter import NgramDrafter
+
+__all__ = ["Drafter", "Speculative", "accepted"]
+
+
+class Drafter(Protocol):
+    """One request's drafter."""
+
+    def draft(self, context: Sequence[int], k: int) -> list[int]:
+        """Up to ``k`` tokens to follow ``context`` (the request's prompt and output so far,
+        which only grows between calls)."""
+
+
+@dataclass(frozen=True)
+class Speculative:
+    """An engine's speculative decoding.
+
+    drafter:    a new drafter per request (default: prompt lookup, ``NgramDrafter``)
+    num_drafts: k, the drafts a verify sequence carries at most (its logit rows: 1 + k)
+    max_batch:  speculate only while at most this many requests decode (at larger batches the
+                products are no longer memory-bound, and a verify step costs more than the
+                tokens it adds); at most the buckets' ``max_prefill_seqs``
+    default:    whether a request speculates when its ``SamplingParams.speculative`` is None
+    """
+
+    drafter: Callable[[], Drafter] = NgramDrafter
+    num_drafts: int = 4
+    max_batch: int = 4
+    default: bool = True
+
+    def __post_init__(self):
+        if not (isinstance(self.num_drafts, int) and self.num_drafts >= 1):
+            raise ValueError(f"num_drafts: expected an int >= 1, got {self.num_drafts!r}")
+        if not (isinstance(self.max_batch, int) and self.max_batch >= 1):
+            raise ValueError(f"max_batch: expected an int >= 1, got {self.max_batch!r}")
+
+
+def accepted(drafts: Sequence[int], drawn: Sequence[int]) -> int:
+    """How many of ``drafts`` a verify step keeps: each while it equals the draw of the row
+    before it (``drawn[i]`` is drawn where ``drafts[i]`` was proposed)."""
+    n = 0
+    while n < len(drafts) and drafts[n] == drawn[n]:
+        n += 1
+    return n

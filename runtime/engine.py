@@ -338,7 +338,7 @@ class Engine:
                 continue
             # a verify sequence's rows: its drafts are kept while each equals the draw before it
             drafts, req.verify = req.verify or [], None
-            n = 1 + accepted(drafts, tokens[i : i + 1 + len(drafts)])
+            n = 1 + self._accepted(drafts, tokens[i : i + 1 + len(drafts)])
             if drafts:
                 stats = self.speculative_stats
                 stats["verified"], stats["drafts"], stats["accepted"] = (
@@ -365,6 +365,11 @@ class Engine:
                 self._retire(req)
             i += 1 + len(drafts)
         return outputs
+
+    def _accepted(self, drafts: list[int], drawn: list[int]) -> int:
+        """How many of a verify sequence's drafts it keeps (``speculative.accepted``; a
+        benchmark that sets the acceptance overrides this)."""
+        return accepted(drafts, drawn)
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         p = req.params

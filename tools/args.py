@@ -33,6 +33,25 @@ def add_quantization(parser: Parser) -> None:
                              "speed FP8 checkpoints get. An FP8 checkpoint is read as stored either way")
 
 
+def add_speculative(parser: Parser) -> None:
+    """--speculative K: prompt-lookup drafts verified in one step (``runtime.speculative``)."""
+    parser.add_argument("--speculative", type=int, default=0, metavar="K",
+                        help="draft up to K tokens a step by prompt lookup (the output repeating its context: "
+                             "code edits, retrieval, summaries) and verify them in one step while at most 4 "
+                             "requests decode; the tokens are the same (default 0: off; not with --pipelined)")
+
+
+def speculative_arg(parser: Parser, args):
+    """The engine's ``Speculative`` from --speculative, or None; a bad value is a usage error."""
+    from ..runtime.speculative import Speculative
+
+    if args.speculative < 0:
+        parser.error(f"--speculative: expected drafts >= 0 (0: off), got {args.speculative}")
+    if args.speculative and args.pipelined:
+        parser.error("--speculative reads each step's tokens before it schedules the next: not with --pipelined")
+    return Speculative(num_drafts=args.speculative) if args.speculative else None
+
+
 # add_sampling's options, greedy where neither the command line nor the checkpoint names one
 _GREEDY = dict(temperature=0.0, top_k=0, top_p=1.0)
 

@@ -33,7 +33,7 @@ from ..runtime.presets import PRESETS
 from ..runtime.request import SamplingParams
 from ..runtime.weights import WeightError
 from .args import Parser, add_quantization, add_sampling, bucket_file, device as device_arg, sampling as sampling_fields
-from .args import writable_path
+from .args import add_speculative, speculative_arg, writable_path
 
 # the workload's shortest prompt plus its shortest output
 MIN_CONTEXT = 8
@@ -193,6 +193,7 @@ def main(argv=None) -> int:
                         help="keep snapshots of prompts' state in this much device memory, so that a repeated "
                              "prefix is not prefilled again (default 0: no prefix cache)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_speculative(parser)
     args = parser.parse_args(argv)
 
     device = device_arg(parser, args.device)
@@ -218,7 +219,8 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if gpu else torch.float32
     common = dict(dtype=dtype, device=device, max_context=args.max_context, use_graphs=gpu and not args.eager,
                   pipelined=args.pipelined, progress=not args.quiet, buckets=buckets, trace=args.trace is not None,
-                  quantization=args.quantization, prefix_cache_gib=args.prefix_cache_gib)
+                  quantization=args.quantization, prefix_cache_gib=args.prefix_cache_gib,
+                  speculative=speculative_arg(parser, args))
     try:
         if args.model:
             try:

@@ -32,7 +32,8 @@ import torch
 
 from ..runtime.presets import PRESETS
 from ..runtime.serving.text import TextEngine
-from .args import Parser, add_quantization, bucket_file, device as device_arg, template_file, text_engine
+from .args import Parser, add_quantization, add_speculative, bucket_file, device as device_arg, speculative_arg
+from .args import template_file, text_engine
 
 
 def main(argv=None) -> int:
@@ -57,6 +58,7 @@ def main(argv=None) -> int:
                              "prefix (a conversation's next turn, a shared system prompt) is not prefilled again "
                              "(default 0: no prefix cache); /metrics counts its hits")
     add_quantization(parser)
+    add_speculative(parser)
     parser.add_argument("--buckets", metavar="PATH", help="graph buckets from `mambastep tune`")
     parser.add_argument("--pipelined", action="store_true", help="launch step N+1 before reading step N's tokens")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
@@ -122,7 +124,7 @@ def main(argv=None) -> int:
     common = dict(dtype=torch.bfloat16 if gpu else torch.float32, device=device, max_context=args.max_context,
                   buckets=bucket_file(parser, "--buckets", args.buckets), use_graphs=gpu and not args.eager,
                   pipelined=args.pipelined, chat_template=args.chat_template, quantization=args.quantization,
-                  prefix_cache_gib=args.prefix_cache_gib)
+                  prefix_cache_gib=args.prefix_cache_gib, speculative=speculative_arg(parser, args))
     if args.engine == "process":
         try:
             loop = EngineProcess(functools.partial(TextEngine.load, args.model, args.preset, **common),

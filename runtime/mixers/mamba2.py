@@ -18,6 +18,7 @@ from ...kernels.decode_linear import ConvTail, gated_norm_linear, norm_linear
 from ...kernels.linear import linear
 from ...kernels.norm import gated_rms_norm
 from ...kernels.ssd import ssd_scan
+from ...kernels.ssd_short import SHORT_TOKENS, ssd_short_scan
 from ...kernels.state_update import selective_state_update
 from ..config import ModelConfig
 from .base import Mixer, Norm, StepContext, norm_args
@@ -83,8 +84,10 @@ class Mamba2Mixer(Mixer):
         conv_state, ssm_state = ctx.pool.conv[self.idx], ctx.pool.ssm[self.idx]
         conv1d_varlen(self._xbc(proj[:tp]), self.conv_w, self.conv_b, conv_state, ctx.inputs.prefill, out=xbc[:tp])
         x, B, C = self._ssm_operands(xbc[:tp])
-        ssd_scan(x, self._dt(proj[:tp]), self.A, B, C, self.D, ssm_state, ctx.inputs.prefill, dt_bias=self.dt_bias,
-                 dt_softplus=True, dt_limit=self.dt_limit, out=y[:tp], passed=passed)
+        # a step of a few tokens (a speculative step's verify sequences) scans token by token
+        scan = ssd_short_scan if tp <= SHORT_TOKENS else ssd_scan
+        scan(x, self._dt(proj[:tp]), self.A, B, C, self.D, ssm_state, ctx.inputs.prefill, dt_bias=self.dt_bias,
+             dt_softplus=True, dt_limit=self.dt_limit, out=y[:tp], passed=passed)
 
     def decode(self, work, ctx: StepContext) -> None:
         proj, xbc, y = work

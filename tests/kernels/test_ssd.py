@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from mambastep.kernels.ssd import SSDWorkspace, ssd_scan, ssd_scan_chunked_torch, ssd_scan_ref
+from mambastep.kernels.ssd_short import ssd_short_scan
 from mambastep.kernels.varlen import PAD_SLOT_ID, PrefillMetadata
 from support import assert_close, poisoned
 
@@ -105,6 +106,38 @@ def test_triton_matches_reference(name, dtype, device):
     assert_close(out.float(), ref_out.float(), dtype)
     assert (out[total:] == 0).all()
     check_pool(pool, ref_pool, before, slots, dtype)
+
+
+SHORT_CASES = [n for n in CASES if n not in ("many_chunks", "chunk64")]  # the ones of a few dozen tokens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", SHORT_CASES)
+def test_short_scan_matches_reference(name, dtype, device):
+    """The token-by-token scan of short steps, to the same oracle: skipped sequences, padding,
+    the dt clamp, no D, no z."""
+    out, pool, ref_out, ref_pool, before, slots, total = run_case(ssd_short_scan.triton, name, dtype, device)
+    assert_close(out.float(), ref_out.float(), dtype)
+    assert (out[total:] == 0).all()
+    check_pool(pool, ref_pool, before, slots, dtype)
+
+
+def test_short_scan_snapshots_into_its_own_slot(device):
+    """A verify sequence's checkpoint: the state after its first tokens into its own slot, its
+    final state nowhere; beside it a sequence that keeps its final state as usual."""
+    lens, slots, at = [9, 4], [2, 6], 3
+    inp = make_inputs(sum(lens), G=2, device=device)
+    meta = PrefillMetadata.build(lens, slots, [1, 1], snapshots=([2, -1], [at, 0]), final_slots=[PAD_SLOT_ID, 6],
+                                 chunk_size=CHUNK, device=device)
+    out, pool = scan(ssd_short_scan.triton, inp, meta)
+    ref_out, ref_pool = scan(ssd_scan_ref, inp, meta)
+    assert_close(out, ref_out)
+    assert_close(pool[[2, 6]], ref_pool[[2, 6]])
+    head = {k: (v[:at] if v.dim() >= 2 and k != "ssm_state" else v) for k, v in inp.items()}
+    _, head_pool = scan(ssd_scan_ref, head, PrefillMetadata.build([at], [2], [1], chunk_size=CHUNK, device=device))
+    assert_close(pool[2], head_pool[2])
+    rest = [0, 1, 3, 4, 5, 7]
+    assert torch.equal(pool[rest], inp["ssm_state"][rest])
 
 
 def test_triton_bf16_state_pool(device):

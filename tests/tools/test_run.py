@@ -70,6 +70,8 @@ def _fails_in_one_line(capsys, argv, match):
     (["--turns", "0"], "--turns must be at least 1"),
     (["--prompt-tokens", "5"], "--prompt-tokens: expected 10 to --max-context - 8"),
     (["--prefix-cache-gib", "1e-9"], "--prefix-cache-gib: 1e-09 GiB holds no snapshot"),
+    (["--speculative", "-1"], "--speculative: expected drafts >= 0"),
+    (["--speculative", "3", "--pipelined"], "--speculative reads each step's tokens"),
 ])
 def test_run_checks_its_arguments_first(capsys, argv, match):
     _fails_in_one_line(capsys, ["run", "--device", "cpu", "--quiet", *argv], match)
@@ -122,3 +124,11 @@ def test_run_workloads_that_repeat_prefixes_hit_the_prefix_cache(capsys, tmp_pat
     assert stats["workload"] == workload and stats["prefix_cache"]["hits"] > 0
     assert stats["prefix_cache"]["tokens_restored"] > 0 and "prefix cache:" in out
     assert ("ttft_later_turns_ms" in stats) == (workload == "multi-turn")
+
+
+def test_run_speculating_prints_the_table(capsys, tmp_path):
+    """--speculative K on a multi-turn workload (its turns repeat what came before: prompt lookup
+    finds drafts)."""
+    assert run.main(["--device", "cpu", "--quiet", "--requests", "4", "--concurrency", "2", "--workload", "multi-turn",
+                     "--speculative", "3", "--json", str(tmp_path / "r.json")]) == 0
+    assert "output tokens/s" in capsys.readouterr().out

@@ -28,7 +28,7 @@ from .varlen import PrefillMetadata
 
 __all__ = ["SHORT_TOKENS", "ssd_short_scan", "ssd_short_scan_ref"]
 
-# steps of at most this many prefill tokens take the token-by-token scan
+# verify steps of at most this many prefill tokens take the token-by-token scan
 SHORT_TOKENS = 64
 
 

@@ -135,6 +135,7 @@ class StepBuffers:
                 decode_slots=d["decode_slots"][:B],
                 decode_kv_lens=d["decode_kv_lens"][:B],
                 logit_rows=d["logit_rows"][:rows],
+                verify=bucket.drafts > 0,
             )
         return self._inputs[bucket]
 

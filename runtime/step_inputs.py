@@ -25,6 +25,8 @@ class StepInputs:
     decode_slots:   [B] int32 state slot of each decode row, PAD_SLOT_ID for padding
     decode_kv_lens: [B] int32 context length of each decode row including its new token
     logit_rows:     [R] int64 packed rows whose logits are computed (last prompt tokens, decodes)
+    verify:         a speculative step's (a verify bucket): its prefill sequences are a few
+                    tokens each, which a Mamba layer scans token by token where they are few
     """
 
     input_ids: torch.Tensor
@@ -32,6 +34,7 @@ class StepInputs:
     decode_slots: torch.Tensor
     decode_kv_lens: torch.Tensor
     logit_rows: torch.Tensor
+    verify: bool = False
 
     @property
     def num_prefill_tokens(self) -> int:

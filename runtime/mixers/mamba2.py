@@ -84,8 +84,8 @@ class Mamba2Mixer(Mixer):
         conv_state, ssm_state = ctx.pool.conv[self.idx], ctx.pool.ssm[self.idx]
         conv1d_varlen(self._xbc(proj[:tp]), self.conv_w, self.conv_b, conv_state, ctx.inputs.prefill, out=xbc[:tp])
         x, B, C = self._ssm_operands(xbc[:tp])
-        # a step of a few tokens (a speculative step's verify sequences) scans token by token
-        scan = ssd_short_scan if tp <= SHORT_TOKENS else ssd_scan
+        # a speculative step's verify sequences, of a few tokens each, scan token by token
+        scan = ssd_short_scan if ctx.inputs.verify and tp <= SHORT_TOKENS else ssd_scan
         scan(x, self._dt(proj[:tp]), self.A, B, C, self.D, ssm_state, ctx.inputs.prefill, dt_bias=self.dt_bias,
              dt_softplus=True, dt_limit=self.dt_limit, out=y[:tp], passed=passed)
 

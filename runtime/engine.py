@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -304,6 +305,7 @@ class Engine:
 
     def _step(self) -> list[RequestOutput]:
         launched = None
+        start = time.perf_counter()
         if self.scheduler.has_work():
             plan, rows = self.scheduler.schedule()
             for src, dsts, tokens in self.scheduler.forks:
@@ -321,7 +323,13 @@ class Engine:
             for slot, snapshot, tokens in self.scheduler.snapshots:
                 self.runner.copy_state(slot, [snapshot], tokens, recurrent=False)
         if not self.pipelined:
-            return self._collect(launched) if launched else []
+            if not launched:
+                return []
+            verifying = {id(r): r for r in rows if r is not None and r.verify is not None}
+            outputs = self._collect(launched)
+            if self.scheduler.gate is not None:
+                self._time(plan, list(verifying.values()), outputs, time.perf_counter() - start)
+            return outputs
         done, self._in_flight = self._in_flight, launched
         return self._collect(done) if done else []
 
@@ -365,6 +373,18 @@ class Engine:
                 self._retire(req)
             i += 1 + len(drafts)
         return outputs
+
+    def _time(self, plan, verified: list[Request], outputs: list[RequestOutput], seconds: float) -> None:
+        """Tell the speculation gate what a step of decode rows alone, or of verify sequences
+        alone, took (and what the latter yielded a sequence); steps with prompt chunks say
+        nothing of either."""
+        gate = self.scheduler.gate
+        if plan.num_prefill == 0 and plan.num_decode:
+            gate.decoded(plan.num_decode, seconds)
+        elif plan.num_drafts and plan.num_decode == 0 and len(verified) == plan.num_prefill:
+            ids = {r.id for r in verified}
+            gate.verified(len(verified), seconds,
+                          sum(len(o.new_tokens) for o in outputs if o.id in ids) / len(verified))
 
     def _accepted(self, drafts: list[int], drawn: list[int]) -> int:
         """How many of a verify sequence's drafts it keeps (``speculative.accepted``; a

@@ -32,7 +32,7 @@ from ..kernels.varlen import PAD_SLOT_ID
 from .plan import StepPlan
 from .prefix_cache import PrefixCache
 from .request import Request
-from .speculative import Speculative
+from .speculative import Gate, Speculative
 
 __all__ = ["Scheduler"]
 
@@ -43,6 +43,8 @@ class Scheduler:
                  max_context: int = 1 << 62):
         self.token_budget, self.max_prefill_seqs, self.max_decode = token_budget, max_prefill_seqs, max_decode
         self.speculative, self.max_context = speculative, max_context
+        # where speculating pays, from the steps' times the engine reports (``Gate``)
+        self.gate = Gate() if speculative is not None and speculative.adaptive else None
         self.free_slots = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self.cache = prefix_cache
         # (snapshot slot, request, tokens) to restore before the last schedule()'s step, and
@@ -87,13 +89,13 @@ class Scheduler:
         if self.cache is not None:  # the last plan's step, which writes its snapshots, was launched
             self.cache.settle()
         decodes = [r for r in self.running if r.prompt_done and not r.finished and not r.choices][: self.max_decode]
-        verify, drafting = self._verifying(decodes)
+        verify = self._verifying(decodes)
         # the rest decode a token each; one with more pending that found no room waits a step
         decodes = [r for r in decodes if r.verify is None and _pending(r) <= 1]
         budget = self.token_budget
         seqs = []
         for r in verify:
-            q = self._verify_sequence(r, drafting, budget)
+            q = self._verify_sequence(r, budget)
             if q is not None:
                 seqs.append(q)
                 budget -= len(q.tokens)
@@ -134,35 +136,47 @@ class Scheduler:
             seqs.append(q)
         return self._plan(seqs, decodes)
 
-    def _verifying(self, decodes: list[Request]) -> tuple[list[Request], bool]:
-        """The decode requests the step runs in prefill form, and whether they carry drafts:
-        every one, drafting, where all speculate and there are at most ``max_batch`` (and room
-        in the step's sequences); else those with more than one token pending (a verify step's
-        accepted drafts), which catch up without drafts. Sets their ``verify``."""
+    def _verifying(self, decodes: list[Request]) -> list[Request]:
+        """The decode requests the step runs in prefill form, their ``verify`` set: every one,
+        with the drafts its drafter proposes, where all speculate, there are at most
+        ``max_batch`` (and room in the step's sequences), the gate finds it pays at that batch
+        size, and one of them drafts anything; else
+        those with more than one token pending (a verify step's accepted drafts), which catch up
+        without drafts, while the rest decode as usual."""
         spec = self.speculative
-        drafting = (spec is not None and 0 < len(decodes) <= min(spec.max_batch, self.max_prefill_seqs)
-                    and all(r.drafter is not None for r in decodes))
-        verify = decodes if drafting else [r for r in decodes if _pending(r) > 1]
-        verify = verify[: self.max_prefill_seqs]
+        if (spec is not None and 0 < len(decodes) <= min(spec.max_batch, self.max_prefill_seqs)
+                and all(r.drafter is not None for r in decodes) and (self.gate is None or self.gate.open(len(decodes)))):
+            for r in decodes:
+                r.verify = self._drafts(r)
+            if any(r.verify for r in decodes):
+                return decodes
+            for r in decodes:
+                r.verify = None
+        verify = [r for r in decodes if _pending(r) > 1][: self.max_prefill_seqs]
         for r in verify:
             r.verify = []
-        return verify, drafting
+        return verify
 
-    def _verify_sequence(self, r: Request, drafting: bool, budget: int) -> "_Sequence | None":
-        """``r``'s pending tokens and, where ``drafting``, its drafts (as many as its remaining
-        tokens, its context and the step's ``budget`` allow); the state after the pending tokens
-        is snapshotted into its own slot and the one after the drafts dropped
-        (``runtime.speculative``). None where the budget has no room (it waits a step)."""
+    def _drafts(self, r: Request) -> list[int]:
+        """Up to k drafts from ``r``'s drafter, as many as its remaining tokens and its context
+        allow."""
+        known = len(r.prompt) + len(r.output)
+        k = min(self.speculative.num_drafts, r.params.max_tokens - len(r.output) - 1, self.max_context - known)
+        if k <= 0:
+            return []
+        context = np.concatenate([r.prompt, np.asarray(r.output, dtype=np.int64)])
+        return [int(t) for t in r.drafter.draft(context, k)[:k]]
+
+    def _verify_sequence(self, r: Request, budget: int) -> "_Sequence | None":
+        """``r``'s pending tokens and its drafts (as many as the step's ``budget`` leaves room
+        for); the state after the pending tokens is snapshotted into its own slot and the one
+        after the drafts dropped (``runtime.speculative``). None where the budget has no room
+        (it waits a step)."""
         pending = np.asarray(r.output[r.computed - len(r.prompt) :], dtype=np.int64)
         if len(pending) > budget:
             r.verify = None
             return None
-        known = len(r.prompt) + len(r.output)
-        k = min(self.speculative.num_drafts, r.params.max_tokens - len(r.output) - 1, self.max_context - known,
-                budget - len(pending)) if drafting else 0
-        if k > 0:
-            context = np.concatenate([r.prompt, np.asarray(r.output, dtype=np.int64)])
-            r.verify = [int(t) for t in r.drafter.draft(context, k)[:k]]
+        r.verify = r.verify[: budget - len(pending)]
         q = _Sequence(r, np.concatenate([pending, np.asarray(r.verify, dtype=np.int64)]), r.computed, draws=True,
                       drafts=len(r.verify))
         if r.verify:

@@ -20,7 +20,8 @@ not being d, the residual (p - q)+ normalised. Either way the tokens are the one
 draws, wherever the logits are equal.
 
 What runs where: the scheduler turns a decode request into a verify sequence
-(``Scheduler._verify``), the step buffers give it ``1 + drafts`` logit rows (a verify bucket,
+(``Scheduler._verifying``), where the gate finds that pays (``Gate``, from the step times the
+engine reports), the step buffers give it ``1 + drafts`` logit rows (a verify bucket,
 ``graphs.Bucket``), and the engine takes the accepted tokens from the drawn ones (``accepted``)
 when it reads the step, before it schedules the next: a speculating engine is not pipelined.
 """
@@ -32,7 +33,7 @@ from typing import Callable, Protocol, Sequence
 
 from .ngram_drafter import NgramDrafter
 
-__all__ = ["Drafter", "Speculative", "accepted"]
+__all__ = ["Drafter", "Gate", "Speculative", "accepted"]
 
 
 class Drafter(Protocol):
@@ -53,12 +54,14 @@ class Speculative:
                 products are no longer memory-bound, and a verify step costs more than the
                 tokens it adds); at most the buckets' ``max_prefill_seqs``
     default:    whether a request speculates when its ``SamplingParams.speculative`` is None
+    adaptive:   speculate at a batch size only while it pays there, as measured (``Gate``)
     """
 
     drafter: Callable[[], Drafter] = NgramDrafter
     num_drafts: int = 4
     max_batch: int = 4
     default: bool = True
+    adaptive: bool = True
 
     def __post_init__(self):
         if not (isinstance(self.num_drafts, int) and self.num_drafts >= 1):
@@ -74,3 +77,46 @@ def accepted(drafts: Sequence[int], drawn: Sequence[int]) -> int:
     while n < len(drafts) and drafts[n] == drawn[n]:
         n += 1
     return n
+
+
+class Gate:
+    """Whether speculating pays at a batch size, from what the engine's steps took.
+
+    Per batch size b it keeps moving averages of a decode step's seconds (b rows, nothing
+    else in the step), a verify step's (b verify sequences, nothing else), and the tokens a
+    verify sequence yields (its acceptance length). Speculating pays while a verify step's
+    tokens per second beat a decode step's: ``tokens / verify_s > 1 / decode_s``. A side not
+    yet measured is tried first (verify, then decode), and every ``explore``-th decision at a
+    batch size takes the losing side once, so a change of workload (the drafts starting to
+    hold, or no longer) is seen. It decides step shapes only: the tokens are the same either
+    way.
+    """
+
+    def __init__(self, explore: int = 32, weight: float = 0.25):
+        self.explore, self.weight = explore, weight
+        self.decode_s: dict[int, float] = {}
+        self.verify_s: dict[int, float] = {}
+        self.tokens: dict[int, float] = {}
+        self._decisions: dict[int, int] = {}
+
+    def open(self, batch: int) -> bool:
+        """Whether a step of ``batch`` decoding requests should verify drafts."""
+        if batch not in self.verify_s:
+            return True
+        if batch not in self.decode_s:
+            return False
+        n = self._decisions[batch] = self._decisions.get(batch, 0) + 1
+        pays = self.tokens[batch] * self.decode_s[batch] > self.verify_s[batch]
+        return pays != (n % self.explore == 0)
+
+    def decoded(self, batch: int, seconds: float) -> None:
+        """A step of ``batch`` decode rows took ``seconds``."""
+        self._average(self.decode_s, batch, seconds)
+
+    def verified(self, batch: int, seconds: float, tokens: float) -> None:
+        """A step of ``batch`` verify sequences took ``seconds`` and yielded ``tokens`` a sequence."""
+        self._average(self.verify_s, batch, seconds)
+        self._average(self.tokens, batch, tokens)
+
+    def _average(self, table: dict[int, float], batch: int, value: float) -> None:
+        table[batch] = value if batch not in table else table[batch] + self.weight * (value - table[batch])

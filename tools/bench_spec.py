@@ -144,7 +144,8 @@ def bench_preset(name: str, *, prompt_tokens: int = 512, max_tokens: int = 256, 
     model = Model.from_preset(name, dtype=torch.bfloat16 if gpu else torch.float32, device=device)
     vocab = model.cfg.vocab_size
     drafter = {"make": Repeat}
-    spec = Speculative(drafter=lambda: drafter["make"](), num_drafts=num_drafts)
+    # not adaptive: every row measures verify steps at its acceptance, paying or not
+    spec = Speculative(drafter=lambda: drafter["make"](), num_drafts=num_drafts, adaptive=False)
     buckets = BucketSet(decode=(1, 2, 4, 8, 16, 32, 64), mixed_decode=(0, 64), prefill=(128, 512),
                         max_prefill_seqs=8)
     engine = SetAcceptance(model, num_slots=wide, max_context=prompt_tokens + max_tokens + 16, buckets=buckets,
@@ -226,6 +227,8 @@ def tables(result: dict) -> str:
         if ngram:
             out += ["", f"Prompt lookup beside plain decoding of the repeating prompt ({ngram['plain_tokens_per_s']:.0f} "
                         f"tokens/s): its first {ngram['leading_equal']} of {p['max_tokens']} tokens equal."]
+        if p.get("note"):
+            out += ["", p["note"]]
         w = p["wide"]
         out += ["", f"Concurrency {w['concurrency']}, prompt lookup on random prompts (speculating while at most "
                     f"{p['max_batch']} requests decode): {w['spec_tokens_per_s']:.0f} output tokens/s with it allowed, "

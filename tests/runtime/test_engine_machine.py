@@ -103,7 +103,8 @@ class EngineMachine(RuleBasedStateMachine):
         super().__init__()
         spec = None
         if self.speculative:
-            spec = Speculative(drafter=lambda: MachineDrafter(self), num_drafts=3, max_batch=3)
+            # not adaptive: which steps verify does not hang on the host's timing
+            spec = Speculative(drafter=lambda: MachineDrafter(self), num_drafts=3, max_batch=3, adaptive=False)
         self.engine = new_engine(self.preset, self.device, pipelined=self.pipelined, use_graphs=self.graphs,
                                  trace=True, prefix_cache_slots=self.cache_slots, speculative=spec)
         self.added: dict[int, tuple[list[int], SamplingParams]] = {}

@@ -80,7 +80,7 @@ def test_speculative_tokens_equal_plain(checkpoint, params):
     script = {tuple(p): out for p, out in zip(ps, plain)}
     for k, max_batch, wrong in [(1, 4, 0.0), (3, 4, 0.3), (4, 2, 0.5), (2, 4, 1.0)]:
         spec = engine(path, speculative=Speculative(drafter=lambda: Scripted(script, wrong), num_drafts=k,
-                                                    max_batch=max_batch))
+                                                    max_batch=max_batch, adaptive=False))
         assert run(spec, ps, params) == plain, (k, max_batch, wrong)
         stats = spec.speculative_stats
         print(k, max_batch, wrong, stats)
@@ -89,6 +89,61 @@ def test_speculative_tokens_equal_plain(checkpoint, params):
             assert stats["accepted"] == stats["drafts"] > 0
         if wrong == 1:
             assert stats["accepted"] == 0
-    ngram = engine(path, speculative=Speculative(drafter=NgramDrafter, num_drafts=3))
+    ngram = engine(path, speculative=Speculative(drafter=NgramDrafter, num_drafts=3, adaptive=False))
     assert run(ngram, ps, params) == plain
     print(ngram.speculative_stats)
+
+
+class Never:
+    def draft(self, context, k):
+        return []
+
+
+def test_a_step_whose_requests_draft_nothing_decodes_as_usual(checkpoint):
+    """Prompt lookup that finds no match costs nothing: with no drafts the requests decode a
+    token each in decode rows, not in prefill form."""
+    _, path = checkpoint
+    e = engine(path, speculative=Speculative(drafter=Never, num_drafts=3, adaptive=False), trace=True)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    ps = [[int(t) for t in p] for p in prompts()]
+    assert run(e, ps, params) == run(engine(path), ps, params)
+    assert all(s.drafts == 0 for s in e.trace) and e.speculative_stats["verified"] == 0
+    # the prompts' tokens are the only ones prefilled: every drawn token went in as a decode row
+    assert sum(s.prefill_tokens for s in e.trace) == sum(len(p) for p in ps)
+    assert sum(s.decode for s in e.trace) == len(ps) * (MAX_TOKENS - 1)
+
+
+def test_the_gate_tries_both_then_takes_what_pays_and_explores():
+    from mambastep.runtime.speculative import Gate
+
+    g = Gate(explore=4)
+    assert g.open(2)  # nothing measured: verify first
+    g.verified(2, seconds=3.0, tokens=2.0)
+    assert not g.open(2)  # then a decode step
+    g.decoded(2, seconds=1.0)
+    # 2 tokens in 3 s against 1 token in 1 s: decoding pays; every 4th decision explores
+    assert [g.open(2) for _ in range(8)] == [False, False, False, True] * 2
+    g.verified(2, seconds=3.0, tokens=4.0)  # the drafts start to hold: 2 + 0.25 * (4 - 2) = 2.5
+    g.verified(2, seconds=3.0, tokens=5.0)
+    g.verified(2, seconds=3.0, tokens=5.0)
+    assert g.tokens[2] > 3 and g.open(2)
+    assert g.open(1) and 1 not in g.decode_s  # each batch size on its own
+
+
+@pytest.mark.parametrize("pays", [False, True])
+def test_an_adaptive_engine_speculates_where_the_gate_finds_it_pays(checkpoint, pays):
+    """The gate, told a verify step costs a million times a decode step (or nothing), keeps the
+    engine decoding (or verifying); the tokens are the same either way."""
+    from mambastep.runtime.speculative import Gate
+
+    _, path = checkpoint
+    ps = [[int(t) for t in p] for p in prompts()][:1]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    plain = run(engine(path), ps, params, arrivals=(0,))
+    script = {tuple(ps[0]): plain[0]}
+    e = engine(path, speculative=Speculative(drafter=lambda: Scripted(script, 0.0), num_drafts=2))
+    e.scheduler.gate = Gate()
+    e.scheduler.gate.decoded(1, 1.0 if pays else 1e-6)
+    e.scheduler.gate.verified(1, 1e-6 if pays else 1e6, 1.0)
+    assert run(e, ps, params, arrivals=(0,)) == plain
+    assert (e.speculative_stats["verified"] > 0) == pays

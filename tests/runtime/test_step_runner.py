@@ -2,6 +2,7 @@
 next step on the device, no allocation or sync in steady state, one host-to-device copy per
 step, and the fused decode path equals the layered one."""
 
+import dataclasses
 import gc
 import weakref
 
@@ -210,6 +211,34 @@ def drawn(plan: StepPlan, temperature: float, top_p: float, processed: bool, log
         plan.bias_values = np.full((plan.num_prefill, E), -1.0, np.float32)
         plan.bias_until = np.full((plan.num_prefill, E), 2, np.int32)
     return plan
+
+
+def verify_plan() -> StepPlan:
+    """Two verify sequences (2 pending tokens, 3 drafts; 1 pending, 2 drafts) after the script,
+    checkpointed into their own slots, their final states dropped."""
+    i32 = lambda v: np.asarray(v, dtype=np.int32)  # noqa: E731
+    return StepPlan(prefill_tokens=np.asarray(tokens(5, 7) + tokens(3, 8)), prefill_lens=i32([5, 3]),
+                    prefill_slots=i32([0, 3]), prefill_context=i32([14, 22]), snapshot_slots=i32([0, 3]),
+                    snapshot_tokens=i32([2, 1]), final_slots=i32([-1, -1]), prefill_logits=i32([4, 3]))
+
+
+@pytest.mark.gpu
+def test_verify_steps_allocate_nothing_and_never_sync(gpu_model):
+    """A speculative step in its verify bucket (1 + 3 logit rows a sequence), greedy and
+    sampled: replays only, one copy of its inputs."""
+    runner = make_runner(gpu_model, buckets=dataclasses.replace(BUCKETS, drafts=3))
+    runner.capture(progress=False)
+    run_script(runner, script())
+    sampled = verify_plan()
+    n = sampled.num_rows
+    sampled.temperature, sampled.top_k = np.full(n, 0.8, np.float32), np.zeros(n, np.int32)
+    sampled.top_p, sampled.seed, sampled.position = np.full(n, 0.9, np.float32), np.arange(n), np.arange(n)
+    sampled.sample_slots = np.full(n, -1, np.int32)  # a verify step's tokens go back through the host
+    steps = [verify_plan(), sampled]
+    assert all(runner.graphs.captured(runner.bucket_for(p)) and runner.bucket_for(p).drafts == 3 for p in steps)
+    for plan in steps:
+        runner.launch(plan).get()
+    assert_no_allocation_or_sync(lambda: [runner.launch(plan) for _ in range(5) for plan in steps])
 
 
 @pytest.mark.gpu

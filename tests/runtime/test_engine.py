@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from hf_models import VOCAB, save_tiny
+from hf_models import VOCAB
 from mambastep.graphs import BucketSet
 from mambastep.runtime.engine import Engine, SamplingParams
 
@@ -16,14 +16,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 def prompts(lens, seed=0):
     g = np.random.default_rng(seed)
     return [g.integers(1, VOCAB, n).tolist() for n in lens]
-
-
-@pytest.fixture(scope="module", params=["mamba2", "nemotron_h"])
-def checkpoint(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    hf = save_tiny(request.param, path)
-    hf.generation_config.eos_token_id = None
-    return hf, path
 
 
 def engine_for(path, **kw):

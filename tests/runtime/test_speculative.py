@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from hf_models import VOCAB, save_tiny
+from hf_models import VOCAB
 from mambastep.graphs import BucketSet
 from mambastep.runtime.engine import Engine, SamplingParams
 from mambastep.runtime.ngram_drafter import NgramDrafter
@@ -37,14 +37,6 @@ def test_accepted_counts_drafts_while_each_equals_the_draw_before_it():
     assert accepted([5, 6, 7], [5, 6, 7, 8]) == 3
     assert accepted([5, 6, 7], [5, 9, 7, 8]) == 1
     assert accepted([5, 6, 7], [4, 6, 7, 8]) == 0
-
-
-@pytest.fixture(scope="module", params=["mamba2", "nemotron_h"])
-def checkpoint(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    hf = save_tiny(request.param, path)
-    hf.generation_config.eos_token_id = None
-    return hf, path
 
 
 def engine(path, **kw):

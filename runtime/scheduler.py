@@ -18,6 +18,10 @@ boundaries its prefill snapshots at: the step's kernels write the conv and SSM s
 the snapshot's slot (the plan's ``snapshot_slots``), and the engine copies the keys and values
 after the step (``snapshots``). A chunk holds one such boundary at most. A prompt of several
 choices prefills whole.
+
+With speculative decoding (``runtime.speculative``), decode requests may run as verify
+sequences in prefill form, first in the step: their pending tokens and their drafts
+(``_verifying``, ``_verify_sequence``); their rows feed the next step through the host.
 """
 
 from __future__ import annotations
@@ -137,15 +141,16 @@ class Scheduler:
         return self._plan(seqs, decodes)
 
     def _verifying(self, decodes: list[Request]) -> list[Request]:
-        """The decode requests the step runs in prefill form, their ``verify`` set: every one,
-        with the drafts its drafter proposes, where all speculate, there are at most
-        ``max_batch`` (and room in the step's sequences), the gate finds it pays at that batch
-        size, and one of them drafts anything; else
-        those with more than one token pending (a verify step's accepted drafts), which catch up
-        without drafts, while the rest decode as usual."""
+        """The decode requests the step runs in prefill form, their ``verify`` set. Every one,
+        with the drafts its drafter proposes, where all of them speculate, there are at most
+        ``max_batch`` (and room in the step's sequences), the gate finds verifying pays at that
+        batch size, and one of them drafts anything. Else those with more than one token
+        pending (a verify step's accepted drafts), which catch up without drafts, while the
+        rest decode as usual."""
         spec = self.speculative
         if (spec is not None and 0 < len(decodes) <= min(spec.max_batch, self.max_prefill_seqs)
-                and all(r.drafter is not None for r in decodes) and (self.gate is None or self.gate.open(len(decodes)))):
+                and all(r.drafter is not None for r in decodes)
+                and (self.gate is None or self.gate.open(len(decodes)))):
             for r in decodes:
                 r.verify = self._drafts(r)
             if any(r.verify for r in decodes):

@@ -124,7 +124,8 @@ def main(argv=None) -> int:
             print(bench_profile.profile(preset, args.batch, args.prefill))
         return 0
     suite = SUITES[args.what]
-    result = suite.run(tuple(args.preset)) if (args.what in ("steps", "fp8", "sampling", "prefix", "spec") and args.preset) \
+    takes_presets = args.what in ("steps", "fp8", "sampling", "prefix", "spec")
+    result = suite.run(tuple(args.preset)) if (takes_presets and args.preset) \
         else suite.run()
     suite.print_table(result)
     if args.json:

@@ -124,7 +124,8 @@ def render(steps=(), kernels: str | None = None, runs=(), serve=(), tune=(), fp8
         out += ["## Prefix cache", "", "```", "mambastep bench prefix [--preset P ...] --json prefix.json", "```", "",
                 bench_prefix.__doc__.strip(), "", bench_prefix.tables(json.loads(Path(prefix).read_text())), ""]
     if spec:
-        out += ["## Speculative decoding", "", "```", "mambastep bench spec [--preset P ...] --json spec.json", "```", "",
+        out += ["## Speculative decoding", "", "```", "mambastep bench spec [--preset P ...] --json spec.json",
+                "```", "",
                 bench_spec.__doc__.strip(), "", bench_spec.tables(json.loads(Path(spec).read_text())), ""]
     if runs:
         results = _load_results(runs)

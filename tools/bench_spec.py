@@ -1,8 +1,9 @@
 """Speculative decoding on one model, side by side with plain decoding (``runtime.speculative``).
 
 Verify steps: B sequences of 1 + k tokens (each its last token and k drafts, nothing accepted
-to replay) from slots holding ``CONTEXT`` tokens (fewer where the pool is shorter), in a graph captured for exactly that shape,
-beside a decode step of B rows; per step, synchronised, median (as ``bench steps``).
+to replay) from slots holding ``CONTEXT`` tokens (fewer where the pool is shorter), in a graph
+captured for exactly that shape, beside a decode step of B rows; per step, synchronised, median
+(as ``bench steps``).
 
 Tokens/s: one request alone (a ``prompt_tokens`` random prompt, ``max_tokens`` greedy tokens) on
 one engine, plain (the request opts out) and speculating with k = ``num_drafts``. Random weights
@@ -225,14 +226,16 @@ def tables(result: dict) -> str:
                        f"{r['tokens_per_s'] / r.get('plain_tokens_per_s', plain):.2f}x |")
         ngram = next((r for r in p["alone"] if r["drafter"] == "ngram"), None)
         if ngram:
-            out += ["", f"Prompt lookup beside plain decoding of the repeating prompt ({ngram['plain_tokens_per_s']:.0f} "
-                        f"tokens/s): its first {ngram['leading_equal']} of {p['max_tokens']} tokens equal."]
+            out += ["", "Prompt lookup beside plain decoding of the repeating prompt "
+                        f"({ngram['plain_tokens_per_s']:.0f} tokens/s): its first {ngram['leading_equal']} of "
+                        f"{p['max_tokens']} tokens equal."]
         if p.get("note"):
             out += ["", p["note"]]
         w = p["wide"]
         out += ["", f"Concurrency {w['concurrency']}, prompt lookup on random prompts (speculating while at most "
                     f"{p['max_batch']} requests decode): {w['spec_tokens_per_s']:.0f} output tokens/s with it allowed, "
-                    f"{w['plain_tokens_per_s']:.0f} without ({w['spec_tokens_per_s'] / w['plain_tokens_per_s'] - 1:+.1%}); "
+                    f"{w['plain_tokens_per_s']:.0f} without "
+                    f"({w['spec_tokens_per_s'] / w['plain_tokens_per_s'] - 1:+.1%}); "
                     f"{w['requests_equal']} of {w['concurrency']} requests' tokens equal."]
     return "\n".join(out)
 

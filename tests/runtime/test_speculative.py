@@ -59,7 +59,8 @@ def run(engine, prompts, params, arrivals=(0, 0, 1, 3)):
 def prompts():
     g = np.random.default_rng(3)
     # a repeating prompt (n-gram drafts hit), a long one (chunks), a short one, a middling one
-    return [list(g.integers(1, VOCAB, 6)) * 4, g.integers(1, VOCAB, 37).tolist(), [7], g.integers(1, VOCAB, 11).tolist()]
+    return [list(g.integers(1, VOCAB, 6)) * 4, g.integers(1, VOCAB, 37).tolist(), [7],
+            g.integers(1, VOCAB, 11).tolist()]
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),

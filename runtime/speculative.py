@@ -86,18 +86,23 @@ class Gate:
     else in the step), a verify step's (b verify sequences, nothing else), and the tokens a
     verify sequence yields (its acceptance length). Speculating pays while a verify step's
     tokens per second beat a decode step's: ``tokens / verify_s > 1 / decode_s``. A side not
-    yet measured is tried first (verify, then decode), and every ``explore``-th decision at a
-    batch size takes the losing side once, so a change of workload (the drafts starting to
-    hold, or no longer) is seen. It decides step shapes only: the tokens are the same either
-    way.
+    yet measured is tried first (verify, then decode). Then the losing side is taken once after
+    ``explore`` decisions at a batch size, again after twice as many, and so on up to
+    ``max_explore`` while the verdict holds (back to ``explore`` when it turns), so a change of
+    workload (the drafts starting to hold, or no longer) is seen at a bounded cost. It decides
+    step shapes only: the tokens are the same either way.
     """
 
-    def __init__(self, explore: int = 32, weight: float = 0.25):
-        self.explore, self.weight = explore, weight
+    def __init__(self, explore: int = 32, max_explore: int = 1024, weight: float = 0.25):
+        self.explore, self.max_explore, self.weight = explore, max_explore, weight
         self.decode_s: dict[int, float] = {}
         self.verify_s: dict[int, float] = {}
         self.tokens: dict[int, float] = {}
-        self._decisions: dict[int, int] = {}
+        # per batch size: the last verdict, decisions since the last exploration, and how many
+        # the next one waits for
+        self._verdict: dict[int, bool] = {}
+        self._since: dict[int, int] = {}
+        self._interval: dict[int, int] = {}
 
     def open(self, batch: int) -> bool:
         """Whether a step of ``batch`` decoding requests should verify drafts."""
@@ -105,9 +110,14 @@ class Gate:
             return True
         if batch not in self.decode_s:
             return False
-        n = self._decisions[batch] = self._decisions.get(batch, 0) + 1
         pays = self.tokens[batch] * self.decode_s[batch] > self.verify_s[batch]
-        return pays != (n % self.explore == 0)
+        if self._verdict.get(batch) != pays:
+            self._verdict[batch], self._since[batch], self._interval[batch] = pays, 0, self.explore
+        self._since[batch] += 1
+        if self._since[batch] < self._interval[batch]:
+            return pays
+        self._since[batch], self._interval[batch] = 0, min(2 * self._interval[batch], self.max_explore)
+        return not pays
 
     def decoded(self, batch: int, seconds: float) -> None:
         """A step of ``batch`` decode rows took ``seconds``."""

@@ -114,8 +114,9 @@ def test_the_gate_tries_both_then_takes_what_pays_and_explores():
     g.verified(2, seconds=3.0, tokens=2.0)
     assert not g.open(2)  # then a decode step
     g.decoded(2, seconds=1.0)
-    # 2 tokens in 3 s against 1 token in 1 s: decoding pays; every 4th decision explores
-    assert [g.open(2) for _ in range(8)] == [False, False, False, True] * 2
+    # 2 tokens in 3 s against 1 token in 1 s: decoding pays; the 4th decision explores, then
+    # the 8th after it
+    assert [g.open(2) for _ in range(12)] == [False] * 3 + [True] + [False] * 7 + [True]
     g.verified(2, seconds=3.0, tokens=4.0)  # the drafts start to hold: 2 + 0.25 * (4 - 2) = 2.5
     g.verified(2, seconds=3.0, tokens=5.0)
     g.verified(2, seconds=3.0, tokens=5.0)

@@ -141,3 +141,31 @@ def test_an_adaptive_engine_speculates_where_the_gate_finds_it_pays(checkpoint, 
     e.scheduler.gate.verified(1, 1e-6 if pays else 1e6, 1.0)
     assert run(e, ps, params, arrivals=(0,)) == plain
     assert (e.speculative_stats["verified"] > 0) == pays
+
+
+def test_speculation_with_choices_logprobs_and_a_prefix_cache(checkpoint):
+    """A prompt of two seeded choices and a greedy request resending it, with logprobs, on an
+    engine that speculates and keeps a prefix cache: the tokens are the plain engine's and the
+    logprobs agree (fp32: the verify rows' logits to rounding)."""
+    _, path = checkpoint
+    ps = [[int(t) for t in p] for p in prompts()]
+    sampled = SamplingParams(temperature=0.8, seed=11, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+
+    def outputs(e):
+        ids = e.add_choices(ps[0], sampled, n=2) + [e.add_request(ps[0] + ps[1][:9], greedy)]
+        got = {i: ([], []) for i in ids}
+        while e.has_unfinished():
+            for o in e.step():
+                got[o.id][0].extend(o.new_tokens)
+                got[o.id][1].extend(lp.logprob for lp in o.logprobs)
+        return [got[i] for i in ids]
+
+    plain = outputs(engine(path))
+    spec = engine(path, prefix_cache_slots=2,
+                  speculative=Speculative(drafter=lambda: Scripted({tuple(ps[0]): plain[0][0]}, 0.2), num_drafts=3,
+                                          adaptive=False))
+    for (tokens, logprobs), (want, want_logprobs) in zip(outputs(spec), plain):
+        assert tokens == want
+        assert np.allclose(logprobs, want_logprobs, atol=1e-4)
+    assert spec.speculative_stats["accepted"] > 0

@@ -115,6 +115,7 @@ def main(argv=None) -> int:
         parser.error("--api-processes: more than one needs the engine in its own process (--engine process)")
     if args.api_processes > 1 and not hasattr(socket, "SO_REUSEPORT"):
         parser.error("--api-processes: more than one needs SO_REUSEPORT (Linux)")
+    speculative = speculative_arg(parser, args)
     try:  # first: a port in use fails now, not after the engine's minutes of warm-up and capture
         sock = _listen(args.host, args.port, shared=args.api_processes > 1)
     except OSError as e:
@@ -124,7 +125,7 @@ def main(argv=None) -> int:
     common = dict(dtype=torch.bfloat16 if gpu else torch.float32, device=device, max_context=args.max_context,
                   buckets=bucket_file(parser, "--buckets", args.buckets), use_graphs=gpu and not args.eager,
                   pipelined=args.pipelined, chat_template=args.chat_template, quantization=args.quantization,
-                  prefix_cache_gib=args.prefix_cache_gib, speculative=speculative_arg(parser, args))
+                  prefix_cache_gib=args.prefix_cache_gib, speculative=speculative)
     if args.engine == "process":
         try:
             loop = EngineProcess(functools.partial(TextEngine.load, args.model, args.preset, **common),

@@ -154,7 +154,7 @@ def bench_preset(name: str, *, prompt_tokens: int = 512, max_tokens: int = 256, 
     rng = np.random.default_rng(1)
     prompt = rng.integers(1, vocab, prompt_tokens).tolist()
     greedy = dict(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    plain_tokens, plain_rate = _alone(engine, prompt, SamplingParams(**greedy, speculative=False))
+    _, plain_rate = _alone(engine, prompt, SamplingParams(**greedy, speculative=False))
     runs = [{"drafter": "none", "keep": None, "tokens_per_s": plain_rate, "acceptance_length": 1.0}]
 
     def measured(label: str, prompt: list[int], keep: float | None) -> tuple[dict, list[int]]:

@@ -23,8 +23,9 @@ class StepPlan:
     prefill_slots:   [n_prefill] state slot of each
     prefill_context: [n_prefill] tokens already in the slot before the chunk (0 for a new prompt)
     snapshot_slots:  [n_prefill] or empty: a slot each chunk's conv and SSM states are also
-                     written to after its first ``snapshot_tokens`` tokens (a whole number of SSD
-                     chunks, or the chunk's length); -1 for none (a prefix cache's snapshots)
+                     written to after its first ``snapshot_tokens`` tokens (1 to its length; the
+                     SSD chunk grid is cut there); -1 for none (a prefix cache's snapshots, a
+                     verify sequence's checkpoint in its own slot)
     snapshot_tokens: [n_prefill] or empty
     final_slots:     [n_prefill] or empty (each its own slot): where each chunk's conv and SSM
                      states after its last token go, -1 for nowhere (a verify sequence's drafts)

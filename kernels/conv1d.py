@@ -393,9 +393,9 @@ def conv1d_varlen(
     conv_state[s] when has_initial_state[i], else from zeros; afterwards conv_state[final_slot[i]]
     holds the last K-1 inputs of concat(initial window, tokens), and conv_state[snapshot_slot[i]]
     the K-1 before packed row snapshot_row[i] (each where that slot is >= 0; either may be s).
-    Tokens of skipped sequences and
-    padding tokens (seq_idx == -1) get zeros. Live sequences must have distinct slots and their tokens
-    must lie within x's rows. activation: "silu" or None. Returns out.
+    Tokens of skipped sequences and padding tokens (seq_idx == -1) get zeros. Live sequences must
+    have distinct slots and their tokens must lie within x's rows. activation: "silu" or None.
+    Returns out.
     """
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)

@@ -169,3 +169,33 @@ def test_speculation_with_choices_logprobs_and_a_prefix_cache(checkpoint):
         assert tokens == want
         assert np.allclose(logprobs, want_logprobs, atol=1e-4)
     assert spec.speculative_stats["accepted"] > 0
+
+
+def test_a_draft_model_drafts_and_the_tokens_stay_the_target_s(checkpoint):
+    """A draft model on an engine of its own (here the target's own weights, so in fp32 its greedy
+    drafts hold): the tokens the plain engine's, greedy and seeded, and greedy most drafts kept."""
+    from mambastep.runtime.draft_model import ModelDrafter, draft_engine
+    from mambastep.runtime.model import Model
+
+    _, path = checkpoint
+    ps = [[int(t) for t in p] for p in prompts()]
+    drafts = draft_engine(Model.from_pretrained(path, dtype=torch.float32, device="cpu"), VOCAB, max_context=100)
+    for params in (SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                   SamplingParams(temperature=0.9, seed=3, max_tokens=MAX_TOKENS, ignore_eos=True)):
+        e = engine(path, speculative=Speculative(drafter=lambda: ModelDrafter(drafts, VOCAB), num_drafts=3,
+                                                 adaptive=False))
+        assert run(e, ps, params) == run(engine(path), ps, params)
+        stats = e.speculative_stats
+        assert stats["verified"] > 0
+        if params.greedy:  # (sampled from a tiny random model's flat distributions, few are)
+            assert stats["accepted"] > 0.8 * stats["drafts"]
+    assert drafts.prefix_cache.stats["hits"] > 0  # later drafts restore their context's blocks
+
+
+def test_a_draft_model_must_cover_the_target_s_vocabulary(checkpoint):
+    from mambastep.runtime.draft_model import draft_engine
+    from mambastep.runtime.model import Model
+
+    _, path = checkpoint
+    with pytest.raises(ValueError, match=f"does not cover the target's {VOCAB + 1}"):
+        draft_engine(Model.from_pretrained(path, dtype=torch.float32, device="cpu"), VOCAB + 1, max_context=100)

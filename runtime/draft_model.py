@@ -1,0 +1,44 @@
+"""Drafts from a small model of the same vocabulary, on an engine of its own (``runtime.speculative``).
+
+Each draft is the draft model's greedy continuation of the request's context, generated on the
+draft engine as a request of its own. With a prefix cache on the draft engine (``draft_engine``
+sets one up), a context's earlier blocks are restored rather than prefilled again, so a draft
+costs the new tokens' prefill and k decode steps of the small model. Greedy drafts are single
+tokens for the target's acceptance, so sampling with them stays exact.
+"""
+
+from __future__ import annotations
+
+from .engine import Engine
+from .request import SamplingParams
+
+__all__ = ["ModelDrafter", "draft_engine"]
+
+
+class ModelDrafter:
+    """One request's drafter over a shared draft ``engine`` (``Speculative.drafter`` makes one per
+    request: ``lambda: ModelDrafter(engine, vocab)``); ``vocab``: the target's vocabulary size,
+    which drafts stay below (a draft model's padded vocabulary may be larger)."""
+
+    def __init__(self, engine: Engine, vocab: int):
+        self.engine, self.vocab = engine, vocab
+
+    def draft(self, context, k: int) -> list[int]:
+        room = self.engine.max_context - len(context)
+        if room <= 0 or k <= 0:
+            return []  # the context outgrew the draft engine: no drafts, plain decoding
+        params = SamplingParams(temperature=0.0, max_tokens=min(k, room), ignore_eos=True, speculative=False)
+        drafts = self.engine.generate([list(map(int, context))], params)[0]
+        n = next((i for i, t in enumerate(drafts) if t >= self.vocab), len(drafts))
+        return drafts[:n]
+
+
+def draft_engine(model, target_vocab: int, max_context: int, snapshots: int = 8, **kw) -> Engine:
+    """An engine for ``model`` as a draft model: a few slots (drafts are generated one request at
+    a time), a prefix cache of ``snapshots`` snapshots, room for ``max_context`` tokens (the
+    target's, plus the drafts). Refuses a model whose vocabulary does not cover the target's."""
+    if model.cfg.vocab_size < target_vocab:
+        raise ValueError(f"draft model: its vocabulary of {model.cfg.vocab_size} tokens does not cover the "
+                         f"target's {target_vocab}")
+    kw.setdefault("num_slots", 2)
+    return Engine(model, max_context=max_context, prefix_cache_slots=snapshots, progress=False, **kw)

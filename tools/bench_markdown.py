@@ -24,6 +24,8 @@ def run_command(r: dict) -> str:
         flags.append(f"--workload {r['workload']}")
     if r.get("prefix_cache_gib"):
         flags.append(f"--prefix-cache-gib {r['prefix_cache_gib']:g}")
+    if r.get("num_drafts"):
+        flags.append(f"--speculative {r['num_drafts']}")
     if r.get("pipelined"):
         flags.append("--pipelined")
     if r.get("mode") == "eager":

@@ -245,6 +245,8 @@ def main(argv=None) -> int:
     stats = summarize(timings, requests)
     if engine.prefix_cache is not None:
         stats["prefix_cache"] = {"snapshots": len(engine.prefix_cache.slots), **engine.prefix_cache.stats}
+    if engine.speculative is not None:
+        stats["speculative"] = dict(engine.speculative_stats)
     mode = "eager" if (args.eager or not gpu) else "CUDA graphs"
     print_table(stats, f"\n{name} on {torch.cuda.get_device_name() if gpu else 'CPU'} ({mode}), {args.workload}, "
                        f"{requests} requests, concurrency {concurrency}")
@@ -252,12 +254,15 @@ def main(argv=None) -> int:
         c = stats["prefix_cache"]
         print(f"prefix cache: {c['snapshots']} snapshots, {c['hits']} hits of {c['lookups']} lookups, "
               f"{c['tokens_restored']} prompt tokens restored, {c['evictions']} evictions")
+    if engine.speculative is not None:
+        s = stats["speculative"]
+        print(f"speculative: {s['verified']} verify sequences, {s['accepted']} of {s['drafts']} drafts accepted")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": name, "device": device, "device_name": torch.cuda.get_device_name() if gpu else "CPU",
                        "date": datetime.date.today().isoformat(), "mode": mode, "pipelined": args.pipelined,
                        "quantization": args.quantization, "workload": args.workload,
-                       "prefix_cache_gib": args.prefix_cache_gib,
+                       "prefix_cache_gib": args.prefix_cache_gib, "num_drafts": args.speculative,
                        "requests": requests, "concurrency": concurrency, "sampling": sampling, **stats}, f, indent=1)
     return 0
 

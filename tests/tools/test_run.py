@@ -5,7 +5,7 @@ import json
 import pytest
 
 from hf_models import save_tiny
-from mambastep.tools import cli, run
+from mambastep.tools import bench_markdown, cli, run
 
 
 def test_run_default_prints_the_table(capsys, tmp_path):
@@ -131,4 +131,8 @@ def test_run_speculating_prints_the_table(capsys, tmp_path):
     finds drafts)."""
     assert run.main(["--device", "cpu", "--quiet", "--requests", "4", "--concurrency", "2", "--workload", "multi-turn",
                      "--speculative", "3", "--json", str(tmp_path / "r.json")]) == 0
-    assert "output tokens/s" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "output tokens/s" in out and "speculative: " in out
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["num_drafts"] == 3 and r["speculative"]["verified"] > 0
+    assert "--speculative 3" in bench_markdown.run_command(r)

@@ -325,10 +325,12 @@ class Engine:
         if not self.pipelined:
             if not launched:
                 return []
-            verifying = {id(r): r for r in rows if r is not None and r.verify is not None}
+            gate = self.scheduler.gate
+            # (read before _collect, which clears them: the requests this step ran in prefill form)
+            verified = {id(r): r for r in rows if r is not None and r.verify is not None} if gate else None
             outputs = self._collect(launched)
-            if self.scheduler.gate is not None:
-                self._time(plan, list(verifying.values()), outputs, time.perf_counter() - start)
+            if gate is not None:
+                self._time(plan, list(verified.values()), outputs, time.perf_counter() - start)
             return outputs
         done, self._in_flight = self._in_flight, launched
         return self._collect(done) if done else []
@@ -366,8 +368,8 @@ class Engine:
                 if req.finished:
                     break
             out.finished, out.finish_reason = req.finished, req.finish_reason
-            if drafts or req.drafter is not None:
-                req.drawn = len(req.output)  # the rows past the bonus token drew nothing kept
+            if req.drafter is not None:  # (a speculating engine is not pipelined: the output is whole)
+                req.drawn = len(req.output)  # the rows past the last token kept drew nothing kept
             outputs.append(out)
             if req.finished:
                 self._retire(req)

@@ -163,6 +163,9 @@ CASES = {
     "one token": dict(T=1, E=8, k=3),
     "a few pairs, a tile each": dict(T=5, E=8, k=2),
     "a few pairs on the same experts": dict(T=6, E=8, k=2, experts_used=[3, 4]),
+    # a pair's product streams K in tiles of up to 512 (kernels.moe._pair_stream_config): several
+    # tiles, the last ragged, and column blocks past N
+    "two tokens, K in ragged tiles": dict(T=2, E=8, k=3, K=1100, I=600, D=72),
     "32-row tiles": dict(T=60, E=4, k=2),
     "64-row tiles": dict(T=112, E=4, k=2),
     "128-row tiles (prefill-sized)": dict(T=200, E=4, k=2),
@@ -178,7 +181,7 @@ CASES = {
 def test_grouped_experts_equal_the_dense_reference(device, case, dtype):
     c = CASES[case]
     T, E, k = c["T"], c["E"], c["k"]
-    K, I, D = 32, c.get("I", 24), c.get("D", 32)
+    K, I, D = c.get("K", 32), c.get("I", 24), c.get("D", 32)
     idx, w = routing(T, E, k, experts_used=c.get("experts_used"))
     x = torch.randn(T, K).to(dtype)
     up, down = experts(E, I, K, D, dtype, "cpu")
@@ -196,15 +199,15 @@ def test_grouped_experts_equal_the_dense_reference(device, case, dtype):
     assert_close(got.cpu(), expect, dtype)
 
 
-@pytest.mark.parametrize("case", ["one token", "a few pairs, a tile each", "spread", "experts with no token",
-                                  "128-row tiles, narrow last column blocks"])
+@pytest.mark.parametrize("case", ["one token", "a few pairs, a tile each", "two tokens, K in ragged tiles", "spread",
+                                  "experts with no token", "128-row tiles, narrow last column blocks"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_swiglu_experts_equal_granite_math(device, case, dtype):
     """SwiGLU experts (Granite: up [E, 2I, K], the gate's rows first): the grouped path equals
     the dense reference, which equals HF's per-expert loop in fp32."""
     c = CASES[case]
     T, E, k = c["T"], c["E"], c["k"]
-    K, I, D = 32, c.get("I", 24), c.get("D", 32)
+    K, I, D = c.get("K", 32), c.get("I", 24), c.get("D", 32)
     idx, w = routing(T, E, k, experts_used=c.get("experts_used"))
     x = torch.randn(T, K).to(dtype)
     up, _ = experts(E, 2 * I, K, D, dtype, "cpu")
@@ -223,15 +226,15 @@ def test_swiglu_experts_equal_granite_math(device, case, dtype):
 
 
 @pytest.mark.parametrize("block", [0, 16], ids=["fp8-column", "fp8-block16"])
-@pytest.mark.parametrize("case", ["one token", "a few pairs, a tile each", "spread", "128-row tiles, narrow last "
-                                  "column blocks", "many pairs (aligned in two passes)"])
+@pytest.mark.parametrize("case", ["one token", "a few pairs, a tile each", "two tokens, K in ragged tiles", "spread",
+                                  "128-row tiles, narrow last column blocks", "many pairs (aligned in two passes)"])
 def test_fp8_experts_equal_the_dequantized_reference(device, case, block):
     """FP8 experts (per expert and column, or 16 x 16 blocks, ragged in I): the values enter the
     tensor cores in bf16 and their scales multiply the sums; the dense reference runs on the
     dequantized weights."""
     c = CASES[case]
     T, E, k = c["T"], c["E"], c["k"]
-    K, I, D = 32, c.get("I", 24), c.get("D", 32)
+    K, I, D = c.get("K", 32), c.get("I", 24), c.get("D", 32)
     idx, w = routing(T, E, k, experts_used=c.get("experts_used"))
     x = torch.randn(T, K).to(torch.bfloat16)
     up, down = (quantize_fp8(t.float(), block) for t in experts(E, I, K, D, torch.float32, "cpu"))

@@ -20,7 +20,7 @@
                                             speculative decoding beside plain: verify steps
                                             against k, tokens/s alone against the acceptance
                                             length, and at concurrency 64
-    mambastep bench profile --preset P --batch B [--prefill T] [--timeline [--window LO:HI]]
+    mambastep bench profile --preset P --batch B [--prefill T] [--quantization fp8] [--timeline [--window LO:HI]]
                                             per-kernel time of one eager step: B decode rows
                                             (and a prefill chunk of T tokens); --timeline: what
                                             each kernel adds to the captured step's span;
@@ -47,7 +47,7 @@ import torch
 
 from . import (bench_fp8, bench_kernels, bench_markdown, bench_prefix, bench_profile, bench_sampling, bench_spec,
                bench_steps)
-from .args import Parser, writable_path
+from .args import Parser, add_quantization, writable_path
 
 SUITES = {"kernels": bench_kernels, "steps": bench_steps, "fp8": bench_fp8, "sampling": bench_sampling,
           "prefix": bench_prefix, "spec": bench_spec}
@@ -84,6 +84,7 @@ def main(argv=None) -> int:
     parser.add_argument("--window", metavar="LO:HI", type=_window,
                         help="profile --timeline: also kernels LO to HI-1 of one replay, each with its start and end "
                              "(what ran beside what)")
+    add_quantization(parser)  # profile's
     parser.add_argument("--steps", metavar="JSON", nargs="*", default=[], help="markdown: JSONs of `bench steps`")
     parser.add_argument("--kernels", metavar="JSON", help="markdown: the JSON of `bench kernels`")
     parser.add_argument("--fp8", metavar="JSON", nargs="*", default=[], help="markdown: JSONs of `bench fp8`")
@@ -100,6 +101,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     writable_path(parser, "--json", args.json)
     writable_path(parser, "--out", args.out)
+    if args.quantization and args.what != "profile":
+        parser.error("--quantization is profile's (bench fp8 runs both precisions)")
     if args.window and not (args.what == "profile" and args.timeline):
         parser.error("--window needs profile --timeline")
     if args.what == "markdown":
@@ -119,9 +122,10 @@ def main(argv=None) -> int:
     if args.what == "profile":
         preset = (args.preset or ["mamba2-130m"])[0]
         if args.timeline:
-            print(bench_profile.timeline(preset, args.batch, args.prefill, window=args.window))
+            print(bench_profile.timeline(preset, args.batch, args.prefill, window=args.window,
+                                         quantization=args.quantization))
         else:
-            print(bench_profile.profile(preset, args.batch, args.prefill))
+            print(bench_profile.profile(preset, args.batch, args.prefill, quantization=args.quantization))
         return 0
     suite = SUITES[args.what]
     takes_presets = args.what in ("steps", "fp8", "sampling", "prefix", "spec")

@@ -26,11 +26,13 @@ from ..runtime.step_runner import StepRunner
 from .bench_steps import CONTEXT, decode_rows, prefill_plan
 
 
-def _step(preset: str, batch: int, prefill: int, overlap: bool) -> tuple[StepRunner, StepPlan]:
-    """A runner over ``preset`` (random bf16 weights) and the plan of a step of ``batch`` decode
-    rows plus one prefill chunk of ``prefill`` tokens (none at 0)."""
+def _step(preset: str, batch: int, prefill: int, overlap: bool,
+          quantization: str | None = None) -> tuple[StepRunner, StepPlan]:
+    """A runner over ``preset`` (random bf16 weights, quantized as ``quantization`` says) and
+    the plan of a step of ``batch`` decode rows plus one prefill chunk of ``prefill`` tokens
+    (none at 0)."""
     torch.manual_seed(0)
-    model = Model.from_preset(preset, dtype=torch.bfloat16, device="cuda")
+    model = Model.from_preset(preset, dtype=torch.bfloat16, device="cuda", quantization=quantization)
     pool = StatePool(model.cfg, batch + 1, max_context=CONTEXT + prefill + 2, dtype=torch.bfloat16, device="cuda")
     buckets = BucketSet(decode=(max(batch, 1),), mixed_decode=tuple(sorted({0, batch})), prefill=(max(prefill, 16),),
                         max_prefill_seqs=1)
@@ -44,10 +46,10 @@ def _kernels(prof) -> list[tuple[float, float, str]]:
             if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
-def profile(preset: str, batch: int, prefill: int = 0, top: int = 25) -> str:
+def profile(preset: str, batch: int, prefill: int = 0, top: int = 25, quantization: str | None = None) -> str:
     """Per-kernel device time of a step: ``batch`` decode rows, plus one prefill chunk of
     ``prefill`` tokens if nonzero (run eagerly and unforked: the same kernels as the graph)."""
-    runner, plan = _step(preset, batch, prefill, overlap=False)
+    runner, plan = _step(preset, batch, prefill, overlap=False, quantization=quantization)
     runner.logits(plan)
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -108,11 +110,11 @@ def kernel_window(replay: list[tuple[float, float, str]], lo: int, hi: int) -> l
 
 
 def timeline(preset: str, batch: int, prefill: int = 0, replays: int = 5, top: int = 30,
-             window: tuple[int, int] | None = None) -> str:
+             window: tuple[int, int] | None = None, quantization: str | None = None) -> str:
     """The step's graph replayed ``replays`` times under the profiler: each kernel's charge of
     the step (see the module doc), the largest ``top``; with ``window`` (lo, hi), also kernels lo
     to hi - 1 of the middle replay, each with its start and end."""
-    runner, plan = _step(preset, batch, prefill, overlap=True)
+    runner, plan = _step(preset, batch, prefill, overlap=True, quantization=quantization)
     bucket = runner.bucket_for(plan)
     runner.capture([bucket], progress=False)
     runner.logits(plan)  # fills the buffers the replays read
@@ -126,7 +128,8 @@ def timeline(preset: str, batch: int, prefill: int = 0, replays: int = 5, top: i
             time.sleep(0.002)  # idle between replays, so they split apart
     split = split_replays(_kernels(prof))
     span, rows = kernel_shares(split)
-    out = [f"{preset}, {batch} decode rows" + (f" + a {prefill}-token chunk" if prefill else "")
+    out = [f"{preset}" + (f" ({quantization})" if quantization else "") + f", {batch} decode rows"
+           + (f" + a {prefill}-token chunk" if prefill else "")
            + f": graph replay span {span:.1f} us (mean of {replays})", "",
            "| charge a step (us) | a call (us) | own duration (us) | calls a step | prev > KERNEL > next |",
            "| --- | --- | --- | --- | --- |"]

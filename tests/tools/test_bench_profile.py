@@ -52,8 +52,10 @@ def test_a_window_lists_kernels_in_start_order_from_the_replays_start():
     (["profile", "--window", "3:2", "--timeline"], "expected LO:HI"),
     (["profile", "--window", "a:b", "--timeline"], "expected LO:HI"),
     (["profile", "--window", "1:4"], "--window needs profile --timeline"),
+    (["steps", "--quantization", "fp8"], "--quantization is profile's"),
+    (["profile", "--quantization", "int4"], "invalid choice: 'int4'"),
 ])
-def test_a_bad_window_is_a_one_line_error(argv, message, capsys):
+def test_a_bad_option_is_a_one_line_error(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
         bench.main(argv)
     assert exit_.value.code == 2

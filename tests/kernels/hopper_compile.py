@@ -92,8 +92,9 @@ def launch_moe() -> None:
     three bf16 terms of the router, the top-k counting its blocks' pairs); the pair tiles, 16-row
     grouped tiles with the one-program align, and 128-row TMA tiles with the two-pass align (or the
     routing's counts and one pass), the up projection's last column block in narrower tiles (320 =
-    256 + 64); each with and without PDL."""
+    256 + 64); FP8 experts of one and two tokens (the pair stream); each with and without PDL."""
     from mambastep.kernels import moe
+    from mambastep.kernels.fp8 import quantize_fp8
 
     D, E, I = 256, 16, 320
     gate, bias = torch.randn(E, D), torch.zeros(E)
@@ -110,6 +111,15 @@ def launch_moe() -> None:
             for block_counts in (None, moe.block_counts_ref(idx, E)):
                 moe.moe_experts.triton(x, idx, torch.rand(T, k), up, down, residual=torch.empty_like(x),
                                        block_counts=block_counts, pdl=pdl)
+    # FP8 experts of one and two tokens: the pair stream, scaled per column and in 128 x 128 blocks
+    for block in (0, 128):
+        fp8_up, fp8_down = (quantize_fp8(torch.randn(E, n, kk) * 0.02, block) for n, kk in ((I, D), (D, I)))
+        for T in (1, 2):
+            x = torch.randn(T, D).to(torch.bfloat16)
+            idx = torch.stack([torch.randperm(E)[:6].sort()[0] for _ in range(T)]).to(torch.int32)
+            for pdl in (False, True):
+                moe.moe_experts.triton(x, idx, torch.rand(T, 6), fp8_up, fp8_down, residual=torch.empty_like(x),
+                                       pdl=pdl)
 
 
 def launch_skinny() -> None:

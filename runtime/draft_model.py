@@ -5,14 +5,24 @@ draft engine as a request of its own. With a prefix cache on the draft engine (`
 sets one up), a context's earlier blocks are restored rather than prefilled again, so a draft
 costs the new tokens' prefill and k decode steps of the small model. Greedy drafts are single
 tokens for the target's acceptance, so sampling with them stays exact.
+
+An engine given ``Speculative(draft_model=...)`` builds its draft engine through
+``load_draft_model`` and ``draft_engine`` and hands each speculating request a ``ModelDrafter``.
 """
 
 from __future__ import annotations
 
-from .engine import Engine
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .model import Model
+from .presets import PRESETS
 from .request import SamplingParams
 
-__all__ = ["ModelDrafter", "draft_engine"]
+if TYPE_CHECKING:
+    from .engine import Engine
+
+__all__ = ["ModelDrafter", "draft_engine", "load_draft_model"]
 
 
 class ModelDrafter:
@@ -33,10 +43,27 @@ class ModelDrafter:
         return drafts[:n]
 
 
-def draft_engine(model, target_vocab: int, max_context: int, snapshots: int = 8, **kw) -> Engine:
+def load_draft_model(source: str, *, dtype, device, seed: int = 0) -> Model:
+    """The draft model ``source`` names: an HF checkpoint directory, or a preset (random weights
+    from ``seed``: what drafting costs, not what it gains; the target's own preset and seed give
+    a draft model equal to the target, whose drafts are all kept)."""
+    if Path(source).is_dir():
+        try:
+            return Model.from_pretrained(source, dtype=dtype, device=device)
+        except ValueError as e:  # a bad config or weights, said as the draft model's (not the target's)
+            raise ValueError(f"draft model: {source}: {e}") from e
+    if source in PRESETS:
+        return Model.from_preset(source, dtype=dtype, device=device, seed=seed)
+    raise ValueError(f"draft model: {source!r} is neither a checkpoint directory nor a preset "
+                     f"({', '.join(sorted(PRESETS))})")
+
+
+def draft_engine(model: Model, target_vocab: int, max_context: int, snapshots: int = 8, **kw) -> Engine:
     """An engine for ``model`` as a draft model: a few slots (drafts are generated one request at
     a time), a prefix cache of ``snapshots`` snapshots, room for ``max_context`` tokens (the
     target's, plus the drafts). Refuses a model whose vocabulary does not cover the target's."""
+    from .engine import Engine  # (the engine module builds its draft engine through this one)
+
     if model.cfg.vocab_size < target_vocab:
         raise ValueError(f"draft model: its vocabulary of {model.cfg.vocab_size} tokens does not cover the "
                          f"target's {target_vocab}")

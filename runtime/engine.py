@@ -19,6 +19,7 @@ launched when the stop is seen, and its token is dropped.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import time
@@ -31,6 +32,7 @@ import torch
 from ..graphs import Bucket, BucketSet
 from ..kernels.logits_processors import MAX_BIASED
 from .decode_options import DecodeOptions
+from .draft_model import ModelDrafter, draft_engine, load_draft_model
 from .model import Model
 from .prefix_cache import PrefixCache
 from .request import Request, RequestOutput, SamplingParams, TokenLogprobs
@@ -131,6 +133,14 @@ class Engine:
         self.capture_report = None
         if use_graphs if use_graphs is not None else cuda:
             self.capture_report = self.runner.capture(progress=progress)
+        # each speculating request's new drafter: from the draft model's engine, or the given kind
+        self.draft_engine = None
+        self._new_drafter = speculative.drafter if speculative is not None else None
+        if speculative is not None and speculative.draft_model is not None:
+            draft = load_draft_model(speculative.draft_model, dtype=model.dtype, device=model.device,
+                                     seed=speculative.seed)
+            self.draft_engine = draft_engine(draft, self.cfg.vocab_size, max_context, use_graphs=use_graphs)
+            self._new_drafter = functools.partial(ModelDrafter, self.draft_engine, self.cfg.vocab_size)
         self._ids = itertools.count()
         self._seeds = itertools.count(1 << 32)
         self.requests: dict[int, Request] = {}
@@ -226,7 +236,7 @@ class Engine:
         spec = self.speculative
         if spec is None or params.processed or not (spec.default if params.speculative is None else params.speculative):
             return None
-        return spec.drafter()
+        return self._new_drafter()
 
     def _bias_entries(self, params: SamplingParams) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """A request's bias entries (ids, values, until), ``MAX_BIASED`` each: its logit_bias,

@@ -55,6 +55,11 @@ class Speculative:
                 tokens it adds); at most the buckets' ``max_prefill_seqs``
     default:    whether a request speculates when its ``SamplingParams.speculative`` is None
     adaptive:   speculate at a batch size only while it pays there, as measured (``Gate``)
+    draft_model: instead of ``drafter``, a small model of the target's vocabulary drafts its
+                greedy continuation on an engine of its own (``runtime.draft_model``): an HF
+                checkpoint directory or a preset name, loaded by the engine in the target's
+                dtype and device (a string, so the engine's process can be given it)
+    seed:       a preset draft model's weight seed
     """
 
     drafter: Callable[[], Drafter] = NgramDrafter
@@ -62,6 +67,8 @@ class Speculative:
     max_batch: int = 4
     default: bool = True
     adaptive: bool = True
+    draft_model: str | None = None
+    seed: int = 0
 
     def __post_init__(self):
         if not (isinstance(self.num_drafts, int) and self.num_drafts >= 1):

@@ -39,17 +39,28 @@ def add_speculative(parser: Parser) -> None:
                         help="draft up to K tokens a step by prompt lookup (the output repeating its context: "
                              "code edits, retrieval, summaries) and verify them in one step while at most 4 "
                              "requests decode; the tokens are the same (default 0: off; not with --pipelined)")
+    parser.add_argument("--draft-model", metavar="PATH|PRESET",
+                        help="with --speculative K: draft with this small model of the same vocabulary (its greedy "
+                             "continuation, on an engine of its own) instead of prompt lookup: an HF checkpoint "
+                             "directory, or a preset (random weights: what drafting costs)")
 
 
 def speculative_arg(parser: Parser, args):
     """The engine's ``Speculative`` from --speculative, or None; a bad value is a usage error."""
+    from ..runtime.presets import PRESETS
     from ..runtime.speculative import Speculative
 
     if args.speculative < 0:
         parser.error(f"--speculative: expected drafts >= 0 (0: off), got {args.speculative}")
     if args.speculative and args.pipelined:
         parser.error("--speculative reads each step's tokens before it schedules the next: not with --pipelined")
-    return Speculative(num_drafts=args.speculative) if args.speculative else None
+    if args.draft_model and not args.speculative:
+        parser.error("--draft-model drafts for --speculative K: give K, the drafts a step")
+    if args.draft_model and not (os.path.isdir(args.draft_model) or args.draft_model in PRESETS):
+        parser.error(f"--draft-model {args.draft_model}: neither a checkpoint directory nor a preset")
+    if not args.speculative:
+        return None
+    return Speculative(num_drafts=args.speculative, draft_model=args.draft_model, seed=getattr(args, "seed", 0))
 
 
 # add_sampling's options, greedy where neither the command line nor the checkpoint names one
@@ -136,8 +147,8 @@ def bucket_file(parser: Parser, flag: str, path: str | None):
 
 def text_engine(parser: Parser, model: str | None, preset: str | None, **engine_kw):
     """A TextEngine over ``--model PATH`` (its tokenizer) or ``--preset NAME`` (text as bytes),
-    ``engine_kw`` as ``TextEngine.load`` takes them; a bad checkpoint is a one-line error naming
-    what is wrong."""
+    ``engine_kw`` as ``TextEngine.load`` takes them; a bad checkpoint (or draft model, or engine
+    setting) is a one-line error naming what is wrong."""
     from ..runtime.config import ConfigError
     from ..runtime.serving.text import TextEngine
     from ..runtime.serving.tokenizer import TokenizerError
@@ -145,5 +156,5 @@ def text_engine(parser: Parser, model: str | None, preset: str | None, **engine_
 
     try:
         return TextEngine.load(model, preset, **engine_kw)
-    except (ConfigError, WeightError, TokenizerError) as e:
+    except (ConfigError, WeightError, TokenizerError, ValueError) as e:
         parser.error(str(e))

@@ -26,6 +26,8 @@ def run_command(r: dict) -> str:
         flags.append(f"--prefix-cache-gib {r['prefix_cache_gib']:g}")
     if r.get("num_drafts"):
         flags.append(f"--speculative {r['num_drafts']}")
+    if r.get("draft_model"):
+        flags.append(f"--draft-model {r['draft_model']}")
     if r.get("pipelined"):
         flags.append("--pipelined")
     if r.get("mode") == "eager":

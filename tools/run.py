@@ -231,8 +231,9 @@ def main(argv=None) -> int:
         else:
             name = args.preset or ("mamba2-130m" if gpu else "tiny-hybrid")
             engine = Engine.from_preset(name, seed=args.seed, **common)
-    except ValueError as e:  # a prefix cache that holds no snapshot
-        parser.error(str(e).replace("prefix_cache_gib", "--prefix-cache-gib", 1))
+    except ValueError as e:  # a prefix cache that holds no snapshot, a draft model of too few tokens
+        parser.error(str(e).replace("prefix_cache_gib", "--prefix-cache-gib", 1).replace("draft model:",
+                                                                                        "--draft-model:", 1))
     if engine.capture_report is not None and not args.quiet:
         print(engine.capture_report, file=sys.stderr)
 
@@ -263,6 +264,7 @@ def main(argv=None) -> int:
                        "date": datetime.date.today().isoformat(), "mode": mode, "pipelined": args.pipelined,
                        "quantization": args.quantization, "workload": args.workload,
                        "prefix_cache_gib": args.prefix_cache_gib, "num_drafts": args.speculative,
+                       "draft_model": args.draft_model,
                        "requests": requests, "concurrency": concurrency, "sampling": sampling, **stats}, f, indent=1)
     return 0
 

@@ -172,24 +172,40 @@ def test_speculation_with_choices_logprobs_and_a_prefix_cache(checkpoint):
 
 
 def test_a_draft_model_drafts_and_the_tokens_stay_the_target_s(checkpoint):
-    """A draft model on an engine of its own (here the target's own weights, so in fp32 its greedy
-    drafts hold): the tokens the plain engine's, greedy and seeded, and greedy most drafts kept."""
-    from mambastep.runtime.draft_model import ModelDrafter, draft_engine
-    from mambastep.runtime.model import Model
-
+    """A draft model named by its checkpoint directory (here the target's own, so in fp32 its
+    greedy drafts hold), on an engine the target's engine builds: the tokens the plain engine's,
+    greedy and seeded, and greedy most drafts kept."""
     _, path = checkpoint
     ps = [[int(t) for t in p] for p in prompts()]
-    drafts = draft_engine(Model.from_pretrained(path, dtype=torch.float32, device="cpu"), VOCAB, max_context=100)
     for params in (SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
                    SamplingParams(temperature=0.9, seed=3, max_tokens=MAX_TOKENS, ignore_eos=True)):
-        e = engine(path, speculative=Speculative(drafter=lambda: ModelDrafter(drafts, VOCAB), num_drafts=3,
-                                                 adaptive=False))
+        e = engine(path, speculative=Speculative(draft_model=str(path), num_drafts=3, adaptive=False))
         assert run(e, ps, params) == run(engine(path), ps, params)
         stats = e.speculative_stats
         assert stats["verified"] > 0
         if params.greedy:  # (sampled from a tiny random model's flat distributions, few are)
             assert stats["accepted"] > 0.8 * stats["drafts"]
-    assert drafts.prefix_cache.stats["hits"] > 0  # later drafts restore their context's blocks
+        assert e.draft_engine.prefix_cache.stats["hits"] > 0  # later drafts restore their context's blocks
+
+
+def test_a_preset_draft_model_of_the_target_s_weights_has_every_draft_kept():
+    """A preset draft model from the target preset's seed is the target: every greedy draft is
+    kept; from another seed it is another model, and the tokens stay the plain engine's."""
+    ps = [[int(t) for t in p] for p in prompts()]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+    def preset_engine(**kw):
+        return Engine.from_preset("tiny-hybrid", dtype=torch.float32, device="cpu", buckets=BUCKETS, num_slots=4,
+                                  max_context=96, **kw)
+
+    plain = run(preset_engine(), ps, params)
+    for seed in (0, 1):
+        e = preset_engine(speculative=Speculative(draft_model="tiny-hybrid", seed=seed, num_drafts=3, adaptive=False))
+        assert run(e, ps, params) == plain
+        stats = e.speculative_stats
+        assert stats["drafts"] > 0 and (stats["accepted"] == stats["drafts"]) == (seed == 0)
+    with pytest.raises(ValueError, match="draft model: 'tiny-nope' is neither a checkpoint directory nor a preset"):
+        preset_engine(speculative=Speculative(draft_model="tiny-nope"))
 
 
 def test_a_draft_model_must_cover_the_target_s_vocabulary(checkpoint):
@@ -199,3 +215,24 @@ def test_a_draft_model_must_cover_the_target_s_vocabulary(checkpoint):
     _, path = checkpoint
     with pytest.raises(ValueError, match=f"does not cover the target's {VOCAB + 1}"):
         draft_engine(Model.from_pretrained(path, dtype=torch.float32, device="cpu"), VOCAB + 1, max_context=100)
+
+
+@pytest.mark.gpu
+def test_a_draft_model_with_graphs_on_the_gpu():
+    """On CUDA with graphs (fp32): the target preset drafting for itself through a draft engine of
+    its own graphs keeps (nearly) every greedy draft, and the tokens are the plain engine's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    ps = [[int(t) for t in p] for p in prompts()]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+    def preset_engine(**kw):
+        return Engine.from_preset("tiny-nemotron-h", dtype=torch.float32, device="cuda", buckets=BUCKETS,
+                                  num_slots=4, max_context=96, progress=False, **kw)
+
+    e = preset_engine(speculative=Speculative(draft_model="tiny-nemotron-h", num_drafts=3, adaptive=False))
+    assert e.draft_engine.capture_report is not None  # the draft engine replays graphs too
+    assert run(e, ps, params) == run(preset_engine(), ps, params)
+    stats = e.speculative_stats
+    # (decode and verify kernels may sum in other orders: a near tie could flip a draft)
+    assert stats["drafts"] > 0 and stats["accepted"] >= 0.9 * stats["drafts"]

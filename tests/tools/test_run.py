@@ -72,6 +72,8 @@ def _fails_in_one_line(capsys, argv, match):
     (["--prefix-cache-gib", "1e-9"], "--prefix-cache-gib: 1e-09 GiB holds no snapshot"),
     (["--speculative", "-1"], "--speculative: expected drafts >= 0"),
     (["--speculative", "3", "--pipelined"], "--speculative reads each step's tokens"),
+    (["--draft-model", "tiny-hybrid"], "--draft-model drafts for --speculative K"),
+    (["--speculative", "2", "--draft-model", "tiny-nope"], "--draft-model tiny-nope: neither a checkpoint"),
 ])
 def test_run_checks_its_arguments_first(capsys, argv, match):
     _fails_in_one_line(capsys, ["run", "--device", "cpu", "--quiet", *argv], match)
@@ -136,3 +138,19 @@ def test_run_speculating_prints_the_table(capsys, tmp_path):
     r = json.loads((tmp_path / "r.json").read_text())
     assert r["num_drafts"] == 3 and r["speculative"]["verified"] > 0
     assert "--speculative 3" in bench_markdown.run_command(r)
+
+
+def test_run_with_a_draft_model(capsys, tmp_path):
+    """--draft-model: the default preset drafting for itself (the same preset and seed: the same
+    weights), so every draft is kept, and the result names it; a draft model of fewer tokens than
+    the target's vocabulary is a one-line error."""
+    assert run.main(["--device", "cpu", "--quiet", "--requests", "3", "--concurrency", "2", "--speculative", "2",
+                     "--draft-model", "tiny-hybrid", "--json", str(tmp_path / "r.json")]) == 0
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["draft_model"] == "tiny-hybrid" and r["speculative"]["drafts"] > 0
+    assert r["speculative"]["accepted"] == r["speculative"]["drafts"]
+    assert "--speculative 2 --draft-model tiny-hybrid" in bench_markdown.run_command(r)
+    save_tiny("nemotron_h", tmp_path / "small")  # a vocabulary of 96 tokens, tiny-hybrid's 512
+    capsys.readouterr()
+    _fails_in_one_line(capsys, ["run", "--device", "cpu", "--quiet", "--speculative", "2", "--draft-model",
+                                str(tmp_path / "small")], "--draft-model: its vocabulary of 96 tokens does not cover")

@@ -21,8 +21,10 @@ def free_port() -> int:
 
 
 @pytest.mark.parametrize("engine", [["--engine", "thread"], ["--api-processes", "1"], [],
-                                    ["--api-processes", "1", "--speculative", "3"]],
-                         ids=["engine-thread", "engine-process", "two-api-processes (the default)", "speculative"])
+                                    ["--api-processes", "1", "--speculative", "3"],
+                                    ["--api-processes", "1", "--speculative", "2", "--draft-model", "tiny-hybrid"]],
+                         ids=["engine-thread", "engine-process", "two-api-processes (the default)", "speculative",
+                              "a draft model (built in the engine's process)"])
 def test_serve_a_preset_over_http(engine):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "mambastep.tools.cli", "serve", "--preset", "tiny-hybrid",
@@ -88,6 +90,7 @@ def test_a_port_in_use_is_named_before_the_engine_is_built(capsys):
     (["--preset", "tiny-hybrid", "--api-processes", "0"], "--api-processes: must be at least 1"),
     (["--preset", "tiny-hybrid", "--engine", "thread", "--api-processes", "2"], "--engine process"),
     (["--preset", "tiny-hybrid", "--speculative", "2", "--pipelined"], "--speculative reads each step's tokens"),
+    (["--preset", "tiny-hybrid", "--draft-model", "tiny-hybrid"], "--draft-model drafts for --speculative K"),
     (["--model", "/nonexistent"], "config.json: not found"),
     (["--model", "/nonexistent", "--engine", "thread"], "config.json: not found"),
     ([], "one of the arguments --model --preset is required"),

@@ -160,15 +160,19 @@ def main(argv=None) -> int:
     try:
         ctx = multiprocessing.get_context("spawn")
         listening = ctx.Value("i", 0)  # the HTTP server processes taking connections yet
-        for conn in getattr(loop, "attached", []):  # they bind the port this process got
+        attached = getattr(loop, "attached", [])
+        # each HTTP server process's requests still open once it drains (-1: not draining yet);
+        # entry 0 this process's, entry i the i-th worker's
+        in_flight = ctx.Array("i", [-1] * (1 + len(attached)))
+        for i, conn in enumerate(attached, start=1):  # they bind the port this process got
             workers.append(ctx.Process(target=_api_process, name="mambastep-api", args=(
-                conn, args.host, sock.getsockname()[1], settings, listening)))
+                conn, args.host, sock.getsockname()[1], settings, listening, (in_flight, i))))
             workers[-1].start()
             # the worker holds its own copy now: with this one closed, the engine sees its
             # pipe end when the worker dies, and aborts its requests
             conn.close()
-        _watch_workers(workers, loop)
-        _serve(loop, settings, sock, listening, on_signal=drain_workers)
+        _watch_workers(workers, loop, in_flight)
+        _serve(loop, settings, sock, listening, (in_flight, 0), on_signal=drain_workers)
     finally:
         drain_workers()
         for w in workers:
@@ -200,18 +204,20 @@ class _Settings:
     request_timeout: float | None
 
 
-def _watch_workers(workers, loop) -> None:
-    """Say in the log when an HTTP server process dies on its own (the engine drops its requests)."""
-    def watch(w):
+def _watch_workers(workers, loop, in_flight) -> None:
+    """Say in the log when an HTTP server process dies on its own (the engine drops its requests);
+    a dead one has nothing in flight (the others' drains do not wait for it)."""
+    def watch(i, w):
         w.join()
+        in_flight[i] = 0
         if w.exitcode not in (0, None) and not loop.closed:
             print(f"mambastep serve: HTTP server process {w.pid} exited with code {w.exitcode}; its requests "
                   "were aborted, the others go on", file=sys.stderr, flush=True)
             from prometheus_client import multiprocess
 
             multiprocess.mark_process_dead(w.pid)  # its live gauges leave /metrics
-    for w in workers:
-        threading.Thread(target=watch, args=(w,), daemon=True).start()
+    for i, w in enumerate(workers, start=1):
+        threading.Thread(target=watch, args=(i, w), daemon=True).start()
 
 
 def _listen(host: str, port: int, shared: bool) -> socket.socket:
@@ -225,13 +231,17 @@ def _listen(host: str, port: int, shared: bool) -> socket.socket:
     return sock
 
 
-def _serve(engine_loop, settings: _Settings, sock: socket.socket, listening, on_signal=None) -> None:
+def _serve(engine_loop, settings: _Settings, sock: socket.socket, listening, peers, on_signal=None) -> None:
     """Serve the API over ``engine_loop`` on ``sock`` until a signal, or until the loop stops (the
     engine failed or went away: an API process then has nothing to serve); ``listening`` (a
     shared counter) counts this process once it takes connections, and /health waits for them
     all. SIGTERM or SIGINT drains: new requests and /health get a 503 "draining", requests in
     flight have ``shutdown_timeout`` to finish, then the rest end with an error and the server
-    exits; a second signal exits at once. (The server's extra is installed: ``main`` checked.)"""
+    exits; a second signal exits at once. ``peers``: (the HTTP server processes' shared counts
+    of requests in flight, this one's index): a process whose own requests are done keeps
+    answering 503 until every process's are, so that none closes its socket while the kernel
+    still hands it connections that the others would answer (those would be reset). (The
+    server's extra is installed: ``main`` checked.)"""
     import uvicorn
 
     from ..runtime.serving.openai_api import create_app
@@ -264,9 +274,14 @@ def _serve(engine_loop, settings: _Settings, sock: socket.socket, listening, on_
                 on_signal()
             threading.Thread(target=drain, daemon=True).start()
 
+    in_flight, me = peers
+
     def drain():
         end = time.monotonic() + settings.shutdown_timeout
-        while engine_loop.open_requests() and time.monotonic() < end and not engine_loop.closed:
+        while time.monotonic() < end and not engine_loop.closed:
+            in_flight[me] = engine_loop.open_requests()
+            if not any(in_flight[:]):  # every process drained (one not yet told counts as -1)
+                break
             time.sleep(0.05)
         engine_loop.end_all()  # what is left ends with an error (a 503, or an error event)
         server.should_exit = True
@@ -290,13 +305,13 @@ def _serve(engine_loop, settings: _Settings, sock: socket.socket, listening, on_
     server.run(sockets=[sock])
 
 
-def _api_process(conn, host: str, port: int, settings: _Settings, listening) -> None:
+def _api_process(conn, host: str, port: int, settings: _Settings, listening, peers) -> None:
     """One more HTTP server process: the same app over its own connection to the engine process."""
     from ..runtime.serving.loop import EngineClient
 
     client = EngineClient(conn, max_requests=settings.max_requests, watchdog=settings.watchdog_timeout)
     try:
-        _serve(client, settings, _listen(host, port, shared=True), listening)
+        _serve(client, settings, _listen(host, port, shared=True), listening, peers)
     finally:
         client.close()
 

@@ -442,7 +442,8 @@ def create_app(loop: EngineLoop | EngineProcess, model_name: str | list[str], de
             return JSONResponse({"status": "failed" if loop.failure else "stopped", "error": loop.failure},
                                 status_code=503)
         if draining():
-            return JSONResponse({"status": "draining", "open_requests": loop.open_requests()}, status_code=503)
+            return JSONResponse({"status": "draining", "open_requests": loop.open_requests(), "pid": os.getpid()},
+                                status_code=503)
         if listening is not None and listening() < loop.api_processes:
             return JSONResponse({"status": "starting", "api_processes": loop.api_processes,
                                  "listening": listening()}, status_code=503)

@@ -25,8 +25,9 @@ Static shapes throughout, so a step is captured once per bucket and replays with
    own width in the same launch. Up projection with relu2 (each rounded to the activations'
    dtype, as HF's two ops; a run's padding rows written as zeros), then down projection.
 4. Combine: a token's k rows weighted and summed in fp32 in expert order, rounded, plus the
-   shared expert's output, optionally added into the residual stream. No atomics anywhere, so a
-   step is deterministic run to run.
+   shared expert's output, optionally added into the residual stream (for FP8 pairs, in the
+   down projections' own kernel, which streams a token's k experts one after the other). No
+   atomics anywhere, so a step is deterministic run to run.
 
 ``moe_experts_ref`` is the dense math every test compares against: every expert over every
 token, weighted by the token's routing weight (zero where not chosen).
@@ -41,7 +42,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .activation import relu2_ref, silu_mul, silu_mul_ref
-from .decode_linear import _TL_DTYPES, _streamed_rows, hopper_or_newer
+from .decode_linear import _TL_DTYPES, _block_scaled, _streamed_rows, hopper_or_newer
 from .dispatch import with_reference
 from .fp8 import Fp8Weight
 
@@ -487,6 +488,10 @@ PAIR_TILES_MAX = 12
 # down and combine; H200, swept over 8-64 columns x 128-1024). bf16 experts keep the pair
 # tiles: the stream's best there, 36.6 against 35.6 us (docs/experiments.md).
 PAIR_STREAM_BLOCK_N, PAIR_STREAM_BLOCK_K, PAIR_STREAM_STAGES = 16, 256, 4
+# and their down projections with the combine (``_pair_down_kernel``), (columns a program, K
+# tile, stages) for one token and for more: Nano's at one token 14.4 us against 15.4 for the
+# pair stream and the combine, at two 21.6 against 25.2 (H200; 4-16 columns x 256-1024 swept)
+PAIR_DOWN_ONE_TOKEN, PAIR_DOWN_TOKENS = (8, 1024, 3), (16, 512, 3)
 
 
 def _align(idx, E: int, bm: int, S: int, pdl: bool = False, block_counts=None):
@@ -697,6 +702,65 @@ def _pair_stream_kernel(a_ptr, idx_ptr, w_ptr, out_ptr, N, K, stride_a, stride_w
 
 
 @triton.jit
+def _pair_down_kernel(h_ptr, idx_ptr, wt_ptr, w_ptr, shared_ptr, out_ptr, N, K, stride_h, stride_we, stride_wn,
+                      stride_shared, stride_out, s_ptr, stride_se, stride_sn,
+                      TOP_K: tl.constexpr, BLOCK_J: tl.constexpr, SHARED: tl.constexpr, ACCUMULATE: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr,
+                      SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr):
+    """A token's down projections and their weighted sum in one pass (program axis 1 the token,
+    axis 0 BLOCK_N output columns): out[t] (+)= round(sum_j wt[t, j] * round(h[t * TOP_K + j] @
+    down[idx[t, j]].T)) (+ shared[t]), rounding as ``_combine_kernel``. The token's TOP_K
+    experts' K are one stream of TOP_K x K, pipelined across the experts' boundaries, where
+    each expert's sum is finished (scaled, rounded, weighted) and its accumulator cleared: a
+    program streams six experts' columns, not one, and no combine launch follows. SCALE as
+    ``_tile_product``'s (FP8 values)."""
+    t = tl.program_id(1)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    n64 = n.to(tl.int64)
+    n_blk = tl.minimum(n, N - 1) // SCALE_BLOCK if SCALE == 2 else n
+    ks = tl.arange(0, BLOCK_K)
+    js = tl.arange(0, BLOCK_J)
+    # the routing is two or more launches back, so complete (``kernels.decode_linear``)
+    es = tl.load(idx_ptr + t * TOP_K + js, mask=js < TOP_K, other=0).to(tl.int64)
+    if USE_PDL:  # h is the previous kernel's
+        tl.extra.cuda.gdc_wait()
+    tiles = tl.cdiv(K, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    total = tl.zeros((BLOCK_N,), tl.float32)
+    for i in tl.range(0, TOP_K * tiles, num_stages=STAGES):
+        j = i // tiles
+        k0 = (i - j * tiles) * BLOCK_K
+        e = tl.sum(tl.where(js == j, es, 0), axis=0)
+        cols = k0 + ks
+        col_ok = cols < K
+        w = tl.load(w_ptr + e * stride_we + n64[:, None] * stride_wn + cols[None, :],
+                    mask=n_ok[:, None] & col_ok[None, :], other=0.0)
+        a = tl.load(h_ptr + (t * TOP_K + j).to(tl.int64) * stride_h + cols, mask=col_ok, other=0.0).to(tl.float32)
+        if SCALE == 2:
+            w = _block_scaled(w, s_ptr + e * stride_se, n_blk, cols, col_ok, stride_sn, SCALE_BLOCK)
+        acc += w.to(tl.float32) * a[None, :]
+        if k0 + BLOCK_K >= K:  # expert j's last tile: its sum, as the down projection hands it on
+            y = tl.sum(acc, axis=1)
+            if SCALE == 1:
+                y *= tl.load(s_ptr + e * stride_se + n, mask=n_ok, other=0.0)
+            y = y.to(h_ptr.dtype.element_ty).to(tl.float32)
+            total += tl.load(wt_ptr + t * TOP_K + j) * y
+            acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    dtype = h_ptr.dtype.element_ty
+    r = total.to(dtype)
+    if SHARED:
+        r = (r.to(tl.float32) + tl.load(shared_ptr + t * stride_shared + n, mask=n_ok, other=0.0).to(tl.float32)
+             ).to(dtype)
+    out = out_ptr + t * stride_out + n64
+    if ACCUMULATE:
+        r = tl.load(out, mask=n_ok, other=0.0).to(tl.float32) + r.to(tl.float32)
+    tl.store(out, r.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
 def _combine_kernel(y_ptr, slot_ptr, w_ptr, shared_ptr, out_ptr, D, stride_y, stride_shared, stride_out,
                     TOP_K: tl.constexpr, SHARED: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_D: tl.constexpr,
                     PAIRS: tl.constexpr, USE_PDL: tl.constexpr):
@@ -811,7 +875,9 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
         block_e = max(16, triton.next_power_of_2(E))
     gate_up = torch.empty(S, up_n, dtype=x.dtype, device=dev) if swiglu else None
     h = torch.empty(S, I, dtype=x.dtype, device=dev)
-    y = torch.empty(S, D, dtype=x.dtype, device=dev)
+    # FP8 pairs: the down projections and the combine are one kernel (``_pair_down_kernel``)
+    down_combined = pairs and down_scale is not None
+    y = None if down_combined else torch.empty(S, D, dtype=x.dtype, device=dev)
     # up (gathering each slot's token row, relu2 after, or SwiGLU's kernel), then down; the TMA
     # unit copies the weight tiles (and, in the sorted layout, the down projection's input tiles,
     # whose rows are a tile's slots in order), where it can
@@ -819,6 +885,8 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
                                                (h, down, down_scale, y, False)):
         if not up_proj and swiglu:  # padding slots' rows are zeros, and silu(0) * 0 = 0
             silu_mul(gate_up, out=h, pdl=pdl)
+        if not up_proj and down_combined:
+            break
         n, kk = weight.shape[1], weight.shape[2]
         scale, scale_block = scales if scales is not None else (weight, 0)
         mode = 0 if scales is None else 2 if scale_block else 1
@@ -855,6 +923,17 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
         # down projection drains, and its wait returns only once the other stream's work has
         # completed too (the join is a full dependency; a GPU test checks the order)
         torch.cuda.current_stream(dev).wait_event(shared_ready)
+    if down_combined:
+        scale, scale_block = down_scale
+        bn, bk, stages = PAIR_DOWN_ONE_TOKEN if T == 1 else PAIR_DOWN_TOKENS
+        _pair_down_kernel[(triton.cdiv(D, bn), T)](
+            h, idx, w, down, shared if shared is not None else h, target, D, I, h.stride(0), down.stride(0),
+            down.stride(1), shared.stride(0) if shared is not None else 0, target.stride(0), scale, scale.stride(0),
+            scale.stride(1) if scale_block else 0, TOP_K=k, BLOCK_J=triton.next_power_of_2(k),
+            SHARED=shared is not None, ACCUMULATE=residual is not None, BLOCK_N=bn,
+            BLOCK_K=min(bk, max(32, triton.next_power_of_2(I))), STAGES=stages, USE_PDL=pdl,
+            SCALE=2 if scale_block else 1, SCALE_BLOCK=scale_block, num_warps=4, **extra)
+        return target
     block_d = min(1024, triton.next_power_of_2(D))
     _combine_kernel[(T, triton.cdiv(D, block_d))](
         y, slot_of_pair, w, shared if shared is not None else y, target, D, y.stride(0),

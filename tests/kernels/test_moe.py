@@ -230,18 +230,25 @@ def test_swiglu_experts_equal_granite_math(device, case, dtype):
                                   "128-row tiles, narrow last column blocks", "many pairs (aligned in two passes)"])
 def test_fp8_experts_equal_the_dequantized_reference(device, case, block):
     """FP8 experts (per expert and column, or 16 x 16 blocks, ragged in I): the values enter the
-    tensor cores in bf16 and their scales multiply the sums; the dense reference runs on the
-    dequantized weights."""
+    tensor cores in bf16 (or, for a token or two, CUDA cores' multiply-adds, the down projections
+    and the combine one kernel) and their scales multiply the sums; the dense reference runs on the
+    dequantized weights. With the shared expert's output, and added into a residual stream."""
     c = CASES[case]
     T, E, k = c["T"], c["E"], c["k"]
     K, I, D = c.get("K", 32), c.get("I", 24), c.get("D", 32)
     idx, w = routing(T, E, k, experts_used=c.get("experts_used"))
     x = torch.randn(T, K).to(torch.bfloat16)
     up, down = (quantize_fp8(t.float(), block) for t in experts(E, I, K, D, torch.float32, "cpu"))
+    dev = [t.to(device) for t in (x, idx, w, up, down)]
     ref = moe_experts_ref(x, idx, w, up, down)
     out = poisoned((T, D), torch.bfloat16, device)
-    moe_experts.triton(x.to(device), idx.to(device), w.to(device), up.to(device), down.to(device), out=out)
+    moe_experts.triton(*dev, out=out)
     assert_close(out.cpu(), ref, torch.bfloat16)
+    shared, residual = torch.randn(T, D).to(torch.bfloat16), torch.randn(T, D)
+    expect = moe_experts_ref(x, idx, w, up, down, shared=shared, residual=residual.clone())
+    got = residual.to(device)
+    moe_experts.triton(*dev, shared=shared.to(device), residual=got)
+    assert_close(got.cpu(), expect, torch.bfloat16)
 
 
 @pytest.mark.parametrize("case", ["spread", "128-row tiles (prefill-sized)"])
@@ -346,8 +353,9 @@ def test_ops_dispatch_on_the_device():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8 (one token's down projections and combine one kernel)"])
 @pytest.mark.parametrize("T", [1, 2, 8], ids=["pair tiles", "pair tiles, 2 rows", "sorted layout"])
-def test_the_combine_waits_for_the_shared_expert_across_the_join(T):
+def test_the_combine_waits_for_the_shared_expert_across_the_join(T, fp8):
     """Captured with programmatic launches, the combine depends on both streams' last kernels: it
     reads the shared expert's output only once the other stream has written it (here after a
     sleep of about a millisecond), and adds it into the residual as an unforked eager call does."""
@@ -361,6 +369,8 @@ def test_the_combine_waits_for_the_shared_expert_across_the_join(T):
     idx, w = idx.to(dev), w.to(dev)
     x = torch.randn(T, K, device=dev).to(torch.bfloat16)
     up, down = experts(E, I, K, D, torch.bfloat16, dev)
+    if fp8:
+        up, down = quantize_fp8(up.float()), quantize_fp8(down.float())
     shared_out = torch.randn(T, D, device=dev).to(torch.bfloat16)
     start = torch.randn(T, D, device=dev).to(torch.bfloat16)
     expect = moe_experts(x, idx, w, up, down, shared=shared_out, residual=start.clone())

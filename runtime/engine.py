@@ -138,7 +138,7 @@ class Engine:
         self._new_drafter = speculative.drafter if speculative is not None else None
         if speculative is not None and speculative.draft_model is not None:
             draft = load_draft_model(speculative.draft_model, dtype=model.dtype, device=model.device,
-                                     seed=speculative.seed)
+                                     seed=speculative.draft_seed)
             self.draft_engine = draft_engine(draft, self.cfg.vocab_size, max_context, use_graphs=use_graphs)
             self._new_drafter = functools.partial(ModelDrafter, self.draft_engine, self.cfg.vocab_size)
         self._ids = itertools.count()

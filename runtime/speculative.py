@@ -59,7 +59,7 @@ class Speculative:
                 greedy continuation on an engine of its own (``runtime.draft_model``): an HF
                 checkpoint directory or a preset name, loaded by the engine in the target's
                 dtype and device (a string, so the engine's process can be given it)
-    seed:       a preset draft model's weight seed
+    draft_seed: a preset draft model's weight seed
     """
 
     drafter: Callable[[], Drafter] = NgramDrafter
@@ -68,13 +68,15 @@ class Speculative:
     default: bool = True
     adaptive: bool = True
     draft_model: str | None = None
-    seed: int = 0
+    draft_seed: int = 0
 
     def __post_init__(self):
         if not (isinstance(self.num_drafts, int) and self.num_drafts >= 1):
             raise ValueError(f"num_drafts: expected an int >= 1, got {self.num_drafts!r}")
         if not (isinstance(self.max_batch, int) and self.max_batch >= 1):
             raise ValueError(f"max_batch: expected an int >= 1, got {self.max_batch!r}")
+        if self.draft_model is not None and self.drafter is not NgramDrafter:
+            raise ValueError("drafter and draft_model: give one of them (a draft model is its own drafter)")
 
 
 def accepted(drafts: Sequence[int], drawn: Sequence[int]) -> int:

@@ -60,7 +60,8 @@ def speculative_arg(parser: Parser, args):
         parser.error(f"--draft-model {args.draft_model}: neither a checkpoint directory nor a preset")
     if not args.speculative:
         return None
-    return Speculative(num_drafts=args.speculative, draft_model=args.draft_model, seed=getattr(args, "seed", 0))
+    return Speculative(num_drafts=args.speculative, draft_model=args.draft_model,
+                       draft_seed=getattr(args, "seed", 0))
 
 
 # add_sampling's options, greedy where neither the command line nor the checkpoint names one

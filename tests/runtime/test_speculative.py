@@ -200,12 +200,14 @@ def test_a_preset_draft_model_of_the_target_s_weights_has_every_draft_kept():
 
     plain = run(preset_engine(), ps, params)
     for seed in (0, 1):
-        e = preset_engine(speculative=Speculative(draft_model="tiny-hybrid", seed=seed, num_drafts=3, adaptive=False))
+        e = preset_engine(speculative=Speculative(draft_model="tiny-hybrid", draft_seed=seed, num_drafts=3, adaptive=False))
         assert run(e, ps, params) == plain
         stats = e.speculative_stats
         assert stats["drafts"] > 0 and (stats["accepted"] == stats["drafts"]) == (seed == 0)
     with pytest.raises(ValueError, match="draft model: 'tiny-nope' is neither a checkpoint directory nor a preset"):
         preset_engine(speculative=Speculative(draft_model="tiny-nope"))
+    with pytest.raises(ValueError, match="drafter and draft_model: give one of them"):
+        Speculative(drafter=lambda: Scripted({}, 0.0), draft_model="tiny-hybrid")
 
 
 def test_a_draft_model_must_cover_the_target_s_vocabulary(checkpoint):

@@ -482,15 +482,15 @@ ASSIGN_COUNT_TILE = 8192
 # two rows: its pairs have distinct experts or nearly, so the sorted layout would save no weight
 # read, and its alignment pass is a launch on the step's critical path)
 PAIR_TILES_MAX = 12
-# FP8 experts' pairs (up to PAIR_TILES_MAX) stream K as matrix-vector products on CUDA cores
-# (``_pair_stream_kernel``) in tiles of 16 columns x 256, 4 stages: Nemotron-3-Nano's six
-# experts at one token 27.6 us against 37.7 in pair tiles, at two tokens 47.7 against 55.1 (up,
-# down and combine; H200, swept over 8-64 columns x 128-1024). bf16 experts keep the pair
-# tiles: the stream's best there, 36.6 against 35.6 us (docs/experiments.md).
-PAIR_STREAM_BLOCK_N, PAIR_STREAM_BLOCK_K, PAIR_STREAM_STAGES = 16, 256, 4
-# and their down projections with the combine (``_pair_down_kernel``), (columns a program, K
-# tile, stages) for one token and for more: Nano's at one token 14.4 us against 15.4 for the
-# pair stream and the combine, at two 21.6 against 25.2 (H200; 4-16 columns x 256-1024 swept)
+# FP8 experts' pairs (up to PAIR_TILES_MAX) stream K as matrix-vector products on CUDA cores:
+# the up projections (``_pair_up_kernel``) in tiles of 16 columns x 256, 4 stages (Nemotron-3-
+# Nano's six experts at one token 27.6 us against 37.7 in pair tiles, at two tokens 47.7 against
+# 55.1, up, down and combine each streamed so; H200, swept over 8-64 columns x 128-1024). bf16
+# experts keep the pair tiles: the stream's best there, 36.6 against 35.6 us (docs/experiments.md).
+PAIR_UP_BLOCK_N, PAIR_UP_BLOCK_K, PAIR_UP_STAGES = 16, 256, 4
+# and the down projections with the combine (``_pair_down_kernel``), (columns a program, K
+# tile, stages) for one token and for more: Nano's at one token 14.4 us against 15.4 for a down
+# kernel as the up one and the combine, at two 21.6 against 25.2 (H200; 4-16 columns x 256-1024)
 PAIR_DOWN_ONE_TOKEN, PAIR_DOWN_TOKENS = (8, 1024, 3), (16, 512, 3)
 
 
@@ -655,27 +655,23 @@ def _pair_kernel(a_ptr, idx_ptr, w_ptr, out_ptr, N, K, stride_a, stride_we, stri
 
 
 @triton.jit
-def _pair_stream_kernel(a_ptr, idx_ptr, w_ptr, out_ptr, N, K, stride_a, stride_we, stride_wn, stride_out,
-                        s_ptr, stride_se, stride_sn,
-                        GATHER: tl.constexpr, TOP_K: tl.constexpr, RELU2: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr,
-                        SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr):
-    """A few pairs as matrix-vector products on CUDA cores: out[p, cols] = a[row] @ w[idx[p], cols].T
-    for pair p (program axis 1; row: its token p // TOP_K when GATHER, else p) over BLOCK_N
-    columns (axis 0), K streamed in pipelined tiles as the skinny projections stream theirs
+def _pair_up_kernel(a_ptr, idx_ptr, w_ptr, out_ptr, N, K, stride_a, stride_we, stride_wn, stride_out,
+                    s_ptr, stride_se, stride_sn,
+                    TOP_K: tl.constexpr, RELU2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    EVEN_K: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr, SCALE: tl.constexpr,
+                    SCALE_BLOCK: tl.constexpr):
+    """A few pairs' up projections as matrix-vector products on CUDA cores: out[p, cols] =
+    a[p // TOP_K] @ w[idx[p], cols].T for pair p (program axis 1) over BLOCK_N columns (axis 0),
+    K streamed in pipelined tiles as the skinny projections stream theirs
     (``decode_linear._streamed_rows``), each weight element read once. A 16-row tensor-core tile
     for one row would be mostly padding; here every SM streams a share of the six experts' weights.
-
-    The up projection (GATHER) reads the routing, its direct predecessor's output, after the
-    wait; the down projection, whose routing is two or more launches back and so complete (see
-    ``kernels.decode_linear``), loads its expert's first weight tile before the wait.
-    SCALE as ``_tile_product``'s."""
+    The routing is the previous kernel's: read after the wait. SCALE as ``_tile_product``'s."""
     p = tl.program_id(1)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     n64 = n.to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
-    if USE_PDL and GATHER:
+    if USE_PDL:
         tl.extra.cuda.gdc_wait()
     e = tl.load(idx_ptr + p).to(tl.int64)
     w_e = w_ptr + e * stride_we
@@ -684,12 +680,9 @@ def _pair_stream_kernel(a_ptr, idx_ptr, w_ptr, out_ptr, N, K, stride_a, stride_w
     n_blk = n
     if SCALE == 2:
         n_blk = tl.minimum(n, N - 1) // SCALE_BLOCK
-    if USE_PDL and not GATHER:  # its input is the previous kernel's
-        tl.extra.cuda.gdc_wait()
-    row = (p // TOP_K) if GATHER else p
-    acc = _streamed_rows(w0, n64, n_ok, a_ptr + row.to(tl.int64) * stride_a, a_ptr, w_e, idx_ptr, 1, K, 0.0, 0,
-                         stride_wn, s_e, n_blk, stride_sn, False, False, 1, BLOCK_N, BLOCK_K, EVEN_K, STAGES, False,
-                         SCALE_BLOCK if SCALE == 2 else 0)
+    acc = _streamed_rows(w0, n64, n_ok, a_ptr + (p // TOP_K).to(tl.int64) * stride_a, a_ptr, w_e, idx_ptr, 1, K,
+                         0.0, 0, stride_wn, s_e, n_blk, stride_sn, False, False, 1, BLOCK_N, BLOCK_K, EVEN_K, STAGES,
+                         False, SCALE_BLOCK if SCALE == 2 else 0)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     if SCALE == 1:
@@ -897,12 +890,12 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
             bk = min(bk, scale_block)
         tma = _tma(weight) and (pairs or up_proj or _tma(a))
         w_arg = TensorDescriptor.from_tensor(weight, [1, bn, bk]) if tma else weight
-        if pairs and mode > 0:  # FP8 pairs: matrix-vector products streaming K
-            bn, bk = PAIR_STREAM_BLOCK_N, min(PAIR_STREAM_BLOCK_K, max(32, triton.next_power_of_2(kk)))
-            _pair_stream_kernel[(triton.cdiv(n, bn), S)](
-                a, idx, weight, result, n, kk, *common, GATHER=up_proj, TOP_K=k, RELU2=up_proj and not swiglu,
-                BLOCK_N=bn, BLOCK_K=bk, EVEN_K=kk % bk == 0, STAGES=PAIR_STREAM_STAGES, USE_PDL=pdl, SCALE=mode,
-                SCALE_BLOCK=scale_block, num_warps=4, **extra)
+        if pairs and mode > 0 and up_proj:  # FP8 pairs: matrix-vector products streaming K
+            bn, bk = PAIR_UP_BLOCK_N, min(PAIR_UP_BLOCK_K, max(32, triton.next_power_of_2(kk)))
+            _pair_up_kernel[(triton.cdiv(n, bn), S)](
+                a, idx, weight, result, n, kk, *common, TOP_K=k, RELU2=not swiglu, BLOCK_N=bn, BLOCK_K=bk,
+                EVEN_K=kk % bk == 0, STAGES=PAIR_UP_STAGES, USE_PDL=pdl, SCALE=mode, SCALE_BLOCK=scale_block,
+                num_warps=4, **extra)
         elif pairs:
             _pair_kernel[(S, triton.cdiv(n, bn))](
                 a, idx, w_arg, result, n, kk, *common, GATHER=up_proj, TOP_K=k, RELU2=up_proj and not swiglu,

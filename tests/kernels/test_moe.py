@@ -163,8 +163,8 @@ CASES = {
     "one token": dict(T=1, E=8, k=3),
     "a few pairs, a tile each": dict(T=5, E=8, k=2),
     "a few pairs on the same experts": dict(T=6, E=8, k=2, experts_used=[3, 4]),
-    # a pair's product streams K in tiles of up to 512 (kernels.moe._pair_stream_config): several
-    # tiles, the last ragged, and column blocks past N
+    # FP8 pairs' products stream K in tiles of up to 1024 (kernels.moe.PAIR_UP_BLOCK_K,
+    # PAIR_DOWN_*): several tiles, the last ragged, and column blocks past N
     "two tokens, K in ragged tiles": dict(T=2, E=8, k=3, K=1100, I=600, D=72),
     "32-row tiles": dict(T=60, E=4, k=2),
     "64-row tiles": dict(T=112, E=4, k=2),

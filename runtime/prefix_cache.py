@@ -29,9 +29,13 @@ tokens over the longest held (every snapshot holds one slot's bytes, and the pre
 grows with its tokens), plus ``share_weight`` where it is shared (taken at a branch point, or
 restored by two prompts: a conversation's end is restored once, by its next turn, which then
 snapshots its own); the lowest goes. Before any of them goes a superseded one (``supersede``):
-a conversation's end that its next turn restored and snapshots past. With both weights 0 and no
-superseding, that is LRU. ``tools.prefix_replay``
-sets the weights side by side on workloads replayed through the cache alone (docs/experiments.md).
+a conversation's end that its next turn restored and snapshots past. While the cache thrashes
+(``thrash_guard``: a prompt wanted back a snapshot evicted lately, within the last lookups as
+many as the cache has slots), recency counts the other way: the most recently used goes first.
+More live conversations than slots, taken in turn, would otherwise each be evicted just before
+its next turn (LRU's cyclic worst case); so a stable part of them keeps its snapshots. With both
+weights 0, no superseding and no guard, that is LRU. ``tools.prefix_replay`` sets the policies
+side by side on workloads replayed through the cache alone (docs/experiments.md).
 
 Keys chain the blocks (a digest of the previous key and the block's tokens), and every hit
 compares the prefix's tokens too. A restore only reads its snapshot before the step it precedes, and a
@@ -85,7 +89,8 @@ class PrefixCache:
     """slots: the pool's slots this cache owns; block: tokens a block (a multiple of the SSD
     chunk); seen: how many recent prompts' block keys to remember for finding branch points;
     flop_weight, share_weight: what a snapshot's length and its being shared weigh against its
-    recency in eviction; supersede: a superseded snapshot goes first (all three off: LRU);
+    recency in eviction; supersede: a superseded snapshot goes first; thrash_guard: while
+    evicted snapshots are wanted back, the most recently used goes first (all four off: LRU);
     slot_bytes: a snapshot's bytes (``stats["bytes"]``: what those held use)."""
 
     slots: list[int]
@@ -94,10 +99,13 @@ class PrefixCache:
     flop_weight: float = 1.0
     share_weight: float = 1.0
     supersede: bool = True
+    thrash_guard: bool = True
     slot_bytes: int = 0
     _entries: OrderedDict = field(default_factory=OrderedDict)  # key -> _Snapshot, least recent first
     _seen: OrderedDict = field(default_factory=OrderedDict)  # key -> None, least recent first
     _unwritten: set = field(default_factory=set)  # keys claimed since settle(): their step writes them
+    _ghosts: OrderedDict = field(default_factory=OrderedDict)  # evicted snapshots' keys, least recent first
+    _last_regret: int = -(1 << 30)  # the lookup that last wanted an evicted snapshot back
     stats: dict = field(default_factory=lambda: {"lookups": 0, "hits": 0, "tokens_restored": 0, "snapshots": 0,
                                                  "evictions": 0, "bytes": 0})
 
@@ -131,6 +139,8 @@ class PrefixCache:
                 branch = b._replace(branch=True)
         self._remember(bounds)
         start = 0 if hit is None else hit[0].end
+        if any(b.key in self._ghosts for b in bounds if start < b.end < len(prompt)):
+            self._last_regret = self.stats["lookups"]
         last = bounds[-1] if bounds and (branch is None or bounds[-1].end != branch.end) else None
         wanted = {b for b in (branch, last) if b is not None and b.end > start and b.key not in self._entries}
         if hit is None:
@@ -166,6 +176,9 @@ class PrefixCache:
                 return None
             self._free.append(self._entries.pop(victim).slot)
             self.stats["evictions"] += 1
+            self._ghosts[victim] = None
+            while len(self._ghosts) > len(self.slots):
+                self._ghosts.popitem(last=False)
         slot = self._free.pop()
         self._unwritten.add(at.key)
         self._entries[at.key] = _Snapshot(slot, prompt[: at.end].copy(), at.branch)
@@ -182,9 +195,10 @@ class PrefixCache:
         score; the least recently used of equals; None where all were claimed since ``settle``."""
         n = len(self._entries)
         longest = max(len(s.tokens) for s in self._entries.values())
-        scores = [((not s.superseded, i / max(1, n - 1) + self.flop_weight * len(s.tokens) / longest
-                    + self.share_weight * s.shared), key) for i, (key, s) in enumerate(self._entries.items())
-                  if key not in self._unwritten]
+        thrashing = self.thrash_guard and self.stats["lookups"] - self._last_regret <= len(self.slots)
+        scores = [((not s.superseded, (1 - i / max(1, n - 1) if thrashing else i / max(1, n - 1))
+                    + self.flop_weight * len(s.tokens) / longest + self.share_weight * s.shared), key)
+                  for i, (key, s) in enumerate(self._entries.items()) if key not in self._unwritten]
         return min(scores, key=lambda t: t[0])[1] if scores else None
 
     def __len__(self) -> int:

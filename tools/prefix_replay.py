@@ -19,8 +19,9 @@ import numpy as np
 from ..runtime.prefix_cache import PrefixCache
 
 # (flop_weight, share_weight, supersede), each column adding one to the one before
-POLICIES = {"LRU": (0.0, 0.0, False), "+ superseded first": (0.0, 0.0, True), "+ length": (1.0, 0.0, True),
-            "+ shared (default)": (1.0, 1.0, True)}
+POLICIES = {"LRU": (0.0, 0.0, False, False), "+ superseded first": (0.0, 0.0, True, False),
+            "+ length": (1.0, 0.0, True, False), "+ shared": (1.0, 1.0, True, False),
+            "+ thrash guard (default)": (1.0, 1.0, True, True)}
 
 
 def workloads(seed: int = 0) -> dict[str, list[np.ndarray]]:
@@ -55,10 +56,10 @@ def workloads(seed: int = 0) -> dict[str, list[np.ndarray]]:
 
 
 def replay(prompts: list[np.ndarray], slots: int, block: int, flop_weight: float, share_weight: float,
-           supersede: bool) -> float:
+           supersede: bool, thrash_guard: bool) -> float:
     """The share of the prompts' tokens restored."""
     cache = PrefixCache(list(range(slots)), block, flop_weight=flop_weight, share_weight=share_weight,
-                        supersede=supersede)
+                        supersede=supersede, thrash_guard=thrash_guard)
     for p in prompts:
         for at in cache.admit(p).snapshot_at:
             cache.claim(p, at)

@@ -67,7 +67,7 @@ def test_a_prompt_snapshots_at_its_branch_point_and_its_last_boundary():
 
 
 def test_without_weights_the_least_recently_used_snapshot_goes():
-    cache = PrefixCache(slots=[0, 1], block=4, flop_weight=0, share_weight=0, supersede=False)
+    cache = PrefixCache(slots=[0, 1], block=4, flop_weight=0, share_weight=0, supersede=False, thrash_guard=False)
     a, b = np.arange(1, 13), np.arange(100, 112)
     (a4, a8, _), (b4, *_) = cache.boundaries(a), cache.boundaries(b)
 
@@ -84,6 +84,26 @@ def test_without_weights_the_least_recently_used_snapshot_goes():
     claim(a, a8)  # evicts b's; then a's first block goes, its longer prefix stays
     claim(b, b4)
     assert cache.admit(a).restore[1] == 8
+
+
+def test_conversations_taken_in_turn_past_the_slots_keep_some_snapshots():
+    """Five conversations in turn over four slots, each turn resending its conversation: LRU
+    evicts each end just before its next turn and restores nothing; with the thrash guard, once
+    an evicted end is wanted back, the most recent goes first and some conversations restore."""
+
+    def restored(guard):
+        cache = PrefixCache(slots=[0, 1, 2, 3], block=4, thrash_guard=guard)
+        convs = [np.arange(100 * c + 1, 100 * c + 9) for c in range(5)]
+        for turn in range(5):
+            for c in range(5):
+                if turn:
+                    convs[c] = np.concatenate([convs[c], np.arange(1000 * turn + 10 * c, 1000 * turn + 10 * c + 4)])
+                for at in cache.admit(convs[c]).snapshot_at:
+                    cache.claim(convs[c], at)
+                cache.settle()
+        return cache.stats["hits"]
+
+    assert restored(False) == 0 and restored(True) >= 5
 
 
 def test_a_snapshot_claimed_for_a_step_is_not_evicted_before_the_step_is_launched():

@@ -180,6 +180,7 @@ class PrefixCache:
             while len(self._ghosts) > len(self.slots):
                 self._ghosts.popitem(last=False)
         slot = self._free.pop()
+        self._ghosts.pop(at.key, None)  # held again
         self._unwritten.add(at.key)
         self._entries[at.key] = _Snapshot(slot, prompt[: at.end].copy(), at.branch)
         self.stats["snapshots"] += 1

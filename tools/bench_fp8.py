@@ -17,7 +17,6 @@ give flatter distributions than trained ones: the numbers gauge the numerics, no
 
 from __future__ import annotations
 
-import datetime
 
 import torch
 from tqdm import tqdm
@@ -28,7 +27,7 @@ from ..runtime.model import Model
 from ..runtime.plan import StepPlan
 from ..runtime.state_pool import StatePool
 from ..runtime.step_runner import StepRunner
-from .bench_kernels import copy_bandwidth, matmul_rate, median_ms
+from .bench_kernels import copy_bandwidth, matmul_rate, median_ms, stamp
 from .bench_steps import (
     CONTEXT, _moe_mixers, decode_plan, hbm_floor_bytes, prefill_floor_ms, prefill_plan, replay_ms, routed_experts,
     step_ms,
@@ -116,8 +115,7 @@ def run(presets=PRESETS, progress: bool = True) -> dict:
     rate, _ = matmul_rate()
     fp8_rate = fp8_matmul_rate()
     return {
-        "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__, "copy_GB/s": bandwidth / 1e9, "matmul_TFLOP/s": rate / 1e12,
+        **stamp(), "copy_GB/s": bandwidth / 1e9, "matmul_TFLOP/s": rate / 1e12,
         "fp8_matmul_TFLOP/s": fp8_rate / 1e12,
         "presets": [bench_preset(p, bandwidth, (rate, fp8_rate), progress) for p in presets],
     }

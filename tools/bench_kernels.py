@@ -16,6 +16,12 @@ from tqdm import tqdm
 H, P, N, G, CHUNK = 128, 64, 128, 8, 128
 
 
+def stamp() -> dict:
+    """What every benchmark result starts with: the date, the device and torch's version."""
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    return {"date": datetime.date.today().isoformat(), "device": device, "torch": torch.__version__}
+
+
 def median_ms(fn, warmup_ms=25, rep_ms=100) -> float:
     import triton.testing
 
@@ -225,8 +231,7 @@ def run() -> dict:
         else:
             rows.append(bench_state_update(a, b, bw) if kind == "state_update" else bench_ssd(a, b))
     return {
-        "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__, "copy_GB/s": bw / 1e9, "rows": rows,
+        **stamp(), "copy_GB/s": bw / 1e9, "rows": rows,
     }
 
 

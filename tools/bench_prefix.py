@@ -15,7 +15,6 @@ greedy tokens and logprobs are compared. Presets have random weights.
 
 from __future__ import annotations
 
-import datetime
 
 import numpy as np
 import torch
@@ -23,6 +22,7 @@ import torch
 from ..runtime.engine import Engine
 from ..runtime.model import Model
 from ..runtime.request import SamplingParams
+from .bench_kernels import stamp
 from .run import conversations, serve, summarize
 
 PRESETS = ("nemotron-h-8b", "nemotron-3-nano-30b-a3b")
@@ -96,9 +96,7 @@ def _alone(engine: Engine, prompt: list[int], n: int) -> tuple[list[int], list[f
 
 
 def run(presets=PRESETS, progress: bool = True, **kw) -> dict:
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    return {"date": datetime.date.today().isoformat(), "device": device, "torch": torch.__version__,
-            "presets": [bench_preset(p, progress=progress, **kw) for p in presets]}
+    return {**stamp(), "presets": [bench_preset(p, progress=progress, **kw) for p in presets]}
 
 
 def tables(result: dict) -> str:

@@ -15,7 +15,6 @@ turns). Presets have random weights.
 
 from __future__ import annotations
 
-import datetime
 import statistics
 import time
 
@@ -31,6 +30,7 @@ from ..runtime.request import SamplingParams
 from ..runtime.plan import StepPlan
 from ..runtime.state_pool import StatePool
 from ..runtime.step_runner import StepRunner
+from .bench_kernels import stamp
 from .bench_steps import CONTEXT, decode_plan
 
 BATCHES = (1, 64, 256)
@@ -145,9 +145,7 @@ def bench_preset(name: str, rounds: int, progress: bool, choices: bool) -> dict:
 
 
 def run(presets=PRESETS, rounds: int = 40, progress: bool = True) -> dict:
-    return {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
-            "torch": torch.__version__,
-            "presets": [bench_preset(p, rounds, progress, choices=i == 0) for i, p in enumerate(presets)]}
+    return {**stamp(), "presets": [bench_preset(p, rounds, progress, choices=i == 0) for i, p in enumerate(presets)]}
 
 
 def tables(result: dict) -> str:

@@ -21,7 +21,6 @@ decode.
 
 from __future__ import annotations
 
-import datetime
 import time
 
 import numpy as np
@@ -35,6 +34,7 @@ from ..runtime.plan import StepPlan
 from ..runtime.request import SamplingParams
 from ..runtime.speculative import Speculative
 from ..runtime.step_runner import StepRunner
+from .bench_kernels import stamp
 from .bench_steps import CONTEXT, step_ms
 
 PRESETS = ("nemotron-h-8b", "nemotron-3-nano-30b-a3b")
@@ -195,9 +195,7 @@ def bench_preset(name: str, *, prompt_tokens: int = 512, max_tokens: int = 256, 
 
 
 def run(presets=PRESETS, progress: bool = True, **kw) -> dict:
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    return {"date": datetime.date.today().isoformat(), "device": device, "torch": torch.__version__,
-            "presets": [bench_preset(p, progress=progress, **kw) for p in presets]}
+    return {**stamp(), "presets": [bench_preset(p, progress=progress, **kw) for p in presets]}
 
 
 def tables(result: dict) -> str:

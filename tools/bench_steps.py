@@ -20,7 +20,6 @@ alone, between CUDA events.
 
 from __future__ import annotations
 
-import datetime
 import math
 import statistics
 import time
@@ -38,7 +37,7 @@ from ..runtime.model import Model
 from ..runtime.plan import StepPlan
 from ..runtime.state_pool import StatePool
 from ..runtime.step_runner import StepRunner
-from .bench_kernels import copy_bandwidth, matmul_rate
+from .bench_kernels import copy_bandwidth, matmul_rate, stamp
 
 DECODE_BATCHES = (1, 2, 4, 8, 32, 64, 128, 256)
 MIXED_DECODE = (16, 64)
@@ -303,8 +302,7 @@ def run(presets=("mamba2-130m", "nemotron-h-8b"), progress: bool = True) -> dict
     bandwidth = copy_bandwidth()
     rate, idle_rate = matmul_rate()
     return {
-        "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__, "copy_GB/s": bandwidth / 1e9, "matmul_TFLOP/s": rate / 1e12,
+        **stamp(), "copy_GB/s": bandwidth / 1e9, "matmul_TFLOP/s": rate / 1e12,
         "matmul_idle_TFLOP/s": idle_rate / 1e12,
         "presets": [bench_preset(p, bandwidth, rate, progress) for p in presets],
     }

@@ -43,17 +43,20 @@ class ModelDrafter:
         return drafts[:n]
 
 
-def load_draft_model(source: str, *, dtype, device, seed: int = 0) -> Model:
+def load_draft_model(source: str, *, dtype, device, seed: int | None = None) -> Model:
     """The draft model ``source`` names: an HF checkpoint directory, or a preset (random weights
-    from ``seed``: what drafting costs, not what it gains; the target's own preset and seed give
-    a draft model equal to the target, whose drafts are all kept)."""
+    from ``seed``, default 0: what drafting costs, not what it gains; the target's own preset and
+    seed give a draft model equal to the target, whose drafts are all kept). A seed beside a
+    checkpoint, whose weights are its own, is refused."""
     if Path(source).is_dir():
+        if seed is not None:
+            raise ValueError(f"draft model: {source} is a checkpoint, its weights its own: no seed (got {seed})")
         try:
             return Model.from_pretrained(source, dtype=dtype, device=device)
         except ValueError as e:  # a bad config or weights, said as the draft model's (not the target's)
             raise ValueError(f"draft model: {source}: {e}") from e
     if source in PRESETS:
-        return Model.from_preset(source, dtype=dtype, device=device, seed=seed)
+        return Model.from_preset(source, dtype=dtype, device=device, seed=seed or 0)
     raise ValueError(f"draft model: {source!r} is neither a checkpoint directory nor a preset "
                      f"({', '.join(sorted(PRESETS))})")
 

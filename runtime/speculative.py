@@ -59,7 +59,7 @@ class Speculative:
                 greedy continuation on an engine of its own (``runtime.draft_model``): an HF
                 checkpoint directory or a preset name, loaded by the engine in the target's
                 dtype and device (a string, so the engine's process can be given it)
-    draft_seed: a preset draft model's weight seed
+    draft_seed: a preset draft model's weight seed (None: 0); refused beside a checkpoint's
     """
 
     drafter: Callable[[], Drafter] = NgramDrafter
@@ -68,7 +68,7 @@ class Speculative:
     default: bool = True
     adaptive: bool = True
     draft_model: str | None = None
-    draft_seed: int = 0
+    draft_seed: int | None = None
 
     def __post_init__(self):
         if not (isinstance(self.num_drafts, int) and self.num_drafts >= 1):

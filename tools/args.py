@@ -60,8 +60,9 @@ def speculative_arg(parser: Parser, args):
         parser.error(f"--draft-model {args.draft_model}: neither a checkpoint directory nor a preset")
     if not args.speculative:
         return None
+    preset = args.draft_model in PRESETS  # its weights from --seed, as the target preset's
     return Speculative(num_drafts=args.speculative, draft_model=args.draft_model,
-                       draft_seed=getattr(args, "seed", 0))
+                       draft_seed=getattr(args, "seed", 0) if preset else None)
 
 
 # add_sampling's options, greedy where neither the command line nor the checkpoint names one

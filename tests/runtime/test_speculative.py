@@ -186,6 +186,8 @@ def test_a_draft_model_drafts_and_the_tokens_stay_the_target_s(checkpoint):
         if params.greedy:  # (sampled from a tiny random model's flat distributions, few are)
             assert stats["accepted"] > 0.8 * stats["drafts"]
         assert e.draft_engine.prefix_cache.stats["hits"] > 0  # later drafts restore their context's blocks
+    with pytest.raises(ValueError, match="is a checkpoint, its weights its own: no seed"):
+        engine(path, speculative=Speculative(draft_model=str(path), draft_seed=1))
 
 
 def test_a_preset_draft_model_of_the_target_s_weights_has_every_draft_kept():

@@ -20,9 +20,8 @@ their own that move almost nothing. Here one kernel does all three:
     with software pipelining, each tile read once for all rows. A block norm is applied after
     the product (each row's sum of squares comes along in the same pass, and its rstd scales the
     sums at the end); its weight is a third input stream in every tile unless the model folded
-    it into the projection (``unit_norm``). A gated norm of one group rides along the same
-    way; of several, it runs as a kernel of its own first, which measured faster than
-    recomputing its groups tile by tile.
+    it into the projection (``unit_norm``). A gated norm runs as a kernel of its own first,
+    which measured faster than recomputing its groups tile by tile.
 - epilogue: store the rounded product; or add it into the residual stream in place; or squared
   ReLU; or, for Mamba2's in_proj, the causal conv1d decode update (state shift and SiLU) on the
   ``xBC`` columns, which one program owns per channel, so the conv state has a single writer.
@@ -220,21 +219,21 @@ def _block_scaled(w, s_ptr, n_blk, cols, col_ok, stride_s, SCALE_BLOCK: tl.const
 @triton.jit
 def _stream_tile(acc, sq, w, k, ks, x_ptr, z_ptr, wn_ptr, src, row_ok, K, stride_x, stride_z, s_ptr, n_blk,
                  stride_s, NORM: tl.constexpr, EVEN_K: tl.constexpr, NORM_WEIGHT: tl.constexpr,
-                 SCALE_BLOCK: tl.constexpr, SWIGLU: tl.constexpr, GATED: tl.constexpr):
+                 SCALE_BLOCK: tl.constexpr, SWIGLU: tl.constexpr):
     """One K tile of the streamed product, elementwise (reduced once after the loop): acc += w *
     input (times the norm weight, unless NORM_WEIGHT is off: a unit weight, folded into w), and
-    with a norm sq += input^2. SCALE_BLOCK: w is FP8 with block scales, applied here. SWIGLU or
-    GATED: the input is x times silu(z) (``_input_rows``)."""
+    with a norm sq += input^2. SCALE_BLOCK: w is FP8 with block scales, applied here. SWIGLU: the
+    input is silu(z) * x (``_input_rows``)."""
     cols = k + ks
     col_ok = cols < K
     if EVEN_K:
         col_ok = cols >= 0
     if SCALE_BLOCK > 0:
         w = _block_scaled(w, s_ptr, n_blk, cols, col_ok, stride_s, SCALE_BLOCK)
-    z = src  # (a stand-in but for a gate)
-    if SWIGLU or GATED:
+    z = src  # (a stand-in but for SwiGLU's gate)
+    if SWIGLU:
         z = _load_rows(z_ptr, src, row_ok, cols, col_ok, stride_z)
-    a = _input_rows(x_ptr, z, src, row_ok, cols, col_ok, stride_x, GATED, SWIGLU)  # [BLOCK_M, BLOCK_K]
+    a = _input_rows(x_ptr, z, src, row_ok, cols, col_ok, stride_x, False, SWIGLU)  # [BLOCK_M, BLOCK_K]
     if NORM:
         sq += a * a
         if NORM_WEIGHT:
@@ -248,15 +247,14 @@ def _streamed_rows(
     w0, n64, n_ok, x_ptr, z_ptr, wn_ptr, w_ptr, row_ptr, M, K, eps, stride_x, stride_z, stride_w, s_ptr, n_blk,
     stride_s, NORM: tl.constexpr, HAS_ROW_IDX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr, NORM_WEIGHT: tl.constexpr,
-    SCALE_BLOCK: tl.constexpr, SWIGLU: tl.constexpr, GATED: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr, SWIGLU: tl.constexpr,
 ):
     """The product of all rows with the program's [BLOCK_N, K] weight slice in fp32, as
     [BLOCK_M, BLOCK_N], in one pass over K tiles (w0 is the first), each weight tile read once
     for all rows. An RMSNorm prologue is applied after the product: the input times the norm
     weight goes in unscaled, its squares come along, and each row is scaled by its rstd at the
     end. So there is no second pass over the input, and no rounding of the normalised input
-    (which the one-tile path and the references keep). GATED: the norm is Mamba2's gated one of
-    a single group, over x * silu(z)."""
+    (which the one-tile path and the references keep)."""
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < M
     ks = tl.arange(0, BLOCK_K)
@@ -267,7 +265,7 @@ def _streamed_rows(
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     acc, sq = _stream_tile(acc, sq, w0, 0, ks, x_ptr, z_ptr, wn_ptr, src, row_ok, K, stride_x, stride_z, s_ptr, n_blk,
-                           stride_s, NORM, EVEN_K, NORM_WEIGHT, SCALE_BLOCK, SWIGLU, GATED)
+                           stride_s, NORM, EVEN_K, NORM_WEIGHT, SCALE_BLOCK, SWIGLU)
     for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         cols = k + ks
         w_ptrs = w_ptr + n64[:, None] * stride_w + cols[None, :]
@@ -276,7 +274,7 @@ def _streamed_rows(
         else:
             w = tl.load(w_ptrs, mask=n_ok[:, None] & (cols < K)[None, :], other=0.0)
         acc, sq = _stream_tile(acc, sq, w, k, ks, x_ptr, z_ptr, wn_ptr, src, row_ok, K, stride_x, stride_z, s_ptr,
-                               n_blk, stride_s, NORM, EVEN_K, NORM_WEIGHT, SCALE_BLOCK, SWIGLU, GATED)
+                               n_blk, stride_s, NORM, EVEN_K, NORM_WEIGHT, SCALE_BLOCK, SWIGLU)
     y = tl.sum(acc, axis=2)
     if NORM:
         y = y * tl.rsqrt(tl.sum(sq, axis=1) / K + eps)[:, None]
@@ -411,12 +409,11 @@ def _skinny_kernel(
         if not LOOP:
             tl.extra.cuda.gdc_launch_dependents()
     if LOOP:
-        tl.static_assert(PROLOGUE != 2 or NUM_GROUPS == 1,
-                         "a gated norm of several groups runs as its own kernel before a streamed product")
+        tl.static_assert(PROLOGUE != 2, "a gated norm runs as its own kernel before a streamed product")
         acc = _streamed_rows(
             w0, n64, n_ok, x_ptr, z_ptr, wn_ptr, w_ptr, row_ptr, M, K, eps, stride_x, stride_z, stride_w, s_ptr,
-            n_blk, stride_s, PROLOGUE == 1 or PROLOGUE == 2, HAS_ROW_IDX, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, STAGES,
-            NORM_WEIGHT, SCALE_BLOCK, PROLOGUE == 3, PROLOGUE == 2,
+            n_blk, stride_s, PROLOGUE == 1, HAS_ROW_IDX, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, STAGES, NORM_WEIGHT,
+            SCALE_BLOCK, PROLOGUE == 3,
         )
         if USE_PDL:
             # several waves of programs: the dependents take slots only as the last one drains
@@ -720,8 +717,7 @@ def gated_norm_linear(y, z, norm_w, group_size, eps, weight, *, bias=None, resid
     pdl: as in :func:`norm_linear`; early: z and the residual were written two or more kernels
     back in this stream, so a programmatic dependent launch may read them before its wait (in a
     Mamba2 block: z by in_proj, the residual by the previous block). Where the product streams K
-    (see the module doc), a norm of several groups runs first as a kernel of its own; one group
-    (Granite's, Bamba's) rides in the stream as the block norm does. tile_k: as in
+    (see the module doc), the gated norm runs first as a kernel of its own. tile_k: as in
     :func:`norm_linear`.
     """
     T, K = y.shape
@@ -732,11 +728,9 @@ def gated_norm_linear(y, z, norm_w, group_size, eps, weight, *, bias=None, resid
         raise ValueError(f"group_size {group_size} does not divide {K}")
     act = _act_dtype(weight, y, None)
     spec, dst = _out_rows(y, None, out, residual, weight.shape[0], act)
-    streamed = _config(T, weight.shape[0], K, y.device, tile_k, fp8=isinstance(weight, Fp8Weight)).loop
-    if streamed and K != group_size:
+    if _config(T, weight.shape[0], K, y.device, tile_k, fp8=isinstance(weight, Fp8Weight)).loop:
         # A streamed product would recompute the grouped norm tile by tile, which costs more
-        # than a kernel of its own (measured on Nemotron-H-8B's out_proj); one group's rstd
-        # scales the sums at the end, as the block norm's does
+        # than a kernel of its own (measured on Nemotron-H-8B's out_proj)
         h = gated_rms_norm(y, z, norm_w, group_size, eps, pdl=pdl)
         return _launch(h, None, None, weight, bias, dst, spec, eps=eps, group_size=K, prologue=_PRO_NONE,
                        round_first=True, epilogue=_epilogue(residual, False, None), conv=None, pdl=pdl,

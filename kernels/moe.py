@@ -754,7 +754,7 @@ def _pair_up_kernel(a_ptr, idx_ptr, w_ptr, out_ptr, N, K, stride_a, stride_we, s
     row = a_ptr + (p // TOP_K).to(tl.int64) * stride_a
     acc = _streamed_rows(w0, n64, n_ok, row, row, a_ptr, w_e, idx_ptr, 1, K, 0.0, 0, 0, stride_wn, s_e, n_blk,
                          stride_sn, False, False, 1, BLOCK_N, BLOCK_K, EVEN_K, STAGES, False,
-                         SCALE_BLOCK if SCALE == 2 else 0, False, False)
+                         SCALE_BLOCK if SCALE == 2 else 0, False)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     if SCALE == 1:

@@ -135,9 +135,8 @@ def launch_skinny() -> None:
     """The streamed skinny projections as a Nemotron decode step chains them (PDL): in_proj with
     the block norm (Nemotron-3-Nano's 16-column tiles, Nemotron-Nano-9B-v2's 16 x 512), with the
     conv epilogue too, out_proj, o_proj adding into the residual, a relu2 up projection, the shared
-    expert's down projection (512-column tiles from K = 3072); a one-group gated norm in the stream;
-    SwiGLU down projections."""
-    from mambastep.kernels.decode_linear import ConvTail, gated_norm_linear, norm_linear, swiglu_linear
+    expert's down projection (512-column tiles from K = 3072); SwiGLU down projections."""
+    from mambastep.kernels.decode_linear import ConvTail, norm_linear, swiglu_linear
 
     for N, K, norm, relu2 in ((10304, 2688, True, False), (2688, 4096, False, False), (3712, 2688, True, True),
                               (2688, 3712, False, False), (22656, 4480, True, False)):
@@ -155,10 +154,6 @@ def launch_skinny() -> None:
                        conv=conv, out=torch.empty(1, 10304, **bf16), pdl=True)
     norm_linear.triton(torch.randn(1, 4096).to(torch.bfloat16), None, 1e-5, torch.empty(2688, 4096, **bf16),
                        residual=torch.empty(1, 2688), pdl=True, early=True)
-    # Granite-4.0-H-tiny's out_proj: its one-group gated norm in the streamed product
-    yz = torch.randn(2, 1, 3072).to(torch.bfloat16)
-    gated_norm_linear.triton(yz[0], yz[1], torch.ones(3072, **bf16), 3072, 1e-5, torch.empty(1536, 3072, **bf16),
-                             residual=torch.empty(1, 1536), pdl=True, early=True)
     # SwiGLU down projections (Granite-4.0-H-micro's MLP, streamed; -tiny's shared expert, one tile)
     for N, I in ((2048, 8192), (1536, 1024)):
         swiglu_linear.triton(torch.randn(1, 2 * I).to(torch.bfloat16), torch.empty(N, I, **bf16),

@@ -140,9 +140,7 @@ def test_conv_epilogue_updates_state_and_skips_pad_rows(device, tile_k, M):
 @pytest.mark.parametrize("G", [1, 2, 3])
 @pytest.mark.parametrize("M", [1, 3])
 def test_gated_norm_linear_into_residual(device, tile_k, G, M, early):
-    """early: z and the residual read before the (programmatic launch) wait; same result. Where
-    the product streams K, one group's norm rides in its stream (its rstd scales the sums at the
-    end), more groups' is a kernel of its own."""
+    """early: z and the residual read before the (programmatic launch) wait; same result."""
     torch.manual_seed(10 * G + M)
     K, N = 24 * G, 33
     wide = torch.randn(M, 2 * K + 5, device=device).to(BF16)
@@ -220,13 +218,10 @@ def test_fp8_weights_with_norm_and_conv(device, tile_k, fp8_block, M):
     assert_close(state.cpu(), state_ref, BF16, factor=0.25)
 
 
-@pytest.mark.parametrize("G", [1, 2])
 @pytest.mark.parametrize("M", [1, 3])
-def test_fp8_weights_gated_into_residual(device, tile_k, fp8_block, M, G):
-    """Streamed, a gated norm of one group rides in the product's stream, of more it is a
-    kernel of its own: both against the unfused composition."""
-    torch.manual_seed(60 + M + fp8_block + G)
-    K, N = 48, 35
+def test_fp8_weights_gated_into_residual(device, tile_k, fp8_block, M):
+    torch.manual_seed(60 + M + fp8_block)
+    K, N, G = 48, 35, 2
     y, z = torch.randn(2, M, K, device=device).to(BF16)
     norm_w = torch.randn(K, device=device).to(BF16)
     w = quantize_fp8(torch.randn(N, K, device=device) / K**0.5, fp8_block)

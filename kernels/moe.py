@@ -8,8 +8,7 @@ Static shapes throughout, so a step is captured once per bucket and replays with
    TF32 x 3), then one kernel for sigmoid scores, the score-correction bias for the choice,
    group-limited top-k, normalisation and routed scaling, exactly as HF's NemotronH; it also
    counts each block of tokens' pairs per expert (``block_counts``). A token's k experts come out
-   in ascending expert order, the order HF's loop adds them in. A decode step's few rows may
-   route in one launch: the last of the logits' programs to finish takes the top-k.
+   in ascending expert order, the order HF's loop adds them in.
 2. ``moe_experts`` (align): the pairs per expert are counted, each expert's run padded to the
    GEMM tile height ``block_m`` and every pair given its slot, tokens in order within an expert
    (one program for a decode step's few pairs; for a prefill chunk's, parallel programs over the
@@ -28,8 +27,7 @@ Static shapes throughout, so a step is captured once per bucket and replays with
 4. Combine: a token's k rows weighted and summed in fp32 in expert order, rounded, plus the
    shared expert's output, optionally added into the residual stream (for FP8 pairs, in the
    down projections' own kernel, which streams a token's k experts one after the other). No
-   atomic adds of values anywhere (the one-launch routing's count only orders), so a step is
-   deterministic run to run.
+   atomics anywhere, so a step is deterministic run to run.
 
 ``moe_experts_ref`` is the dense math every test compares against: every expert over every
 token, weighted by the token's routing weight (zero where not chosen).
@@ -49,7 +47,7 @@ from .dispatch import with_reference
 from .fp8 import Fp8Weight
 
 __all__ = ["ACTIVATIONS", "SCORINGS", "block_counts_buffer", "block_m", "moe_experts", "moe_experts_ref", "moe_route",
-           "moe_route_ref", "route_done_buffer", "router_terms", "slot_count"]
+           "moe_route_ref", "router_terms", "slot_count"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -62,20 +60,13 @@ def _logits_kernel(x_ptr, gate_ptr, part_ptr, T, E, D, CHUNK, stride_x,
     """A few tokens' router logits, split over experts and over D: part[s, t, e] = the sum over
     chunk s of D of x[t, d] * gate[e, d], in fp32 multiply-adds (x rounded up from its dtype, as
     HF's ``hidden.float()``). The top-k kernel adds the chunks in order, so no atomics."""
-    if USE_PDL:  # x is the previous kernel's output
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    _logits_part(x_ptr, gate_ptr, part_ptr, T, E, D, CHUNK, stride_x, BLOCK_T, BLOCK_E, BLOCK_D)
-
-
-@triton.jit
-def _logits_part(x_ptr, gate_ptr, part_ptr, T, E, D, CHUNK, stride_x,
-                 BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
-    """``_logits_kernel``'s program (program axes: BLOCK_E experts, a chunk of D)."""
     es = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     s = tl.program_id(1)
     ts = tl.arange(0, BLOCK_T)
     e_ok, t_ok = es < E, ts < T
+    if USE_PDL:  # x is the previous kernel's output
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros((BLOCK_T, BLOCK_E, BLOCK_D), tl.float32)
     for d0 in range(s * CHUNK, tl.minimum(s * CHUNK + CHUNK, D), BLOCK_D):
         ds = d0 + tl.arange(0, BLOCK_D)
@@ -99,50 +90,18 @@ def _topk_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, counts_ptr, T, E, scale,
     SOFTMAX: the top-k of the logits (rounded to ROUND_DTYPE first, as HF's router computes them
     in the model's dtype), weighted by the softmax over the k chosen, rounded so too; else
     sigmoid scores, the bias steering the choice, NORM and the routed scale."""
-    if USE_PDL:  # the logits are the previous kernel's
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    _topk_block(tl.program_id(0), logits_ptr, bias_ptr, idx_ptr, w_ptr, counts_ptr, T, E, scale, TOP_K, N_GROUP,
-                PER_GROUP, TOPK_GROUP, NORM, SPLIT, BLOCK_T, BLOCK_E, BLOCK_G, COUNTS, SOFTMAX, ROUND_DTYPE)
-
-
-@triton.jit
-def _route_kernel(x_ptr, gate_ptr, part_ptr, done_ptr, bias_ptr, idx_ptr, w_ptr, counts_ptr, T, E, D, CHUNK,
-                  stride_x, scale, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
-                  TOP_K: tl.constexpr, N_GROUP: tl.constexpr, PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                  NORM: tl.constexpr, SPLIT: tl.constexpr, BLOCK_TE: tl.constexpr, BLOCK_G: tl.constexpr,
-                  COUNTS: tl.constexpr, USE_PDL: tl.constexpr, SOFTMAX: tl.constexpr, ROUND_DTYPE: tl.constexpr):
-    """``_logits_kernel`` and ``_topk_kernel`` (one block of tokens) as one launch: each program
-    writes its partial logits and counts itself done on ``done_ptr`` (an int32 0 between
-    launches); the last to count (its atomic orders every other program's stores before its
-    loads) takes the top-k and sets the count back to 0. BLOCK_TE: the top-k's BLOCK_E."""
-    if USE_PDL:  # x is the previous kernel's output
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    _logits_part(x_ptr, gate_ptr, part_ptr, T, E, D, CHUNK, stride_x, BLOCK_T, BLOCK_E, BLOCK_D)
-    programs = tl.num_programs(0) * tl.num_programs(1)
-    if tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu") == programs - 1:
-        tl.store(done_ptr, 0)
-        _topk_block(0, part_ptr, bias_ptr, idx_ptr, w_ptr, counts_ptr, T, E, scale, TOP_K, N_GROUP, PER_GROUP,
-                    TOPK_GROUP, NORM, SPLIT, BLOCK_T, BLOCK_TE, BLOCK_G, COUNTS, SOFTMAX, ROUND_DTYPE)
-
-
-@triton.jit
-def _topk_block(block, logits_ptr, bias_ptr, idx_ptr, w_ptr, counts_ptr, T, E, scale,
-                TOP_K: tl.constexpr, N_GROUP: tl.constexpr, PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                NORM: tl.constexpr, SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                BLOCK_G: tl.constexpr, COUNTS: tl.constexpr, SOFTMAX: tl.constexpr, ROUND_DTYPE: tl.constexpr):
-    """``_topk_kernel``'s work for block ``block`` of tokens (the logits read past L1: another
-    program's, in ``_route_kernel``)."""
-    rows = block * BLOCK_T + tl.arange(0, BLOCK_T)
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     row_ok, col_ok = rows < T, cols < E
     if not SOFTMAX:
         bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0)
+    if USE_PDL:  # the logits are the previous kernel's
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     logits = tl.zeros((BLOCK_T, BLOCK_E), tl.float32)
     for s in tl.static_range(SPLIT):
         logits += tl.load(logits_ptr + s * T * E + rows[:, None] * E + cols[None, :],
-                          mask=row_ok[:, None] & col_ok[None, :], other=0.0, cache_modifier=".cg")
+                          mask=row_ok[:, None] & col_ok[None, :], other=0.0)
     if SOFTMAX:
         scores = logits.to(ROUND_DTYPE).to(tl.float32)
         choice = tl.where(col_ok[None, :], scores, float("-inf"))
@@ -174,7 +133,8 @@ def _topk_block(block, logits_ptr, bias_ptr, idx_ptr, w_ptr, counts_ptr, T, E, s
         chosen = tl.where(hit, 1, chosen)
         choice = tl.where(hit, float("-inf"), choice)
     if COUNTS:
-        tl.store(counts_ptr + block * E + cols, tl.sum(tl.where(row_ok[:, None], chosen, 0), axis=0), mask=col_ok)
+        tl.store(counts_ptr + tl.program_id(0) * E + cols, tl.sum(tl.where(row_ok[:, None], chosen, 0), axis=0),
+                 mask=col_ok)
     if SOFTMAX:
         top = tl.max(tl.where(chosen > 0, scores, float("-inf")), axis=1)
         w = tl.where(chosen > 0, tl.exp(scores - top[:, None]), 0.0)
@@ -239,11 +199,6 @@ def router_terms(gate: torch.Tensor) -> torch.Tensor:
     return torch.stack(terms)
 
 
-def route_done_buffer(device) -> torch.Tensor:
-    """A ``done`` count for ``moe_route``: one per caller that may route at the same time as another."""
-    return torch.zeros(1, dtype=torch.int32, device=device)
-
-
 def block_counts_buffer(tokens: int, n_experts: int, device) -> torch.Tensor:
     """An empty ``block_counts`` for ``moe_route`` and ``moe_experts``."""
     return torch.empty(triton.cdiv(tokens, ROUTE_BLOCK_T), n_experts, dtype=torch.int32, device=device)
@@ -271,8 +226,7 @@ SCORINGS = ("sigmoid", "softmax")
 
 
 def moe_route_ref(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 1, norm_topk: bool = True,
-                  scale: float = 1.0, gate_terms=None, block_counts=None, pdl: bool = False, scoring="sigmoid",
-                  done=None):
+                  scale: float = 1.0, gate_terms=None, block_counts=None, pdl: bool = False, scoring="sigmoid"):
     if scoring == "softmax":
         logits = F.linear(x.float(), gate.float()).to(x.dtype).float()
         idx = logits.topk(top_k, dim=-1)[1].sort(dim=-1)[0]
@@ -308,8 +262,7 @@ ROUTER_KERNEL_MAX_T = 16
 
 @with_reference(moe_route_ref)
 def moe_route(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 1, norm_topk: bool = True,
-              scale: float = 1.0, gate_terms=None, block_counts=None, pdl: bool = False, scoring="sigmoid",
-              done=None):
+              scale: float = 1.0, gate_terms=None, block_counts=None, pdl: bool = False, scoring="sigmoid"):
     """A token's experts and weights, as HF's NemotronH router (``scoring="sigmoid"``) or
     Granite's (``"softmax"``: the top-k of the logits rounded to x's dtype, weighted by their
     softmax, rounded so too: already normalised, so norm_topk changes nothing; no bias, groups
@@ -323,9 +276,7 @@ def moe_route(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 
     bf16 products). ``block_counts``: an int32 [cdiv(T, ROUTE_BLOCK_T), E] buffer, filled with
     each block of tokens' pairs per expert (what ``moe_experts`` takes to skip a counting pass).
     ``pdl``: its kernels launch as programmatic dependents of the previous kernel
-    (``kernels.decode_linear``). ``done``: an int32 [1] zero (``route_done_buffer``) that no
-    other launch uses meanwhile (not one on another stream): with it, a decode step's few rows
-    route in one launch, not two; it is zero again after.
+    (``kernels.decode_linear``).
     """
     T, D = x.shape
     E = gate.shape[0]
@@ -344,13 +295,6 @@ def moe_route(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 
         raise ValueError(f"moe_route: {top_k} of {E} experts in {topk_group} of {n_group} groups do not fit")
     _check_block_counts("moe_route", block_counts, T, E)
     extra = {"launch_pdl": True} if pdl else {}
-    idx = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
-    w = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
-    topk = dict(TOP_K=top_k, N_GROUP=n_group, PER_GROUP=E // n_group, TOPK_GROUP=topk_group, NORM=norm_topk,
-                BLOCK_G=max(2, triton.next_power_of_2(n_group)), COUNTS=block_counts is not None, USE_PDL=pdl,
-                SOFTMAX=softmax, ROUND_DTYPE=_TL_DTYPES[x.dtype])
-    counts = block_counts if block_counts is not None else idx
-    block_e = max(16, triton.next_power_of_2(E))
     if T <= ROUTER_KERNEL_MAX_T:
         # the logits of a few rows: the cast and cuBLAS's fp32 product and its reduction took
         # three launches (7 us a layer at one row); here one, split over D, its chunks added in order
@@ -359,20 +303,19 @@ def moe_route(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 
         chunk = block_d * triton.cdiv(D, 4 * block_d)
         split = triton.cdiv(D, chunk)
         logits = torch.empty(split, T, E, dtype=torch.float32, device=x.device)
-        grid = (triton.cdiv(E, 4), split)
-        if done is not None and T <= ROUTE_BLOCK_T:  # and the top-k in the same launch (one block of it)
-            _route_kernel[grid](x, gate, logits, done, bias, idx, w, counts, T, E, D, chunk, x.stride(0), float(scale),
-                                BLOCK_T=block_t, BLOCK_E=4, BLOCK_D=block_d, SPLIT=split, BLOCK_TE=block_e, **topk,
-                                num_warps=4, **extra)
-            return idx, w
-        _logits_kernel[grid](x, gate, logits, T, E, D, chunk, x.stride(0), BLOCK_T=block_t, BLOCK_E=4,
-                             BLOCK_D=block_d, USE_PDL=pdl, num_warps=4, **extra)
+        _logits_kernel[(triton.cdiv(E, 4), split)](x, gate, logits, T, E, D, chunk, x.stride(0), BLOCK_T=block_t,
+                                                  BLOCK_E=4, BLOCK_D=block_d, USE_PDL=pdl, num_warps=4, **extra)
     else:
         terms = gate_terms if gate_terms is not None and x.dtype == torch.bfloat16 else None
         logits, split = _router_dot(x, gate if terms is None else terms)
+    idx = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
+    w = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
     block_t = min(ROUTE_BLOCK_T, triton.next_power_of_2(T))
     _topk_kernel[(triton.cdiv(T, ROUTE_BLOCK_T),)](
-        logits, bias, idx, w, counts, T, E, float(scale), SPLIT=split, BLOCK_T=block_t, BLOCK_E=block_e, **topk,
+        logits, bias, idx, w, block_counts if block_counts is not None else idx, T, E, float(scale), TOP_K=top_k,
+        N_GROUP=n_group, PER_GROUP=E // n_group, TOPK_GROUP=topk_group, NORM=norm_topk, SPLIT=split, BLOCK_T=block_t,
+        BLOCK_E=max(16, triton.next_power_of_2(E)), BLOCK_G=max(2, triton.next_power_of_2(n_group)),
+        COUNTS=block_counts is not None, USE_PDL=pdl, SOFTMAX=softmax, ROUND_DTYPE=_TL_DTYPES[x.dtype],
         num_warps=1 if block_t < 4 else 4, **extra)
     return idx, w
 

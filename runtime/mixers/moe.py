@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ...kernels.linear import linear
-from ...kernels.moe import block_counts_buffer, moe_experts, moe_route, route_done_buffer, router_terms
+from ...kernels.moe import block_counts_buffer, moe_experts, moe_route, router_terms
 from ..config import ModelConfig
 from .base import Mixer, Norm, StepContext
 from .mlp import mlp, mlp_fused
@@ -54,9 +54,6 @@ class MoEMixer(Mixer):
                                                             "fc2_latent_proj.weight", "fc2_latent_proj.bias"))
         self.route = dict(top_k=cfg.num_experts_per_tok, n_group=cfg.n_group, topk_group=cfg.topk_group,
                           norm_topk=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor, scoring=cfg.moe_scoring)
-        # a fused decode step's routing in one launch (``moe_route``'s done count): such a step
-        # has no prefill branch beside it, so no other launch routes while this one does
-        self.route_done = route_done_buffer(self.gate.device)
 
     def forward(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         return self._moe(h, ctx, lambda: mlp(h, *self.shared, act=self.act))
@@ -64,12 +61,11 @@ class MoEMixer(Mixer):
     def fused_decode(self, residual: torch.Tensor, norm: Norm, ctx: StepContext) -> None:
         h = norm(residual, out=torch.empty(residual.shape, dtype=norm.weight.dtype, device=residual.device),
                  pdl=ctx.options.pdl)
-        self._moe(h, ctx, lambda: self._shared_fused(h, ctx), residual=residual, route_done=self.route_done)
+        self._moe(h, ctx, lambda: self._shared_fused(h, ctx), residual=residual)
 
-    def _moe(self, h: torch.Tensor, ctx: StepContext, shared_expert, residual: torch.Tensor | None = None,
-             route_done: torch.Tensor | None = None):
+    def _moe(self, h: torch.Tensor, ctx: StepContext, shared_expert, residual: torch.Tensor | None = None):
         """The routed experts' weighted sum plus ``shared_expert()``'s output (the shared expert
-        over h): returned, or added into ``residual``. route_done: ``moe_route``'s done."""
+        over h): returned, or added into ``residual``."""
         shared = ready = None
         if self.shared is not None:
             side = ctx.side_stream if h.shape[0] <= SHARED_BESIDE_MAX_TOKENS else None
@@ -86,7 +82,7 @@ class MoEMixer(Mixer):
         pdl = ctx.options.pdl
         counts = block_counts_buffer(h.shape[0], self.gate.shape[0], h.device)
         idx, w = moe_route(h, self.gate, self.bias, **self.route, gate_terms=self.gate_terms, block_counts=counts,
-                           pdl=pdl, done=route_done)
+                           pdl=pdl)
         if ctx.observe is not None:
             ctx.observe(self.layer, idx)
         if self.latent is None:

@@ -88,9 +88,8 @@ def _registers(ptx: str) -> tuple[int, int]:
 
 
 def launch_moe() -> None:
-    """Every MoE path: routing of a few rows (in two launches, or one) and of more, on tensor
-    cores (TF32 x 3, or one and three bf16 terms of the router, the top-k counting its blocks'
-    pairs); the pair tiles, 16-row
+    """Every MoE path: routing of a few rows and of more, on tensor cores (TF32 x 3, or one and
+    three bf16 terms of the router, the top-k counting its blocks' pairs); the pair tiles, 16-row
     grouped tiles with the one-program align, and 128-row TMA tiles with the two-pass align (or the
     routing's counts and one pass), the up projection's last column block in narrower tiles (320 =
     256 + 64); FP8 experts of one and two tokens (the pair stream); each with and without PDL."""
@@ -105,7 +104,6 @@ def launch_moe() -> None:
         x = torch.randn(T, D).to(torch.bfloat16)
         for pdl in (False, True):
             moe.moe_route.triton(x, gate, bias, top_k=k, pdl=pdl)
-            moe.moe_route.triton(x, gate, bias, top_k=k, pdl=pdl, done=moe.route_done_buffer("cpu"))  # one launch
             counts = moe.block_counts_buffer(T, E, "cpu")
             for terms in (moe.router_terms(gate), moe.router_terms(gate.to(torch.bfloat16).float())):
                 moe.moe_route.triton(x, gate, bias, top_k=k, gate_terms=terms, block_counts=counts, pdl=pdl)

@@ -73,31 +73,6 @@ def _assert_route_matches_hf(device, T, E, D, dtype, k, seed):
     torch.testing.assert_close(w.cpu(), ref_w, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("scoring,n_group", [("sigmoid", 1), ("sigmoid", 4), ("softmax", 1)])
-@pytest.mark.parametrize("T", [1, 2, 16])
-def test_one_launch_routing_equals_two(device, T, scoring, n_group):
-    """With a ``done`` count, the logits' programs and the top-k are one launch (the last program
-    to finish takes the top-k): the experts, weights and block counts of the two-launch path,
-    HF's; the count back to zero after each call, so the next layer's call, and a poisoned
-    buffer's first, find it so."""
-    g = torch.Generator().manual_seed(T + n_group)
-    E, D, k = 64, 700, 6
-    sigmoid = scoring == "sigmoid"
-    kw = dict(top_k=k, scoring=scoring,
-              **(dict(n_group=n_group, topk_group=min(2, n_group), scale=2.5) if sigmoid else {}))
-    done = moe.route_done_buffer(device)
-    for layer in range(3):
-        x = torch.randn(T, D, generator=g).to(BF16).to(device)
-        gate = (torch.randn(E, D, generator=g) * 0.1).to(device)
-        bias = (torch.randn(E, generator=g) * 0.05).to(device) if sigmoid else None
-        counts, two_counts = (poisoned((1, E), torch.int32, device) for _ in range(2))
-        idx, w = moe_route.triton(x, gate, bias, **kw, block_counts=counts, done=done)
-        two_idx, two_w = moe_route.triton(x, gate, bias, **kw, block_counts=two_counts)
-        assert torch.equal(idx, two_idx) and torch.equal(w, two_w) and torch.equal(counts, two_counts)
-        assert torch.equal(idx.cpu(), moe_route_ref(x.cpu(), gate.cpu(), None if bias is None else bias.cpu(), **kw)[0])
-        assert done.item() == 0, f"layer {layer}: the done count was left at {done.item()}"
-
-
 def test_router_terms_sum_to_the_fp32_gate():
     """A bf16 router is one term; fp32 weights take up to three, and their fp32 sum is exact."""
     g = torch.Generator().manual_seed(0)

@@ -4,11 +4,9 @@ At decode batch 1-2 a projection is a matrix-vector product whose cost is its we
 the latency of a launch; the norm before it and the element-wise work after it are launches of
 their own that move almost nothing. Here one kernel does all three:
 
-- prologue, the projection's input: the raw rows; RMSNorm of each row (the block norm);
-  Mamba2's gated, grouped RMSNorm of ``y * silu(z)``; or SwiGLU's ``silu(gate) * up`` (an MLP's
-  down projection over its up projection's output, rounded as ``kernels.activation.silu_mul``).
-  Every program recomputes the row norms of its (at most ``MAX_ROWS``) rows from L2, so programs
-  never communicate.
+- prologue, the projection's input: the raw rows; RMSNorm of each row (the block norm); or
+  Mamba2's gated, grouped RMSNorm of ``y * silu(z)``. Every program recomputes the row norms of
+  its (at most ``MAX_ROWS``) rows from L2, so programs never communicate.
 - the product: each program owns ``BLOCK_N`` output columns and reads its ``[BLOCK_N, K]``
   slice of the weight once, as plain multiply-adds in fp32 (no tensor cores: a 16-row MMA tile
   would be mostly padding). Two ways through K (``_config``):
@@ -63,7 +61,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .activation import silu_mul_ref
 from .conv1d import conv1d_update_ref
 from .dispatch import with_reference
 from .fp8 import Fp8Weight
@@ -79,8 +76,6 @@ __all__ = [
     "gated_norm_linear_ref",
     "hopper_or_newer",
     "pdl_supported",
-    "swiglu_linear",
-    "swiglu_linear_ref",
 ]
 
 # The kernels take up to 8 rows; the model uses them at 1-4 (``runtime.decode_options``).
@@ -88,7 +83,7 @@ MAX_ROWS = 8
 # The widest K held as one tile in registers; wider projections stream K (see ``_config``).
 ONE_TILE_MAX_K = 2048
 
-_PRO_NONE, _PRO_RMS, _PRO_GATED, _PRO_SWIGLU = 0, 1, 2, 3
+_PRO_NONE, _PRO_RMS, _PRO_GATED = 0, 1, 2
 _EPI_STORE, _EPI_RESIDUAL, _EPI_RELU2, _EPI_CONV = 0, 1, 2, 3
 
 
@@ -112,18 +107,13 @@ class _Rows(NamedTuple):
 
 
 @triton.jit
-def _input_rows(x_ptr, z, src, row_ok, cols, col_ok, stride_x, GATED: tl.constexpr, SWIGLU: tl.constexpr = False):
-    """Rows ``src`` of x over ``cols`` in fp32 ([rows, BLOCK_K]), times silu(z) when GATED (or
-    SWIGLU: silu(z) rounded to x's dtype, then the product rounded, as ``silu_mul``)."""
+def _input_rows(x_ptr, z, src, row_ok, cols, col_ok, stride_x, GATED: tl.constexpr):
+    """Rows ``src`` of x over ``cols`` in fp32 ([rows, BLOCK_K]), times silu(z) when GATED."""
     mask = row_ok[:, None] & col_ok[None, :]
     a = tl.load(x_ptr + src[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if GATED:
         z = z.to(tl.float32)
         a = a * z * tl.sigmoid(z)
-    if SWIGLU:
-        z = z.to(tl.float32)
-        s = (z * tl.sigmoid(z)).to(x_ptr.dtype.element_ty).to(tl.float32)
-        a = (a * s).to(x_ptr.dtype.element_ty).to(tl.float32)
     return a
 
 
@@ -196,13 +186,14 @@ def _tile_row(
         src = tl.load(row_ptr + row).to(tl.int64)
     else:
         src = row.to(tl.int64)
-    z = z0  # the gate, for a gated or SwiGLU prologue
-    if PROLOGUE == 2 and EARLY:
-        z = _pick(z0, m, BLOCK_M)
-    elif PROLOGUE >= 2:  # (SwiGLU's gate: the previous kernel's, after the wait)
-        z = _load_rows(z_ptr, src, row_ok, ks, ks < K, stride_z)
-    a = _input_rows(x_ptr, z, src, row_ok, ks, ks < K, stride_x, PROLOGUE == 2, PROLOGUE == 3)
-    if PROLOGUE == 1 or PROLOGUE == 2:
+    z = z0  # the gate, for a gated prologue
+    if PROLOGUE == 2:
+        if EARLY:
+            z = _pick(z0, m, BLOCK_M)
+        else:
+            z = _load_rows(z_ptr, src, row_ok, ks, ks < K, stride_z)
+    a = _input_rows(x_ptr, z, src, row_ok, ks, ks < K, stride_x, PROLOGUE == 2)
+    if PROLOGUE != 0:
         sq = _group_table(tl.zeros([1, BLOCK_G], dtype=tl.float32), a * a, ks, group_size, NUM_GROUPS, BLOCK_G)
         rstd = tl.rsqrt(sq / group_size + eps)
         a = _normalize(a, ks, rstd, wn, group_size, ROUND_FIRST, NUM_GROUPS, BLOCK_G, ACT_DTYPE)
@@ -217,23 +208,18 @@ def _block_scaled(w, s_ptr, n_blk, cols, col_ok, stride_s, SCALE_BLOCK: tl.const
 
 
 @triton.jit
-def _stream_tile(acc, sq, w, k, ks, x_ptr, z_ptr, wn_ptr, src, row_ok, K, stride_x, stride_z, s_ptr, n_blk,
-                 stride_s, NORM: tl.constexpr, EVEN_K: tl.constexpr, NORM_WEIGHT: tl.constexpr,
-                 SCALE_BLOCK: tl.constexpr, SWIGLU: tl.constexpr):
+def _stream_tile(acc, sq, w, k, ks, x_ptr, wn_ptr, src, row_ok, K, stride_x, s_ptr, n_blk, stride_s,
+                 NORM: tl.constexpr, EVEN_K: tl.constexpr, NORM_WEIGHT: tl.constexpr, SCALE_BLOCK: tl.constexpr):
     """One K tile of the streamed product, elementwise (reduced once after the loop): acc += w *
     input (times the norm weight, unless NORM_WEIGHT is off: a unit weight, folded into w), and
-    with a norm sq += input^2. SCALE_BLOCK: w is FP8 with block scales, applied here. SWIGLU: the
-    input is silu(z) * x (``_input_rows``)."""
+    with a norm sq += input^2. SCALE_BLOCK: w is FP8 with block scales, applied here."""
     cols = k + ks
     col_ok = cols < K
     if EVEN_K:
         col_ok = cols >= 0
     if SCALE_BLOCK > 0:
         w = _block_scaled(w, s_ptr, n_blk, cols, col_ok, stride_s, SCALE_BLOCK)
-    z = src  # (a stand-in but for SwiGLU's gate)
-    if SWIGLU:
-        z = _load_rows(z_ptr, src, row_ok, cols, col_ok, stride_z)
-    a = _input_rows(x_ptr, z, src, row_ok, cols, col_ok, stride_x, False, SWIGLU)  # [BLOCK_M, BLOCK_K]
+    a = _input_rows(x_ptr, src, src, row_ok, cols, col_ok, stride_x, False)  # [BLOCK_M, BLOCK_K]
     if NORM:
         sq += a * a
         if NORM_WEIGHT:
@@ -244,10 +230,10 @@ def _stream_tile(acc, sq, w, k, ks, x_ptr, z_ptr, wn_ptr, src, row_ok, K, stride
 
 @triton.jit
 def _streamed_rows(
-    w0, n64, n_ok, x_ptr, z_ptr, wn_ptr, w_ptr, row_ptr, M, K, eps, stride_x, stride_z, stride_w, s_ptr, n_blk,
-    stride_s, NORM: tl.constexpr, HAS_ROW_IDX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    w0, n64, n_ok, x_ptr, wn_ptr, w_ptr, row_ptr, M, K, eps, stride_x, stride_w, s_ptr, n_blk, stride_s,
+    NORM: tl.constexpr, HAS_ROW_IDX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr, NORM_WEIGHT: tl.constexpr,
-    SCALE_BLOCK: tl.constexpr, SWIGLU: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
 ):
     """The product of all rows with the program's [BLOCK_N, K] weight slice in fp32, as
     [BLOCK_M, BLOCK_N], in one pass over K tiles (w0 is the first), each weight tile read once
@@ -264,8 +250,8 @@ def _streamed_rows(
         src = rows.to(tl.int64)
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-    acc, sq = _stream_tile(acc, sq, w0, 0, ks, x_ptr, z_ptr, wn_ptr, src, row_ok, K, stride_x, stride_z, s_ptr, n_blk,
-                           stride_s, NORM, EVEN_K, NORM_WEIGHT, SCALE_BLOCK, SWIGLU)
+    acc, sq = _stream_tile(acc, sq, w0, 0, ks, x_ptr, wn_ptr, src, row_ok, K, stride_x, s_ptr, n_blk, stride_s,
+                           NORM, EVEN_K, NORM_WEIGHT, SCALE_BLOCK)
     for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         cols = k + ks
         w_ptrs = w_ptr + n64[:, None] * stride_w + cols[None, :]
@@ -273,8 +259,8 @@ def _streamed_rows(
             w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
         else:
             w = tl.load(w_ptrs, mask=n_ok[:, None] & (cols < K)[None, :], other=0.0)
-        acc, sq = _stream_tile(acc, sq, w, k, ks, x_ptr, z_ptr, wn_ptr, src, row_ok, K, stride_x, stride_z, s_ptr,
-                               n_blk, stride_s, NORM, EVEN_K, NORM_WEIGHT, SCALE_BLOCK, SWIGLU)
+        acc, sq = _stream_tile(acc, sq, w, k, ks, x_ptr, wn_ptr, src, row_ok, K, stride_x, s_ptr, n_blk, stride_s,
+                               NORM, EVEN_K, NORM_WEIGHT, SCALE_BLOCK)
     y = tl.sum(acc, axis=2)
     if NORM:
         y = y * tl.rsqrt(tl.sum(sq, axis=1) / K + eps)[:, None]
@@ -378,7 +364,7 @@ def _skinny_kernel(
     bias, conv_bias = n_ok, n_ok
     if HAS_BIAS:  # a weight: before the wait, not in the tail after the product
         bias = tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
-    if (PROLOGUE == 1 or PROLOGUE == 2) and not LOOP:
+    if PROLOGUE != 0 and not LOOP:
         wn = tl.load(wn_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)[None, :]
     if EARLY:
         if PROLOGUE == 2 and not LOOP:
@@ -411,9 +397,9 @@ def _skinny_kernel(
     if LOOP:
         tl.static_assert(PROLOGUE != 2, "a gated norm runs as its own kernel before a streamed product")
         acc = _streamed_rows(
-            w0, n64, n_ok, x_ptr, z_ptr, wn_ptr, w_ptr, row_ptr, M, K, eps, stride_x, stride_z, stride_w, s_ptr,
-            n_blk, stride_s, PROLOGUE == 1, HAS_ROW_IDX, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, STAGES, NORM_WEIGHT,
-            SCALE_BLOCK, PROLOGUE == 3,
+            w0, n64, n_ok, x_ptr, wn_ptr, w_ptr, row_ptr, M, K, eps, stride_x, stride_w, s_ptr, n_blk, stride_s,
+            PROLOGUE == 1, HAS_ROW_IDX, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, STAGES, NORM_WEIGHT,
+            SCALE_BLOCK,
         )
         if USE_PDL:
             # several waves of programs: the dependents take slots only as the last one drains
@@ -738,34 +724,3 @@ def gated_norm_linear(y, z, norm_w, group_size, eps, weight, *, bias=None, resid
     return _launch(y, z, norm_w, weight, bias, dst, spec, eps=eps, group_size=group_size,
                    prologue=_PRO_GATED, round_first=True, epilogue=_epilogue(residual, False, None),
                    conv=None, pdl=pdl, act_dtype=act, early=early, tile_k=tile_k)
-
-
-def swiglu_linear_ref(x, weight, *, bias=None, residual=None, out=None, pdl=False, early=False, tile_k=None):
-    """The unfused composition: :func:`silu_mul_ref`, a rounded fp32 product, the residual add."""
-    h = silu_mul_ref(x)
-    return _epilogue_ref(_linear_ref(h, weight, bias, _act_dtype(weight, h, None)), residual, False, None, out)
-
-
-@with_reference(swiglu_linear_ref)
-def swiglu_linear(x, weight, *, bias=None, residual=None, out=None, pdl=False, early=False, tile_k=None):
-    """``silu(gate) * up @ weight.T + bias`` of x = [gate | up] (a SwiGLU MLP's down projection
-    over its up projection's output, the ``silu_mul`` kernel folded into the product's input),
-    added into ``residual`` in place when given.
-
-    x: [T, 2I] (rows contiguous), T <= MAX_ROWS; weight: [N, I] or an ``Fp8Weight`` (the product
-    rounded to x's dtype); residual: [T, N] or None, then out: [T, N]. pdl, tile_k: as in
-    :func:`norm_linear`; early: the residual was written two or more kernels back (the block's
-    input), so a programmatic dependent launch may read it before its wait. The gate and up are
-    the previous kernel's: read after the wait.
-    """
-    T, two_i = x.shape
-    if two_i % 2:
-        raise ValueError(f"x: expected [T, 2I] (gate, then up), got {list(x.shape)}")
-    _check("x", x, (T, two_i))
-    I = two_i // 2
-    _check_weight(weight, I)
-    act = _act_dtype(weight, x, None)
-    spec, dst = _out_rows(x, None, out, residual, weight.shape[0], act)
-    return _launch(x[:, I:], x[:, :I], None, weight, bias, dst, spec, eps=0.0, group_size=I, prologue=_PRO_SWIGLU,
-                   round_first=True, epilogue=_epilogue(residual, False, None), conv=None, pdl=pdl,
-                   act_dtype=act, early=early, tile_k=tile_k)

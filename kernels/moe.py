@@ -530,21 +530,11 @@ def _align(idx, E: int, bm: int, S: int, pdl: bool = False, block_counts=None):
 
 
 @triton.jit
-def _silu_mul_tile(rows, cols, I, mask, DTYPE: tl.constexpr):
-    """silu(gate) * up at ``cols`` of [gate | up] rows (I wide each), in DTYPE: silu(gate)
-    rounded first, as ``kernels.activation.silu_mul``."""
-    g = tl.load(rows + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(rows + I + cols, mask=mask, other=0.0).to(tl.float32)
-    return ((g * tl.sigmoid(g)).to(DTYPE).to(tl.float32) * u).to(DTYPE)
-
-
-@triton.jit
 def _tile_product(a_ptr, src, ok, slots, e, w_ptr, out_ptr, n0, N, K, stride_a, stride_we, stride_wn, stride_out,
                   s_ptr, stride_se, stride_sn,
                   RELU2: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                   BK: tl.constexpr, USE_PDL: tl.constexpr, A_TMA: tl.constexpr = False, W_TMA: tl.constexpr = False,
-                  ZERO_PAD: tl.constexpr = False, SCALE: tl.constexpr = 0, SCALE_BLOCK: tl.constexpr = 0,
-                  SWIGLU: tl.constexpr = False):
+                  ZERO_PAD: tl.constexpr = False, SCALE: tl.constexpr = 0, SCALE_BLOCK: tl.constexpr = 0):
     """out[slots] = a[src] @ w[e].T over the BN columns from n0 for the rows ``ok`` of a tile;
     relu2 after, when RELU2. With USE_PDL it signals its dependents after its K loop (several
     waves at prefill sizes: they take SM slots as the last one drains).
@@ -559,9 +549,7 @@ def _tile_product(a_ptr, src, ok, slots, e, w_ptr, out_ptr, n0, N, K, stride_a, 
     in [BM, BK] blocks and the tile's rows are src[0] onwards, in order. ZERO_PAD: every slot of
     the tile is the run's, and its rows not ``ok`` (the run's padding) are stored as zeros: the
     up projection's, so that the down projection's tensor cores multiply zeros there rather than
-    stale bytes (less power: a prefill chunk's step runs at the H200's power cap). SWIGLU (not
-    with A_TMA): a's rows are [gate | up], 2K wide, and the product's input is silu(gate) * up,
-    rounded as ``kernels.activation.silu_mul``."""
+    stale bytes (less power: a prefill chunk's step runs at the H200's power cap)."""
     ns = n0 + tl.arange(0, BN)
     n_ok = ns < N
     if not A_TMA:
@@ -578,8 +566,6 @@ def _tile_product(a_ptr, src, ok, slots, e, w_ptr, out_ptr, n0, N, K, stride_a, 
         k_ok = ks < K
         if A_TMA:  # rows past the tile's run are another run's or padding: their products are not stored
             a = a_ptr.load([row0, k0])
-        elif SWIGLU:
-            a = _silu_mul_tile(a_rows, ks[None, :], K, ok[:, None] & k_ok[None, :], a_ptr.dtype.element_ty)
         else:
             a = tl.load(a_rows + ks[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
         if W_TMA:
@@ -652,10 +638,10 @@ def _pair_kernel(a_ptr, idx_ptr, w_ptr, out_ptr, N, K, stride_a, stride_we, stri
                  s_ptr, stride_se, stride_sn,
                  GATHER: tl.constexpr, TOP_K: tl.constexpr, RELU2: tl.constexpr, PRECISION: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_PDL: tl.constexpr, W_TMA: tl.constexpr,
-                 SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr, SWIGLU: tl.constexpr):
+                 SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr):
     """A few pairs, each a tile of its own (no alignment pass): out[p] = a[row] @ w[idx[p]].T
     for pair p (row: its token p // TOP_K when GATHER, else p), the tile's other rows masked.
-    W_TMA and SWIGLU as ``_tile_product``'s."""
+    W_TMA as ``_tile_product``'s."""
     if USE_PDL:  # the routing and a are the kernels' before
         tl.extra.cuda.gdc_wait()
     p = tl.program_id(0)
@@ -665,7 +651,7 @@ def _pair_kernel(a_ptr, idx_ptr, w_ptr, out_ptr, N, K, stride_a, stride_we, stri
     src = slots // TOP_K if GATHER else slots
     _tile_product(a_ptr, src, ok, slots, e, w_ptr, out_ptr, tl.program_id(1) * BN, N, K, stride_a, stride_we,
                   stride_wn, stride_out, s_ptr, stride_se, stride_sn, RELU2, PRECISION, BM, BN, BK, USE_PDL,
-                  W_TMA=W_TMA, SCALE=SCALE, SCALE_BLOCK=SCALE_BLOCK, SWIGLU=SWIGLU)
+                  W_TMA=W_TMA, SCALE=SCALE, SCALE_BLOCK=SCALE_BLOCK)
 
 
 @triton.jit
@@ -694,10 +680,9 @@ def _pair_up_kernel(a_ptr, idx_ptr, w_ptr, out_ptr, N, K, stride_a, stride_we, s
     n_blk = n
     if SCALE == 2:
         n_blk = tl.minimum(n, N - 1) // SCALE_BLOCK
-    row = a_ptr + (p // TOP_K).to(tl.int64) * stride_a
-    acc = _streamed_rows(w0, n64, n_ok, row, row, a_ptr, w_e, idx_ptr, 1, K, 0.0, 0, 0, stride_wn, s_e, n_blk,
-                         stride_sn, False, False, 1, BLOCK_N, BLOCK_K, EVEN_K, STAGES, False,
-                         SCALE_BLOCK if SCALE == 2 else 0, False)
+    acc = _streamed_rows(w0, n64, n_ok, a_ptr + (p // TOP_K).to(tl.int64) * stride_a, a_ptr, w_e, idx_ptr, 1, K,
+                         0.0, 0, stride_wn, s_e, n_blk, stride_sn, False, False, 1, BLOCK_N, BLOCK_K, EVEN_K, STAGES,
+                         False, SCALE_BLOCK if SCALE == 2 else 0)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     if SCALE == 1:
@@ -714,15 +699,14 @@ def _pair_down_kernel(h_ptr, idx_ptr, wt_ptr, w_ptr, shared_ptr, out_ptr, N, K, 
                       stride_shared, stride_out, s_ptr, stride_se, stride_sn,
                       TOP_K: tl.constexpr, BLOCK_J: tl.constexpr, SHARED: tl.constexpr, ACCUMULATE: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr,
-                      SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr, SWIGLU: tl.constexpr):
+                      SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr):
     """A token's down projections and their weighted sum in one pass (program axis 1 the token,
     axis 0 BLOCK_N output columns): out[t] (+)= round(sum_j wt[t, j] * round(h[t * TOP_K + j] @
     down[idx[t, j]].T)) (+ shared[t]), rounding as ``_combine_kernel``. The token's TOP_K
     experts' K are one stream of TOP_K x K, pipelined across the experts' boundaries, where
     each expert's sum is finished (scaled, rounded, weighted) and its accumulator cleared: a
     program streams six experts' columns, not one, and no combine launch follows. SCALE as
-    ``_tile_product``'s (FP8 values). SWIGLU: h's rows are [gate | up], 2K wide, and the input
-    is silu(gate) * up (``_silu_mul_tile``)."""
+    ``_tile_product``'s (FP8 values)."""
     t = tl.program_id(1)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
@@ -745,11 +729,7 @@ def _pair_down_kernel(h_ptr, idx_ptr, wt_ptr, w_ptr, shared_ptr, out_ptr, N, K, 
         col_ok = cols < K
         w = tl.load(w_ptr + e * stride_we + n64[:, None] * stride_wn + cols[None, :],
                     mask=n_ok[:, None] & col_ok[None, :], other=0.0)
-        h_row = h_ptr + (t * TOP_K + j).to(tl.int64) * stride_h
-        if SWIGLU:
-            a = _silu_mul_tile(h_row, cols, K, col_ok, h_ptr.dtype.element_ty).to(tl.float32)
-        else:
-            a = tl.load(h_row + cols, mask=col_ok, other=0.0).to(tl.float32)
+        a = tl.load(h_ptr + (t * TOP_K + j).to(tl.int64) * stride_h + cols, mask=col_ok, other=0.0).to(tl.float32)
         if SCALE == 2:
             w = _block_scaled(w, s_ptr + e * stride_se, n_blk, cols, col_ok, stride_sn, SCALE_BLOCK)
         acc += w.to(tl.float32) * a[None, :]
@@ -838,8 +818,7 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
 
     x [T, K] (the activations' dtype), idx [T, k] int32 and w [T, k] fp32 from ``moe_route``,
     act: "relu2", up [E, I, K]; or "swiglu", up [E, 2I, K] (the gate's I rows, then the up's:
-    silu(gate) * up, ``kernels.activation``; over a few pairs in the down projection's loads,
-    else a kernel of its own after the up projection);
+    silu(gate) * up, a kernel of its own after the up projection, ``kernels.activation``);
     down [E, D, I], plain or ``Fp8Weight`` (their values streamed, entering the
     tensor cores in x's dtype, and scaled per column or block in the kernel). The routed sum is
     rounded to x's dtype; then ``shared`` [T, D] (the shared expert's output) is added, and the
@@ -888,9 +867,7 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
         slot_of_pair, token_of_slot, starts, counts = _align(idx, E, bm, S, pdl, block_counts)
         block_e = max(16, triton.next_power_of_2(E))
     gate_up = torch.empty(S, up_n, dtype=x.dtype, device=dev) if swiglu else None
-    # SwiGLU over pairs: silu(gate) * up in the down projection's loads (no kernel of its own)
-    fold_swiglu = swiglu and pairs
-    h = gate_up if fold_swiglu else torch.empty(S, I, dtype=x.dtype, device=dev)
+    h = torch.empty(S, I, dtype=x.dtype, device=dev)
     # FP8 pairs: the down projections and the combine are one kernel (``_pair_down_kernel``)
     down_combined = pairs and down_scale is not None
     y = None if down_combined else torch.empty(S, D, dtype=x.dtype, device=dev)
@@ -899,7 +876,7 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
     # whose rows are a tile's slots in order), where it can
     for a, weight, scales, result, up_proj in ((x, up, up_scale, gate_up if swiglu else h, True),
                                                (h, down, down_scale, y, False)):
-        if not up_proj and swiglu and not fold_swiglu:  # padding slots' rows are zeros, and silu(0) * 0 = 0
+        if not up_proj and swiglu:  # padding slots' rows are zeros, and silu(0) * 0 = 0
             silu_mul(gate_up, out=h, pdl=pdl)
         if not up_proj and down_combined:
             break
@@ -922,8 +899,9 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
         elif pairs:
             _pair_kernel[(S, triton.cdiv(n, bn))](
                 a, idx, w_arg, result, n, kk, *common, GATHER=up_proj, TOP_K=k, RELU2=up_proj and not swiglu,
-                PRECISION=precision, BM=bm, BN=bn, BK=bk, USE_PDL=pdl, W_TMA=tma, SCALE=mode, SCALE_BLOCK=scale_block,
-                SWIGLU=fold_swiglu and not up_proj, num_warps=warps, num_stages=stages, **extra)
+                PRECISION=precision,
+                BM=bm, BN=bn, BK=bk, USE_PDL=pdl, W_TMA=tma, SCALE=mode, SCALE_BLOCK=scale_block, num_warps=warps,
+                num_stages=stages, **extra)
         else:
             bn_last = _last_block_width(bn, n)
             w_last = TensorDescriptor.from_tensor(weight, [1, bn_last, bk]) if tma and bn_last else w_arg
@@ -947,7 +925,7 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
             scale.stride(1) if scale_block else 0, TOP_K=k, BLOCK_J=triton.next_power_of_2(k),
             SHARED=shared is not None, ACCUMULATE=residual is not None, BLOCK_N=bn,
             BLOCK_K=min(bk, max(32, triton.next_power_of_2(I))), STAGES=stages, USE_PDL=pdl,
-            SCALE=2 if scale_block else 1, SCALE_BLOCK=scale_block, SWIGLU=fold_swiglu, num_warps=4, **extra)
+            SCALE=2 if scale_block else 1, SCALE_BLOCK=scale_block, num_warps=4, **extra)
         return target
     block_d = min(1024, triton.next_power_of_2(D))
     _combine_kernel[(T, triton.cdiv(D, block_d))](

@@ -1,7 +1,7 @@
 """The dense MLP: ``down(act(up(x)))`` with NemotronH's relu2, or SwiGLU (Granite, Bamba,
 Falcon-H1: silu(gate) * up, over an up projection holding the gate's rows, then the up's).
-Fused, a small decode step is block norm + up_proj (+ relu2 in its epilogue); down_proj (+ SwiGLU's
-silu(gate) * up in its prologue) + residual add. The MoE's shared expert is this MLP too.
+Fused, a small decode step is block norm + up_proj (+ relu2 in its epilogue; SwiGLU: a kernel of
+its own after it); down_proj + residual add. The MoE's shared expert is this MLP too.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ...kernels.activation import relu2, silu_mul
-from ...kernels.decode_linear import norm_linear, swiglu_linear
+from ...kernels.decode_linear import norm_linear
 from ...kernels.linear import linear
 from ..config import ModelConfig
 from .base import Mixer, Norm, StepContext, norm_args
@@ -32,11 +32,11 @@ def mlp_fused(x, norm: Norm | None, up, down, up_bias, down_bias, act, ctx: Step
     opts = ctx.options
     h = norm_linear(x, weight=up, bias=up_bias, relu2=act == "relu2", pdl=opts.pdl and first_pdl, tile_k=opts.tile_k,
                     **norm_args(norm))
+    if act == "swiglu":
+        h = silu_mul(h, pdl=opts.pdl)
     # a residual is the previous block's, two or more kernels back
-    down_args = dict(bias=down_bias, residual=residual, pdl=opts.pdl, tile_k=opts.tile_k, early=residual is not None)
-    if act == "swiglu":  # silu(gate) * up in the down projection's prologue
-        return swiglu_linear(h, down, **down_args)
-    return norm_linear(h, None, 0.0, down, **down_args)
+    return norm_linear(h, None, 0.0, down, bias=down_bias, residual=residual, pdl=opts.pdl, tile_k=opts.tile_k,
+                       early=residual is not None)
 
 
 class MLPMixer(Mixer):

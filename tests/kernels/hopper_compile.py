@@ -120,21 +120,14 @@ def launch_moe() -> None:
             for pdl in (False, True):
                 moe.moe_experts.triton(x, idx, torch.rand(T, 6), fp8_up, fp8_down, residual=torch.empty_like(x),
                                        pdl=pdl)
-    # SwiGLU experts (Granite's) of one token, silu(gate) * up in the down projection's loads:
-    # bf16 pair tiles, and the FP8 pair stream
-    x, idx = torch.randn(1, D).to(torch.bfloat16), torch.arange(6, dtype=torch.int32)[None]
-    swiglu_up = torch.empty(E, 2 * I, D, dtype=torch.bfloat16)
-    for ups, downs in ((swiglu_up, down), (quantize_fp8(swiglu_up.float()), quantize_fp8(down.float()))):
-        moe.moe_experts.triton(x, idx, torch.rand(1, 6), ups, downs, residual=torch.empty_like(x), pdl=True,
-                               act="swiglu")
 
 
 def launch_skinny() -> None:
     """The streamed skinny projections as a Nemotron decode step chains them (PDL): in_proj with
     the block norm (Nemotron-3-Nano's 16-column tiles, Nemotron-Nano-9B-v2's 16 x 512), with the
     conv epilogue too, out_proj, o_proj adding into the residual, a relu2 up projection, the shared
-    expert's down projection (512-column tiles from K = 3072); SwiGLU down projections."""
-    from mambastep.kernels.decode_linear import ConvTail, norm_linear, swiglu_linear
+    expert's down projection (512-column tiles from K = 3072)."""
+    from mambastep.kernels.decode_linear import ConvTail, norm_linear
 
     for N, K, norm, relu2 in ((10304, 2688, True, False), (2688, 4096, False, False), (3712, 2688, True, True),
                               (2688, 3712, False, False), (22656, 4480, True, False)):
@@ -152,10 +145,6 @@ def launch_skinny() -> None:
                        conv=conv, out=torch.empty(1, 10304, **bf16), pdl=True)
     norm_linear.triton(torch.randn(1, 4096).to(torch.bfloat16), None, 1e-5, torch.empty(2688, 4096, **bf16),
                        residual=torch.empty(1, 2688), pdl=True, early=True)
-    # SwiGLU down projections (Granite-4.0-H-micro's MLP, streamed; -tiny's shared expert, one tile)
-    for N, I in ((2048, 8192), (1536, 1024)):
-        swiglu_linear.triton(torch.randn(1, 2 * I).to(torch.bfloat16), torch.empty(N, I, **bf16),
-                             residual=torch.empty(1, N), pdl=True, early=True)
 
 
 def launch_decode_attention() -> None:

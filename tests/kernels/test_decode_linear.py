@@ -5,8 +5,7 @@ import torch
 
 from mambastep.kernels import decode_linear
 from mambastep.kernels.decode_linear import (
-    MAX_ROWS, ConvTail, gated_norm_linear_ref, gated_norm_linear, norm_linear_ref, norm_linear, swiglu_linear,
-    swiglu_linear_ref,
+    MAX_ROWS, ConvTail, gated_norm_linear_ref, gated_norm_linear, norm_linear_ref, norm_linear,
 )
 from mambastep.kernels.fp8 import quantize_fp8
 from mambastep.kernels.varlen import PAD_SLOT_ID
@@ -154,40 +153,6 @@ def test_gated_norm_linear_into_residual(device, tile_k, G, M, early):
     assert_close(residual.cpu(), res_ref, BF16, factor=0.25)
 
 
-@pytest.mark.parametrize("early", [False, True])
-@pytest.mark.parametrize("I", [40, 19])
-@pytest.mark.parametrize("M", [1, 3])
-@pytest.mark.parametrize("into", ["residual", "out"])
-def test_swiglu_linear_is_silu_mul_then_the_product(device, tile_k, I, M, early, into):
-    """The down projection over [gate | up] with silu(gate) * up in its prologue: what
-    ``silu_mul`` then the product give, rounding included (large inputs, where silu(gate)'s
-    rounding shows), into the residual or a fresh row."""
-    torch.manual_seed(70 + I + M + early)
-    N = 33
-    x = (4 * torch.randn(M, 2 * I, device=device)).to(BF16)
-    w, b = _weights(N, I, device, True)
-    residual = torch.randn(M, N, device=device) if into == "residual" else None
-    res_ref = _cpu(residual)
-    out = poisoned((M, N), BF16, device) if residual is None else None
-    got = swiglu_linear.triton(x, w, bias=b, residual=residual, out=out, early=early and residual is not None,
-                               tile_k=tile_k)
-    ref = swiglu_linear_ref(x.cpu(), w.cpu(), bias=b.cpu(), residual=res_ref)
-    assert_close(got.cpu(), ref, BF16, factor=0.25)
-
-
-@pytest.mark.parametrize("M", [1, 2])
-def test_swiglu_linear_with_fp8_weights(device, tile_k, M):
-    torch.manual_seed(80 + M)
-    I, N = 48, 35
-    x = torch.randn(M, 2 * I, device=device).to(BF16)
-    w = quantize_fp8(torch.randn(N, I, device=device) / I**0.5)
-    residual = torch.randn(M, N, device=device)
-    res_ref = residual.cpu().clone()
-    swiglu_linear.triton(x, w, residual=residual, tile_k=tile_k)
-    swiglu_linear_ref(x.cpu(), w.to("cpu"), residual=res_ref)
-    assert_close(residual.cpu(), res_ref, BF16, factor=0.25)
-
-
 @pytest.fixture(params=[0, 16], ids=["fp8-column", "fp8-block16"])
 def fp8_block(request):
     """FP8 weights scaled per output column, or per 16 x 16 block (ragged at the edges here)."""
@@ -268,17 +233,12 @@ def test_bad_inputs_raise(device):
         norm_linear.triton(x[:2], None, 1e-5, w, relu2=True, residual=torch.zeros(2, 8, device=device))
     with pytest.raises(ValueError, match="divide"):
         gated_norm_linear.triton(x[:2], x[:2], w[0], 5, 1e-5, w)
-    with pytest.raises(ValueError, match="gate, then up"):
-        swiglu_linear.triton(x[:2, :15], w)
-    with pytest.raises(ValueError, match="weight"):
-        swiglu_linear.triton(x[:2], w)  # [2, 16] is 8 wide a half; w takes 16
 
 
 @pytest.mark.gpu
 def test_pdl_chain_in_a_graph_equals_plain_launches(tile_k):
     """A block-like chain (norm + projection, projection + residual add, norm + projection +
-    relu2, gated norm + projection + residual add, norm + projection, SwiGLU + projection +
-    residual add, norm + projection), each kernel reading its
+    relu2, gated norm + projection + residual add, norm + projection), each kernel reading its
     predecessor's output, captured in a CUDA graph with programmatic dependent launch as the
     decode step runs it: bit for bit what plain launches give, on both ways through K (streamed,
     the gated norm is a kernel of its own in the chain)."""
@@ -289,12 +249,11 @@ def test_pdl_chain_in_a_graph_equals_plain_launches(tile_k):
         pytest.skip("programmatic dependent launch needs sm_90+ and a Triton that launches with it")
     torch.manual_seed(6)
     K = 256
-    w = [_weights(K, K, dev, False)[0] for _ in range(5)] + [_weights(K, K // 2, dev, False)[0]]
+    w = [_weights(K, K, dev, False)[0] for _ in range(5)]
     norm_w = torch.randn(K, device=dev).to(BF16)
     z = torch.randn(1, K, device=dev).to(BF16)
     start = torch.randn(1, K, device=dev)
     h = torch.empty(1, K, device=dev, dtype=BF16)
-    h2 = torch.empty(1, K, device=dev, dtype=BF16)  # [gate | up] for the SwiGLU down projection
 
     def run(pdl):
         residual = start.clone()
@@ -306,9 +265,7 @@ def test_pdl_chain_in_a_graph_equals_plain_launches(tile_k):
             norm_linear.triton(residual, norm_w, 1e-5, w[2], relu2=True, out=h, pdl=pdl, tile_k=tile_k)
             gated_norm_linear.triton(h, z, norm_w, K // 2, 1e-5, w[3], residual=residual, pdl=pdl,
                                      tile_k=tile_k)
-            norm_linear.triton(residual, norm_w, 1e-5, w[4], out=h2, pdl=pdl, tile_k=tile_k)
-            swiglu_linear.triton(h2, w[5], residual=residual, pdl=pdl, tile_k=tile_k, early=True)
-            norm_linear.triton(residual, norm_w, 1e-5, w[0], out=h, pdl=pdl, tile_k=tile_k)
+            norm_linear.triton(residual, norm_w, 1e-5, w[4], out=h, pdl=pdl, tile_k=tile_k)
 
         block()  # compiles outside the capture
         graph = torch.cuda.CUDAGraph()

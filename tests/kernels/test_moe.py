@@ -251,28 +251,6 @@ def test_fp8_experts_equal_the_dequantized_reference(device, case, block):
     assert_close(got.cpu(), expect, torch.bfloat16)
 
 
-@pytest.mark.parametrize("block", [0, 16], ids=["fp8-column", "fp8-block16"])
-@pytest.mark.parametrize("case", ["one token", "a few pairs, a tile each", "two tokens, K in ragged tiles", "spread"])
-def test_fp8_swiglu_experts_equal_the_dequantized_reference(device, case, block):
-    """FP8 SwiGLU experts (Granite's, quantized): over a few pairs silu(gate) * up is taken in the
-    down projection's loads (the one-token stream's too), over more a kernel of its own; either
-    way the dense reference on the dequantized weights, added into a residual beside a shared
-    expert's output."""
-    c = CASES[case]
-    T, E, k = c["T"], c["E"], c["k"]
-    K, I, D = c.get("K", 32), c.get("I", 24), c.get("D", 32)
-    idx, w = routing(T, E, k, experts_used=c.get("experts_used"))
-    x = torch.randn(T, K).to(torch.bfloat16)
-    up = quantize_fp8(experts(E, 2 * I, K, D, torch.float32, "cpu")[0], block)
-    down = quantize_fp8(experts(E, I, K, D, torch.float32, "cpu", seed=1)[1], block)
-    shared, residual = torch.randn(T, D).to(torch.bfloat16), torch.randn(T, D)
-    expect = moe_experts_ref(x, idx, w, up, down, shared=shared, residual=residual.clone(), act="swiglu")
-    got = residual.to(device)
-    moe_experts.triton(*(t.to(device) for t in (x, idx, w, up, down)), shared=shared.to(device), residual=got,
-                       act="swiglu")
-    assert_close(got.cpu(), expect, torch.bfloat16)
-
-
 @pytest.mark.parametrize("case", ["spread", "128-row tiles (prefill-sized)"])
 def test_grouped_gemms_without_the_tma_unit(device, case, monkeypatch):
     """The operands loaded through pointers, as on a GPU before Hopper, give the same result."""

@@ -461,8 +461,10 @@ def _config(M: int, N: int, K: int, device: torch.device, tile_k: int | None = N
     program, 2 stages), the way the large models' projections run.
 
     One tile, when K <= ONE_TILE_MAX_K and the grid is a few waves at most (Mamba2-130M's block
-    projections), or one row through K <= 1024 (its LM head too): the program's whole weight
-    slice sits in registers, loaded before the wait. Up to 1024 columns of K, one warp a program,
+    projections), or one row through K <= 1024 (its LM head too), or one bf16 row through any grid
+    short of vocabulary-wide (Granite-4.0-H-micro's in_proj and up_proj at K = 2048: 10.6 and
+    18.8 us against 12.1 and 21.0 streamed): the program's whole weight slice sits in registers,
+    loaded before the wait. Up to 1024 columns of K, one warp a program,
     so that the row's norm and the product reduce within the warp (no shared memory, no
     barriers): 2 columns a program at one row while that is about a wave of resident programs
     (in_proj), else 4 (each thread holds 64-128 weights). Wider (the gated out_proj, whose
@@ -482,19 +484,23 @@ def _config(M: int, N: int, K: int, device: torch.device, tile_k: int | None = N
     projection takes 16 x 512 tiles in 4 stages (Nemotron-H-8B's in_proj 25 us against 31 us
     in the bf16 choice, 3.0 TB/s), the others but the 16-column grids 8 x 1024 in 3 stages
     (its out_proj and down_proj, Nemotron-3-Nano's shared expert: 3-9% faster); swept on an
-    H200 (docs/experiments.md).
+    H200 (docs/experiments.md). A bf16 row through a short grid (8 columns a program would make
+    at most two programs an SM: Granite-4.0-H's out_proj and down_proj, N = 1536-2048) takes 4
+    x 512 tiles in 4 stages: micro's down_proj 11.0 against 12.3 us, its out_proj 6.9 against
+    7.7, tiny's out_proj 5.0 against 5.7.
     """
     if tile_k is not None:
         return _Config(True, 16, tile_k, 4, 2)
     sms = _num_sms(device)
-    if K <= ONE_TILE_MAX_K and (triton.cdiv(N, 16) <= 4 * sms or (M == 1 and K <= 1024)):
+    vocabulary_wide = triton.cdiv(N, 16) >= 16 * sms
+    one_row_tile = M == 1 and (K <= 1024 or not (vocabulary_wide or fp8))
+    if K <= ONE_TILE_MAX_K and (triton.cdiv(N, 16) <= 4 * sms or one_row_tile):
         block_k = triton.next_power_of_2(K)
         if block_k <= 1024:
             block_n = 2 if M == 1 and triton.cdiv(N, 2) <= 16 * sms else 4
             return _Config(False, block_n, block_k, 1, 1)
         return _Config(False, 8, block_k, 4 if M == 1 else 8, 1)
     rows = triton.next_power_of_2(M)
-    vocabulary_wide = triton.cdiv(N, 16) >= 16 * sms
     if M == 1 and N >= 4 * K and K >= 4096 and K % 1024 == 0 and not vocabulary_wide:
         # one row through a tall block projection (Nemotron-H-8B's in_proj and up_proj)
         return _Config(True, 16, 512, 4, 4) if fp8 else _Config(True, 16, 1024, 4, 2)
@@ -505,6 +511,10 @@ def _config(M: int, N: int, K: int, device: torch.device, tile_k: int | None = N
     many = M == 1 and triton.cdiv(N, 8) > 8 * sms
     if fp8 and M == 1 and K >= 2048 and not (vocabulary_wide or many):
         return _Config(True, 8, 1024, 4, 3)
+    if M == 1 and triton.cdiv(N, 8) <= 2 * sms:
+        # a short grid (Granite-4.0-H's out_proj and down_proj): 4 columns a program, twice the
+        # programs, 4 stages
+        return _Config(True, 4, 512, 4, 4)
     return _Config(True, 16 if vocabulary_wide or many else 8, max(32, block_k), 4, 3)
 
 

@@ -222,6 +222,25 @@ def test_default_config_at_large_k(device, M, K, N, fp8):
     assert_close(out.cpu(), ref, BF16, factor=0.25)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("K,N,normed", [(2048, 16384, True), (2048, 8512, True), (8192, 2048, False),
+                                        (3072, 1536, False)])
+def test_granite_one_row_tiles(device, K, N, normed):
+    """One row at Granite-4.0-H's shapes, in the tiles the table picks there: K = 2048 as one
+    register tile at any grid short of vocabulary-wide (micro's up_proj and in_proj), and short
+    grids (down_proj, out_proj) 4 columns a program."""
+    torch.manual_seed(K + N)
+    cfg = decode_linear._config(1, N, K, device)
+    assert (cfg.loop, cfg.block_n) == ((False, 8) if K == 2048 else (True, 4))
+    x = torch.randn(1, K, device=device)
+    norm_w = torch.randn(K, device=device).to(BF16) if normed else None
+    w, _ = _weights(N, K, device, False)
+    out = poisoned((1, N), BF16, device)
+    norm_linear.triton(x, norm_w, 1e-5, w, out=out)
+    ref = norm_linear_ref(x.cpu(), _cpu(norm_w), 1e-5, w.cpu())
+    assert_close(out.cpu(), ref, BF16, factor=0.25)
+
+
 def test_bad_inputs_raise(device):
     w, _ = _weights(8, 16, device, False)
     x = torch.randn(MAX_ROWS + 1, 16, device=device)

@@ -44,7 +44,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .activation import relu2_ref, silu_mul, silu_mul_ref
 from .decode_linear import _TL_DTYPES, _block_scaled, _streamed_rows, hopper_or_newer
 from .dispatch import with_reference
-from .fp8 import Fp8Weight
+from .fp8 import Fp8Weight, quantize_rows, quantize_rows_ref
 
 __all__ = ["ACTIVATIONS", "SCORINGS", "block_counts_buffer", "block_m", "moe_experts", "moe_experts_ref", "moe_route",
            "moe_route_ref", "router_terms", "slot_count"]
@@ -534,7 +534,8 @@ def _tile_product(a_ptr, src, ok, slots, e, w_ptr, out_ptr, n0, N, K, stride_a, 
                   s_ptr, stride_se, stride_sn,
                   RELU2: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                   BK: tl.constexpr, USE_PDL: tl.constexpr, A_TMA: tl.constexpr = False, W_TMA: tl.constexpr = False,
-                  ZERO_PAD: tl.constexpr = False, SCALE: tl.constexpr = 0, SCALE_BLOCK: tl.constexpr = 0):
+                  ZERO_PAD: tl.constexpr = False, SCALE: tl.constexpr = 0, SCALE_BLOCK: tl.constexpr = 0,
+                  as_ptr=None, A_SCALED: tl.constexpr = False):
     """out[slots] = a[src] @ w[e].T over the BN columns from n0 for the rows ``ok`` of a tile;
     relu2 after, when RELU2. With USE_PDL it signals its dependents after its K loop (several
     waves at prefill sizes: they take SM slots as the last one drains).
@@ -542,7 +543,9 @@ def _tile_product(a_ptr, src, ok, slots, e, w_ptr, out_ptr, n0, N, K, stride_a, 
     SCALE: 0, w holds the weights; 1, FP8 values with a scale per expert and column (s_ptr [E,
     N]), applied to the sums; 2, FP8 values with SCALE_BLOCK x SCALE_BLOCK block scales (s_ptr [E,
     N / SCALE_BLOCK, K / SCALE_BLOCK]; BK divides SCALE_BLOCK), applied to each K tile's product.
-    FP8 values enter the tensor cores in a's dtype (exactly: e4m3 fits in bf16).
+    FP8 values enter the tensor cores in a's dtype (exactly: e4m3 fits in bf16). A_SCALED: a
+    holds FP8 values too, row r's scale at as_ptr[r] (quantized per row: W8A8), so both enter
+    the FP8 tensor cores as stored and the sums are scaled by row and column.
 
     W_TMA: w_ptr is a tensor descriptor of the weights [E, N, K] in [1, BN, BK] blocks (its
     tiles copied by the TMA unit, the columns past N zeros); A_TMA: a_ptr is one of a [rows, K]
@@ -579,6 +582,8 @@ def _tile_product(a_ptr, src, ok, slots, e, w_ptr, out_ptr, n0, N, K, stride_a, 
             acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc, input_precision=PRECISION)
     if SCALE == 1:
         acc *= tl.load(s_rows + ns, mask=n_ok, other=0.0)[None, :]
+    if A_SCALED:
+        acc *= tl.load(as_ptr + src, mask=ok, other=0.0)[:, None]
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     y = acc.to(out_ptr.dtype.element_ty)
@@ -598,7 +603,8 @@ def _grouped_kernel(a_ptr, token_ptr, w_ptr, w_last_ptr, out_ptr, starts_ptr, co
                     GATHER: tl.constexpr, RELU2: tl.constexpr, PRECISION: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_E: tl.constexpr,
                     USE_PDL: tl.constexpr, A_TMA: tl.constexpr, W_TMA: tl.constexpr, ZERO_PAD: tl.constexpr,
-                    BN_LAST: tl.constexpr, SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr):
+                    BN_LAST: tl.constexpr, SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr, as_ptr,
+                    A_SCALED: tl.constexpr):
     """The sorted layout: out[slot] = a[row] @ w[expert].T for a tile of BM slots of one
     expert's run (row: the slot's token when GATHER, else the slot itself; A_TMA and W_TMA as
     ``_tile_product``). The grid is (column blocks, tiles), columns fastest: the programs running
@@ -607,7 +613,8 @@ def _grouped_kernel(a_ptr, token_ptr, w_ptr, w_last_ptr, out_ptr, starts_ptr, co
 
     BN_LAST (0: none): the last column block, narrower than a tile, is a tile that wide, from
     w_last_ptr (W_TMA: a descriptor in [1, BN_LAST, BK] blocks), so its tensor cores do not
-    multiply the zero columns past N."""
+    multiply the zero columns past N. A_SCALED (as_ptr) as ``_tile_product``'s: a's row scales,
+    by the rows it is indexed by (tokens when GATHER)."""
     if USE_PDL:  # the layout and a are the kernels' before
         tl.extra.cuda.gdc_wait()
     slot0 = tl.program_id(1) * BM
@@ -626,11 +633,11 @@ def _grouped_kernel(a_ptr, token_ptr, w_ptr, w_last_ptr, out_ptr, starts_ptr, co
         if BN_LAST > 0 and n0 + BN > N:  # constexpr first: without a narrow block, no such branch
             _tile_product(a_ptr, src, ok, slots, e, w_last_ptr, out_ptr, n0, N, K, stride_a, stride_we, stride_wn,
                           stride_out, s_ptr, stride_se, stride_sn, RELU2, PRECISION, BM, BN_LAST, BK, USE_PDL,
-                          A_TMA, W_TMA, ZERO_PAD, SCALE, SCALE_BLOCK)
+                          A_TMA, W_TMA, ZERO_PAD, SCALE, SCALE_BLOCK, as_ptr, A_SCALED)
         else:
             _tile_product(a_ptr, src, ok, slots, e, w_ptr, out_ptr, n0, N, K, stride_a, stride_we, stride_wn,
                           stride_out, s_ptr, stride_se, stride_sn, RELU2, PRECISION, BM, BN, BK, USE_PDL,
-                          A_TMA, W_TMA, ZERO_PAD, SCALE, SCALE_BLOCK)
+                          A_TMA, W_TMA, ZERO_PAD, SCALE, SCALE_BLOCK, as_ptr, A_SCALED)
 
 
 @triton.jit
@@ -797,22 +804,30 @@ ACTIVATIONS = ("relu2", "swiglu")
 
 
 def moe_experts_ref(x, idx, w, up, down, *, shared=None, residual=None, out=None, shared_ready=None,
-                    block_counts=None, pdl=False, act="relu2"):
+                    block_counts=None, pdl=False, act="relu2", w8a8=False):
     """The dense math: every expert over every token, weighted by its routing weight (zero where
-    the token did not choose it), summed in fp32 in expert order."""
+    the token did not choose it), summed in fp32 in expert order. ``w8a8`` (FP8 experts): the
+    token rows, and each pair's activations, rounded to FP8 per row first, as the kernels do."""
     T, E = x.shape[0], up.shape[0]
     activation = relu2_ref if act == "relu2" else silu_mul_ref
     dense = torch.zeros(T, E, dtype=torch.float32, device=x.device).scatter_(1, idx.long(), w.float())
     acc = torch.zeros(T, down.shape[1], dtype=torch.float32, device=x.device)
+    if w8a8 and isinstance(up, Fp8Weight):  # each product in fp32 over FP8-rounded rows, rounded after
+        def product(a, weight, e):
+            q, scale = quantize_rows_ref(a)
+            return F.linear(q.float() * scale, _expert(weight, e, torch.float32)).to(x.dtype)
+    else:
+        def product(a, weight, e):
+            return F.linear(a, _expert(weight, e, x.dtype))
     for e in range(E):
-        h = activation(F.linear(x, _expert(up, e, x.dtype)))
-        acc += F.linear(h, _expert(down, e, x.dtype)).float() * dense[:, e : e + 1]
+        h = activation(product(x, up, e))
+        acc += product(h, down, e).float() * dense[:, e : e + 1]
     return _finish_ref(acc.to(x.dtype), shared, residual, out)
 
 
 @with_reference(moe_experts_ref)
 def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, shared_ready=None, block_counts=None,
-                pdl=False, act="relu2"):
+                pdl=False, act="relu2", w8a8=False):
     """sum_j w[t, j] * down_e(act(up_e(x[t]))) over each token's experts e = idx[t, j], over the
     routed pairs only.
 
@@ -831,6 +846,11 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
     expert computed beside the routed ones); the combine waits for it, nothing before it does.
     pdl: the kernels launch as programmatic dependents of the previous one (``kernels.decode_linear``),
     the combine too when it also waits for ``shared_ready``.
+    w8a8: with FP8 experts and bf16/fp16 x, past the pairs (the sorted layout: prefill chunks and
+    wide decode steps), each product's input rows are quantized per row (``quantize_rows``, a
+    launch each) and enter the FP8 tensor cores as the weights do, rather than the weights being
+    widened to x's dtype inside the K loop (``moe_experts_ref(..., w8a8=True)`` rounds as it does).
+    Not yet measured on the GPU: off unless asked for.
     """
     T, K = x.shape
     (up, up_scale), (down, down_scale) = _values_and_scales(up), _values_and_scales(down)
@@ -871,6 +891,9 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
     # FP8 pairs: the down projections and the combine are one kernel (``_pair_down_kernel``)
     down_combined = pairs and down_scale is not None
     y = None if down_combined else torch.empty(S, D, dtype=x.dtype, device=dev)
+    # W8A8: the sorted layout's activations quantized per row, both products on FP8 tensor cores
+    w8a8 = (w8a8 and not pairs and up_scale is not None and down_scale is not None
+            and x.dtype in (torch.bfloat16, torch.float16))
     # up (gathering each slot's token row, relu2 after, or SwiGLU's kernel), then down; the TMA
     # unit copies the weight tiles (and, in the sorted layout, the down projection's input tiles,
     # whose rows are a tile's slots in order), where it can
@@ -880,12 +903,19 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
             silu_mul(gate_up, out=h, pdl=pdl)
         if not up_proj and down_combined:
             break
+        a_scale = None
+        if w8a8:  # the rows as FP8 values and a scale each (the padding slots' zero rows: zeros)
+            a, a_scale = quantize_rows(a)
         n, kk = weight.shape[1], weight.shape[2]
         scale, scale_block = scales if scales is not None else (weight, 0)
         mode = 0 if scales is None else 2 if scale_block else 1
         common = (a.stride(0), weight.stride(0), weight.stride(1), result.stride(0), scale, scale.stride(0),
                   scale.stride(1) if mode == 2 else 0)
         bn, bk, warps, stages = _gemm_config(bm, n, kk, x.dtype)
+        if w8a8 and not scale_block:  # FP8 rows: a K tile twice as long is the same bytes
+            bk *= 2
+        elif w8a8 and bm == 128:  # block scales: the scaled dot's second accumulator spills at 128 x 256
+            bn = 128
         if scale_block:  # one block scale a K tile
             bk = min(bk, scale_block)
         tma = _tma(weight) and (pairs or up_proj or _tma(a))
@@ -910,7 +940,8 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
                 a_arg, token_of_slot, w_arg, w_last, result, starts, counts, n, kk, E, *common, GATHER=up_proj,
                 RELU2=up_proj and not swiglu, PRECISION=precision, BM=bm, BN=bn, BK=bk, BLOCK_E=block_e, USE_PDL=pdl,
                 A_TMA=tma and not up_proj, W_TMA=tma, ZERO_PAD=up_proj, BN_LAST=bn_last, SCALE=mode,
-                SCALE_BLOCK=scale_block, num_warps=warps, num_stages=stages, **extra)
+                SCALE_BLOCK=scale_block, as_ptr=a_scale if w8a8 else a, A_SCALED=w8a8, num_warps=warps,
+                num_stages=stages, **extra)
     if shared_ready is not None:
         # the combine still launches as a programmatic dependent: it may start as the routed
         # down projection drains, and its wait returns only once the other stream's work has

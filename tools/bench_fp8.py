@@ -7,7 +7,9 @@ channel, attention and the Mamba layer before it kept in bf16, NVIDIA's recipe),
 same weights. Floors count the bytes each step reads: FP8 values and their scales, the bf16
 modules, the states (``bench_steps.hbm_floor_bytes``). The prefill's FLOP floor takes each
 product at its own rate: FP8 products at the FP8 tensor-core rate, the rest at bf16's, both
-sustained (``bench_kernels.matmul_rate``).
+sustained (``bench_kernels.matmul_rate``). A mixture-of-experts model's FP8 prefill is also
+timed with its experts' activations quantized per row (W8A8, ``moe_experts``' w8a8), which the
+runtime does not do yet: the row that decides whether it should.
 
 Agreement: 64 random prompts of 16 tokens, then 32 decode steps each fed the bf16 model's
 greedy token, so both models see the same inputs: top-1 agreement and the mean KL divergence
@@ -89,6 +91,18 @@ def bench_model(model: Model, bandwidth: float, rates: tuple[float, float], prog
     chunk = prefill_plan(PREFILL, slots - 1)
     rows.append({"kind": "prefill", "tokens": PREFILL, "graph_ms": step_ms(runner, chunk, rounds=10),
                  "floor_ms": prefill_floor_ms(model, PREFILL, *rates)})
+    if moe and model.cfg.quantization is not None:
+        # the same chunk with the experts' activations quantized too (W8A8), in graphs of its own
+        for mixer in _moe_mixers(model):
+            mixer.w8a8 = True
+        prefill_only = BucketSet(decode=(1,), mixed_decode=(0,), prefill=(PREFILL,), max_prefill_seqs=1)
+        w8a8 = StepRunner(model, pool, prefill_only, overlap=True)
+        w8a8.capture(progress=False)
+        rows.append({"kind": "prefill-w8a8", "tokens": PREFILL, "graph_ms": step_ms(w8a8, chunk, rounds=10),
+                     "floor_ms": rows[-1]["floor_ms"]})
+        for mixer in _moe_mixers(model):
+            mixer.w8a8 = False
+        del w8a8
     logits, tokens = _agreement_steps(eager, max(DECODE_BATCHES), feed)
     return {"capture": report, "rows": rows}, logits, tokens
 
@@ -126,7 +140,8 @@ def tables(result: dict) -> str:
            f"bf16 matmul {result['matmul_TFLOP/s']:.0f} TFLOP/s, FP8 {result['fp8_matmul_TFLOP/s']:.0f} TFLOP/s "
            "(sustained)"]
     for p in result["presets"]:
-        bf, f8 = ({r.get("batch", r.get("tokens")): r for r in p[k]["rows"]} for k in ("bf16", "fp8"))
+        bf, f8 = ({r.get("batch", r.get("tokens")): r for r in p[k]["rows"] if r["kind"] != "prefill-w8a8"}
+                  for k in ("bf16", "fp8"))
         out += ["", f"### {p['preset']}", "",
                 f"FP8 against bf16 over {p['positions']} positions: top-1 agreement {p['top1_agreement']:.3f}, "
                 f"mean KL {p['mean_kl']:.4f} nats", ""]
@@ -141,6 +156,12 @@ def tables(result: dict) -> str:
             out.append(f"| {what} | {a['graph_ms']:.3f} | {a['floor_ms']:.3f} | {a['graph_ms'] / a['floor_ms']:.2f}x | "
                        f"{b['graph_ms']:.3f} | {b['floor_ms']:.3f} | {b['graph_ms'] / b['floor_ms']:.2f}x | "
                        f"{a['graph_ms'] / b['graph_ms']:.2f}x |")
+        w8a8 = next((r for r in p["fp8"]["rows"] if r["kind"] == "prefill-w8a8"), None)
+        if w8a8 is not None:
+            a = bf[PREFILL]
+            out.append(f"| prefill {PREFILL}, experts W8A8 | {a['graph_ms']:.3f} | {a['floor_ms']:.3f} | "
+                       f"{a['graph_ms'] / a['floor_ms']:.2f}x | {w8a8['graph_ms']:.3f} | {w8a8['floor_ms']:.3f} | "
+                       f"{w8a8['graph_ms'] / w8a8['floor_ms']:.2f}x | {a['graph_ms'] / w8a8['graph_ms']:.2f}x |")
     return "\n".join(out)
 
 

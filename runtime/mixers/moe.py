@@ -54,6 +54,10 @@ class MoEMixer(Mixer):
                                                             "fc2_latent_proj.weight", "fc2_latent_proj.bias"))
         self.route = dict(top_k=cfg.num_experts_per_tok, n_group=cfg.n_group, topk_group=cfg.topk_group,
                           norm_topk=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor, scoring=cfg.moe_scoring)
+        # FP8 experts' products past a few pairs with their activations quantized per row too
+        # (``moe_experts``' w8a8): off until the GPU has measured it against the widened weights
+        # (``mambastep bench fp8`` times a prefill chunk both ways)
+        self.w8a8 = False
 
     def forward(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         return self._moe(h, ctx, lambda: mlp(h, *self.shared, act=self.act))
@@ -87,10 +91,10 @@ class MoEMixer(Mixer):
             ctx.observe(self.layer, idx)
         if self.latent is None:
             return moe_experts(h, idx, w, self.up, self.down, shared=shared, residual=residual, shared_ready=ready,
-                               block_counts=counts, pdl=pdl, act=self.act)
+                               block_counts=counts, pdl=pdl, act=self.act, w8a8=self.w8a8)
         down_w, down_b, up_w, up_b = self.latent
         routed = linear(moe_experts(linear(h, down_w, down_b), idx, w, self.up, self.down, block_counts=counts,
-                                    act=self.act), up_w, up_b)
+                                    act=self.act, w8a8=self.w8a8), up_w, up_b)
         if ready is not None:
             torch.cuda.current_stream(h.device).wait_event(ready)
         out = routed if shared is None else routed + shared

@@ -92,7 +92,8 @@ def launch_moe() -> None:
     three bf16 terms of the router, the top-k counting its blocks' pairs); the pair tiles, 16-row
     grouped tiles with the one-program align, and 128-row TMA tiles with the two-pass align (or the
     routing's counts and one pass), the up projection's last column block in narrower tiles (320 =
-    256 + 64); FP8 experts of one and two tokens (the pair stream); each with and without PDL."""
+    256 + 64); FP8 experts of one and two tokens (the pair stream), and W8A8 ones in the sorted
+    layout; each with and without PDL."""
     from mambastep.kernels import moe
     from mambastep.kernels.fp8 import quantize_fp8
 
@@ -120,6 +121,12 @@ def launch_moe() -> None:
             for pdl in (False, True):
                 moe.moe_experts.triton(x, idx, torch.rand(T, 6), fp8_up, fp8_down, residual=torch.empty_like(x),
                                        pdl=pdl)
+        # W8A8 in the sorted layout: FP8 rows on both sides of the tensor cores (16- and 128-row tiles)
+        for T, k in ((64, 6), (1200, 2)):
+            x = torch.randn(T, D).to(torch.bfloat16)
+            idx = torch.stack([torch.randperm(E)[:k].sort()[0] for _ in range(T)]).to(torch.int32)
+            moe.moe_experts.triton(x, idx, torch.rand(T, k), fp8_up, fp8_down, residual=torch.empty_like(x),
+                                   pdl=True, w8a8=True)
 
 
 def launch_skinny() -> None:

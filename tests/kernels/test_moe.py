@@ -251,6 +251,36 @@ def test_fp8_experts_equal_the_dequantized_reference(device, case, block):
     assert_close(got.cpu(), expect, torch.bfloat16)
 
 
+@pytest.mark.parametrize("act", ["relu2", "swiglu"])
+@pytest.mark.parametrize("block", [0, 16], ids=["fp8-column", "fp8-block16"])
+@pytest.mark.parametrize("case", ["spread", "128-row tiles, narrow last column blocks",
+                                  "many pairs (aligned in two passes)", "one token"])
+def test_w8a8_experts_equal_the_reference_rounding_their_rows(device, case, block, act):
+    """W8A8 (``w8a8=True``): the token rows and each pair's activations quantized per row, FP8
+    on both sides of the tensor cores; equal to the dense reference that rounds the rows so, and
+    within 10% (relative RMS) of the W8A16 reference (two e4m3 roundings of the activations, each
+    about 3.6% of a value). A step of a few pairs streams the weights as before (no activations
+    quantized): its result is the W8A16 one exactly."""
+    torch.manual_seed(len(case) + block)
+    c = CASES[case]
+    T, E, k = c["T"], c["E"], c["k"]
+    K, I, D = c.get("K", 32), c.get("I", 24), c.get("D", 32)
+    idx, w = routing(T, E, k, experts_used=c.get("experts_used"))
+    x = torch.randn(T, K).to(torch.bfloat16)
+    up_n = 2 * I if act == "swiglu" else I
+    up = quantize_fp8(experts(E, up_n, K, D, torch.float32, "cpu")[0], block)
+    down = quantize_fp8(experts(E, I, K, D, torch.float32, "cpu", seed=1)[1], block)
+    dev = [t.to(device) for t in (x, idx, w, up, down)]
+    got = moe_experts.triton(*dev, act=act, w8a8=True).cpu()
+    plain = moe_experts.triton(*dev, act=act).cpu()
+    if T * k <= moe.PAIR_TILES_MAX:
+        assert torch.equal(got, plain)
+        return
+    assert_close(got, moe_experts_ref(x, idx, w, up, down, act=act, w8a8=True), torch.bfloat16)
+    w8a16 = moe_experts_ref(x, idx, w, up, down, act=act).float()
+    assert ((got.float() - w8a16).norm() / w8a16.norm()).item() < 0.1
+
+
 @pytest.mark.parametrize("case", ["spread", "128-row tiles (prefill-sized)"])
 def test_grouped_gemms_without_the_tma_unit(device, case, monkeypatch):
     """The operands loaded through pointers, as on a GPU before Hopper, give the same result."""

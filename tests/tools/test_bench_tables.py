@@ -203,14 +203,18 @@ def test_fp8_tables_set_bf16_beside_fp8(capsys):
                   for b in bench_fp8.DECODE_BATCHES]
         return decode + [{"kind": "prefill", "tokens": 2048, "graph_ms": 30.0, "floor_ms": 20.0}]
 
+    w8a8 = {"kind": "prefill-w8a8", "tokens": 2048, "graph_ms": 24.0, "floor_ms": 20.0}
+
     bench_fp8.print_table({"device": "GPU", "date": "2026-12-04", "torch": "2", "copy_GB/s": 4274.0,
                            "matmul_TFLOP/s": 676.0, "fp8_matmul_TFLOP/s": 1240.0,
                            "presets": [{"preset": "nemotron-h-8b", "bf16": {"rows": rows(1.0)},
-                                        "fp8": {"rows": rows(0.8)}, "top1_agreement": 0.9, "mean_kl": 0.01,
+                                        "fp8": {"rows": rows(0.8) + [w8a8]}, "top1_agreement": 0.9, "mean_kl": 0.01,
                                         "positions": 2048, "note": "a note"}]})
     out = capsys.readouterr().out
     assert "| decode x1 | 1.000 | 0.500 | 2.00x | 0.800 | 0.500 | 1.60x | 1.25x |" in out
+    # the W8A8 experts' prefill: a row of its own, not in place of the FP8 prefill's
     assert "| prefill 2048 (FLOP floor) | 30.000 | 20.000 | 1.50x | 30.000 | 20.000 | 1.50x | 1.00x |" in out
+    assert "| prefill 2048, experts W8A8 | 30.000 | 20.000 | 1.50x | 24.000 | 20.000 | 1.20x | 1.25x |" in out
     assert "top-1 agreement 0.900" in out and "Note: a note" in out and "FP8 1240 TFLOP/s" in out
 
 

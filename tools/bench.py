@@ -20,6 +20,9 @@
                                             speculative decoding beside plain: verify steps
                                             against k, tokens/s alone against the acceptance
                                             length, and at concurrency 64
+    mambastep bench tiles [--preset P ...] [--quantization fp8] [--json PATH]
+                                            one row through each of a preset's projection shapes:
+                                            the skinny tile table's choice beside a sweep of others
     mambastep bench profile --preset P --batch B [--prefill T] [--quantization fp8] [--timeline [--window LO:HI]]
                                             per-kernel time of one eager step: B decode rows
                                             (and a prefill chunk of T tokens); --timeline: what
@@ -46,11 +49,11 @@ import sys
 import torch
 
 from . import (bench_fp8, bench_kernels, bench_markdown, bench_prefix, bench_profile, bench_sampling, bench_spec,
-               bench_steps)
+               bench_steps, bench_tiles)
 from .args import Parser, add_quantization, writable_path
 
 SUITES = {"kernels": bench_kernels, "steps": bench_steps, "fp8": bench_fp8, "sampling": bench_sampling,
-          "prefix": bench_prefix, "spec": bench_spec}
+          "prefix": bench_prefix, "spec": bench_spec, "tiles": bench_tiles}
 
 
 def _window(text: str) -> tuple[int, int]:
@@ -76,7 +79,7 @@ def main(argv=None) -> int:
                         help="which benchmark to run")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument("--preset", action="append",
-                        help="steps, fp8, sampling, prefix, spec: preset(s) to run (default: the suite's)")
+                        help="steps, fp8, sampling, prefix, spec, tiles: preset(s) to run (default: the suite's)")
     parser.add_argument("--batch", type=int, default=1, help="profile: decode batch")
     parser.add_argument("--prefill", type=int, default=0, help="profile: tokens of one prefill chunk (0: none)")
     parser.add_argument("--timeline", action="store_true",
@@ -84,7 +87,7 @@ def main(argv=None) -> int:
     parser.add_argument("--window", metavar="LO:HI", type=_window,
                         help="profile --timeline: also kernels LO to HI-1 of one replay, each with its start and end "
                              "(what ran beside what)")
-    add_quantization(parser)  # profile's
+    add_quantization(parser)  # profile's and tiles'
     parser.add_argument("--steps", metavar="JSON", nargs="*", default=[], help="markdown: JSONs of `bench steps`")
     parser.add_argument("--kernels", metavar="JSON", help="markdown: the JSON of `bench kernels`")
     parser.add_argument("--fp8", metavar="JSON", nargs="*", default=[], help="markdown: JSONs of `bench fp8`")
@@ -101,8 +104,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     writable_path(parser, "--json", args.json)
     writable_path(parser, "--out", args.out)
-    if args.quantization and args.what != "profile":
-        parser.error("--quantization is profile's (bench fp8 runs both precisions)")
+    if args.quantization and args.what not in ("profile", "tiles"):
+        parser.error("--quantization is profile's and tiles' (bench fp8 runs both precisions)")
     if args.window and not (args.what == "profile" and args.timeline):
         parser.error("--window needs profile --timeline")
     if args.what == "markdown":
@@ -128,9 +131,9 @@ def main(argv=None) -> int:
             print(bench_profile.profile(preset, args.batch, args.prefill, quantization=args.quantization))
         return 0
     suite = SUITES[args.what]
-    takes_presets = args.what in ("steps", "fp8", "sampling", "prefix", "spec")
-    result = suite.run(tuple(args.preset)) if (takes_presets and args.preset) \
-        else suite.run()
+    takes_presets = args.what in ("steps", "fp8", "sampling", "prefix", "spec", "tiles")
+    kw = {"quantization": args.quantization} if args.what == "tiles" else {}
+    result = suite.run(tuple(args.preset), **kw) if (takes_presets and args.preset) else suite.run(**kw)
     suite.print_table(result)
     if args.json:
         with open(args.json, "w") as f:

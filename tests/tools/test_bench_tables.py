@@ -259,3 +259,36 @@ def test_the_spec_bench_sets_speculation_beside_plain_on_the_cpu(tmp_path):
     path.write_text(json.dumps(result))
     page = bench_markdown.render(spec=str(path))
     assert "mambastep bench spec" in page and "| set acceptance | 75% each |" in page
+
+
+def test_the_tile_bench_lists_each_projection_shape_once():
+    """`bench tiles` sweeps each distinct shape the fused decode projects through, once, the LM
+    head last: Granite's Mamba2, attention and shared-expert projections (not the conv weights
+    or the fp32 router), normed where they read the hidden state; FP8 shapes apart from bf16's."""
+    import torch
+
+    from mambastep.runtime.model import Model
+    from mambastep.tools import bench_tiles
+
+    model = Model.from_preset("tiny-granite", dtype=torch.bfloat16)
+    shapes = [s for s, _ in bench_tiles.projections(model)]
+    assert [(s["name"], s["N"], s["K"], s["normed"]) for s in shapes] == [
+        ("Mamba2.in_proj", 296, 64, True), ("Mamba2.out_proj", 64, 128, False), ("MoE.shared[0]", 128, 64, True),
+        ("MoE.shared[1]", 64, 64, True), ("lm_head", 512, 64, True)]  # (attention's shapes are the MoE's here)
+    assert not any(s["fp8"] for s in shapes)
+    fp8 = Model.from_preset("tiny-granite", dtype=torch.bfloat16, quantization="fp8")
+    assert any(s["fp8"] for s, _ in bench_tiles.projections(fp8))
+    assert any(not t.loop for t in bench_tiles.candidates(2048))
+    assert all(t.loop for t in bench_tiles.candidates(4096))
+
+
+def test_the_tile_bench_table(capsys):
+    from mambastep.tools import bench_tiles
+
+    row = {"name": "MLP.up", "N": 16384, "K": 2048, "fp8": False, "normed": True, "floor_us": 15.8,
+           "table": [True, 16, 256, 4, 3], "table_us": 21.0, "best": [False, 8, 2048, 4, 1], "best_us": 18.8}
+    bench_tiles.print_table({"device": "GPU", "date": "2026-12-04", "torch": "2", "copy_GB/s": 4250.0,
+                             "presets": [{"preset": "granite-4.0-h-micro", "quantization": None, "rows": [row]}]})
+    out = capsys.readouterr().out
+    assert ("| MLP.up | 16384 x 2048 | 15.80 | 16 x 256, 3 stages | 21.00 | 8 x 2048 one tile, 4 warps | 18.80 | "
+            "1.12x |") in out

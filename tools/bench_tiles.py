@@ -1,0 +1,173 @@
+"""One decode row through a preset's skinny projections (``kernels.decode_linear``): the tile
+table's choice (``decode_linear._config``) beside a sweep of others, at each distinct weight
+shape of the preset's blocks and its LM head. The tool to retune the table for a family, or to
+check it: what it finds goes to docs/experiments.md and, where it wins in a whole step
+(``bench profile --timeline``), into the table's rules.
+
+Each shape is timed as the fused decode step runs it: one row, launched with programmatic
+dependent launch, in a CUDA graph of calls over copies of the weight that together pass the L2
+(at least ``CYCLE_BYTES``), so every call reads its weight from HBM; the median of ``REPLAYS``
+replays, per call. A projection that reads the hidden state (K = hidden) takes the block norm's
+prologue, its weight folded in (a unit norm, as the model folds it), the others add into a
+residual row. Mamba2's conv epilogue and gated norm are not modelled: in_proj is timed as a
+plain normed product, out_proj after its norm. With ``quantization="fp8"``, the preset quantized
+at load (its FP8 projections' tiles; the bf16 ones beside them).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import triton
+from tqdm import tqdm
+
+from ..kernels import decode_linear
+from ..kernels.decode_linear import ONE_TILE_MAX_K, norm_linear
+from ..kernels.fp8 import Fp8Weight
+from ..runtime.model import Model
+from .bench_kernels import copy_bandwidth, stamp
+
+PRESETS = ("granite-4.0-h-micro",)
+CYCLE_BYTES = 400e6
+REPLAYS = 10
+
+
+def _named_weights(model: Model):
+    """(name, weight) of every 2-D weight of the blocks' mixers, in block order, then the LM head."""
+    for block in model.blocks:
+        mixer = block.mixer
+        for attr, value in vars(mixer).items():
+            named = ((f"{attr}[{i}]", w) for i, w in enumerate(value)) if isinstance(value, tuple) else ((attr, value),)
+            for name, weight in named:
+                if isinstance(weight, (torch.Tensor, Fp8Weight)) and len(weight.shape) == 2:
+                    yield f"{type(mixer).__name__.removesuffix('Mixer')}.{name}", weight
+    yield "lm_head", model.lm_head
+
+
+def projections(model: Model) -> list[tuple[dict, object]]:
+    """The distinct weight shapes the fused decode step projects through, in block order, the LM
+    head last, each with one weight of that shape: (shape, weight), the shape's name (mixer and
+    attribute), N, K, whether FP8, and whether it reads the hidden state (a normed input) or
+    adds into the residual."""
+    seen, out = set(), []
+    for name, weight in _named_weights(model):
+        N, K = weight.shape
+        fp8 = isinstance(weight, Fp8Weight)
+        if K < 64 or (not fp8 and weight.dtype == torch.float32) or (N, K, fp8) in seen:
+            continue  # conv weights, the router's fp32 gate; a shape already listed
+        seen.add((N, K, fp8))
+        out.append(({"name": name, "N": N, "K": K, "fp8": fp8, "normed": K == model.cfg.hidden_size}, weight))
+    return out
+
+
+def candidates(K: int) -> list[decode_linear._Config]:
+    """The tiles swept: K streamed in tiles of 256-1024 columns over 4-32 output columns a
+    program (at most 16K weights a tile), 3 or 4 stages; and, where K fits, the whole K as one
+    register tile."""
+    tiles = [decode_linear._Config(True, bn, bk, 4, stages)
+             for bn, bk, stages in itertools.product((4, 8, 16, 32), (256, 512, 1024), (3, 4)) if bn * bk <= 16384]
+    if K <= ONE_TILE_MAX_K:
+        tiles += [decode_linear._Config(False, bn, triton.next_power_of_2(K), warps, 1)
+                  for bn, warps in ((2, 1), (4, 1), (8, 4), (16, 4))]
+    return tiles
+
+
+def _device(weight) -> torch.device:
+    return weight.values.device if isinstance(weight, Fp8Weight) else weight.device
+
+
+def _copies(weight, n: int) -> list:
+    if isinstance(weight, Fp8Weight):
+        return [Fp8Weight(weight.values.clone(), weight.scale.clone(), weight.block) for _ in range(n)]
+    return [weight.clone() for _ in range(n)]
+
+
+def time_us(shape: dict, weight, tile: decode_linear._Config | None) -> float:
+    """Microseconds a call at ``shape`` takes in ``tile`` (None: the table's), as the module doc
+    says; NaN where the tile does not launch."""
+    N, K = shape["N"], shape["K"]
+    nbytes = N * K * (1 if shape["fp8"] else 2)
+    weights = _copies(weight, max(2, int(CYCLE_BYTES // nbytes)))
+    dev, act = _device(weight), torch.bfloat16
+    x = torch.randn(1, K, device=dev, dtype=act)
+    norm_w = torch.ones(K, device=dev, dtype=act)
+    out = torch.empty(1, N, device=dev, dtype=act)
+    residual = torch.randn(1, N, device=dev, dtype=act)
+
+    def calls():
+        for w in weights:
+            if shape["normed"]:
+                norm_linear(x, norm_w, 1e-5, w, out=out, pdl=True, unit_norm=True)
+            else:
+                norm_linear(x, None, 1e-5, w, residual=residual, pdl=True)
+
+    table = decode_linear._config
+    if tile is not None:
+        decode_linear._config = lambda *args, **kwargs: tile
+    try:
+        calls()  # compiles
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            calls()
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(REPLAYS):
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / len(weights))
+        return sorted(times)[len(times) // 2]
+    except Exception:  # noqa: BLE001 - a tile that does not compile or launch is no candidate
+        return float("nan")
+    finally:
+        decode_linear._config = table
+        torch.cuda.synchronize()
+
+
+def bench_preset(name: str, bandwidth: float, quantization: str | None, progress: bool) -> dict:
+    model = Model.from_preset(name, dtype=torch.bfloat16, device="cuda", quantization=quantization)
+    rows = []
+    for shape, weight in tqdm(projections(model), desc=name, disable=not progress):
+        N, K, fp8 = shape["N"], shape["K"], shape["fp8"]
+        table = decode_linear._config(1, N, K, _device(weight), fp8=fp8)
+        table_us = time_us(shape, weight, None)
+        # the best of the sweep, the table's own tile among them
+        best_us, best = min([(t, tile) for tile in candidates(K) if (t := time_us(shape, weight, tile)) == t]
+                            + [(table_us, table)])
+        rows.append({**shape, "floor_us": N * K * (1 if fp8 else 2) / bandwidth * 1e6, "table": list(table),
+                     "table_us": table_us, "best": list(best), "best_us": best_us})
+    del model
+    torch.cuda.empty_cache()
+    return {"preset": name, "quantization": quantization, "rows": rows}
+
+
+def run(presets=PRESETS, progress: bool = True, quantization: str | None = None) -> dict:
+    bandwidth = copy_bandwidth()
+    return {**stamp(), "copy_GB/s": bandwidth / 1e9,
+            "presets": [bench_preset(p, bandwidth, quantization, progress) for p in presets]}
+
+
+def _tile(t) -> str:
+    loop, bn, bk, warps, stages = t
+    return f"{bn} x {bk}, {stages} stages" if loop else f"{bn} x {bk} one tile, {warps} warps"
+
+
+def tables(result: dict) -> str:
+    out = [f"{result['device']}, {result['date']}, torch {result['torch']}, copy bandwidth "
+           f"{result['copy_GB/s']:.0f} GB/s; one row, PDL, in a graph, weights read from HBM"]
+    for p in result["presets"]:
+        out += ["", f"### {p['preset']}" + (f" ({p['quantization']})" if p["quantization"] else ""), "",
+                "| projection | N x K | floor (us) | table's tile | table (us) | best tile | best (us) | table/best |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in p["rows"]:
+            out.append(f"| {r['name']}{' (FP8)' if r['fp8'] else ''} | {r['N']} x {r['K']} | {r['floor_us']:.2f} | "
+                       f"{_tile(r['table'])} | {r['table_us']:.2f} | {_tile(r['best'])} | {r['best_us']:.2f} | "
+                       f"{r['table_us'] / r['best_us']:.2f}x |")
+    return "\n".join(out)
+
+
+def print_table(result: dict) -> None:
+    print("\n" + tables(result))

@@ -142,17 +142,19 @@ class Scheduler:
 
     def _verifying(self, decodes: list[Request]) -> list[Request]:
         """The decode requests the step runs in prefill form, their ``verify`` set. Every one,
-        with the drafts its drafter proposes, where all of them speculate, there are at most
-        ``max_batch`` (and room in the step's sequences), the gate finds verifying pays at that
-        batch size, and one of them drafts anything. Else those with more than one token
-        pending (a verify step's accepted drafts), which catch up without drafts, while the
-        rest decode as usual."""
+        each that speculates with the drafts its drafter proposes and the others with none (a
+        decode in prefill form, beside them in the step), where there are at most ``max_batch``
+        (and room in the step's sequences), none has logits processors (whose counts a verify
+        step does not keep), the gate finds verifying pays at that batch size, and one of them
+        drafts anything. Else those with more than one token pending (a verify step's accepted
+        drafts), which catch up without drafts, while the rest decode as usual."""
         spec = self.speculative
         if (spec is not None and 0 < len(decodes) <= min(spec.max_batch, self.max_prefill_seqs)
-                and all(r.drafter is not None for r in decodes)
+                and any(r.drafter is not None for r in decodes)
+                and not any(r.params.processed for r in decodes)
                 and (self.gate is None or self.gate.open(len(decodes)))):
             for r in decodes:
-                r.verify = self._drafts(r)
+                r.verify = self._drafts(r) if r.drafter is not None else []
             if any(r.verify for r in decodes):
                 return decodes
             for r in decodes:
@@ -257,8 +259,9 @@ class Scheduler:
             top_p=np.array([p.top_p if p else 1.0 for p in params], dtype=np.float32),
             seed=np.array([r.seed if r else 0 for r in rows], dtype=np.int64),
             position=np.array(positions, dtype=np.int64),
-            # a verify sequence's tokens reach the next step through the host
-            sample_slots=i32([-1 if r is None or r.verify is not None else r.slot for r in rows]),
+            # a verify sequence's tokens reach the next step through the host; one without drafts
+            # draws its slot's next input, as a decode row does
+            sample_slots=i32([-1 if r is None or r.verify else r.slot for r in rows]),
             logprobs=any(p is not None and p.logprobs is not None for p in params),
         )
         if any(q.req.params.processed for q in seqs) or any(r.params.processed for r in decodes):

@@ -83,7 +83,9 @@ def processors(draw, max_tokens: int) -> dict:
 def sampling(draw):
     max_tokens = draw(st.integers(1, 8))
     common = dict(max_tokens=max_tokens, ignore_eos=draw(st.booleans()),
-                  stop_token_ids=draw(st.lists(st.integers(0, 511), max_size=2)), **draw(processors(max_tokens)))
+                  stop_token_ids=draw(st.lists(st.integers(0, 511), max_size=2)), **draw(processors(max_tokens)),
+                  # a speculating engine's default, or opted out: verified beside those that speculate
+                  speculative=draw(st.sampled_from([None, None, False])))
     if draw(st.booleans()):
         return SamplingParams(temperature=0, **common)
     return SamplingParams(temperature=draw(st.sampled_from([0.7, 1.0])), top_k=draw(st.sampled_from([0, 5, 50])),

@@ -1,6 +1,8 @@
 """Speculative decoding end to end on CPU: with drafts accepted, partly accepted and rejected,
 a request's tokens are the plain engine's, greedy and seeded sampling alike."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -85,6 +87,46 @@ def test_speculative_tokens_equal_plain(checkpoint, params):
     ngram = engine(path, speculative=Speculative(drafter=NgramDrafter, num_drafts=3, adaptive=False))
     assert run(ngram, ps, params) == plain
     print(ngram.speculative_stats)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                                    SamplingParams(temperature=0.9, top_p=0.95, seed=5, max_tokens=MAX_TOKENS,
+                                                   ignore_eos=True)], ids=["greedy", "seeded"])
+def test_requests_that_do_not_speculate_verify_beside_those_that_do(checkpoint, params):
+    """A request that opted out (or an engine whose default is off, and a request that opted in)
+    runs beside speculating ones in their verify steps, as a sequence without drafts; every
+    request's tokens are the plain engine's, and it goes on decoding in decode rows after
+    (its slot's next input written by that draftless row)."""
+    _, path = checkpoint
+    ps = [[int(t) for t in p] for p in prompts()]
+    plain = run(engine(path), ps, params)
+    script = {tuple(p): out for p, out in zip(ps, plain)}
+    for default in (True, False):
+        e = engine(path, speculative=Speculative(drafter=lambda: Scripted(script, 0.3), num_drafts=3,
+                                                 max_batch=4, adaptive=False, default=default))
+        # what each step verified: (speculates, drafts) of each sequence
+        verified: dict[int, list] = {}
+        schedule_one = e.scheduler._verify_sequence
+
+        def spy(r, budget):
+            verified.setdefault(step, []).append((r.drafter is not None, len(r.verify)))
+            return schedule_one(r, budget)
+
+        e.scheduler._verify_sequence = spy
+        out, ids, step = {}, [], 0
+        while len(ids) < len(ps) or e.has_unfinished():
+            while len(ids) < len(ps) and (0, 0, 1, 3)[len(ids)] <= step:
+                # requests 0 and 2 speculate; 1 and 3 opt out (default on) or leave it to the default (off)
+                opt = (None if len(ids) % 2 == 0 else False) if default else (True if len(ids) % 2 == 0 else None)
+                ids.append(e.add_request(ps[len(ids)], dataclasses.replace(params, speculative=opt)))
+            for o in e.step():
+                out.setdefault(o.id, []).extend(o.new_tokens)
+            step += 1
+        assert [out[i] for i in ids] == plain, default
+        assert e.speculative_stats["verified"] > 0
+        # steps that verified drafts with a request that does not speculate beside them
+        assert any(any(d for _, d in seqs) and not all(spec for spec, _ in seqs) for seqs in verified.values())
+        assert all(d == 0 for seqs in verified.values() for spec, d in seqs if not spec)
 
 
 class Never:

@@ -152,17 +152,18 @@ def tables(result: dict) -> str:
                 "bf16/FP8 |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for key in [*DECODE_BATCHES, PREFILL]:
             a, b = bf[key], f8[key]
-            what = f"decode x{key}" if a["kind"] == "decode" else f"prefill {key} (FLOP floor)"
-            out.append(f"| {what} | {a['graph_ms']:.3f} | {a['floor_ms']:.3f} | {a['graph_ms'] / a['floor_ms']:.2f}x | "
-                       f"{b['graph_ms']:.3f} | {b['floor_ms']:.3f} | {b['graph_ms'] / b['floor_ms']:.2f}x | "
-                       f"{a['graph_ms'] / b['graph_ms']:.2f}x |")
+            out.append(_row(f"decode x{key}" if a["kind"] == "decode" else f"prefill {key} (FLOP floor)", a, b))
         w8a8 = next((r for r in p["fp8"]["rows"] if r["kind"] == "prefill-w8a8"), None)
         if w8a8 is not None:
-            a = bf[PREFILL]
-            out.append(f"| prefill {PREFILL}, experts W8A8 | {a['graph_ms']:.3f} | {a['floor_ms']:.3f} | "
-                       f"{a['graph_ms'] / a['floor_ms']:.2f}x | {w8a8['graph_ms']:.3f} | {w8a8['floor_ms']:.3f} | "
-                       f"{w8a8['graph_ms'] / w8a8['floor_ms']:.2f}x | {a['graph_ms'] / w8a8['graph_ms']:.2f}x |")
+            out.append(_row(f"prefill {PREFILL}, experts W8A8", bf[PREFILL], w8a8))
     return "\n".join(out)
+
+
+def _row(what: str, a: dict, b: dict) -> str:
+    """A table row: bf16's step ``a`` beside FP8's ``b``, each against its floor."""
+    return (f"| {what} | {a['graph_ms']:.3f} | {a['floor_ms']:.3f} | {a['graph_ms'] / a['floor_ms']:.2f}x | "
+            f"{b['graph_ms']:.3f} | {b['floor_ms']:.3f} | {b['graph_ms'] / b['floor_ms']:.2f}x | "
+            f"{a['graph_ms'] / b['graph_ms']:.2f}x |")
 
 
 def print_table(result: dict) -> None:

@@ -806,13 +806,14 @@ ACTIVATIONS = ("relu2", "swiglu")
 def moe_experts_ref(x, idx, w, up, down, *, shared=None, residual=None, out=None, shared_ready=None,
                     block_counts=None, pdl=False, act="relu2", w8a8=False):
     """The dense math: every expert over every token, weighted by its routing weight (zero where
-    the token did not choose it), summed in fp32 in expert order. ``w8a8`` (FP8 experts): the
-    token rows, and each pair's activations, rounded to FP8 per row first, as the kernels do."""
+    the token did not choose it), summed in fp32 in expert order. ``w8a8`` (FP8 experts): past a
+    few pairs the token rows, and each pair's activations, rounded to FP8 per row first, as the
+    kernels do."""
     T, E = x.shape[0], up.shape[0]
     activation = relu2_ref if act == "relu2" else silu_mul_ref
     dense = torch.zeros(T, E, dtype=torch.float32, device=x.device).scatter_(1, idx.long(), w.float())
     acc = torch.zeros(T, down.shape[1], dtype=torch.float32, device=x.device)
-    if w8a8 and isinstance(up, Fp8Weight):  # each product in fp32 over FP8-rounded rows, rounded after
+    if _quantizes_rows(w8a8, x, up, down, idx.shape[1]):  # in fp32 over FP8-rounded rows, rounded after
         def product(a, weight, e):
             q, scale = quantize_rows_ref(a)
             return F.linear(q.float() * scale, _expert(weight, e, torch.float32)).to(x.dtype)
@@ -846,13 +847,15 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
     expert computed beside the routed ones); the combine waits for it, nothing before it does.
     pdl: the kernels launch as programmatic dependents of the previous one (``kernels.decode_linear``),
     the combine too when it also waits for ``shared_ready``.
-    w8a8: with FP8 experts and bf16/fp16 x, past the pairs (the sorted layout: prefill chunks and
-    wide decode steps), each product's input rows are quantized per row (``quantize_rows``, a
-    launch each) and enter the FP8 tensor cores as the weights do, rather than the weights being
-    widened to x's dtype inside the K loop (``moe_experts_ref(..., w8a8=True)`` rounds as it does).
-    Not yet measured on the GPU: off unless asked for.
+    w8a8: with FP8 experts and bf16/fp16 x (refused otherwise), past the pairs (the sorted
+    layout: prefill chunks and wide decode steps), each product's input rows are quantized per
+    row (``quantize_rows``, a launch each) and enter the FP8 tensor cores as the weights do,
+    rather than the weights being widened to x's dtype inside the K loop
+    (``moe_experts_ref(..., w8a8=True)`` rounds as it does). Not yet measured on the GPU: off
+    unless asked for.
     """
     T, K = x.shape
+    w8a8 = _quantizes_rows(w8a8, x, up, down, idx.shape[1])
     (up, up_scale), (down, down_scale) = _values_and_scales(up), _values_and_scales(down)
     if act not in ACTIVATIONS:
         raise ValueError(f"moe_experts: act must be one of {ACTIVATIONS}, got {act!r}")
@@ -891,9 +894,6 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
     # FP8 pairs: the down projections and the combine are one kernel (``_pair_down_kernel``)
     down_combined = pairs and down_scale is not None
     y = None if down_combined else torch.empty(S, D, dtype=x.dtype, device=dev)
-    # W8A8: the sorted layout's activations quantized per row, both products on FP8 tensor cores
-    w8a8 = (w8a8 and not pairs and up_scale is not None and down_scale is not None
-            and x.dtype in (torch.bfloat16, torch.float16))
     # up (gathering each slot's token row, relu2 after, or SwiGLU's kernel), then down; the TMA
     # unit copies the weight tiles (and, in the sorted layout, the down projection's input tiles,
     # whose rows are a tile's slots in order), where it can
@@ -965,6 +965,20 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
         TOP_K=k, SHARED=shared is not None, ACCUMULATE=residual is not None, BLOCK_D=block_d, PAIRS=pairs,
         USE_PDL=pdl, num_warps=4, **extra)
     return target
+
+
+def _quantizes_rows(w8a8: bool, x: torch.Tensor, up, down, k: int) -> bool:
+    """Whether ``moe_experts`` quantizes the activations per row (W8A8): where asked, past the
+    pairs (``PAIR_TILES_MAX``: a decode step of a few streams the weights as without). Asked of
+    experts that are not FP8, or of activations not bf16/fp16, it is refused."""
+    if not w8a8:
+        return False
+    if not (isinstance(up, Fp8Weight) and isinstance(down, Fp8Weight)) or x.dtype not in (torch.bfloat16,
+                                                                                          torch.float16):
+        raise ValueError(f"moe_experts: w8a8 needs FP8 experts and bf16 or fp16 activations, got "
+                         f"{'FP8' if isinstance(up, Fp8Weight) else up.dtype} up, "
+                         f"{'FP8' if isinstance(down, Fp8Weight) else down.dtype} down, {x.dtype} x")
+    return x.shape[0] * k > PAIR_TILES_MAX
 
 
 def _values_and_scales(weight):

@@ -275,10 +275,27 @@ def test_w8a8_experts_equal_the_reference_rounding_their_rows(device, case, bloc
     plain = moe_experts.triton(*dev, act=act).cpu()
     if T * k <= moe.PAIR_TILES_MAX:
         assert torch.equal(got, plain)
+        assert torch.equal(moe_experts_ref(x, idx, w, up, down, act=act, w8a8=True),
+                           moe_experts_ref(x, idx, w, up, down, act=act))
         return
     assert_close(got, moe_experts_ref(x, idx, w, up, down, act=act, w8a8=True), torch.bfloat16)
     w8a16 = moe_experts_ref(x, idx, w, up, down, act=act).float()
     assert ((got.float() - w8a16).norm() / w8a16.norm()).item() < 0.1
+
+
+def test_w8a8_is_refused_where_the_experts_are_not_fp8(device):
+    """Asked of bf16 experts, or of fp32 activations, W8A8 is an error that says so (the launcher
+    and the reference alike), not a flag passed over."""
+    idx, w = routing(9, 8, 2)
+    up, down = experts(8, 24, 32, 32, torch.bfloat16, "cpu")
+    fp8_up, fp8_down = (quantize_fp8(t.float()) for t in (up, down))
+    for op in (moe_experts.triton, moe_experts_ref):
+        with pytest.raises(ValueError, match="w8a8 needs FP8 experts.*torch.bfloat16 up"):
+            op(torch.randn(9, 32).to(torch.bfloat16).to(device), idx.to(device), w.to(device), up.to(device),
+               down.to(device), w8a8=True)
+        with pytest.raises(ValueError, match="w8a8 needs FP8 experts.*torch.float32 x"):
+            op(torch.randn(9, 32).to(device), idx.to(device), w.to(device), fp8_up.to(device), fp8_down.to(device),
+               w8a8=True)
 
 
 @pytest.mark.parametrize("case", ["spread", "128-row tiles (prefill-sized)"])

@@ -189,16 +189,23 @@ def prefill_roofline_ms(model: Model, tokens: int, routed: dict[int, int] | None
                for flops, nbytes, _ in _prefill_products(model, tokens, routed)) * 1e3
 
 
-def _mixer_weights(mixer):
-    """A mixer's weights: its tensor and FP8 fields, those of its tuple fields and of the mixers
-    it holds (a parallel block's)."""
-    for v in vars(mixer).values():
+def named_mixer_weights(mixer, prefix: str = ""):
+    """(name, weight) of a mixer's weights: its tensor and FP8 fields, those of its tuple fields
+    (``attr[i]``) and of the mixers it holds (a parallel block's, ``attr.field``)."""
+    prefix = prefix or type(mixer).__name__.removesuffix("Mixer")
+    for attr, v in vars(mixer).items():
         if isinstance(v, (torch.Tensor, Fp8Weight)):
-            yield v
+            yield f"{prefix}.{attr}", v
         elif isinstance(v, Mixer):
-            yield from _mixer_weights(v)
+            yield from named_mixer_weights(v, f"{prefix}.{attr}")
         elif isinstance(v, tuple):
-            yield from (t for t in v if isinstance(t, (torch.Tensor, Fp8Weight)))
+            yield from ((f"{prefix}.{attr}[{i}]", t) for i, t in enumerate(v)
+                        if isinstance(t, (torch.Tensor, Fp8Weight)))
+
+
+def _mixer_weights(mixer):
+    """A mixer's weights (``named_mixer_weights`` without the names)."""
+    return (w for _, w in named_mixer_weights(mixer))
 
 
 def _mixer_tensors(mixer):

@@ -27,6 +27,7 @@ from ..kernels.decode_linear import ONE_TILE_MAX_K, norm_linear
 from ..kernels.fp8 import Fp8Weight
 from ..runtime.model import Model
 from .bench_kernels import copy_bandwidth, stamp
+from .bench_steps import named_mixer_weights
 
 PRESETS = ("granite-4.0-h-micro",)
 CYCLE_BYTES = 400e6
@@ -36,12 +37,7 @@ REPLAYS = 10
 def _named_weights(model: Model):
     """(name, weight) of every 2-D weight of the blocks' mixers, in block order, then the LM head."""
     for block in model.blocks:
-        mixer = block.mixer
-        for attr, value in vars(mixer).items():
-            named = ((f"{attr}[{i}]", w) for i, w in enumerate(value)) if isinstance(value, tuple) else ((attr, value),)
-            for name, weight in named:
-                if isinstance(weight, (torch.Tensor, Fp8Weight)) and len(weight.shape) == 2:
-                    yield f"{type(mixer).__name__.removesuffix('Mixer')}.{name}", weight
+        yield from ((name, w) for name, w in named_mixer_weights(block.mixer) if len(w.shape) == 2)
     yield "lm_head", model.lm_head
 
 

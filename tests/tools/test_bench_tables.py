@@ -264,7 +264,8 @@ def test_the_spec_bench_sets_speculation_beside_plain_on_the_cpu(tmp_path):
 def test_the_tile_bench_lists_each_projection_shape_once():
     """`bench tiles` sweeps each distinct shape the fused decode projects through, once, the LM
     head last: Granite's Mamba2, attention and shared-expert projections (not the conv weights
-    or the fp32 router), normed where they read the hidden state; FP8 shapes apart from bf16's."""
+    or the fp32 router), normed where they read the hidden state; FP8 shapes apart from bf16's;
+    a parallel block's mixers through it (Falcon-H1's)."""
     import torch
 
     from mambastep.runtime.model import Model
@@ -278,6 +279,10 @@ def test_the_tile_bench_lists_each_projection_shape_once():
     assert not any(s["fp8"] for s in shapes)
     fp8 = Model.from_preset("tiny-granite", dtype=torch.bfloat16, quantization="fp8")
     assert any(s["fp8"] for s, _ in bench_tiles.projections(fp8))
+    # a parallel block's mixers (Falcon-H1's) are reached through it
+    falcon = Model.from_preset("tiny-falcon-h1", dtype=torch.bfloat16)
+    assert [s["name"] for s, _ in bench_tiles.projections(falcon)][:4] == [
+        "Parallel.mamba.in_proj", "Parallel.mamba.out_proj", "Parallel.attention.qkv", "Parallel.attention.o_proj"]
     assert any(not t.loop for t in bench_tiles.candidates(2048))
     assert all(t.loop for t in bench_tiles.candidates(4096))
 

@@ -128,6 +128,10 @@ class ModelConfig:
     mlp_multipliers: tuple[float, ...] = (1.0, 1.0)
     # how the block linears are stored (runtime.quantization); None: as the activations
     quantization: Quantization | None = None
+    # multi-token prediction (Nemotron 3's MTP layers, a drafter for speculative decoding,
+    # ``runtime.mtp``): the block kinds of one depth, and the depths the checkpoint holds (0: none)
+    mtp_layer_types: tuple[str, ...] = ()
+    mtp_depths: int = 0
 
     def __post_init__(self):
         for f in fields(self):
@@ -144,6 +148,10 @@ class ModelConfig:
             raise ConfigError(f"layer_types: expected a non-empty list of {LAYER_KINDS}, got {bad or 'none'}")
         for name in ("vocab_size", "hidden_size"):
             _positive(self, name)
+        bad = [t for t in self.mtp_layer_types if t not in LAYER_KINDS]
+        if bad or (self.mtp_depths > 0) != bool(self.mtp_layer_types) or self.mtp_depths < 0:
+            raise ConfigError(f"mtp_layers_block_type: expected {self.mtp_depths} depth(s) of {LAYER_KINDS}, got "
+                              f"{list(self.mtp_layer_types)}")
         if len(self.ssm_multipliers) != 5 or len(self.mlp_multipliers) != 2:
             raise ConfigError(f"ssm_multipliers and mlp_multipliers: expected 5 and 2 numbers, got "
                               f"{list(self.ssm_multipliers)} and {list(self.mlp_multipliers)}")
@@ -188,6 +196,12 @@ class ModelConfig:
     @property
     def num_layers(self) -> int:
         return len(self.layer_types)
+
+    def mtp_config(self) -> "ModelConfig":
+        """The MTP layers' blocks as a model of their own: these fields, the MTP's block kinds."""
+        if not self.mtp_layer_types:
+            raise ConfigError("num_nextn_predict_layers: the checkpoint has no multi-token prediction layers")
+        return replace(self, layer_types=self.mtp_layer_types, mtp_layer_types=(), mtp_depths=0)
 
     @property
     def mamba_inner(self) -> int:
@@ -358,6 +372,7 @@ class ModelConfig:
             norm_topk_prob=hf.get("norm_topk_prob", True),
             routed_scaling_factor=hf.get("routed_scaling_factor", 1.0),
             moe_latent_size=hf.get("moe_latent_size"),
+            **_nemotron_mtp(hf),
         )
 
     @classmethod
@@ -628,6 +643,30 @@ def _nemotron_layer_types(hf: dict) -> tuple[str, ...]:
     if unknown:
         raise ConfigError(f"hybrid_override_pattern: unknown layer characters {unknown}")
     return tuple(_PATTERN[c] for c in pattern)
+
+
+def _nemotron_mtp(hf: dict) -> dict:
+    """The MTP fields of a NemotronH config: ``num_nextn_predict_layers`` depths, each of the
+    kinds ``mtp_layers_block_type`` lists (HF's names) or, in older configs,
+    ``mtp_hybrid_override_pattern`` spells (default: attention, then MoE, as HF's)."""
+    depths = hf.get("num_nextn_predict_layers") or 0
+    if not _is_int(depths) or depths < 0:
+        raise ConfigError(f"num_nextn_predict_layers: expected an int >= 0, got {depths!r}")
+    if depths == 0:
+        return {}
+    if hf.get("mtp_layers_block_type"):
+        names = hf["mtp_layers_block_type"]
+        unknown = [t for t in names if t not in _HF_LAYER_TYPES]
+        if unknown:
+            raise ConfigError(f"mtp_layers_block_type: unknown layer types {unknown}")
+        kinds = tuple(_HF_LAYER_TYPES[t] for t in names)
+    else:
+        pattern = hf.get("mtp_hybrid_override_pattern") or "*E"
+        unknown = sorted(set(pattern) - set(_PATTERN))
+        if unknown:
+            raise ConfigError(f"mtp_hybrid_override_pattern: unknown layer characters {unknown}")
+        kinds = tuple(_PATTERN[c] for c in pattern)
+    return {"mtp_layer_types": kinds, "mtp_depths": depths}
 
 
 def _require(hf: dict, *keys: str) -> None:

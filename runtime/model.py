@@ -50,6 +50,10 @@ __all__ = ["Model"]
 
 
 class Model:
+    # the checkpoint's multi-token prediction layers, by checkpoint name, where loaded with
+    # ``mtp=True`` (``runtime.mtp``)
+    mtp_weights: dict[str, torch.Tensor] | None = None
+
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], options: DecodeOptions | None = None,
                  fold_norms: bool | None = None):
         """weights: the checkpoint's tensors by name (``runtime.weights``, not modified); options:
@@ -79,10 +83,11 @@ class Model:
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype=torch.bfloat16, device="cpu",
                         options: DecodeOptions | None = None, fold_norms: bool | None = None,
-                        quantization: str | None = None) -> "Model":
+                        quantization: str | None = None, mtp: bool = False) -> "Model":
         """Load an HF checkpoint directory (config.json + safetensors). An FP8 checkpoint is read
         as stored; ``quantization="fp8"`` quantizes a full-precision one's linears at load time
-        (``runtime.quantization.online_fp8``)."""
+        (``runtime.quantization.online_fp8``). ``mtp``: its multi-token prediction layers too
+        (``mtp_weights``, in the checkpoint's precision)."""
         cfg = ModelConfig.from_pretrained(path)
         if cfg.quantization is not None and cfg.quantization.kv_cache:
             # said, not silently ignored: the higher precision changes no result for the worse
@@ -90,18 +95,25 @@ class Model:
                           f"keeps the attention layers' keys and values in {str(dtype).removeprefix('torch.')} (more "
                           "precise, twice the memory) and does not read their k/v scales", stacklevel=2)
         weights = load_weights(path, cfg, dtype=dtype, device=device)
+        mtp_weights = _mtp_source(cfg, path, mtp) and load_weights(path, cfg, dtype=dtype, device=device, mtp=True)
         cfg, weights = _quantized(cfg, weights, quantization)
-        return cls(cfg, weights, options, fold_norms)
+        return cls(cfg, weights, options, fold_norms)._with_mtp(mtp_weights)
 
     @classmethod
     def from_preset(cls, name: str, *, dtype=torch.bfloat16, device="cpu", seed: int = 0,
                     options: DecodeOptions | None = None, fold_norms: bool | None = None,
-                    quantization: str | None = None) -> "Model":
-        """A built-in model shape with random weights made on ``device`` (``quantization`` as
-        in ``from_pretrained``)."""
+                    quantization: str | None = None, mtp: bool = False) -> "Model":
+        """A built-in model shape with random weights made on ``device`` (``quantization`` and
+        ``mtp`` as in ``from_pretrained``)."""
         cfg = preset_config(name)
+        mtp_weights = _mtp_source(cfg, name, mtp) and random_weights(cfg, dtype=dtype, device=device,
+                                                                     seed=seed + 1, mtp=True)
         cfg, weights = _quantized(cfg, random_weights(cfg, dtype=dtype, device=device, seed=seed), quantization)
-        return cls(cfg, weights, options, fold_norms)
+        return cls(cfg, weights, options, fold_norms)._with_mtp(mtp_weights)
+
+    def _with_mtp(self, weights: dict[str, torch.Tensor] | None) -> "Model":
+        self.mtp_weights = weights or None
+        return self
 
     def with_options(self, options: DecodeOptions) -> "Model":
         """The same weights run with other decode options (a variant to compare against)."""
@@ -135,13 +147,15 @@ class Model:
             return self._fused_decode(residual, ctx)
         return self._layered(residual, ctx)
 
-    def _layered(self, residual: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    def _layered(self, residual: torch.Tensor, ctx: StepContext, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """The blocks layer by layer, then the logit rows; ``hidden`` [T, D]: where the final
+        norm writes every row (the hidden states a drafter reads), else a buffer of its own."""
         h = self.blocks[0].norm(residual, out=torch.empty(residual.shape, dtype=self.dtype, device=residual.device))
         norms = [block.norm for block in self.blocks[1:]] + [self.final_norm]
         for block, next_norm in zip(self.blocks, norms):
             out = block.mixer.forward(h, ctx)
             # residual <- residual + out; h <- next_norm(residual)
-            h = torch.empty_like(out)
+            h = hidden if next_norm is self.final_norm and hidden is not None else torch.empty_like(out)
             next_norm(out, residual=residual, out=h)
         rows = h.index_select(0, ctx.inputs.logit_rows)
         return F.linear(rows, self.lm_head).float()
@@ -168,6 +182,13 @@ def _quantized(cfg: ModelConfig, weights: dict, quantization: str | None):
         return cfg, weights
     quant = online_fp8(cfg.layer_types)
     return replace(cfg, quantization=quant), quantize_online(weights, quant)
+
+
+def _mtp_source(cfg: ModelConfig, source, mtp: bool) -> bool:
+    """Whether to read ``source``'s MTP layers: asked for, and there (else an error naming it)."""
+    if mtp and not cfg.mtp_layer_types:
+        raise ValueError(f"{source}: no multi-token prediction layers (num_nextn_predict_layers is 0) to draft with")
+    return mtp
 
 
 def _folded(block: Block) -> Block:

@@ -44,6 +44,8 @@ PRESETS: dict[str, dict] = {
         intermediate_size=128, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
         moe_intermediate_size=32, moe_shared_expert_intermediate_size=64,
         max_position_embeddings=4096, eos_token_id=2,
+        # Nemotron 3's multi-token prediction layers (read only to draft with: runtime.mtp)
+        mtp_layer_types=("attention", "moe"), mtp_depths=1,
     ),
     # A few Mamba2 layers: the pure-Mamba2 path (fused decode) at test size.
     "tiny-mamba2": dict(

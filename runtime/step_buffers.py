@@ -136,6 +136,7 @@ class StepBuffers:
                 decode_kv_lens=d["decode_kv_lens"][:B],
                 logit_rows=d["logit_rows"][:rows],
                 verify=bucket.drafts > 0,
+                row_slots=d["sample_slots"][:rows],
             )
         return self._inputs[bucket]
 

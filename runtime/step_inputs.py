@@ -27,6 +27,9 @@ class StepInputs:
     logit_rows:     [R] int64 packed rows whose logits are computed (last prompt tokens, decodes)
     verify:         a speculative step's (a verify bucket): its prefill sequences are a few
                     tokens each, which a Mamba layer scans token by token where they are few
+    row_slots:      [R] int32 the slot whose next decode input each logit row's draw becomes,
+                    PAD_SLOT_ID for none (the plan's ``sample_slots``); None where tests build
+                    inputs without it
     """
 
     input_ids: torch.Tensor
@@ -35,6 +38,7 @@ class StepInputs:
     decode_kv_lens: torch.Tensor
     logit_rows: torch.Tensor
     verify: bool = False
+    row_slots: torch.Tensor | None = None
 
     @property
     def num_prefill_tokens(self) -> int:

@@ -26,7 +26,7 @@ from .checkpoint_names import checkpoint_names
 from .config import ModelConfig
 from .quantization import Quantization, module_of, quantizable
 
-__all__ = ["WeightError", "weight_shapes", "load_weights", "quantize_online", "random_weights"]
+__all__ = ["WeightError", "weight_shapes", "load_weights", "mtp_weight_shapes", "quantize_online", "random_weights"]
 
 _PREFIXES = ("model.", "backbone.", "")
 # mamba_ssm's names where they differ from HF's
@@ -204,8 +204,25 @@ def _stacked_expert_names(ckpt: _Checkpoint, name: str, n_experts: int) -> list[
     return None if any(p is None for p in parts) else parts
 
 
-def load_weights(path: str | Path, cfg: ModelConfig, *, dtype: torch.dtype, device="cpu") -> dict[str, torch.Tensor]:
-    """Read every tensor ``weight_shapes(cfg)`` names from the checkpoint at ``path``.
+def mtp_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The tensors of ``cfg``'s multi-token prediction layers (one depth), by their checkpoint
+    names, as NVIDIA's Nemotron 3 store them: ``mtp.layers.{j}.`` holds the j-th block (norm,
+    mixer) as a backbone layer does; the first also the fusion of the token's embedding with the
+    target's hidden state (``enorm``, ``hnorm``, ``eh_proj``), the last the depth's
+    ``final_layernorm``. Embeddings and LM head are the target's."""
+    D = cfg.hidden_size
+    shapes = {"mtp." + name: shape for name, shape in weight_shapes(cfg.mtp_config()).items()
+              if name.startswith("layers.")}
+    last = len(cfg.mtp_layer_types) - 1
+    shapes.update({"mtp.layers.0.enorm.weight": (D,), "mtp.layers.0.hnorm.weight": (D,),
+                   "mtp.layers.0.eh_proj.weight": (D, 2 * D), f"mtp.layers.{last}.final_layernorm.weight": (D,)})
+    return shapes
+
+
+def load_weights(path: str | Path, cfg: ModelConfig, *, dtype: torch.dtype, device="cpu",
+                 mtp: bool = False) -> dict[str, torch.Tensor]:
+    """Read every tensor ``weight_shapes(cfg)`` names from the checkpoint at ``path`` (``mtp``:
+    those of ``mtp_weight_shapes(cfg)`` instead).
 
     Tensors are converted to ``dtype``, except the few ``_keeps_fp32`` keeps in fp32; with an FP8
     ``cfg.quantization``, block linears stored in FP8 come as ``Fp8Weight``. Raises WeightError
@@ -219,7 +236,8 @@ def load_weights(path: str | Path, cfg: ModelConfig, *, dtype: torch.dtype, devi
             raise WeightError(f"{scales[0]}: a quantized checkpoint's scale tensor ({len(scales)} such) with no "
                               "quantization_config; mambastep reads bf16, fp16 and fp32 weights")
     # name -> (its tensors in the file, how they make it, fp8?): everything checked before anything is read
-    found = {name: _locate(ckpt, name, shape, cfg, quant, path) for name, shape in weight_shapes(cfg).items()}
+    shapes = mtp_weight_shapes(cfg) if mtp else weight_shapes(cfg)
+    found = {name: _locate(ckpt, name, shape, cfg, quant, path) for name, shape in shapes.items()}
     out: dict[str, torch.Tensor] = {}
     for name, (parts, how, fp8) in found.items():
         if fp8:
@@ -352,12 +370,14 @@ def quantize_online(weights: dict[str, torch.Tensor], quant: Quantization) -> di
     return out
 
 
-def random_weights(cfg: ModelConfig, *, dtype: torch.dtype, device="cpu", seed: int = 0) -> dict[str, torch.Tensor]:
+def random_weights(cfg: ModelConfig, *, dtype: torch.dtype, device="cpu", seed: int = 0,
+                   mtp: bool = False) -> dict[str, torch.Tensor]:
     """Random weights of the right shapes, made directly on ``device`` in ``dtype`` (an 8B model
-    in fp32 does not fit a CPU machine), scaled so activations stay O(1) through many layers."""
+    in fp32 does not fit a CPU machine), scaled so activations stay O(1) through many layers;
+    ``mtp``: the MTP layers' (``mtp_weight_shapes``) instead."""
     gen = torch.Generator(device=device).manual_seed(seed)
     out = {}
-    for name, shape in weight_shapes(cfg).items():
+    for name, shape in (mtp_weight_shapes(cfg) if mtp else weight_shapes(cfg)).items():
         if name.endswith("A_log"):
             t = torch.log(torch.rand(shape, generator=gen, device=device) * 15 + 1)
         elif name.endswith("dt_bias"):

@@ -298,8 +298,8 @@ def test_sharded_checkpoint_loads_the_same(tmp_path):
 
 def test_mtp_layers_load_and_leave_the_model_alone(tmp_path):
     """A checkpoint with multi-token-prediction layers (num_nextn_predict_layers, mtp.* tensors,
-    as NVIDIA's Nemotron 3 ship) loads; the layers serve speculative decoding, which this
-    runtime does not do, so they are not read and the logits are the model's."""
+    as NVIDIA's Nemotron 3 ship) loads; the layers only draft (``runtime.mtp``), read where asked
+    for, and the logits are the model's."""
     save_tiny("nemotron_h", tmp_path / "base", **MOE)
     plain = Model.from_pretrained(tmp_path / "base", dtype=torch.float32)
     mtp = tmp_path / "mtp"

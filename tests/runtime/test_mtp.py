@@ -1,0 +1,176 @@
+"""Nemotron 3's multi-token prediction layers: read from the checkpoint in NVIDIA's layout, and
+run as a model (``runtime.mtp``) whose logits equal HF's NemotronH blocks run over the same
+fused inputs (HF has the blocks but no MTP stage: the test writes the fusion's three lines)."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from hf_models import VOCAB, nemotron_h_config, perturb, save_tiny
+from mambastep.graphs import BucketSet
+from mambastep.runtime.config import ConfigError, ModelConfig
+from mambastep.runtime.model import Model
+from mambastep.runtime.mtp import MTPModel
+from mambastep.runtime.plan import StepPlan
+from mambastep.runtime.state_pool import StatePool
+from mambastep.runtime.step_runner import StepRunner
+from mambastep.runtime.weights import WeightError
+from support import assert_close
+from transformers import NemotronHForCausalLM
+
+MOE = dict(n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=2.5)
+BUCKETS = BucketSet(decode=(1, 2, 4), mixed_decode=(0, 2), prefill=(16, 32), max_prefill_seqs=4)
+
+
+def hf_dict(**kw) -> dict:
+    return nemotron_h_config(**MOE, **kw).to_dict()
+
+
+@pytest.mark.parametrize("fields, kinds", [
+    ({"mtp_layers_block_type": ["attention", "moe"]}, ("attention", "moe")),
+    ({"mtp_layers_block_type": ["full_attention", "mlp", "moe"]}, ("attention", "mlp", "moe")),
+])
+def test_the_mtp_layers_kinds_are_read(fields, kinds):
+    cfg = ModelConfig.from_hf_dict({**hf_dict(), "num_nextn_predict_layers": 1, **fields})
+    assert cfg.mtp_layer_types == kinds and cfg.mtp_depths == 1
+    assert cfg.mtp_config().layer_types == kinds and cfg.mtp_config().mtp_layer_types == ()
+    assert ModelConfig.from_hf_dict({**hf_dict(), "num_nextn_predict_layers": 0}).mtp_layer_types == ()
+
+
+def test_an_older_configs_pattern_is_read_and_bad_ones_are_named():
+    hf = {k: v for k, v in hf_dict().items() if k != "mtp_layers_block_type"}
+    assert ModelConfig.from_hf_dict({**hf, "num_nextn_predict_layers": 1,
+                                     "mtp_hybrid_override_pattern": "*-E"}).mtp_layer_types == ("attention", "mlp", "moe")
+    assert ModelConfig.from_hf_dict({**hf, "num_nextn_predict_layers": 1}).mtp_layer_types == ("attention", "moe")
+    with pytest.raises(ConfigError, match=r"mtp_hybrid_override_pattern: unknown layer characters \['X'\]"):
+        ModelConfig.from_hf_dict({**hf, "num_nextn_predict_layers": 1, "mtp_hybrid_override_pattern": "*X"})
+    with pytest.raises(ConfigError, match="mtp_layers_block_type: unknown layer types"):
+        ModelConfig.from_hf_dict({**hf, "num_nextn_predict_layers": 1, "mtp_layers_block_type": ["conv"]})
+    with pytest.raises(ConfigError, match="num_nextn_predict_layers: expected an int >= 0"):
+        ModelConfig.from_hf_dict({**hf, "num_nextn_predict_layers": -1})
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny NemotronH checkpoint with an MTP depth (attention, then MoE) as NVIDIA stores one:
+    ``mtp.layers.{j}`` blocks, the fusion tensors on the first, ``final_layernorm`` on the last;
+    and the oracle: HF's NemotronH over those two blocks, with the target's embeddings and head."""
+    path = tmp_path_factory.mktemp("mtp")
+    target = save_tiny("nemotron_h", path, **MOE)
+    torch.manual_seed(1)
+    oracle = NemotronHForCausalLM(nemotron_h_config(**MOE, layers_block_type=["attention", "moe"]))
+    perturb(oracle)
+    oracle.model.embeddings.weight.data.copy_(target.model.embeddings.weight)
+    oracle.lm_head.weight.data.copy_(target.lm_head.weight)
+    D = oracle.config.hidden_size
+    tensors = load_file(path / "model.safetensors")
+    for name, t in oracle.state_dict().items():
+        if not name.startswith("model.layers."):
+            continue
+        name = "mtp." + name.removeprefix("model.")
+        if name.endswith(("experts.up_proj", "experts.down_proj")):  # one by one, as NVIDIA stores them
+            base, proj = name.rsplit(".", 1)
+            tensors.update({f"{base}.{j}.{proj}.weight": e.contiguous() for j, e in enumerate(t)})
+        else:
+            tensors[name] = t.contiguous()
+    tensors["mtp.layers.1.final_layernorm.weight"] = oracle.model.norm_f.weight.detach().clone()
+    fusion = {"enorm.weight": 1 + 0.1 * torch.randn(D), "hnorm.weight": 1 + 0.1 * torch.randn(D),
+              "eh_proj.weight": torch.randn(D, 2 * D) / (2 * D) ** 0.5}
+    tensors.update({f"mtp.layers.0.{k}": v for k, v in fusion.items()})
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(num_nextn_predict_layers=1, mtp_layers_block_type=["attention", "moe"])
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path, oracle, fusion
+
+
+@torch.no_grad()
+def reference(oracle, fusion, embed, tokens: list[int], hidden: torch.Tensor):
+    """(logits, h') at every position of one sequence: position i fuses token i's embedding with
+    hidden[i], then HF's blocks and final norm run over the whole sequence."""
+    def rms(x, w):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+
+    e = embed[torch.tensor(tokens)]
+    fused = torch.cat([rms(e, fusion["enorm.weight"]), rms(hidden, fusion["hnorm.weight"])], -1)
+    x = F.linear(fused, fusion["eh_proj.weight"])
+    out = oracle.model(inputs_embeds=x[None]).last_hidden_state[0]
+    return oracle.lm_head(out).float(), out
+
+
+def feeding(plan: StepPlan, slots: list[int]) -> StepPlan:
+    """``plan`` with greedy rows whose draws feed ``slots`` (where the MTP leaves their h')."""
+    n = len(slots)
+    plan.sample_slots = np.asarray(slots, np.int32)
+    plan.temperature, plan.top_p = np.zeros(n, np.float32), np.ones(n, np.float32)
+    plan.top_k, plan.seed, plan.position = np.zeros(n, np.int32), np.zeros(n, np.int64), np.zeros(n, np.int64)
+    return plan
+
+
+def runner_for(path):
+    target = Model.from_pretrained(path, dtype=torch.float32, mtp=True)
+    mtp = MTPModel(target, target.mtp_weights, num_slots=4, max_tokens=32)
+    pool = StatePool(mtp.cfg, 4, max_context=64, dtype=mtp.dtype, device=mtp.device)
+    return target, mtp, StepRunner(mtp, pool, BUCKETS, max_prefill_tokens=32)
+
+
+def test_a_checkpoints_mtp_layers_load_as_stored(checkpoint):
+    path, oracle, fusion = checkpoint
+    target = Model.from_pretrained(path, dtype=torch.float32, mtp=True)
+    w = target.mtp_weights
+    assert torch.equal(w["mtp.layers.0.eh_proj.weight"], fusion["eh_proj.weight"])
+    assert torch.equal(w["mtp.layers.0.mixer.q_proj.weight"], oracle.model.layers[0].mixer.q_proj.weight)
+    assert Model.from_pretrained(path, dtype=torch.float32).mtp_weights is None  # read only when asked
+
+
+@torch.no_grad()
+def test_mtp_logits_equal_hfs_blocks_over_the_fused_inputs(checkpoint):
+    """Two sequences in their slots: a prefill chunk of target positions each (tokens shifted by
+    one beside the target's hidden states), then decode rows chained on the drafted token and
+    the h' of the row before, two steps; every row's logits equal the oracle's over the whole
+    sequence so far."""
+    path, oracle, fusion = checkpoint
+    target, mtp, runner = runner_for(path)
+    embed = target.embed
+    g = torch.Generator().manual_seed(2)
+    D = target.cfg.hidden_size
+    seqs = {1: (torch.randint(1, VOCAB, (9,), generator=g).tolist(), torch.randn(9, D, generator=g)),
+            3: (torch.randint(1, VOCAB, (5,), generator=g).tolist(), torch.randn(5, D, generator=g))}
+    mtp.hidden_in[:14] = torch.cat([h for _, h in seqs.values()])
+    logits = runner.logits(feeding(StepPlan.make(prefill=[(toks, slot, 0) for slot, (toks, _) in seqs.items()]),
+                                   list(seqs))).clone()
+    for row, (slot, (toks, h)) in enumerate(seqs.items()):
+        want, _ = reference(oracle, fusion, embed, toks, h)
+        assert_close(logits[row], want[-1])
+    # chained: each row fed its last draft and the h' of its row before
+    for step in range(2):
+        drafts = {slot: int(l.argmax()) for slot, l in zip(seqs, logits)}
+        for slot, (toks, h) in seqs.items():
+            _, out = reference(oracle, fusion, embed, toks, h)
+            seqs[slot] = (toks + [drafts[slot]], torch.cat([h, out[-1:]]))
+        plan = StepPlan.make(decode=[(drafts[slot], slot, len(toks) - 1) for slot, (toks, _) in seqs.items()])
+        logits = runner.logits(feeding(plan, list(seqs))).clone()
+        for row, (slot, (toks, h)) in enumerate(seqs.items()):
+            want, _ = reference(oracle, fusion, embed, toks, h)
+            assert_close(logits[row], want[-1])
+
+
+def test_what_the_mtp_cannot_draft_with_is_named(checkpoint, tmp_path):
+    path, _, _ = checkpoint
+    with pytest.raises(ValueError, match="no multi-token prediction layers"):
+        Model.from_preset("tiny-nemotron-h", dtype=torch.float32, mtp=True)
+    cfg = json.loads((path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 2}))
+    tensors = load_file(path / "model.safetensors")
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    target = Model.from_pretrained(tmp_path, dtype=torch.float32, mtp=True)
+    with pytest.raises(ValueError, match="num_nextn_predict_layers: 2 MTP depths"):
+        MTPModel(target, target.mtp_weights, num_slots=2, max_tokens=16)
+    del tensors["mtp.layers.0.eh_proj.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(WeightError, match="mtp.layers.0.eh_proj.weight: missing"):
+        Model.from_pretrained(tmp_path, dtype=torch.float32, mtp=True)

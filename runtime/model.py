@@ -127,14 +127,17 @@ class Model:
         return inputs.prefill is None and 0 < inputs.num_decode <= self.options.max_rows
 
     def forward(self, inputs: StepInputs, pool: StatePool, aux_stream=None,
-                drawn: torch.Tensor | None = None, observe=None, side_stream=None) -> torch.Tensor:
+                drawn: torch.Tensor | None = None, observe=None, side_stream=None,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [R, vocab] in fp32 for the rows ``inputs.logit_rows`` of the packed tokens.
 
         With ``aux_stream``, mixers run their prefill branch on it, overlapped with the decode
         branch on the current stream; with ``side_stream``, MoE layers run their shared expert
         on it beside the routed ones, parallel blocks their attention (see StepContext).
         ``drawn`` [slots]: the token each slot drew last step, which a decode row whose id is -1
-        takes as its input. ``observe``: see StepContext.
+        takes as its input. ``observe``: see StepContext. ``hidden`` [>= T, D]: where every packed
+        row's final hidden state (the final norm's output, which its logits come from) is written,
+        for a drafter that reads them (``runtime.mtp``).
         """
         ctx = StepContext(inputs, pool, aux_stream, self.options, observe, side_stream)
         ids = inputs.input_ids
@@ -143,9 +146,10 @@ class Model:
         fused = self.takes_fused(inputs)
         embed_rows(ids, self.embed, residual, pdl=fused and self.options.pdl,
                    slots=None if drawn is None else inputs.decode_slots, drawn=drawn, scale=self.embed_scale)
+        rows = None if hidden is None else hidden[: ids.shape[0]]
         if fused:
-            return self._fused_decode(residual, ctx)
-        return self._layered(residual, ctx)
+            return self._fused_decode(residual, ctx, rows)
+        return self._layered(residual, ctx, rows)
 
     def _layered(self, residual: torch.Tensor, ctx: StepContext, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """The blocks layer by layer, then the logit rows; ``hidden`` [T, D]: where the final
@@ -160,10 +164,12 @@ class Model:
         rows = h.index_select(0, ctx.inputs.logit_rows)
         return F.linear(rows, self.lm_head).float()
 
-    def _fused_decode(self, residual: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    def _fused_decode(self, residual: torch.Tensor, ctx: StepContext, hidden: torch.Tensor | None = None) -> torch.Tensor:
         for block in self.blocks:
             block.mixer.fused_decode(residual, block.norm, ctx)
         rows, norm = ctx.inputs.logit_rows, self.final_norm
+        if hidden is not None:  # the logits' own norm rides in their kernel: the rows' is one more
+            norm(residual, out=hidden)
         if rows.shape[0] == 1:
             logits = torch.empty(1, self.lm_head.shape[0], dtype=torch.float32, device=residual.device)
             return norm_linear(residual, norm.weight, norm.eps, self.lm_head, rows=rows, round_first=norm.round_first,

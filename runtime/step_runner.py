@@ -60,10 +60,11 @@ class PendingTokens:
 
 class StepRunner:
     def __init__(self, model: Model, pool: StatePool, buckets: BucketSet, *, max_decode: int | None = None,
-                 max_prefill_tokens: int | None = None, overlap: bool = True):
+                 max_prefill_tokens: int | None = None, overlap: bool = True, keep_hidden: bool = False):
         """buckets: the graph buckets; max_decode / max_prefill_tokens: the largest step, run
         eagerly above the buckets (default: the largest bucket); overlap: fork the prefill
-        branch onto an auxiliary stream."""
+        branch onto an auxiliary stream; keep_hidden: every step leaves its packed rows' final
+        hidden states in ``hidden`` (for an MTP drafter, ``runtime.mtp``), else it is None."""
         self.model, self.pool, self.buckets = model, pool, buckets
         self.cuda = model.device.type == "cuda"
         self.buffers = StepBuffers(
@@ -94,8 +95,11 @@ class StepRunner:
         # The stages close over the step's parts, not over the runner: a runner that held its graph
         # runner through its own bound methods would be a reference cycle, freed only by the
         # garbage collector, whose run inside another engine's capture breaks that capture.
+        # [prefill tokens | decode rows] of the last step, packed as its bucket packs them
+        self.hidden = torch.zeros(self.buffers.max_prefill_tokens + self.buffers.max_decode, model.cfg.hidden_size,
+                                  dtype=model.dtype, device=model.device) if keep_hidden else None
         forward = functools.partial(_run_model, model, self.buffers, pool, self.aux_stream, self.side_stream,
-                                    self.slot_tokens)
+                                    self.slot_tokens, self.hidden)
         draw = functools.partial(_draw, self.buffers, self.slot_tokens, self.seen, self.logprobs)
         variants = tuple(itertools.product(MODES, (False, True), (False, True)))
         self.graphs = GraphRunner(forward, draw, variants, self.buffers.upload, model.device)
@@ -184,9 +188,11 @@ class StepRunner:
 
 
 def _run_model(model: Model, buffers: StepBuffers, pool: StatePool, aux_stream, side_stream,
-               slot_tokens: torch.Tensor, bucket: Bucket) -> torch.Tensor:
+               slot_tokens: torch.Tensor, hidden: torch.Tensor | None, bucket: Bucket) -> torch.Tensor:
     """The model over the buffers' views for ``bucket``: logits [rows, vocab] fp32."""
-    return model.forward(buffers.inputs(bucket), pool, aux_stream, drawn=slot_tokens, side_stream=side_stream)
+    extra = {} if hidden is None else {"hidden": hidden}
+    return model.forward(buffers.inputs(bucket), pool, aux_stream, drawn=slot_tokens, side_stream=side_stream,
+                         **extra)
 
 
 def _draw(buffers: StepBuffers, slot_tokens: torch.Tensor, seen: SlotTokensSeen, logprob_out: tuple,

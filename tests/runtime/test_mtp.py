@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from hf_models import VOCAB, nemotron_h_config, perturb, save_tiny
 from mambastep.graphs import BucketSet
 from mambastep.runtime.config import ConfigError, ModelConfig
+from mambastep.runtime.decode_options import DecodeOptions
 from mambastep.runtime.model import Model
 from mambastep.runtime.mtp import MTPModel
 from mambastep.runtime.plan import StepPlan
@@ -85,7 +86,7 @@ def checkpoint(tmp_path_factory):
     cfg = json.loads((path / "config.json").read_text())
     cfg.update(num_nextn_predict_layers=1, mtp_layers_block_type=["attention", "moe"])
     (path / "config.json").write_text(json.dumps(cfg))
-    return path, oracle, fusion
+    return path, oracle, fusion, target
 
 
 @torch.no_grad()
@@ -119,7 +120,7 @@ def runner_for(path):
 
 
 def test_a_checkpoints_mtp_layers_load_as_stored(checkpoint):
-    path, oracle, fusion = checkpoint
+    path, oracle, fusion, _ = checkpoint
     target = Model.from_pretrained(path, dtype=torch.float32, mtp=True)
     w = target.mtp_weights
     assert torch.equal(w["mtp.layers.0.eh_proj.weight"], fusion["eh_proj.weight"])
@@ -133,7 +134,7 @@ def test_mtp_logits_equal_hfs_blocks_over_the_fused_inputs(checkpoint):
     one beside the target's hidden states), then decode rows chained on the drafted token and
     the h' of the row before, two steps; every row's logits equal the oracle's over the whole
     sequence so far."""
-    path, oracle, fusion = checkpoint
+    path, oracle, fusion, _ = checkpoint
     target, mtp, runner = runner_for(path)
     embed = target.embed
     g = torch.Generator().manual_seed(2)
@@ -160,7 +161,7 @@ def test_mtp_logits_equal_hfs_blocks_over_the_fused_inputs(checkpoint):
 
 
 def test_what_the_mtp_cannot_draft_with_is_named(checkpoint, tmp_path):
-    path, _, _ = checkpoint
+    path, _, _, _ = checkpoint
     with pytest.raises(ValueError, match="no multi-token prediction layers"):
         Model.from_preset("tiny-nemotron-h", dtype=torch.float32, mtp=True)
     cfg = json.loads((path / "config.json").read_text())
@@ -174,3 +175,31 @@ def test_what_the_mtp_cannot_draft_with_is_named(checkpoint, tmp_path):
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(WeightError, match="mtp.layers.0.eh_proj.weight: missing"):
         Model.from_pretrained(tmp_path, dtype=torch.float32, mtp=True)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_targets_steps_keep_every_rows_hidden_state(checkpoint, fused):
+    """keep_hidden: a step leaves each packed row's final hidden state (what the MTP reads) in
+    ``runner.hidden``, equal to HF's last hidden state there: prompt chunks, then decode rows
+    (layer by layer, or on the fused decode path)."""
+    path, _, _, hf = checkpoint
+    target = Model.from_pretrained(path, dtype=torch.float32, options=DecodeOptions(fused=fused))
+    pool = StatePool(target.cfg, 4, max_context=64, dtype=target.dtype, device=target.device)
+    runner = StepRunner(target, pool, BUCKETS, max_prefill_tokens=32, keep_hidden=True)
+    g = torch.Generator().manual_seed(3)
+    prompts = {0: torch.randint(1, VOCAB, (7,), generator=g).tolist(), 2: torch.randint(1, VOCAB, (12,), generator=g).tolist()}
+    plan = StepPlan.make(prefill=[(p, slot, 0) for slot, p in prompts.items()])
+    logits = runner.logits(plan)
+    start = 0
+    for row, p in zip(logits, prompts.values()):
+        want = hf.model(torch.tensor([p])).last_hidden_state[0]
+        assert_close(runner.hidden[start : start + len(p)], want)
+        start += len(p)
+    nxt = {slot: int(l.argmax()) for slot, l in zip(prompts, logits)}
+    bucket = runner.bucket_for(StepPlan.make(decode=[(nxt[s], s, len(p)) for s, p in prompts.items()]))
+    runner.logits(StepPlan.make(decode=[(nxt[s], s, len(p)) for s, p in prompts.items()]))
+    assert target.takes_fused(runner.buffers.inputs(bucket)) == fused
+    for b, (slot, p) in enumerate(prompts.items()):
+        want = hf.model(torch.tensor([p + [nxt[slot]]])).last_hidden_state[0, -1]
+        assert_close(runner.hidden[bucket.prefill + b], want)

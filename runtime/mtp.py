@@ -40,10 +40,11 @@ class MTPModel(Model):
         num_slots: the state slots the drafter's pool has; max_tokens: the most prefill tokens a
         step of it takes (``hidden_in``'s rows)."""
         cfg = target.cfg
-        if cfg.mtp_depths != 1:
+        if not cfg.mtp_depths:
+            raise ValueError("num_nextn_predict_layers: the checkpoint has no multi-token prediction layers")
+        if cfg.mtp_depths > 1:
             raise ValueError(f"num_nextn_predict_layers: {cfg.mtp_depths} MTP depths; mambastep drafts with a "
-                             "checkpoint's one depth" if cfg.mtp_depths else
-                             "num_nextn_predict_layers: the checkpoint has no multi-token prediction layers")
+                             "checkpoint's one depth")
         recurrent = sorted({k for k in cfg.mtp_layer_types if k in ("mamba", "parallel")})
         if recurrent:
             raise ValueError(f"mtp_layers_block_type: {recurrent} MTP layers; mambastep drafts with attention, MLP "
@@ -69,9 +70,10 @@ class MTPModel(Model):
         return False  # h' of every logit row is kept, which the fused decode's last kernel never forms
 
     def forward(self, inputs: StepInputs, pool: StatePool, aux_stream=None,
-                drawn: torch.Tensor | None = None, observe=None, side_stream=None) -> torch.Tensor:
-        """Logits [R, vocab] fp32 of ``inputs.logit_rows``, as ``Model.forward``; h' of those rows
-        goes to ``slot_hidden`` by ``inputs.row_slots``."""
+                drawn: torch.Tensor | None = None, observe=None, side_stream=None,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [R, vocab] fp32 of ``inputs.logit_rows``, as ``Model.forward`` (``hidden``: where
+        every row's h' goes); h' of the logit rows goes to ``slot_hidden`` by ``inputs.row_slots``."""
         ctx = StepContext(inputs, pool, aux_stream, self.options, observe, side_stream)
         ids, trash = inputs.input_ids, self.slot_hidden.shape[0] - 1
         T, D = ids.shape[0], self.embed.shape[1]
@@ -79,10 +81,10 @@ class MTPModel(Model):
         embed_rows(ids, self.embed, tokens, slots=None if drawn is None else inputs.decode_slots, drawn=drawn,
                    scale=self.embed_scale)
         decode = torch.where(inputs.decode_slots >= 0, inputs.decode_slots, trash).long()
-        hidden = torch.cat([self.hidden_in[: inputs.num_prefill_tokens], self.slot_hidden.index_select(0, decode)])
-        fused = torch.cat([self.enorm(tokens), self.hnorm(hidden)], dim=1)
+        before = torch.cat([self.hidden_in[: inputs.num_prefill_tokens], self.slot_hidden.index_select(0, decode)])
+        fused = torch.cat([self.enorm(tokens), self.hnorm(before)], dim=1)
         residual = F.linear(fused, self.eh_proj).to(self.residual_dtype)
-        out = torch.empty(T, D, dtype=self.dtype, device=ids.device)
+        out = torch.empty(T, D, dtype=self.dtype, device=ids.device) if hidden is None else hidden[:T]
         logits = self._layered(residual, ctx, hidden=out)
         where = torch.where(inputs.row_slots >= 0, inputs.row_slots, trash).long()
         self.slot_hidden.index_copy_(0, where, out.index_select(0, inputs.logit_rows))

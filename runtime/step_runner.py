@@ -92,12 +92,12 @@ class StepRunner:
         self.logprobs = (torch.zeros(rows, dtype=torch.float32, device=model.device),
                          torch.zeros(rows, k, dtype=torch.float32, device=model.device),
                          torch.zeros(rows, k, dtype=torch.int64, device=model.device))
-        # The stages close over the step's parts, not over the runner: a runner that held its graph
-        # runner through its own bound methods would be a reference cycle, freed only by the
-        # garbage collector, whose run inside another engine's capture breaks that capture.
         # [prefill tokens | decode rows] of the last step, packed as its bucket packs them
         self.hidden = torch.zeros(self.buffers.max_prefill_tokens + self.buffers.max_decode, model.cfg.hidden_size,
                                   dtype=model.dtype, device=model.device) if keep_hidden else None
+        # The stages close over the step's parts, not over the runner: a runner that held its graph
+        # runner through its own bound methods would be a reference cycle, freed only by the
+        # garbage collector, whose run inside another engine's capture breaks that capture.
         forward = functools.partial(_run_model, model, self.buffers, pool, self.aux_stream, self.side_stream,
                                     self.slot_tokens, self.hidden)
         draw = functools.partial(_draw, self.buffers, self.slot_tokens, self.seen, self.logprobs)
@@ -190,9 +190,8 @@ class StepRunner:
 def _run_model(model: Model, buffers: StepBuffers, pool: StatePool, aux_stream, side_stream,
                slot_tokens: torch.Tensor, hidden: torch.Tensor | None, bucket: Bucket) -> torch.Tensor:
     """The model over the buffers' views for ``bucket``: logits [rows, vocab] fp32."""
-    extra = {} if hidden is None else {"hidden": hidden}
     return model.forward(buffers.inputs(bucket), pool, aux_stream, drawn=slot_tokens, side_stream=side_stream,
-                         **extra)
+                         hidden=hidden)
 
 
 def _draw(buffers: StepBuffers, slot_tokens: torch.Tensor, seen: SlotTokensSeen, logprob_out: tuple,

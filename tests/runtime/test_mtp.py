@@ -192,7 +192,7 @@ def test_the_targets_steps_keep_every_rows_hidden_state(checkpoint, fused):
     plan = StepPlan.make(prefill=[(p, slot, 0) for slot, p in prompts.items()])
     logits = runner.logits(plan)
     start = 0
-    for row, p in zip(logits, prompts.values()):
+    for p in prompts.values():
         want = hf.model(torch.tensor([p])).last_hidden_state[0]
         assert_close(runner.hidden[start : start + len(p)], want)
         start += len(p)

@@ -34,6 +34,7 @@ from ..kernels.logits_processors import MAX_BIASED
 from .decode_options import DecodeOptions
 from .draft_model import ModelDrafter, draft_engine, load_draft_model
 from .model import Model
+from .mtp_drafter import MTPDrafter, MTPDrafting
 from .prefix_cache import PrefixCache
 from .request import Request, RequestOutput, SamplingParams, TokenLogprobs
 from .scheduler import Scheduler
@@ -122,7 +123,15 @@ class Engine:
                                  f"{per_slot / 2**30:.3f} GiB (a slot's state at max_context={max_context})")
         self.pool = StatePool(self.cfg, num_slots + prefix_cache_slots, max_context, dtype=model.dtype,
                               device=model.device)
-        self.runner = StepRunner(model, self.pool, self.buckets, max_decode=num_slots, overlap=overlap)
+        mtp = speculative is not None and speculative.mtp
+        if mtp and model.mtp_weights is None:
+            raise ValueError("speculative mtp: the model was loaded without its MTP layers; load it with mtp=True "
+                             "(Model.from_pretrained(path, mtp=True))")
+        if mtp and prefix_cache_slots:
+            raise ValueError("speculative mtp: not beside a prefix cache yet (a restored prompt's MTP keys and values "
+                             "are not kept with its snapshot)")
+        self.runner = StepRunner(model, self.pool, self.buckets, max_decode=num_slots, overlap=overlap,
+                                 keep_hidden=mtp)
         self.prefix_cache = None
         if prefix_cache_slots:  # blocks of the SSD chunk the step buffers cut prompts into
             self.prefix_cache = PrefixCache(list(range(num_slots, num_slots + prefix_cache_slots)),
@@ -141,6 +150,10 @@ class Engine:
                                      seed=speculative.draft_seed)
             self.draft_engine = draft_engine(draft, self.cfg.vocab_size, max_context, use_graphs=use_graphs)
             self._new_drafter = functools.partial(ModelDrafter, self.draft_engine, self.cfg.vocab_size)
+        self.mtp = None
+        if mtp:
+            self.mtp = MTPDrafting(model, self.runner, num_slots, max_context, speculative.num_drafts)
+            self._new_drafter = functools.partial(MTPDrafter, self.mtp)
         self._ids = itertools.count()
         self._seeds = itertools.count(1 << 32)
         self.requests: dict[int, Request] = {}
@@ -156,7 +169,7 @@ class Engine:
         checkpoint runs as stored, ``quantization="fp8"`` quantizes a full-precision one at load."""
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         return cls(Model.from_pretrained(path, dtype=dtype, device=device, options=options,
-                                         quantization=quantization), **kw)
+                                         quantization=quantization, mtp=_drafts_with_mtp(kw)), **kw)
 
     @classmethod
     def from_preset(cls, name: str, *, dtype=torch.bfloat16, device=None, seed: int = 0,
@@ -165,7 +178,7 @@ class Engine:
         ``from_pretrained``)."""
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         return cls(Model.from_preset(name, dtype=dtype, device=device, seed=seed, options=options,
-                                     quantization=quantization), **kw)
+                                     quantization=quantization, mtp=_drafts_with_mtp(kw)), **kw)
 
     def add_request(self, prompt_ids, params: SamplingParams | None = None) -> int:
         """Queue a prompt; returns its request id. Raises ValueError (and changes nothing) for an
@@ -339,6 +352,8 @@ class Engine:
             # (read before _collect, which clears them: the requests this step ran in prefill form)
             verified = {id(r): r for r in rows if r is not None and r.verify is not None} if gate else None
             outputs = self._collect(launched)
+            if self.mtp is not None:  # the MTP takes in what the step made certain
+                self.mtp.follow(plan, launched[0].bucket, {r.slot: r for r in self.scheduler.running})
             if gate is not None:
                 self._time(plan, list(verified.values()), outputs, time.perf_counter() - start)
             return outputs
@@ -418,6 +433,12 @@ class Engine:
         slot, but the device runs steps in order, so a new owner's prefill comes after it."""
         self.scheduler.release(req)
         self.requests.pop(req.id, None)
+
+
+def _drafts_with_mtp(kw: dict) -> bool:
+    """Whether the engine's ``speculative`` argument asks for the MTP layers (then loaded too)."""
+    spec = kw.get("speculative")
+    return isinstance(spec, Speculative) and spec.mtp
 
 
 def _hold(held: dict[int, RequestOutput], out: RequestOutput) -> None:

@@ -60,6 +60,8 @@ class Speculative:
                 checkpoint directory or a preset name, loaded by the engine in the target's
                 dtype and device (a string, so the engine's process can be given it)
     draft_seed: a preset draft model's weight seed (None: 0); refused beside a checkpoint's
+    mtp:        instead of ``drafter``, the target checkpoint's own multi-token prediction layers
+                draft (``runtime.mtp_drafter``; the model loaded with ``mtp=True``)
     """
 
     drafter: Callable[[], Drafter] = NgramDrafter
@@ -69,6 +71,7 @@ class Speculative:
     adaptive: bool = True
     draft_model: str | None = None
     draft_seed: int | None = None
+    mtp: bool = False
 
     def __post_init__(self):
         if not (isinstance(self.num_drafts, int) and self.num_drafts >= 1):
@@ -77,6 +80,8 @@ class Speculative:
             raise ValueError(f"max_batch: expected an int >= 1, got {self.max_batch!r}")
         if self.draft_model is not None and self.drafter is not NgramDrafter:
             raise ValueError("drafter and draft_model: give one of them (a draft model is its own drafter)")
+        if self.mtp and (self.draft_model is not None or self.drafter is not NgramDrafter):
+            raise ValueError("mtp: the MTP layers are the drafter; give no drafter or draft_model beside them")
 
 
 def accepted(drafts: Sequence[int], drawn: Sequence[int]) -> int:

@@ -2,6 +2,7 @@
 run as a model (``runtime.mtp``) whose logits equal HF's NemotronH blocks run over the same
 fused inputs (HF has the blocks but no MTP stage: the test writes the fusion's three lines)."""
 
+import itertools
 import json
 
 import numpy as np
@@ -14,9 +15,12 @@ from hf_models import VOCAB, nemotron_h_config, perturb, save_tiny
 from mambastep.graphs import BucketSet
 from mambastep.runtime.config import ConfigError, ModelConfig
 from mambastep.runtime.decode_options import DecodeOptions
+from mambastep.runtime.engine import Engine, SamplingParams
 from mambastep.runtime.model import Model
 from mambastep.runtime.mtp import MTPModel
+from mambastep.runtime.mtp_drafter import MTPDrafter
 from mambastep.runtime.plan import StepPlan
+from mambastep.runtime.speculative import Speculative
 from mambastep.runtime.state_pool import StatePool
 from mambastep.runtime.step_runner import StepRunner
 from mambastep.runtime.weights import WeightError
@@ -65,6 +69,9 @@ def checkpoint(tmp_path_factory):
     torch.manual_seed(1)
     oracle = NemotronHForCausalLM(nemotron_h_config(**MOE, layers_block_type=["attention", "moe"]))
     perturb(oracle)
+    with torch.no_grad():  # attention that matters: drafts then tell where a chained row's keys went
+        oracle.model.layers[0].mixer.q_proj.weight.mul_(4)
+        oracle.model.layers[0].mixer.o_proj.weight.mul_(4)
     oracle.model.embeddings.weight.data.copy_(target.model.embeddings.weight)
     oracle.lm_head.weight.data.copy_(target.lm_head.weight)
     D = oracle.config.hidden_size
@@ -203,3 +210,82 @@ def test_the_targets_steps_keep_every_rows_hidden_state(checkpoint, fused):
     for b, (slot, p) in enumerate(prompts.items()):
         want = hf.model(torch.tensor([p + [nxt[slot]]])).last_hidden_state[0, -1]
         assert_close(runner.hidden[bucket.prefill + b], want)
+
+
+# the engine's steps: prompts chunk (16 tokens a step), verify sequences beside prompt chunks
+ENGINE_BUCKETS = BucketSet(decode=(1, 2, 4), mixed_decode=(0, 2, 4), prefill=(8, 16), max_prefill_seqs=3)
+
+
+def mtp_engine(path, **kw):
+    return Engine.from_pretrained(path, dtype=torch.float32, device="cpu", buckets=ENGINE_BUCKETS, num_slots=4,
+                                  max_context=96, **kw)
+
+
+def engine_prompts():
+    g = np.random.default_rng(4)
+    return [g.integers(1, VOCAB, n).tolist() for n in (6, 37, 1, 11)]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                                    SamplingParams(temperature=0.9, seed=5, max_tokens=12, ignore_eos=True)],
+                         ids=["greedy", "seeded"])
+def test_mtp_drafts_are_the_mtp_layers_predictions_and_the_tokens_stay_the_targets(checkpoint, params, monkeypatch):
+    """Speculative(mtp=True): every draft a request gets is what the MTP layers predict after its
+    context (the oracle: HF's blocks over the target's hidden states from HF, chained on h'), for
+    prompts that chunk and requests arriving mid-run; and the tokens are the plain engine's."""
+    path, oracle, fusion, hf = checkpoint
+    seen = []
+    draft = MTPDrafter.draft
+    monkeypatch.setattr(MTPDrafter, "draft", lambda self, context, k: seen.append(
+        (list(map(int, context)), out := draft(self, context, k))) or out)
+    ps = engine_prompts()
+    spec = mtp_engine(path, speculative=Speculative(mtp=True, num_drafts=3, adaptive=False))
+    ids = [spec.add_request(p, params) for p in ps[:2]]
+    got = {}
+    for step in itertools.count():
+        if step == 2:
+            ids += [spec.add_request(p, params) for p in ps[2:]]
+        for o in spec.step():
+            got.setdefault(o.id, []).extend(o.new_tokens)
+        if not spec.has_unfinished():
+            break
+    assert [got[i] for i in ids] == mtp_engine(path).generate(ps, params)
+    assert spec.speculative_stats["verified"] > 0 and len(seen) > 10
+    embed = hf.model.embeddings.weight
+    with torch.no_grad():
+        for context, drafts in seen:
+            assert drafts  # (fewer than 3 where the request has fewer tokens left)
+            hidden = hf.model(torch.tensor([context[:-1]])).last_hidden_state[0]
+            toks, want = context[1:], []
+            for _ in drafts:
+                logits, out = reference(oracle, fusion, embed, toks, hidden)
+                want.append(int(logits[-1].argmax()))
+                toks, hidden = toks + [want[-1]], torch.cat([hidden, out[-1:]])
+            assert drafts == want, context
+
+
+def test_mtp_speculation_beside_choices_and_what_it_refuses(checkpoint):
+    """Two choices of one prompt (forked from its prefix, which the MTP did not see: they draft
+    nothing) beside a speculating request: every token the plain engine's. Refused by name: a
+    model without its MTP layers, a prefix cache beside, a drafter beside."""
+    path = checkpoint[0]
+    ps = engine_prompts()
+    params = SamplingParams(temperature=0.8, seed=2, max_tokens=10, ignore_eos=True)
+
+    def outputs(e):
+        ids = e.add_choices(ps[1], params, n=2) + [e.add_request(ps[3], params)]
+        got = {i: [] for i in ids}
+        while e.has_unfinished():
+            for o in e.step():
+                got[o.id].extend(o.new_tokens)
+        return [got[i] for i in ids]
+
+    spec = mtp_engine(path, speculative=Speculative(mtp=True, num_drafts=2, adaptive=False))
+    assert outputs(spec) == outputs(mtp_engine(path))
+    assert spec.speculative_stats["drafts"] > 0
+    with pytest.raises(ValueError, match="loaded without its MTP layers; load it with mtp=True"):
+        Engine(Model.from_pretrained(path, dtype=torch.float32), speculative=Speculative(mtp=True))
+    with pytest.raises(ValueError, match="speculative mtp: not beside a prefix cache yet"):
+        mtp_engine(path, prefix_cache_slots=2, speculative=Speculative(mtp=True))
+    with pytest.raises(ValueError, match="mtp: the MTP layers are the drafter"):
+        Speculative(mtp=True, draft_model=str(path))

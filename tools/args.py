@@ -43,6 +43,10 @@ def add_speculative(parser: Parser) -> None:
                         help="with --speculative K: draft with this small model of the same vocabulary (its greedy "
                              "continuation, on an engine of its own) instead of prompt lookup: an HF checkpoint "
                              "directory, or a preset (random weights: what drafting costs)")
+    parser.add_argument("--mtp", action="store_true",
+                        help="with --speculative K: draft with the checkpoint's own multi-token prediction layers "
+                             "(Nemotron 3's num_nextn_predict_layers, read from the checkpoint; a preset's are "
+                             "random) instead of prompt lookup")
 
 
 def speculative_arg(parser: Parser, args):
@@ -54,15 +58,18 @@ def speculative_arg(parser: Parser, args):
         parser.error(f"--speculative: expected drafts >= 0 (0: off), got {args.speculative}")
     if args.speculative and args.pipelined:
         parser.error("--speculative reads each step's tokens before it schedules the next: not with --pipelined")
-    if args.draft_model and not args.speculative:
-        parser.error("--draft-model drafts for --speculative K: give K, the drafts a step")
+    for flag, given in (("--draft-model", args.draft_model), ("--mtp", args.mtp)):
+        if given and not args.speculative:
+            parser.error(f"{flag} drafts for --speculative K: give K, the drafts a step")
+    if args.draft_model and args.mtp:
+        parser.error("--draft-model and --mtp: give one drafter")
     if args.draft_model and not (os.path.isdir(args.draft_model) or args.draft_model in PRESETS):
         parser.error(f"--draft-model {args.draft_model}: neither a checkpoint directory nor a preset")
     if not args.speculative:
         return None
     preset = args.draft_model in PRESETS  # its weights from --seed, as the target preset's
     return Speculative(num_drafts=args.speculative, draft_model=args.draft_model,
-                       draft_seed=getattr(args, "seed", 0) if preset else None)
+                       draft_seed=getattr(args, "seed", 0) if preset else None, mtp=args.mtp)
 
 
 # add_sampling's options, greedy where neither the command line nor the checkpoint names one

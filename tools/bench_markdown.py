@@ -28,6 +28,8 @@ def run_command(r: dict) -> str:
         flags.append(f"--speculative {r['num_drafts']}")
     if r.get("draft_model"):
         flags.append(f"--draft-model {r['draft_model']}")
+    if r.get("mtp"):
+        flags.append("--mtp")
     if r.get("pipelined"):
         flags.append("--pipelined")
     if r.get("mode") == "eager":

@@ -264,7 +264,7 @@ def main(argv=None) -> int:
                        "date": datetime.date.today().isoformat(), "mode": mode, "pipelined": args.pipelined,
                        "quantization": args.quantization, "workload": args.workload,
                        "prefix_cache_gib": args.prefix_cache_gib, "num_drafts": args.speculative,
-                       "draft_model": args.draft_model,
+                       "draft_model": args.draft_model, "mtp": args.mtp,
                        "requests": requests, "concurrency": concurrency, "sampling": sampling, **stats}, f, indent=1)
     return 0
 

@@ -74,6 +74,9 @@ def _fails_in_one_line(capsys, argv, match):
     (["--speculative", "3", "--pipelined"], "--speculative reads each step's tokens"),
     (["--draft-model", "tiny-hybrid"], "--draft-model drafts for --speculative K"),
     (["--speculative", "2", "--draft-model", "tiny-nope"], "--draft-model tiny-nope: neither a checkpoint"),
+    (["--mtp"], "--mtp drafts for --speculative K"),
+    (["--speculative", "2", "--mtp", "--draft-model", "tiny-hybrid"], "--draft-model and --mtp: give one drafter"),
+    (["--speculative", "2", "--mtp", "--preset", "tiny-nemotron-h"], "tiny-nemotron-h: no multi-token prediction"),
 ])
 def test_run_checks_its_arguments_first(capsys, argv, match):
     _fails_in_one_line(capsys, ["run", "--device", "cpu", "--quiet", *argv], match)
@@ -138,6 +141,15 @@ def test_run_speculating_prints_the_table(capsys, tmp_path):
     r = json.loads((tmp_path / "r.json").read_text())
     assert r["num_drafts"] == 3 and r["speculative"]["verified"] > 0
     assert "--speculative 3" in bench_markdown.run_command(r)
+
+
+def test_run_with_the_mtp_layers_drafting(tmp_path):
+    """--mtp: the default preset's MTP layers (random) draft, and the result names them."""
+    assert run.main(["--device", "cpu", "--quiet", "--requests", "2", "--concurrency", "2", "--speculative", "2",
+                     "--mtp", "--json", str(tmp_path / "r.json")]) == 0
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["mtp"] and r["speculative"]["drafts"] > 0
+    assert "--speculative 2 --mtp" in bench_markdown.run_command(r)
 
 
 def test_run_with_a_draft_model(capsys, tmp_path):

@@ -40,14 +40,15 @@ PROMPT_LENS = [1, 2, 3, 4, 5, 31, 32, 33, BUDGET - 1, BUDGET, BUDGET + 1, 2 * BU
                MAX_CONTEXT - 1]
 EXAMPLES = int(os.environ.get("MAMBASTEP_FUZZ_EXAMPLES", "0"))
 
-_models: dict[tuple[str, str], Model] = {}
+_models: dict[tuple[str, str, bool], Model] = {}
 _alone: dict[tuple, list[int]] = {}
 
 
-def new_engine(preset: str, device: str, **kw) -> Engine:
-    if (preset, device) not in _models:
-        _models[preset, device] = Model.from_preset(preset, dtype=torch.float32, device=device)
-    return Engine(_models[preset, device], num_slots=SLOTS, max_context=MAX_CONTEXT, buckets=BUCKETS,
+def new_engine(preset: str, device: str, mtp: bool = False, **kw) -> Engine:
+    """An engine over the preset's model (``mtp``: with its MTP layers, the same weights else)."""
+    if (preset, device, mtp) not in _models:
+        _models[preset, device, mtp] = Model.from_preset(preset, dtype=torch.float32, device=device, mtp=mtp)
+    return Engine(_models[preset, device, mtp], num_slots=SLOTS, max_context=MAX_CONTEXT, buckets=BUCKETS,
                   progress=False, **kw)
 
 
@@ -99,15 +100,18 @@ class EngineMachine(RuleBasedStateMachine):
     pipelined = False
     graphs = False
     cache_slots = 0  # a prefix cache's snapshots
-    speculative = False  # draft and verify (``MachineDrafter``)
+    speculative = False  # draft and verify (``MachineDrafter``; "mtp": the preset's MTP layers)
 
     def __init__(self):
         super().__init__()
         spec = None
+        mtp = self.speculative == "mtp"
         if self.speculative:
             # not adaptive: which steps verify does not hang on the host's timing
             spec = Speculative(drafter=lambda: MachineDrafter(self), num_drafts=3, max_batch=3, adaptive=False)
-        self.engine = new_engine(self.preset, self.device, pipelined=self.pipelined, use_graphs=self.graphs,
+            if mtp:
+                spec = Speculative(mtp=True, num_drafts=3, max_batch=3, adaptive=False)
+        self.engine = new_engine(self.preset, self.device, mtp, pipelined=self.pipelined, use_graphs=self.graphs,
                                  trace=True, prefix_cache_slots=self.cache_slots, speculative=spec)
         self.added: dict[int, tuple[list[int], SamplingParams]] = {}
         self.tokens: dict[int, list[int]] = {}
@@ -334,6 +338,15 @@ TestSpeculativeEngine = SpeculativeMachine.TestCase
 TestSpeculativeEngine.settings = _settings(12, 25)
 
 
+class MTPMachine(EngineMachine):
+    # the preset's MTP layers draft (random: drafts mostly rejected); choices draft nothing
+    speculative = "mtp"
+
+
+TestMTPEngine = MTPMachine.TestCase
+TestMTPEngine.settings = _settings(8, 25)
+
+
 class GPUMachine(EngineMachine):
     # no MoE: decode steps of up to 4 rows take the fused path, the rest layered, all in graphs
     preset, device, graphs = "tiny-nemotron-h", "cuda", True
@@ -355,6 +368,10 @@ class GPUSpeculativeMachine(GPUMachine):
     speculative = True
 
 
+class GPUMTPMachine(GPUMachine):
+    preset, speculative = "tiny-hybrid", "mtp"
+
+
 class GPUFalconMachine(GPUMachine):
     # decode steps fork each block's attention onto the side stream, in the graphs
     preset = "tiny-falcon-h1"
@@ -362,8 +379,8 @@ class GPUFalconMachine(GPUMachine):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("machine", [GPUMachine, GPUPipelinedMachine, GPUCachedMachine, GPUGraniteMachine,
-                                     GPUFalconMachine, GPUSpeculativeMachine],
-                         ids=["default", "pipelined", "prefix-cache", "granite", "falcon-h1", "speculative"])
+                                     GPUFalconMachine, GPUSpeculativeMachine, GPUMTPMachine],
+                         ids=["default", "pipelined", "prefix-cache", "granite", "falcon-h1", "speculative", "mtp"])
 def test_engine_machine_on_gpu(machine):
     from hypothesis.stateful import run_state_machine_as_test
 

@@ -97,10 +97,10 @@ class MTPDrafting:
         if not seqs:
             return
         with torch.inference_mode():
-            index = torch.as_tensor(rows, device=self.target_hidden.device)
+            index = _on_device(rows, self.target_hidden.device)
             self.model.hidden_in[: len(rows)].copy_(self.target_hidden.index_select(0, index))
             self.runner.launch(_greedy(StepPlan.make(prefill=seqs)))
-            self._keep(0)
+            self._keep(0, self._ready)
 
     def drafts(self, d: MTPDrafter, known: int) -> list[int]:
         """``d``'s drafts after a context of ``known`` tokens; the chain runs for every ready
@@ -123,12 +123,18 @@ class MTPDrafting:
         for d in ready:
             d.drafts, d.known = drawn[:, d.slot].tolist(), d.consumed + 1
 
-    def _keep(self, j: int, ready: list[MTPDrafter] | None = None) -> None:
-        """Keep what the last MTP step drew for the ready drafters' slots as their j-th draft."""
-        slots = torch.as_tensor([d.slot for d in (self._ready if ready is None else ready)], dtype=torch.int64)
-        if len(slots):
-            slots = slots.to(self._drawn.device)
+    def _keep(self, j: int, drafters: list[MTPDrafter]) -> None:
+        """Keep what the last MTP step drew for ``drafters``' slots as their j-th draft."""
+        slots = [d.slot for d in drafters]
+        if slots:
+            slots = _on_device(slots, self._drawn.device)
             self._drawn[j].index_copy_(0, slots, self.runner.slot_tokens.index_select(0, slots))
+
+
+def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """int64 ``values`` on ``device``, through pinned memory: the host does not wait for the device."""
+    t = torch.as_tensor(values, dtype=torch.int64)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 def _greedy(plan: StepPlan) -> StepPlan:

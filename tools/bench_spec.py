@@ -6,7 +6,9 @@ captured for exactly that shape, beside a decode step of B rows; per step, synch
 (as ``bench steps``).
 
 Tokens/s: one request alone (a ``prompt_tokens`` random prompt, ``max_tokens`` greedy tokens) on
-one engine, plain (the request opts out) and speculating with k = ``num_drafts``. Random weights
+one engine, plain (the request opts out) and speculating with k = ``num_drafts``; where the preset
+has MTP layers, also drafted by them (``Speculative(mtp=True)``, on an engine of one slot), which
+puts their cost (an MTP step after each step, k - 1 chained ones before a verify step) beside. Random weights
 make a real drafter's acceptance meaningless, and so do bf16 kernels: drafts of the plain run's
 own greedy tokens are kept for a few tokens only, since the verify step's kernels round
 otherwise than the decode step's and a random model's near-tied tokens flip (in fp32 the tests
@@ -31,13 +33,15 @@ from ..runtime.engine import Engine
 from ..runtime.model import Model
 from ..runtime.ngram_drafter import NgramDrafter
 from ..runtime.plan import StepPlan
+from ..runtime.presets import preset_config
 from ..runtime.request import SamplingParams
 from ..runtime.speculative import Speculative
 from ..runtime.step_runner import StepRunner
 from .bench_kernels import stamp
 from .bench_steps import CONTEXT, step_ms
 
-PRESETS = ("nemotron-h-8b", "nemotron-3-nano-30b-a3b")
+PRESETS = ("nemotron-h-8b", "nemotron-3-nano-30b-a3b", "nemotron-3.5-lightning-30b-a3b")
+MTP_KEEP = (0.0, 0.75, 1.0)  # the MTP layers' rows: nothing kept, an acceptance length near 3 (k = 4), all
 BATCHES = (1, 8, 64)
 DRAFTS = (1, 2, 4, 8)
 KEEP = (0.0, 0.4, 0.6, 0.75, 0.9, 1.0)  # each draft's chance to be kept, the ones before it kept
@@ -142,7 +146,8 @@ def bench_preset(name: str, *, prompt_tokens: int = 512, max_tokens: int = 256, 
                  device: str = "cuda", progress: bool = True) -> dict:
     torch.manual_seed(0)
     gpu = device.startswith("cuda")
-    model = Model.from_preset(name, dtype=torch.bfloat16 if gpu else torch.float32, device=device)
+    mtp = bool(preset_config(name).mtp_layer_types)
+    model = Model.from_preset(name, dtype=torch.bfloat16 if gpu else torch.float32, device=device, mtp=mtp)
     vocab = model.cfg.vocab_size
     drafter = {"make": Repeat}
     # not adaptive: every row measures verify steps at its acceptance, paying or not
@@ -157,11 +162,11 @@ def bench_preset(name: str, *, prompt_tokens: int = 512, max_tokens: int = 256, 
     _, plain_rate = _alone(engine, prompt, SamplingParams(**greedy, speculative=False))
     runs = [{"drafter": "none", "keep": None, "tokens_per_s": plain_rate, "acceptance_length": 1.0}]
 
-    def measured(label: str, prompt: list[int], keep: float | None) -> tuple[dict, list[int]]:
-        engine.keep = keep
-        before = dict(engine.speculative_stats)
-        tokens, tps = _alone(engine, prompt, SamplingParams(**greedy, speculative=True))
-        s = {k: v - before[k] for k, v in engine.speculative_stats.items()}
+    def measured(label: str, prompt: list[int], keep: float | None, on: Engine = engine) -> tuple[dict, list[int]]:
+        on.keep = keep
+        before = dict(on.speculative_stats)
+        tokens, tps = _alone(on, prompt, SamplingParams(**greedy, speculative=True))
+        s = {k: v - before[k] for k, v in on.speculative_stats.items()}
         run = {"drafter": label, "keep": keep, "tokens_per_s": tps,
                "acceptance_length": 1 + s["accepted"] / max(1, s["verified"])}
         if progress:
@@ -171,6 +176,14 @@ def bench_preset(name: str, *, prompt_tokens: int = 512, max_tokens: int = 256, 
 
     for keep in KEEP:
         runs.append(measured("set", prompt, keep)[0])
+    if mtp:  # the checkpoint's MTP layers drafting (random: what they cost), at a set acceptance
+        on = SetAcceptance(model, num_slots=1, max_context=prompt_tokens + max_tokens + 16,
+                           buckets=BucketSet(decode=(1,), mixed_decode=(0,), prefill=(128, 512), max_prefill_seqs=2),
+                           speculative=Speculative(mtp=True, num_drafts=num_drafts, adaptive=False), use_graphs=gpu,
+                           progress=progress)
+        for keep in MTP_KEEP:
+            runs.append(measured("mtp", prompt, keep, on)[0])
+        del on
     # prompt lookup, its drafts checked, on a prompt that repeats one block (of 64 tokens, or an
     # eighth of it)
     block = rng.integers(1, vocab, min(64, max(1, prompt_tokens // 8))).tolist()
@@ -217,7 +230,7 @@ def tables(result: dict) -> str:
         plain = p["alone"][0]["tokens_per_s"]
         for r in p["alone"]:
             label = {"none": "none (plain decoding)", "set": "set acceptance",
-                     "ngram": "prompt lookup, repeating prompt"}[r["drafter"]]
+                     "mtp": "the MTP layers, set acceptance", "ngram": "prompt lookup, repeating prompt"}[r["drafter"]]
             kept = "checked" if r["keep"] is None else f"{r['keep']:.0%} each"
             kept = "-" if r["drafter"] == "none" else kept
             out.append(f"| {label} | {kept} | {r['acceptance_length']:.2f} | {r['tokens_per_s']:.0f} | "

@@ -243,22 +243,26 @@ def test_the_prefix_bench_sets_the_cache_beside_none_on_the_cpu(tmp_path):
 
 def test_the_spec_bench_sets_speculation_beside_plain_on_the_cpu(tmp_path):
     """`bench spec` at test size on the CPU: verify steps for every k beside a decode step; alone,
-    the acceptance length from 1 (no draft kept) to 1 + k (every one); prompt lookup's
-    tokens and those at concurrency equal to plain decoding's (fp32); its markdown section."""
+    the acceptance length from 1 (no draft kept) to 1 + k (every one), set and with the preset's
+    MTP layers drafting; prompt lookup's tokens and those at concurrency equal to plain
+    decoding's (fp32); its markdown section."""
     from mambastep.tools import bench_markdown, bench_spec
 
     result = bench_spec.run(("tiny-hybrid",), progress=False, prompt_tokens=40, max_tokens=12, wide=4, device="cpu")
     p = result["presets"][0]
     assert [s["batch"] for s in p["steps"]] == [1] and list(p["steps"][0]["verify_ms"]) == list(bench_spec.DRAFTS)
     runs = p["alone"]
-    assert [r["drafter"] for r in runs] == ["none"] + ["set"] * len(bench_spec.KEEP) + ["ngram"]
-    lengths = [r["acceptance_length"] for r in runs[1:-1]]
-    assert lengths[0] == 1.0 and lengths[-1] == 1 + p["num_drafts"] and all(1 <= n <= 5 for n in lengths)
+    assert [r["drafter"] for r in runs] == (["none"] + ["set"] * len(bench_spec.KEEP) + ["mtp"] * len(bench_spec.MTP_KEEP)
+                                            + ["ngram"])
+    for drafter in ("set", "mtp"):
+        lengths = [r["acceptance_length"] for r in runs if r["drafter"] == drafter]
+        assert lengths[0] == 1.0 and lengths[-1] == 1 + p["num_drafts"] and all(1 <= n <= 5 for n in lengths)
     assert runs[-1]["leading_equal"] == 12 and p["wide"]["requests_equal"] == 4
     path = tmp_path / "spec.json"
     path.write_text(json.dumps(result))
     page = bench_markdown.render(spec=str(path))
     assert "mambastep bench spec" in page and "| set acceptance | 75% each |" in page
+    assert "| the MTP layers, set acceptance | 75% each |" in page
 
 
 def test_the_tile_bench_lists_each_projection_shape_once():

@@ -140,7 +140,8 @@ class Engine:
                                    self.runner.buffers.max_decode, self.prefix_cache, speculative, max_context)
         self.pipelined = pipelined
         self.capture_report = None
-        if use_graphs if use_graphs is not None else cuda:
+        graphs = use_graphs if use_graphs is not None else cuda
+        if graphs:
             self.capture_report = self.runner.capture(progress=progress)
         # each speculating request's new drafter: from the draft model's engine, or the given kind
         self.draft_engine = None
@@ -152,7 +153,7 @@ class Engine:
             self._new_drafter = functools.partial(ModelDrafter, self.draft_engine, self.cfg.vocab_size)
         self.mtp = None
         if mtp:
-            self.mtp = MTPDrafting(model, self.runner, num_slots, max_context, speculative.num_drafts)
+            self.mtp = MTPDrafting(model, self.runner, num_slots, max_context, speculative.num_drafts, graphs=graphs)
             self._new_drafter = functools.partial(MTPDrafter, self.mtp)
         self._ids = itertools.count()
         self._seeds = itertools.count(1 << 32)

@@ -13,7 +13,8 @@ once. Those steps write the MTP's keys and values past the certain positions, wh
 ``follow`` overwrites.
 
 A request whose positions the MTP did not see (a choice forked from its prompt's prefix) drafts
-nothing and decodes as usual. The MTP runs eagerly, on a pool and a runner of its own.
+nothing and decodes as usual. The MTP runs on a pool and a runner of its own, captured in
+buckets of the target's sizes where the engine captures (a larger catch-up runs eagerly).
 """
 
 from __future__ import annotations
@@ -48,19 +49,27 @@ class MTPDrafter:
 
 
 class MTPDrafting:
-    def __init__(self, target: Model, target_runner: StepRunner, num_slots: int, max_context: int, num_drafts: int):
+    def __init__(self, target: Model, target_runner: StepRunner, num_slots: int, max_context: int, num_drafts: int,
+                 graphs: bool = False):
         """target: a model loaded with its MTP layers (``mtp=True``); target_runner: its runner,
-        keeping its steps' hidden states; num_slots: the request slots; num_drafts: k."""
+        keeping its steps' hidden states; num_slots: the request slots; num_drafts: k; graphs:
+        capture the MTP's steps, in buckets of the target's sizes (else they run eagerly)."""
         if target_runner.hidden is None:
             raise ValueError("MTP drafting reads the target's hidden states: its runner needs keep_hidden=True")
         buffers = target_runner.buffers
         max_tokens = buffers.max_prefill_tokens + buffers.max_decode  # a step's every row, as prefill rows
         self.model = MTPModel(target, target.mtp_weights, num_slots=num_slots, max_tokens=max_tokens)
         self.pool = StatePool(self.model.cfg, num_slots, max_context, dtype=target.dtype, device=target.device)
-        # eager steps of the exact size: the smallest buckets only
-        buckets = BucketSet(decode=(1,), mixed_decode=(0,), prefill=(16,), max_prefill_seqs=num_slots)
+        # catch-ups in prefill form, a sequence a request, as many tokens as a target step's
+        # certain positions; chained drafts in decode rows
+        sizes = target_runner.buckets
+        buckets = BucketSet(decode=tuple(sorted({b for b in sizes.decode if b < num_slots} | {num_slots})),
+                            mixed_decode=(0,), prefill=tuple(sorted(set(sizes.verify) | set(sizes.prefill))),
+                            max_prefill_seqs=num_slots)
         self.runner = StepRunner(self.model, self.pool, buckets, max_decode=num_slots, max_prefill_tokens=max_tokens,
-                                 overlap=False)
+                                 overlap=False, greedy_only=True)
+        if graphs:
+            self.runner.capture(progress=False)
         self.target_hidden = target_runner.hidden
         self.num_drafts, self.max_context = num_drafts, max_context
         # [k, slots]: what each chained step drew for the requests that draft, read back at once

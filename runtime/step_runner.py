@@ -60,11 +60,14 @@ class PendingTokens:
 
 class StepRunner:
     def __init__(self, model: Model, pool: StatePool, buckets: BucketSet, *, max_decode: int | None = None,
-                 max_prefill_tokens: int | None = None, overlap: bool = True, keep_hidden: bool = False):
+                 max_prefill_tokens: int | None = None, overlap: bool = True, keep_hidden: bool = False,
+                 greedy_only: bool = False):
         """buckets: the graph buckets; max_decode / max_prefill_tokens: the largest step, run
         eagerly above the buckets (default: the largest bucket); overlap: fork the prefill
         branch onto an auxiliary stream; keep_hidden: every step leaves its packed rows' final
-        hidden states in ``hidden`` (for an MTP drafter, ``runtime.mtp``), else it is None."""
+        hidden states in ``hidden`` (for an MTP drafter, ``runtime.mtp``), else it is None;
+        greedy_only: the draw's one variant captured is greedy, without processors or logprobs
+        (a drafter's runner; other variants would run eagerly)."""
         self.model, self.pool, self.buckets = model, pool, buckets
         self.cuda = model.device.type == "cuda"
         self.buffers = StepBuffers(
@@ -101,7 +104,8 @@ class StepRunner:
         forward = functools.partial(_run_model, model, self.buffers, pool, self.aux_stream, self.side_stream,
                                     self.slot_tokens, self.hidden)
         draw = functools.partial(_draw, self.buffers, self.slot_tokens, self.seen, self.logprobs)
-        variants = tuple(itertools.product(MODES, (False, True), (False, True)))
+        variants = (("greedy", False, False),) if greedy_only else tuple(itertools.product(MODES, (False, True),
+                                                                                           (False, True)))
         self.graphs = GraphRunner(forward, draw, variants, self.buffers.upload, model.device)
         # two host buffers (and their events), so a pipelined step's copy never overwrites
         # tokens not yet read

@@ -289,3 +289,28 @@ def test_mtp_speculation_beside_choices_and_what_it_refuses(checkpoint):
         mtp_engine(path, prefix_cache_slots=2, speculative=Speculative(mtp=True))
     with pytest.raises(ValueError, match="mtp: the MTP layers are the drafter"):
         Speculative(mtp=True, draft_model=str(path))
+
+
+@pytest.mark.gpu
+def test_mtp_drafting_in_graphs_drafts_as_it_does_eagerly(checkpoint, monkeypatch):
+    """On the GPU with graphs (the target's and the MTP's captured): the drafts each request gets
+    are those of the same run eagerly, and the tokens the plain engine's."""
+    path = checkpoint[0]
+    ps = engine_prompts()
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    seen = {True: [], False: []}
+    draft = MTPDrafter.draft
+
+    def run(graphs: bool):
+        monkeypatch.setattr(MTPDrafter, "draft", lambda self, context, k: seen[graphs].append(
+            (list(map(int, context)), out := draft(self, context, k))) or out)
+        e = Engine.from_pretrained(path, dtype=torch.float32, device="cuda", buckets=ENGINE_BUCKETS, num_slots=4,
+                                   max_context=96, use_graphs=graphs,
+                                   speculative=Speculative(mtp=True, num_drafts=3, adaptive=False))
+        assert (e.mtp.runner.graphs.graphs > 0) == graphs
+        return e.generate(ps, params)
+
+    plain = Engine.from_pretrained(path, dtype=torch.float32, device="cuda", buckets=ENGINE_BUCKETS, num_slots=4,
+                                   max_context=96).generate(ps, params)
+    assert run(True) == run(False) == plain
+    assert seen[True] == seen[False] and len(seen[True]) > 10

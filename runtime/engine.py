@@ -127,9 +127,6 @@ class Engine:
         if mtp and model.mtp_weights is None:
             raise ValueError("speculative mtp: the model was loaded without its MTP layers; load it with mtp=True "
                              "(Model.from_pretrained(path, mtp=True))")
-        if mtp and prefix_cache_slots:
-            raise ValueError("speculative mtp: not beside a prefix cache yet (a restored prompt's MTP keys and values "
-                             "are not kept with its snapshot)")
         self.runner = StepRunner(model, self.pool, self.buckets, max_decode=num_slots, overlap=overlap,
                                  keep_hidden=mtp)
         self.prefix_cache = None
@@ -153,7 +150,8 @@ class Engine:
             self._new_drafter = functools.partial(ModelDrafter, self.draft_engine, self.cfg.vocab_size)
         self.mtp = None
         if mtp:
-            self.mtp = MTPDrafting(model, self.runner, num_slots, max_context, speculative.num_drafts, graphs=graphs)
+            self.mtp = MTPDrafting(model, self.runner, num_slots, max_context, speculative.num_drafts,
+                                   snapshot_slots=prefix_cache_slots, graphs=graphs)
             self._new_drafter = functools.partial(MTPDrafter, self.mtp)
         self._ids = itertools.count()
         self._seeds = itertools.count(1 << 32)
@@ -336,6 +334,8 @@ class Engine:
                 self.runner.fork(src, dsts, tokens)
             for snapshot, req, tokens in self.scheduler.restores:
                 self.runner.copy_state(snapshot, [req.slot], tokens)
+                if self.mtp is not None:
+                    self.mtp.restore(snapshot, req, tokens)
                 if req.params.processed:  # what its slot has seen: its bias, the prompt so far
                     self.runner.admit(req.slot, req.bias, req.prompt[:tokens])
             if plan.num_rows:
@@ -353,8 +353,11 @@ class Engine:
             # (read before _collect, which clears them: the requests this step ran in prefill form)
             verified = {id(r): r for r in rows if r is not None and r.verify is not None} if gate else None
             outputs = self._collect(launched)
-            if self.mtp is not None:  # the MTP takes in what the step made certain
-                self.mtp.follow(plan, launched[0].bucket, {r.slot: r for r in self.scheduler.running})
+            if self.mtp is not None:  # the MTP takes in what the step made certain, and keeps snapshots
+                by_slot = {r.slot: r for r in self.scheduler.running}
+                self.mtp.follow(plan, launched[0].bucket, by_slot)
+                for slot, snapshot, tokens in self.scheduler.snapshots:
+                    self.mtp.snapshot(slot, snapshot, tokens, by_slot.get(slot))
             if gate is not None:
                 self._time(plan, list(verified.values()), outputs, time.perf_counter() - start)
             return outputs

@@ -12,8 +12,13 @@ once, each row fed the token drafted before it and that row's h', all on the dev
 once. Those steps write the MTP's keys and values past the certain positions, which the next
 ``follow`` overwrites.
 
-A request whose positions the MTP did not see (a choice forked from its prompt's prefix) drafts
-nothing and decodes as usual. The MTP runs on a pool and a runner of its own, captured in
+With a prefix cache, a snapshot of a request's first T positions (``snapshot``, after
+``follow``) keeps the MTP's keys and values of its first T - 1 and the target's hidden state at
+T - 1 (the MTP's position T - 1 also reads token T, which a prompt restoring the snapshot may
+have otherwise); a restore (``restore``) copies them back, and the request's first catch-up
+starts at T - 1 from that hidden state. A request whose positions the MTP did not see (a choice
+forked from its prompt's prefix, a snapshot the MTP holds nothing of) drafts nothing and decodes
+as usual. The MTP runs on a pool and a runner of its own, captured in
 buckets of the target's sizes where the engine captures (a larger catch-up runs eagerly).
 """
 
@@ -41,6 +46,9 @@ class MTPDrafter:
         self.slot = -1
         self.consumed = 0  # the positions whose keys and values the MTP holds for the request
         self.lost = False  # the target ran positions the MTP never saw: it drafts nothing
+        # a snapshot slot whose kept hidden state is the target's at position ``consumed`` (a
+        # restored prompt's first catch-up starts there), or None
+        self.carry: int | None = None
         self.known = -1  # the context length ``drafts`` follow (-1: none yet)
         self.drafts: list[int] = []
 
@@ -50,16 +58,18 @@ class MTPDrafter:
 
 class MTPDrafting:
     def __init__(self, target: Model, target_runner: StepRunner, num_slots: int, max_context: int, num_drafts: int,
-                 graphs: bool = False):
+                 snapshot_slots: int = 0, graphs: bool = False):
         """target: a model loaded with its MTP layers (``mtp=True``); target_runner: its runner,
-        keeping its steps' hidden states; num_slots: the request slots; num_drafts: k; graphs:
-        capture the MTP's steps, in buckets of the target's sizes (else they run eagerly)."""
+        keeping its steps' hidden states; num_slots: the requests' slots, and snapshot_slots a
+        prefix cache's beyond them; num_drafts: k; graphs: capture the MTP's steps, in buckets
+        of the target's sizes (else they run eagerly)."""
         if target_runner.hidden is None:
             raise ValueError("MTP drafting reads the target's hidden states: its runner needs keep_hidden=True")
         buffers = target_runner.buffers
         max_tokens = buffers.max_prefill_tokens + buffers.max_decode  # a step's every row, as prefill rows
         self.model = MTPModel(target, target.mtp_weights, num_slots=num_slots, max_tokens=max_tokens)
-        self.pool = StatePool(self.model.cfg, num_slots, max_context, dtype=target.dtype, device=target.device)
+        self.pool = StatePool(self.model.cfg, num_slots + snapshot_slots, max_context, dtype=target.dtype,
+                              device=target.device)
         # catch-ups in prefill form, a sequence a request, as many tokens as a target step's
         # certain positions; chained drafts in decode rows
         sizes = target_runner.buckets
@@ -75,6 +85,12 @@ class MTPDrafting:
         # [k, slots]: what each chained step drew for the requests that draft, read back at once
         self._drawn = torch.zeros(num_drafts, num_slots, dtype=torch.int64, device=target.device)
         self._ready: list[MTPDrafter] = []  # the drafters whose first draft the last follow drew
+        # per snapshot slot: the MTP's positions it holds (keys and values) and, in ``_boundary``,
+        # the target's hidden state at the next one
+        self._held: dict[int, int] = {}
+        self._boundary = torch.zeros(num_slots + snapshot_slots, target.cfg.hidden_size, dtype=target.dtype,
+                                     device=target.device)
+        self._rows: dict[int, tuple[int, int]] = {}  # slot -> (first position, its packed row) of the last follow
 
     def follow(self, plan: StepPlan, bucket: Bucket, by_slot: dict[int, Request]) -> None:
         """After the target ran ``plan`` in ``bucket`` and its tokens were collected: take each
@@ -85,31 +101,69 @@ class MTPDrafting:
                   zip(plan.prefill_slots, plan.prefill_context, plan.prefill_lens, starts)]
         pieces += [(int(s), int(c), 1, bucket.prefill + b) for b, (s, c) in
                    enumerate(zip(plan.decode_slots, plan.decode_context))]
-        seqs, rows, self._ready = [], [], []
+        seqs, self._ready = [], []
+        rows, carried = [], []  # (hidden_in row, target packed row), (hidden_in row, snapshot slot)
+        self._rows = {slot: (first, row) for slot, first, _, row in pieces}
         for slot, first, n, row in pieces:
             req = by_slot.get(slot)
             d = None if req is None else req.drafter
             if not isinstance(d, MTPDrafter) or d.lost or req.finished:
                 continue
-            if first > d.consumed:  # its prompt's prefix ran without it (a forked choice)
+            carry = d.carry is not None and first == d.consumed + 1
+            if first > d.consumed and not carry:  # its prompt's prefix ran without it (a forked choice)
                 d.lost = True
                 continue
             context = np.concatenate([req.prompt, np.asarray(req.output, dtype=np.int64)])
             start, end = d.consumed, min(first + n, len(context) - 1)
             if start >= end:
                 continue
+            at = sum(len(t) for t, _, _ in seqs)  # this sequence's first row in hidden_in
             seqs.append((context[start + 1 : end + 1], slot, start))
-            rows.extend(range(row + start - first, row + end - first))
-            d.slot, d.consumed, d.known = slot, end, -1
+            if carry:
+                carried.append((at, d.carry))
+                at, start = at + 1, start + 1
+            rows += [(at + i, row + p - first) for i, p in enumerate(range(start, end))]
+            d.slot, d.consumed, d.known, d.carry = slot, end, -1, None
             if req.prompt_done and end == len(context) - 1:
                 self._ready.append(d)
         if not seqs:
             return
         with torch.inference_mode():
-            index = _on_device(rows, self.target_hidden.device)
-            self.model.hidden_in[: len(rows)].copy_(self.target_hidden.index_select(0, index))
+            for pairs, source in ((rows, self.target_hidden), (carried, self._boundary)):
+                if pairs:
+                    dst, src = (_on_device(list(v), source.device) for v in zip(*pairs))
+                    self.model.hidden_in.index_copy_(0, dst, source.index_select(0, src))
             self.runner.launch(_greedy(StepPlan.make(prefill=seqs)))
             self._keep(0, self._ready)
+
+    def snapshot(self, slot: int, snapshot: int, tokens: int, req: Request | None) -> None:
+        """After ``follow``: the prefix cache snapshotted ``slot``'s first ``tokens`` positions in
+        ``snapshot``. The MTP keeps its keys and values of the first ``tokens`` - 1 there, and the
+        target's hidden state at the last, where it holds them (else the snapshot holds nothing
+        of the MTP's)."""
+        d = None if req is None else req.drafter
+        first, row = self._rows.get(slot, (tokens, -1))
+        if not isinstance(d, MTPDrafter) or d.lost or d.consumed < tokens - 1 or first >= tokens:
+            self._held.pop(snapshot, None)
+            return
+        with torch.inference_mode():
+            self.pool.copy_slot(slot, [snapshot], tokens - 1, recurrent=False)
+            self._boundary[snapshot].copy_(self.target_hidden[row + tokens - 1 - first])
+        self._held[snapshot] = tokens - 1
+
+    def restore(self, snapshot: int, req: Request, tokens: int) -> None:
+        """Before the step that goes on from a restored snapshot: ``req`` starts from the MTP's
+        keys and values there, and its first catch-up from the kept hidden state (a snapshot
+        the MTP holds nothing of leaves it drafting nothing)."""
+        d = req.drafter
+        if not isinstance(d, MTPDrafter):
+            return
+        if self._held.get(snapshot) != tokens - 1:
+            d.lost = True
+            return
+        with torch.inference_mode():
+            self.pool.copy_slot(snapshot, [req.slot], tokens - 1, recurrent=False)
+        d.consumed, d.carry = tokens - 1, snapshot
 
     def drafts(self, d: MTPDrafter, known: int) -> list[int]:
         """``d``'s drafts after a context of ``known`` tokens; the chain runs for every ready

@@ -339,8 +339,9 @@ TestSpeculativeEngine.settings = _settings(12, 25)
 
 
 class MTPMachine(EngineMachine):
-    # the preset's MTP layers draft (random: drafts mostly rejected); choices draft nothing
-    speculative = "mtp"
+    # the preset's MTP layers draft (random: drafts mostly rejected), beside a prefix cache whose
+    # snapshots keep the MTP's keys and values; choices draft nothing
+    speculative, cache_slots = "mtp", 2
 
 
 TestMTPEngine = MTPMachine.TestCase
@@ -369,7 +370,7 @@ class GPUSpeculativeMachine(GPUMachine):
 
 
 class GPUMTPMachine(GPUMachine):
-    preset, speculative = "tiny-hybrid", "mtp"
+    preset, speculative, cache_slots = "tiny-hybrid", "mtp", 2
 
 
 class GPUFalconMachine(GPUMachine):

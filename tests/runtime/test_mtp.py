@@ -233,11 +233,8 @@ def test_mtp_drafts_are_the_mtp_layers_predictions_and_the_tokens_stay_the_targe
     """Speculative(mtp=True): every draft a request gets is what the MTP layers predict after its
     context (the oracle: HF's blocks over the target's hidden states from HF, chained on h'), for
     prompts that chunk and requests arriving mid-run; and the tokens are the plain engine's."""
-    path, oracle, fusion, hf = checkpoint
-    seen = []
-    draft = MTPDrafter.draft
-    monkeypatch.setattr(MTPDrafter, "draft", lambda self, context, k: seen.append(
-        (list(map(int, context)), out := draft(self, context, k))) or out)
+    path = checkpoint[0]
+    seen = spy_on_drafts(monkeypatch)
     ps = engine_prompts()
     spec = mtp_engine(path, speculative=Speculative(mtp=True, num_drafts=3, adaptive=False))
     ids = [spec.add_request(p, params) for p in ps[:2]]
@@ -251,23 +248,62 @@ def test_mtp_drafts_are_the_mtp_layers_predictions_and_the_tokens_stay_the_targe
             break
     assert [got[i] for i in ids] == mtp_engine(path).generate(ps, params)
     assert spec.speculative_stats["verified"] > 0 and len(seen) > 10
+    assert all(drafts for _, drafts in seen)  # (fewer than 3 where the request has fewer tokens left)
+    assert_the_oracles_drafts(seen, checkpoint)
+
+
+def spy_on_drafts(monkeypatch) -> list:
+    """Every (context, drafts) an MTP drafter gives, from here on."""
+    seen, draft = [], MTPDrafter.draft
+    monkeypatch.setattr(MTPDrafter, "draft", lambda self, context, k: seen.append(
+        (list(map(int, context)), out := draft(self, context, k))) or out)
+    return seen
+
+
+@torch.no_grad()
+def assert_the_oracles_drafts(seen, checkpoint) -> None:
+    """Each drafts list is what the oracle predicts after its context: HF's MTP blocks over HF's
+    target hidden states, each further draft chained on the draft before and its h'."""
+    _, oracle, fusion, hf = checkpoint
     embed = hf.model.embeddings.weight
-    with torch.no_grad():
-        for context, drafts in seen:
-            assert drafts  # (fewer than 3 where the request has fewer tokens left)
-            hidden = hf.model(torch.tensor([context[:-1]])).last_hidden_state[0]
-            toks, want = context[1:], []
-            for _ in drafts:
-                logits, out = reference(oracle, fusion, embed, toks, hidden)
-                want.append(int(logits[-1].argmax()))
-                toks, hidden = toks + [want[-1]], torch.cat([hidden, out[-1:]])
-            assert drafts == want, context
+    for context, drafts in seen:
+        hidden = hf.model(torch.tensor([context[:-1]])).last_hidden_state[0]
+        toks, want = context[1:], []
+        for _ in drafts:
+            logits, out = reference(oracle, fusion, embed, toks, hidden)
+            want.append(int(logits[-1].argmax()))
+            toks, hidden = toks + [want[-1]], torch.cat([hidden, out[-1:]])
+        assert drafts == want, context
+
+
+def test_mtp_drafting_beside_a_prefix_cache(checkpoint, monkeypatch):
+    """With a prefix cache, a prompt that restores a snapshot drafts from the MTP's keys and
+    values kept with it and the target's hidden state at its boundary: its drafts are the
+    oracle's (one prompt diverges from the cached one right at a block boundary, where the MTP's
+    position before it reads another token), and every token the plain engine's."""
+    path = checkpoint[0]
+    g = np.random.default_rng(6)
+    a = g.integers(1, VOCAB, 30).tolist()
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    plain = mtp_engine(path)
+    want_a = plain.generate([a], params)[0]
+    follow_ups = [a[:24] + g.integers(1, VOCAB, 9).tolist(), a + want_a + g.integers(1, VOCAB, 5).tolist()]
+    want = plain.generate(follow_ups, params)
+    spec = mtp_engine(path, prefix_cache_slots=4, speculative=Speculative(mtp=True, num_drafts=3, adaptive=False))
+    assert spec.generate([a], params)[0] == want_a
+    seen = spy_on_drafts(monkeypatch)
+    for prompt, tokens in zip(follow_ups, want):
+        assert spec.generate([prompt], params)[0] == tokens
+    assert spec.prefix_cache.stats["hits"] == 2
+    assert {len(c) for c, _ in seen} >= {len(p) + 1 for p in follow_ups}  # both drafted from their first token
+    assert all(drafts for _, drafts in seen)
+    assert_the_oracles_drafts(seen, checkpoint)
 
 
 def test_mtp_speculation_beside_choices_and_what_it_refuses(checkpoint):
     """Two choices of one prompt (forked from its prefix, which the MTP did not see: they draft
     nothing) beside a speculating request: every token the plain engine's. Refused by name: a
-    model without its MTP layers, a prefix cache beside, a drafter beside."""
+    model without its MTP layers, a drafter beside."""
     path = checkpoint[0]
     ps = engine_prompts()
     params = SamplingParams(temperature=0.8, seed=2, max_tokens=10, ignore_eos=True)
@@ -285,8 +321,6 @@ def test_mtp_speculation_beside_choices_and_what_it_refuses(checkpoint):
     assert spec.speculative_stats["drafts"] > 0
     with pytest.raises(ValueError, match="loaded without its MTP layers; load it with mtp=True"):
         Engine(Model.from_pretrained(path, dtype=torch.float32), speculative=Speculative(mtp=True))
-    with pytest.raises(ValueError, match="speculative mtp: not beside a prefix cache yet"):
-        mtp_engine(path, prefix_cache_slots=2, speculative=Speculative(mtp=True))
     with pytest.raises(ValueError, match="mtp: the MTP layers are the drafter"):
         Speculative(mtp=True, draft_model=str(path))
 

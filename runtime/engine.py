@@ -212,7 +212,9 @@ class Engine:
             for r in choices:
                 self.scheduler.add(r)
         else:
-            self.scheduler.add(Request(-1, first.prompt[:-1], first.params, seed, bias=first.bias, choices=choices))
+            # (an MTP drafter takes in the prefix's positions too, for the choices' drafts)
+            self.scheduler.add(Request(-1, first.prompt[:-1], first.params, seed, bias=first.bias, choices=choices,
+                                       drafter=self._drafter(first.params) if self.mtp is not None else None))
         return [r.id for r in choices]
 
     def _request(self, prompt_ids, params) -> Request:
@@ -332,6 +334,9 @@ class Engine:
             plan, rows = self.scheduler.schedule()
             for src, dsts, tokens in self.scheduler.forks:
                 self.runner.fork(src, dsts, tokens)
+                if self.mtp is not None:
+                    by_slot = {r.slot: r for r in self.scheduler.running}
+                    self.mtp.fork(src, dsts, tokens, [by_slot[s] for s in [src, *dsts] if s in by_slot])
             for snapshot, req, tokens in self.scheduler.restores:
                 self.runner.copy_state(snapshot, [req.slot], tokens)
                 if self.mtp is not None:

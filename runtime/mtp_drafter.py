@@ -16,10 +16,12 @@ With a prefix cache, a snapshot of a request's first T positions (``snapshot``, 
 ``follow``) keeps the MTP's keys and values of its first T - 1 and the target's hidden state at
 T - 1 (the MTP's position T - 1 also reads token T, which a prompt restoring the snapshot may
 have otherwise); a restore (``restore``) copies them back, and the request's first catch-up
-starts at T - 1 from that hidden state. A request whose positions the MTP did not see (a choice
-forked from its prompt's prefix, a snapshot the MTP holds nothing of) drafts nothing and decodes
-as usual. The MTP runs on a pool and a runner of its own, captured in
-buckets of the target's sizes where the engine captures (a larger catch-up runs eagerly).
+starts at T - 1 from that hidden state. A prompt of several choices is followed through its
+prefix request (as the full prompt, whose last token the choices hold), and ``fork`` copies the
+MTP's keys and values into the choices' slots beside the target's state. A request whose
+positions the MTP did not see (a snapshot it holds nothing of) drafts nothing and decodes as
+usual. The MTP runs on a pool and a runner of its own, captured in buckets of the target's sizes
+where the engine captures (a larger catch-up runs eagerly).
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ class MTPDrafting:
         self._boundary = torch.zeros(num_slots + snapshot_slots, target.cfg.hidden_size, dtype=target.dtype,
                                      device=target.device)
         self._rows: dict[int, tuple[int, int]] = {}  # slot -> (first position, its packed row) of the last follow
+        self._prefixes: dict[int, int] = {}  # a prefix request's slot -> the positions the MTP holds of it
 
     def follow(self, plan: StepPlan, bucket: Bucket, by_slot: dict[int, Request]) -> None:
         """After the target ran ``plan`` in ``bucket`` and its tokens were collected: take each
@@ -113,7 +116,9 @@ class MTPDrafting:
             if first > d.consumed and not carry:  # its prompt's prefix ran without it (a forked choice)
                 d.lost = True
                 continue
-            context = np.concatenate([req.prompt, np.asarray(req.output, dtype=np.int64)])
+            # a prefix request's positions read its choices' prompt, whose last token it lacks
+            context = np.concatenate([req.prompt if req.choices is None else req.choices[0].prompt,
+                                      np.asarray(req.output, dtype=np.int64)])
             start, end = d.consumed, min(first + n, len(context) - 1)
             if start >= end:
                 continue
@@ -124,7 +129,9 @@ class MTPDrafting:
                 at, start = at + 1, start + 1
             rows += [(at + i, row + p - first) for i, p in enumerate(range(start, end))]
             d.slot, d.consumed, d.known, d.carry = slot, end, -1, None
-            if req.prompt_done and end == len(context) - 1:
+            if req.choices is not None:
+                self._prefixes[slot] = end
+            elif req.prompt_done and end == len(context) - 1:
                 self._ready.append(d)
         if not seqs:
             return
@@ -135,6 +142,18 @@ class MTPDrafting:
                     self.model.hidden_in.index_copy_(0, dst, source.index_select(0, src))
             self.runner.launch(_greedy(StepPlan.make(prefill=seqs)))
             self._keep(0, self._ready)
+
+    def fork(self, src: int, dsts: list[int], tokens: int, choices: list[Request]) -> None:
+        """A prompt's prefix request in ``src`` forked into its choices (``Engine.add_choices``),
+        its first ``tokens`` positions copied into ``dsts``: the MTP's go with them, where it
+        holds them all (else the choices draft nothing)."""
+        if self._prefixes.pop(src, None) != tokens:
+            return
+        with torch.inference_mode():
+            self.pool.copy_slot(src, dsts, tokens, recurrent=False)
+        for r in choices:
+            if isinstance(r.drafter, MTPDrafter):
+                r.drafter.consumed = tokens
 
     def snapshot(self, slot: int, snapshot: int, tokens: int, req: Request | None) -> None:
         """After ``follow``: the prefix cache snapshotted ``slot``'s first ``tokens`` positions in

@@ -300,10 +300,11 @@ def test_mtp_drafting_beside_a_prefix_cache(checkpoint, monkeypatch):
     assert_the_oracles_drafts(seen, checkpoint)
 
 
-def test_mtp_speculation_beside_choices_and_what_it_refuses(checkpoint):
-    """Two choices of one prompt (forked from its prefix, which the MTP did not see: they draft
-    nothing) beside a speculating request: every token the plain engine's. Refused by name: a
-    model without its MTP layers, a drafter beside."""
+def test_mtp_speculation_beside_choices_and_what_it_refuses(checkpoint, monkeypatch):
+    """Two choices of one prompt (forked from its prefix, which the MTP followed as the whole
+    prompt: its keys and values go with the fork) beside a speculating request: every token the
+    plain engine's, and the choices' drafts, from their first token, the oracle's. Refused by
+    name: a model without its MTP layers, a drafter beside."""
     path = checkpoint[0]
     ps = engine_prompts()
     params = SamplingParams(temperature=0.8, seed=2, max_tokens=10, ignore_eos=True)
@@ -317,8 +318,10 @@ def test_mtp_speculation_beside_choices_and_what_it_refuses(checkpoint):
         return [got[i] for i in ids]
 
     spec = mtp_engine(path, speculative=Speculative(mtp=True, num_drafts=2, adaptive=False))
+    seen = spy_on_drafts(monkeypatch)
     assert outputs(spec) == outputs(mtp_engine(path))
-    assert spec.speculative_stats["drafts"] > 0
+    assert sum(len(c) == len(ps[1]) + 1 and drafts != [] for c, drafts in seen) == 2  # each choice's first
+    assert_the_oracles_drafts(seen, checkpoint)
     with pytest.raises(ValueError, match="loaded without its MTP layers; load it with mtp=True"):
         Engine(Model.from_pretrained(path, dtype=torch.float32), speculative=Speculative(mtp=True))
     with pytest.raises(ValueError, match="mtp: the MTP layers are the drafter"):

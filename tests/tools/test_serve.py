@@ -22,9 +22,10 @@ def free_port() -> int:
 
 @pytest.mark.parametrize("engine", [["--engine", "thread"], ["--api-processes", "1"], [],
                                     ["--api-processes", "1", "--speculative", "3"],
-                                    ["--api-processes", "1", "--speculative", "2", "--draft-model", "tiny-hybrid"]],
+                                    ["--api-processes", "1", "--speculative", "2", "--draft-model", "tiny-hybrid"],
+                                    ["--api-processes", "1", "--speculative", "2", "--mtp"]],
                          ids=["engine-thread", "engine-process", "two-api-processes (the default)", "speculative",
-                              "a draft model (built in the engine's process)"])
+                              "a draft model (built in the engine's process)", "the preset's MTP layers drafting"])
 def test_serve_a_preset_over_http(engine):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "mambastep.tools.cli", "serve", "--preset", "tiny-hybrid",

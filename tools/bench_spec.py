@@ -18,7 +18,8 @@ the tokens. Beside them prompt lookup (``NgramDrafter``), its drafts checked, on
 repeats one block, for what it is worth on a random model, and how many of its tokens lead
 equal to plain decoding's. And at concurrency ``wide``, prompt lookup on random prompts beside
 no speculation: the engine speculates only while at most ``Speculative.max_batch`` requests
-decode.
+decode; with MTP layers, the same drafted by them, whose catch-up runs after every step
+whether a step verifies or not (its cost at a batch that does not speculate).
 """
 
 from __future__ import annotations
@@ -176,14 +177,13 @@ def bench_preset(name: str, *, prompt_tokens: int = 512, max_tokens: int = 256, 
 
     for keep in KEEP:
         runs.append(measured("set", prompt, keep)[0])
+    mtp_engine = None
     if mtp:  # the checkpoint's MTP layers drafting (random: what they cost), at a set acceptance
-        on = SetAcceptance(model, num_slots=1, max_context=prompt_tokens + max_tokens + 16,
-                           buckets=BucketSet(decode=(1,), mixed_decode=(0,), prefill=(128, 512), max_prefill_seqs=2),
-                           speculative=Speculative(mtp=True, num_drafts=num_drafts, adaptive=False), use_graphs=gpu,
-                           progress=progress)
+        mtp_engine = SetAcceptance(model, num_slots=wide, max_context=prompt_tokens + max_tokens + 16, buckets=buckets,
+                                   speculative=Speculative(mtp=True, num_drafts=num_drafts, adaptive=False),
+                                   use_graphs=gpu, progress=progress)
         for keep in MTP_KEEP:
-            runs.append(measured("mtp", prompt, keep, on)[0])
-        del on
+            runs.append(measured("mtp", prompt, keep, mtp_engine)[0])
     # prompt lookup, its drafts checked, on a prompt that repeats one block (of 64 tokens, or an
     # eighth of it)
     block = rng.integers(1, vocab, min(64, max(1, prompt_tokens // 8))).tolist()
@@ -202,6 +202,11 @@ def bench_preset(name: str, *, prompt_tokens: int = 512, max_tokens: int = 256, 
     wide_spec, wide_spec_rate = _wide(engine, prompts, SamplingParams(**short, speculative=True))
     wide_run = {"concurrency": wide, "plain_tokens_per_s": wide_plain_rate, "spec_tokens_per_s": wide_spec_rate,
                 "requests_equal": sum(a == b for a, b in zip(wide_spec, wide_plain))}
+    if mtp_engine is not None:  # the MTP following every request (a step after each) where none verifies
+        mtp_engine.keep = None
+        wide_mtp, wide_run["mtp_tokens_per_s"] = _wide(mtp_engine, prompts, SamplingParams(**short, speculative=True))
+        wide_run["mtp_requests_equal"] = sum(a == b for a, b in zip(wide_mtp, wide_plain))
+        del mtp_engine
     steps = verify_steps(model, engine.pool, progress)
     return {"preset": name, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "num_drafts": num_drafts,
             "max_batch": spec.max_batch, "steps": steps, "alone": runs, "wide": wide_run}
@@ -248,6 +253,11 @@ def tables(result: dict) -> str:
                     f"{w['plain_tokens_per_s']:.0f} without "
                     f"({w['spec_tokens_per_s'] / w['plain_tokens_per_s'] - 1:+.1%}); "
                     f"{w['requests_equal']} of {w['concurrency']} requests' tokens equal."]
+        if "mtp_tokens_per_s" in w:
+            out += ["", f"The same with the MTP layers drafting (an MTP step after every step, for every request): "
+                        f"{w['mtp_tokens_per_s']:.0f} output tokens/s "
+                        f"({w['mtp_tokens_per_s'] / w['plain_tokens_per_s'] - 1:+.1%} against none); "
+                        f"{w['mtp_requests_equal']} of {w['concurrency']} requests' tokens equal."]
     return "\n".join(out)
 
 

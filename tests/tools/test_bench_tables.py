@@ -257,12 +257,12 @@ def test_the_spec_bench_sets_speculation_beside_plain_on_the_cpu(tmp_path):
     for drafter in ("set", "mtp"):
         lengths = [r["acceptance_length"] for r in runs if r["drafter"] == drafter]
         assert lengths[0] == 1.0 and lengths[-1] == 1 + p["num_drafts"] and all(1 <= n <= 5 for n in lengths)
-    assert runs[-1]["leading_equal"] == 12 and p["wide"]["requests_equal"] == 4
+    assert runs[-1]["leading_equal"] == 12 and p["wide"]["requests_equal"] == p["wide"]["mtp_requests_equal"] == 4
     path = tmp_path / "spec.json"
     path.write_text(json.dumps(result))
     page = bench_markdown.render(spec=str(path))
     assert "mambastep bench spec" in page and "| set acceptance | 75% each |" in page
-    assert "| the MTP layers, set acceptance | 75% each |" in page
+    assert "| the MTP layers, set acceptance | 75% each |" in page and "with the MTP layers drafting" in page
 
 
 def test_the_tile_bench_lists_each_projection_shape_once():

@@ -151,7 +151,7 @@ class Engine:
         self.mtp = None
         if mtp:
             self.mtp = MTPDrafting(model, self.runner, num_slots, max_context, speculative.num_drafts,
-                                   snapshot_slots=prefix_cache_slots, graphs=graphs)
+                                   speculative.max_batch, snapshot_slots=prefix_cache_slots, graphs=graphs)
             self._new_drafter = functools.partial(MTPDrafter, self.mtp)
         self._ids = itertools.count()
         self._seeds = itertools.count(1 << 32)

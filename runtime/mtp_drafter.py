@@ -48,6 +48,7 @@ class MTPDrafter:
         self.slot = -1
         self.consumed = 0  # the positions whose keys and values the MTP holds for the request
         self.lost = False  # the target ran positions the MTP never saw: it drafts nothing
+        self.stashed = 0  # positions after ``consumed`` whose hidden states wait in the stash
         # a snapshot slot whose kept hidden state is the target's at position ``consumed`` (a
         # restored prompt's first catch-up starts there), or None
         self.carry: int | None = None
@@ -60,11 +61,13 @@ class MTPDrafter:
 
 class MTPDrafting:
     def __init__(self, target: Model, target_runner: StepRunner, num_slots: int, max_context: int, num_drafts: int,
-                 snapshot_slots: int = 0, graphs: bool = False):
+                 max_batch: int, snapshot_slots: int = 0, graphs: bool = False, stash: int = 64):
         """target: a model loaded with its MTP layers (``mtp=True``); target_runner: its runner,
         keeping its steps' hidden states; num_slots: the requests' slots, and snapshot_slots a
-        prefix cache's beyond them; num_drafts: k; graphs: capture the MTP's steps, in buckets
-        of the target's sizes (else they run eagerly)."""
+        prefix cache's beyond them; num_drafts: k; max_batch: the most decoding requests a step
+        verifies (``Speculative.max_batch``); graphs: capture the MTP's steps, in buckets of the
+        target's sizes (else they run eagerly); stash: the positions a request's hidden states
+        may wait while more requests decode than verify (``follow``)."""
         if target_runner.hidden is None:
             raise ValueError("MTP drafting reads the target's hidden states: its runner needs keep_hidden=True")
         buffers = target_runner.buffers
@@ -83,7 +86,8 @@ class MTPDrafting:
         if graphs:
             self.runner.capture(progress=False)
         self.target_hidden = target_runner.hidden
-        self.num_drafts, self.max_context = num_drafts, max_context
+        self.num_drafts, self.max_context, self.max_batch, self.stash = num_drafts, max_context, max_batch, stash
+        self._stash = torch.zeros(num_slots * stash, target.cfg.hidden_size, dtype=target.dtype, device=target.device)
         # [k, slots]: what each chained step drew for the requests that draft, read back at once
         self._drawn = torch.zeros(num_drafts, num_slots, dtype=torch.int64, device=target.device)
         self._ready: list[MTPDrafter] = []  # the drafters whose first draft the last follow drew
@@ -97,51 +101,67 @@ class MTPDrafting:
 
     def follow(self, plan: StepPlan, bucket: Bucket, by_slot: dict[int, Request]) -> None:
         """After the target ran ``plan`` in ``bucket`` and its tokens were collected: take each
-        speculating request's newly certain positions in (``by_slot``: the running requests)."""
+        speculating request's newly certain positions in (``by_slot``: the running requests).
+        While more requests decode than may verify (``max_batch``), a decoding request's new
+        positions wait in the stash instead (their hidden states copied, no MTP step), at most
+        ``stash`` of them: past that it drafts nothing more."""
         starts = np.concatenate([[0], np.cumsum(plan.prefill_lens)])
         # (slot, its first position, positions, its first packed row of the target step)
         pieces = [(int(s), int(c), int(n), int(row)) for s, c, n, row in
                   zip(plan.prefill_slots, plan.prefill_context, plan.prefill_lens, starts)]
         pieces += [(int(s), int(c), 1, bucket.prefill + b) for b, (s, c) in
                    enumerate(zip(plan.decode_slots, plan.decode_context))]
+        wide = sum(r.prompt_done and r.choices is None for r in by_slot.values()) > self.max_batch
         seqs, self._ready = [], []
-        rows, carried = [], []  # (hidden_in row, target packed row), (hidden_in row, snapshot slot)
+        # (row of the destination, row of the source) per source: the target's packed rows, the
+        # snapshots' kept hidden states, the stash; into hidden_in, or (stashed) into the stash
+        into_mtp = {"target": [], "boundary": [], "stash": []}
+        into_stash = []
         self._rows = {slot: (first, row) for slot, first, _, row in pieces}
         for slot, first, n, row in pieces:
             req = by_slot.get(slot)
             d = None if req is None else req.drafter
             if not isinstance(d, MTPDrafter) or d.lost or req.finished:
                 continue
+            have = d.consumed + d.stashed  # positions whose hidden states the MTP has or holds
             carry = d.carry is not None and first == d.consumed + 1
-            if first > d.consumed and not carry:  # its prompt's prefix ran without it (a forked choice)
+            if first > have and not carry:  # its prompt's prefix ran without it
                 d.lost = True
                 continue
             # a prefix request's positions read its choices' prompt, whose last token it lacks
             context = np.concatenate([req.prompt if req.choices is None else req.choices[0].prompt,
                                       np.asarray(req.output, dtype=np.int64)])
-            start, end = d.consumed, min(first + n, len(context) - 1)
-            if start >= end:
+            new, end = max(have, first), min(first + n, len(context) - 1)
+            if new >= end:
+                continue
+            d.slot, d.known = slot, -1
+            if wide and d.carry is None and new >= len(req.prompt):  # decode positions: stashed
+                if d.stashed + end - new > self.stash:
+                    d.lost = True
+                    continue
+                into_stash += [(slot * self.stash + d.stashed + i, row + p - first) for i, p in enumerate(range(new, end))]
+                d.stashed += end - new
                 continue
             at = sum(len(t) for t, _, _ in seqs)  # this sequence's first row in hidden_in
-            seqs.append((context[start + 1 : end + 1], slot, start))
+            seqs.append((context[d.consumed + 1 : end + 1], slot, d.consumed))
             if carry:
-                carried.append((at, d.carry))
-                at, start = at + 1, start + 1
-            rows += [(at + i, row + p - first) for i, p in enumerate(range(start, end))]
-            d.slot, d.consumed, d.known, d.carry = slot, end, -1, None
+                into_mtp["boundary"].append((at, d.carry))
+            into_mtp["stash"] += [(at + i, slot * self.stash + i) for i in range(d.stashed)]
+            at += carry + d.stashed
+            into_mtp["target"] += [(at + i, row + p - first) for i, p in enumerate(range(new, end))]
+            d.consumed, d.stashed, d.carry = end, 0, None
             if req.choices is not None:
                 self._prefixes[slot] = end
             elif req.prompt_done and end == len(context) - 1:
                 self._ready.append(d)
-        if not seqs:
-            return
         with torch.inference_mode():
-            for pairs, source in ((rows, self.target_hidden), (carried, self._boundary)):
-                if pairs:
-                    dst, src = (_on_device(list(v), source.device) for v in zip(*pairs))
-                    self.model.hidden_in.index_copy_(0, dst, source.index_select(0, src))
-            self.runner.launch(_greedy(StepPlan.make(prefill=seqs)))
-            self._keep(0, self._ready)
+            sources = {"target": self.target_hidden, "boundary": self._boundary, "stash": self._stash}
+            for name, pairs in into_mtp.items():
+                _gather(self.model.hidden_in, pairs, sources[name])
+            _gather(self._stash, into_stash, self.target_hidden)
+            if seqs:
+                self.runner.launch(_greedy(StepPlan.make(prefill=seqs)))
+                self._keep(0, self._ready)
 
     def fork(self, src: int, dsts: list[int], tokens: int, choices: list[Request]) -> None:
         """A prompt's prefix request in ``src`` forked into its choices (``Engine.add_choices``),
@@ -211,6 +231,13 @@ class MTPDrafting:
         if slots:
             slots = _on_device(slots, self._drawn.device)
             self._drawn[j].index_copy_(0, slots, self.runner.slot_tokens.index_select(0, slots))
+
+
+def _gather(out: torch.Tensor, pairs: list[tuple[int, int]], source: torch.Tensor) -> None:
+    """out[dst] = source[src] for each (dst, src) of ``pairs``, on the device."""
+    if pairs:
+        dst, src = (_on_device(list(v), source.device) for v in zip(*pairs))
+        out.index_copy_(0, dst, source.index_select(0, src))
 
 
 def _on_device(values: list[int], device: torch.device) -> torch.Tensor:

@@ -71,7 +71,7 @@ def checkpoint(tmp_path_factory):
     perturb(oracle)
     with torch.no_grad():  # attention that matters: drafts then tell where a chained row's keys went
         oracle.model.layers[0].mixer.q_proj.weight.mul_(4)
-        oracle.model.layers[0].mixer.o_proj.weight.mul_(4)
+        oracle.model.layers[0].mixer.o_proj.weight.mul_(16)
     oracle.model.embeddings.weight.data.copy_(target.model.embeddings.weight)
     oracle.lm_head.weight.data.copy_(target.lm_head.weight)
     D = oracle.config.hidden_size
@@ -298,6 +298,33 @@ def test_mtp_drafting_beside_a_prefix_cache(checkpoint, monkeypatch):
     assert {len(c) for c, _ in seen} >= {len(p) + 1 for p in follow_ups}  # both drafted from their first token
     assert all(drafts for _, drafts in seen)
     assert_the_oracles_drafts(seen, checkpoint)
+
+
+def test_mtp_positions_wait_in_the_stash_while_more_decode_than_verify(checkpoint, monkeypatch):
+    """max_batch 1 and three requests: while two or more decode, the MTP runs no step for their
+    decode positions (their hidden states wait in the stash); the one left alone catches up
+    from the stash and drafts the oracle's drafts. A stash too small for the wait leaves that
+    request drafting nothing; the tokens stay the plain engine's either way."""
+    path = checkpoint[0]
+    ps = [engine_prompts()[i] for i in (0, 3, 2)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (4, 8, 16)]
+    want = [mtp_engine(path).generate([p], q)[0] for p, q in zip(ps, params)]
+    for stash, drafts_alone in ((64, True), (2, False)):
+        spec = mtp_engine(path, speculative=Speculative(mtp=True, num_drafts=3, max_batch=1, adaptive=False))
+        spec.mtp.stash = stash
+        seen = spy_on_drafts(monkeypatch)
+        ids = [spec.add_request(p, q) for p, q in zip(ps, params)]
+        got = {i: [] for i in ids}
+        stashed = 0
+        while spec.has_unfinished():
+            for o in spec.step():
+                got[o.id] += o.new_tokens
+            stashed = max(stashed, max((r.drafter.stashed for r in spec.scheduler.running), default=0))
+        assert [got[i] for i in ids] == want
+        assert stashed >= 2  # positions waited
+        alone = [(c, d) for c, d in seen if c[: len(ps[2])] == ps[2] and len(c) > len(ps[2]) + 8]
+        assert alone and all(bool(d) == drafts_alone for _, d in alone)
+        assert_the_oracles_drafts(seen, checkpoint)
 
 
 def test_mtp_speculation_beside_choices_and_what_it_refuses(checkpoint, monkeypatch):

@@ -164,7 +164,8 @@ class Model:
         rows = h.index_select(0, ctx.inputs.logit_rows)
         return F.linear(rows, self.lm_head).float()
 
-    def _fused_decode(self, residual: torch.Tensor, ctx: StepContext, hidden: torch.Tensor | None = None) -> torch.Tensor:
+    def _fused_decode(self, residual: torch.Tensor, ctx: StepContext,
+                      hidden: torch.Tensor | None = None) -> torch.Tensor:
         for block in self.blocks:
             block.mixer.fused_decode(residual, block.norm, ctx)
         rows, norm = ctx.inputs.logit_rows, self.final_norm

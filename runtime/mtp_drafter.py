@@ -139,7 +139,8 @@ class MTPDrafting:
                 if d.stashed + end - new > self.stash:
                     d.lost = True
                     continue
-                into_stash += [(slot * self.stash + d.stashed + i, row + p - first) for i, p in enumerate(range(new, end))]
+                into_stash += [(slot * self.stash + d.stashed + i, row + p - first)
+                               for i, p in enumerate(range(new, end))]
                 d.stashed += end - new
                 continue
             at = sum(len(t) for t, _, _ in seqs)  # this sequence's first row in hidden_in

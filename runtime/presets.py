@@ -163,8 +163,8 @@ PRESETS: dict[str, dict] = {
 # Nemotron 3.5 Lightning 30B-A3B: its published signature is Nano's (52 layers, hidden 2688, 128
 # experts top-6 of 1856, a shared one of 3712) and one MTP depth, attention then MoE (HF's default
 # kinds); its layer pattern is taken as Nano's
-PRESETS["nemotron-3.5-lightning-30b-a3b"] = dict(PRESETS["nemotron-3-nano-30b-a3b"], mtp_layer_types=("attention", "moe"),
-                                                 mtp_depths=1)
+PRESETS["nemotron-3.5-lightning-30b-a3b"] = dict(PRESETS["nemotron-3-nano-30b-a3b"],
+                                                 mtp_layer_types=("attention", "moe"), mtp_depths=1)
 
 
 def preset_config(name: str) -> ModelConfig:

@@ -21,7 +21,8 @@ their own that move almost nothing. Here one kernel does all three:
     it into the projection (``unit_norm``). A gated norm runs as a kernel of its own first,
     which measured faster than recomputing its groups tile by tile.
 - epilogue: store the rounded product; or add it into the residual stream in place; or squared
-  ReLU; or, for Mamba2's in_proj, the causal conv1d decode update (state shift and SiLU) on the
+  ReLU; or SwiGLU over a [gate | up] weight (a program owns output columns' gate and up rows
+  side by side, and stores silu(gate) * up: no activation kernel after it); or, for Mamba2's in_proj, the causal conv1d decode update (state shift and SiLU) on the
   ``xBC`` columns, which one program owns per channel, so the conv state has a single writer.
 
 Programmatic dependent launch (sm_90+): with ``pdl=True`` a kernel may start while the previous one
@@ -61,6 +62,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .activation import silu_mul_ref
 from .conv1d import conv1d_update_ref
 from .dispatch import with_reference
 from .fp8 import Fp8Weight
@@ -84,7 +86,7 @@ MAX_ROWS = 8
 ONE_TILE_MAX_K = 2048
 
 _PRO_NONE, _PRO_RMS, _PRO_GATED = 0, 1, 2
-_EPI_STORE, _EPI_RESIDUAL, _EPI_RELU2, _EPI_CONV = 0, 1, 2, 3
+_EPI_STORE, _EPI_RESIDUAL, _EPI_RELU2, _EPI_CONV, _EPI_SWIGLU = 0, 1, 2, 3, 4
 
 
 class ConvTail(NamedTuple):
@@ -273,6 +275,7 @@ def _finish_row(
     out_ptr, cs_ptr, stride_out, stride_cs_s, stride_cs_d, stride_cs_k,
     EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, CONV_K: tl.constexpr, BLOCK_C: tl.constexpr,
     CONV_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, EARLY: tl.constexpr, ACT_DTYPE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """Bias, rounding and epilogue of output row m (acc: its fp32 product, [1, BLOCK_N]), stored.
     The [BLOCK_M, ...] tiles, and the biases ([BLOCK_N] fp32), are what the kernel loaded before the
@@ -310,7 +313,17 @@ def _finish_row(
         s_ptrs = (cs_ptr + tl.maximum(slot_m, 0).to(tl.int64)[:, :, None] * stride_cs_s
                   + c[None, :, None] * stride_cs_d + taps * stride_cs_k)
         tl.store(s_ptrs, nxt.to(cs_ptr.dtype.element_ty), mask=live[:, :, None] & (taps < CONV_K - 1))
-    tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
+    if EPILOGUE == 4:
+        # the program's weight rows are output column j's gate and up side by side
+        # (``_skinny_kernel``): silu(gate), rounded as HF's op, times up, into column j
+        gate, up = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
+        col, _ = tl.split(tl.reshape(n, (BLOCK_N // 2, 2)))
+        col_ok, _ = tl.split(tl.reshape(n_ok.to(tl.int32), (BLOCK_N // 2, 2)))
+        y = (gate * tl.sigmoid(gate)).to(ACT_DTYPE).to(tl.float32) * up
+        tl.store(out_ptr + row.to(tl.int64) * stride_out + col.to(tl.int64), y.to(out_ptr.dtype.element_ty),
+                 mask=col_ok > 0)
+    else:
+        tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -336,6 +349,14 @@ def _skinny_kernel(
     # layout (no cross-row shuffles); with LOOP, K is streamed in tiles.
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
+    if EPILOGUE == 4:
+        # SwiGLU over w = [gate | up] (N = 2I rows): the program's rows are BLOCK_N / 2 output
+        # columns' gate and up rows side by side (j, I + j, j + 1, I + j + 1, ...), so the epilogue
+        # pairs them within the program
+        i = tl.arange(0, BLOCK_N)
+        col = tl.program_id(0) * (BLOCK_N // 2) + i // 2
+        n = col + (i % 2) * (N // 2)
+        n_ok = col < N // 2
     n64 = n.to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
     if not LOOP and x_ptr.dtype.element_ty == tl.float32:
@@ -417,7 +438,7 @@ def _skinny_kernel(
         _finish_row(
             m, acc_m, res, window, shifted, cw, slot, n, n_ok, c, c_ok, bias, conv_bias,
             out_ptr, cs_ptr, stride_out, stride_cs_s, stride_cs_d, stride_cs_k,
-            EPILOGUE, HAS_BIAS, CONV_K, BLOCK_C, CONV_BIAS, BLOCK_M, EARLY, ACT_DTYPE,
+            EPILOGUE, HAS_BIAS, CONV_K, BLOCK_C, CONV_BIAS, BLOCK_M, EARLY, ACT_DTYPE, BLOCK_N,
         )
 
 
@@ -598,13 +619,15 @@ def _launch(x, z, norm_w, weight, bias, out, rows: _Rows, *, eps, group_size, pr
 
 
 
-def _epilogue(residual, relu2, conv) -> int:
-    if (residual is not None) + bool(relu2) + (conv is not None) > 1:
-        raise ValueError("pick one epilogue: residual, relu2 or conv")
+def _epilogue(residual, relu2, conv, swiglu=False) -> int:
+    if (residual is not None) + bool(relu2) + (conv is not None) + bool(swiglu) > 1:
+        raise ValueError("pick one epilogue: residual, relu2, swiglu or conv")
     if residual is not None:
         return _EPI_RESIDUAL
     if relu2:
         return _EPI_RELU2
+    if swiglu:
+        return _EPI_SWIGLU
     return _EPI_CONV if conv is not None else _EPI_STORE
 
 
@@ -628,12 +651,14 @@ def _linear_ref(h, weight, bias, act_dtype):
     return y.to(act_dtype)
 
 
-def _epilogue_ref(y, residual, relu2, conv, out):
+def _epilogue_ref(y, residual, relu2, conv, out, swiglu=False):
     if residual is not None:
         residual.copy_((residual.float() + y.float()).to(residual.dtype))
         return residual
     if relu2:
         y = torch.relu(y.float()).square().to(y.dtype)
+    if swiglu:
+        y = silu_mul_ref(y)
     if conv is not None:
         D = conv.weight.shape[0]
         xbc = y[:, conv.lo: conv.lo + D]
@@ -644,21 +669,23 @@ def _epilogue_ref(y, residual, relu2, conv, out):
 
 
 def norm_linear_ref(x, norm_w, eps, weight, *, bias=None, round_first=True, rows=None, residual=None,
-                    relu2=False, conv=None, out=None, pdl=False, tile_k=None, early=False, unit_norm=False):
+                    relu2=False, swiglu=False, conv=None, out=None, pdl=False, tile_k=None, early=False,
+                    unit_norm=False):
     """The unfused composition: :func:`rms_norm_ref`, a rounded fp32 product, the epilogue."""
-    _epilogue(residual, relu2, conv)
+    _epilogue(residual, relu2, conv, swiglu)
     act = _act_dtype(weight, x, norm_w)
     src = x if rows is None else x.index_select(0, rows.long())
     h = src
     if norm_w is not None:
         h = torch.empty(src.shape, dtype=act, device=src.device)
         rms_norm_ref(src, norm_w, eps, out=h, round_first=round_first)
-    return _epilogue_ref(_linear_ref(h, weight, bias, act), residual, relu2, conv, out)
+    return _epilogue_ref(_linear_ref(h, weight, bias, act), residual, relu2, conv, out, swiglu)
 
 
 @with_reference(norm_linear_ref)
 def norm_linear(x, norm_w, eps, weight, *, bias=None, round_first=True, rows=None, residual=None,
-                relu2=False, conv=None, out=None, pdl=False, tile_k=None, early=False, unit_norm=False):
+                relu2=False, swiglu=False, conv=None, out=None, pdl=False, tile_k=None, early=False,
+                unit_norm=False):
     """``epilogue(rms_norm(x[rows]) @ weight.T + bias)`` for at most ``MAX_ROWS`` rows.
 
     x:        [T, K] activations (bf16, or the fp32 residual stream); row-strided views allowed
@@ -669,6 +696,8 @@ def norm_linear(x, norm_w, eps, weight, *, bias=None, round_first=True, rows=Non
     epilogue, at most one of:
       residual: [T, N] updated in place to residual + y (its dtype); nothing else is written
       relu2:    y = relu(y)^2
+      swiglu:   weight is [2I, K], the gate's I rows then the up's: y = silu(gate) * up, [R, I]
+                (each rounded as HF's ops, as ``kernels.activation.silu_mul``)
       conv:     ConvTail: the conv1d decode update on columns [conv.lo, conv.lo + D)
     out:      [R, N] (any float dtype; the product is rounded to weight's dtype first, or beside
               FP8 weights to norm_w's, else x's)
@@ -686,9 +715,11 @@ def norm_linear(x, norm_w, eps, weight, *, bias=None, round_first=True, rows=Non
     _check_weight(weight, K)
     if conv is not None:
         _check("conv.slots", conv.slots, (T if rows is None else rows.shape[0],))
-    epi = _epilogue(residual, relu2, conv)
+    epi = _epilogue(residual, relu2, conv, swiglu)
+    if swiglu and weight.shape[0] % 2:
+        raise ValueError(f"swiglu: the weight's rows are [gate | up], an even count; got {weight.shape[0]}")
     act = _act_dtype(weight, x, norm_w)
-    spec, dst = _out_rows(x, rows, out, residual, weight.shape[0], act)
+    spec, dst = _out_rows(x, rows, out, residual, weight.shape[0] // (2 if swiglu else 1), act)
     return _launch(x, None, norm_w, weight, bias, dst, spec, eps=eps, group_size=K,
                    prologue=_PRO_NONE if norm_w is None else _PRO_RMS, round_first=round_first,
                    epilogue=epi, conv=conv, pdl=pdl, act_dtype=act, early=early, tile_k=tile_k,

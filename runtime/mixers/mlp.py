@@ -1,7 +1,7 @@
 """The dense MLP: ``down(act(up(x)))`` with NemotronH's relu2, or SwiGLU (Granite, Bamba,
 Falcon-H1: silu(gate) * up, over an up projection holding the gate's rows, then the up's).
-Fused, a small decode step is block norm + up_proj (+ relu2 in its epilogue; SwiGLU: a kernel of
-its own after it); down_proj + residual add. The MoE's shared expert is this MLP too.
+Fused, a small decode step is block norm + up_proj (+ relu2 or SwiGLU in its epilogue); down_proj
++ residual add. The MoE's shared expert is this MLP too.
 """
 
 from __future__ import annotations
@@ -30,10 +30,8 @@ def mlp_fused(x, norm: Norm | None, up, down, up_bias, down_bias, act, ctx: Step
     None for x already normed. ``first_pdl``: the first kernel is a programmatic dependent (not
     on another stream, where what it follows is the other stream's)."""
     opts = ctx.options
-    h = norm_linear(x, weight=up, bias=up_bias, relu2=act == "relu2", pdl=opts.pdl and first_pdl, tile_k=opts.tile_k,
-                    **norm_args(norm))
-    if act == "swiglu":
-        h = silu_mul(h, pdl=opts.pdl)
+    h = norm_linear(x, weight=up, bias=up_bias, relu2=act == "relu2", swiglu=act == "swiglu",
+                    pdl=opts.pdl and first_pdl, tile_k=opts.tile_k, **norm_args(norm))
     # a residual is the previous block's, two or more kernels back
     return norm_linear(h, None, 0.0, down, bias=down_bias, residual=residual, pdl=opts.pdl, tile_k=opts.tile_k,
                        early=residual is not None)

@@ -133,7 +133,8 @@ def launch_skinny() -> None:
     """The streamed skinny projections as a Nemotron decode step chains them (PDL): in_proj with
     the block norm (Nemotron-3-Nano's 16-column tiles, Nemotron-Nano-9B-v2's 16 x 512), with the
     conv epilogue too, out_proj, o_proj adding into the residual, a relu2 up projection, the shared
-    expert's down projection (512-column tiles from K = 3072); Granite-4.0-H-micro's up, down and in_proj."""
+    expert's down projection (512-column tiles from K = 3072); Granite-4.0-H-micro's up, down and in_proj;
+    up projections with SwiGLU in their epilogue."""
     from mambastep.kernels.decode_linear import ConvTail, norm_linear
 
     for N, K, norm, relu2 in ((10304, 2688, True, False), (2688, 4096, False, False), (3712, 2688, True, True),
@@ -158,6 +159,11 @@ def launch_skinny() -> None:
                        out=torch.empty(1, 16384, **bf16), pdl=True, unit_norm=True)
     norm_linear.triton(torch.randn(1, 8192).to(torch.bfloat16), None, 1e-5, torch.empty(2048, 8192, **bf16),
                        residual=torch.empty(1, 2048), pdl=True, early=True)
+    # SwiGLU in the up projections' epilogue: micro's (one register tile), Tiny's shared expert,
+    # Bamba-9B's (K streamed)
+    for N, K in ((16384, 2048), (2048, 1536), (28672, 4096)):
+        norm_linear.triton(torch.randn(1, K), torch.ones(K, **bf16), 1e-5, torch.empty(N, K, **bf16), swiglu=True,
+                           out=torch.empty(1, N // 2, **bf16), pdl=True)
     # and its in_proj, one register tile with the conv update in the epilogue
     conv = ConvTail(torch.empty(2, W - 1, 4352, **bf16).transpose(1, 2), torch.empty(4352, W, **bf16),
                     torch.empty(4352, **bf16), torch.zeros(1, dtype=torch.int32), 4096)

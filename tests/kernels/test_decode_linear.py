@@ -7,6 +7,7 @@ from mambastep.kernels import decode_linear
 from mambastep.kernels.decode_linear import (
     MAX_ROWS, ConvTail, gated_norm_linear_ref, gated_norm_linear, norm_linear_ref, norm_linear,
 )
+from mambastep.kernels.activation import silu_mul_ref
 from mambastep.kernels.fp8 import quantize_fp8
 from mambastep.kernels.varlen import PAD_SLOT_ID
 from support import assert_close, poisoned
@@ -107,6 +108,28 @@ def test_relu2_epilogue(device, tile_k):
     ref = norm_linear_ref(x.cpu(), norm_w.cpu(), 1e-5, w.cpu(), relu2=True, round_first=False)
     assert (out.cpu() >= 0).all()
     assert_close(out.cpu(), ref, BF16, factor=0.25)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("M,I", [(1, 20), (3, 9)])
+def test_swiglu_epilogue(device, tile_k, M, I, fp8):
+    """SwiGLU over [gate | up] rows in the projection's epilogue: each program pairs output
+    column j's gate and up rows (I odd: a program's last pair past the edge; several programs)."""
+    torch.manual_seed(4 + M + I)
+    K = 48
+    x = torch.randn(M, K, device=device)
+    norm_w = torch.randn(K, device=device).to(BF16)
+    w, _ = _weights(2 * I, K, device, False)
+    if fp8:
+        w = quantize_fp8(w.float())
+    out = poisoned((M, I), BF16, device)
+    norm_linear.triton(x, norm_w, 1e-5, w, swiglu=True, out=out, tile_k=tile_k)
+    ref = norm_linear_ref(x.cpu(), norm_w.cpu(), 1e-5, w.to("cpu"), swiglu=True)
+    assert ref.shape == (M, I)
+    gate_up = norm_linear_ref(x.cpu(), norm_w.cpu(), 1e-5, w.to("cpu"))
+    assert torch.equal(ref, silu_mul_ref(gate_up))  # the reference is the two ops'
+    # a product of two rounded products: twice a plain product's rounding differences
+    assert_close(out.cpu(), ref, BF16, factor=0.5)
 
 
 @pytest.mark.parametrize("M", [1, 4])
@@ -250,6 +273,8 @@ def test_bad_inputs_raise(device):
         norm_linear.triton(x[:2, :8], None, 1e-5, w)
     with pytest.raises(ValueError, match="one epilogue"):
         norm_linear.triton(x[:2], None, 1e-5, w, relu2=True, residual=torch.zeros(2, 8, device=device))
+    with pytest.raises(ValueError, match="even"):
+        norm_linear.triton(x[:2], None, 1e-5, w[:7], swiglu=True)
     with pytest.raises(ValueError, match="divide"):
         gated_norm_linear.triton(x[:2], x[:2], w[0], 5, 1e-5, w)
 

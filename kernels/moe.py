@@ -15,17 +15,19 @@ Static shapes throughout, so a step is captured once per bucket and replays with
    routing's block counts, or a counting pass and those programs).
    Buffers are sized by the bucket: P = tokens x k pairs take at most P + min(E, P) x
    (block_m - 1) slots, whatever the routing. Up to ``PAIR_TILES_MAX`` pairs (a decode step of
-   a row or two) nothing is aligned: each pair is a tile of its own, or, for FP8 experts, a
-   matrix-vector product streaming K on CUDA cores (a tile's 16 rows would be mostly padding,
-   and with half the bytes the tiles' latency, not the weight read, set their time).
+   a row or two) nothing is aligned: each pair is a tile of its own, or, for FP8 and SwiGLU
+   experts, a matrix-vector product streaming K on CUDA cores (a tile's 16 rows would be mostly
+   padding, and with half the bytes the tiles' latency, not the weight read, set their time;
+   SwiGLU's activation then rides in the up projection's kernel).
 3. Grouped GEMMs: a program per (block of columns, tile of slots), columns fastest, finds its
    tile's expert from the device counts and exits when the tile lies past the last expert's
    run, so the grid is fixed by the bucket and only routed experts' weights are read; on Hopper
    the TMA unit copies the tiles. A last column block narrower than a tile takes tiles of its
    own width in the same launch. Up projection with relu2 (each rounded to the activations'
-   dtype, as HF's two ops; a run's padding rows written as zeros), then down projection.
+   dtype, as HF's two ops; a run's padding rows written as zeros), or SwiGLU's kernel after it,
+   then down projection.
 4. Combine: a token's k rows weighted and summed in fp32 in expert order, rounded, plus the
-   shared expert's output, optionally added into the residual stream (for FP8 pairs, in the
+   shared expert's output, optionally added into the residual stream (for streamed pairs, in the
    down projections' own kernel, which streams a token's k experts one after the other). No
    atomics anywhere, so a step is deterministic run to run.
 
@@ -486,7 +488,9 @@ PAIR_TILES_MAX = 12
 # the up projections (``_pair_up_kernel``) in tiles of 16 columns x 256, 4 stages (Nemotron-3-
 # Nano's six experts at one token 27.6 us against 37.7 in pair tiles, at two tokens 47.7 against
 # 55.1, up, down and combine each streamed so; H200, swept over 8-64 columns x 128-1024). bf16
-# experts keep the pair tiles: the stream's best there, 36.6 against 35.6 us (docs/experiments.md).
+# relu2 experts keep the pair tiles: the stream's best there, 36.6 against 35.6 us
+# (docs/experiments.md). bf16 SwiGLU experts (Granite) stream too, for the two launches it saves
+# (SwiGLU in the up kernel, the combine in the down one): not yet timed on the GPU.
 PAIR_UP_BLOCK_N, PAIR_UP_BLOCK_K, PAIR_UP_STAGES = 16, 256, 4
 # and the down projections with the combine (``_pair_down_kernel``), (columns a program, K
 # tile, stages) for one token and for more: Nano's at one token 14.4 us against 15.4 for a down
@@ -664,18 +668,25 @@ def _pair_kernel(a_ptr, idx_ptr, w_ptr, out_ptr, N, K, stride_a, stride_we, stri
 @triton.jit
 def _pair_up_kernel(a_ptr, idx_ptr, w_ptr, out_ptr, N, K, stride_a, stride_we, stride_wn, stride_out,
                     s_ptr, stride_se, stride_sn,
-                    TOP_K: tl.constexpr, RELU2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    TOP_K: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     EVEN_K: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr, SCALE: tl.constexpr,
                     SCALE_BLOCK: tl.constexpr):
     """A few pairs' up projections as matrix-vector products on CUDA cores: out[p, cols] =
-    a[p // TOP_K] @ w[idx[p], cols].T for pair p (program axis 1) over BLOCK_N columns (axis 0),
-    K streamed in pipelined tiles as the skinny projections stream theirs
+    act(a[p // TOP_K] @ w[idx[p], cols].T) for pair p (program axis 1) over BLOCK_N weight rows
+    (axis 0), K streamed in pipelined tiles as the skinny projections stream theirs
     (``decode_linear._streamed_rows``), each weight element read once. A 16-row tensor-core tile
     for one row would be mostly padding; here every SM streams a share of the six experts' weights.
-    The routing is the previous kernel's: read after the wait. SCALE as ``_tile_product``'s."""
+    The routing is the previous kernel's: read after the wait. SCALE as ``_tile_product``'s.
+    ACT: 0 none, 1 relu2, 2 SwiGLU over w = [gate | up] (N = 2I rows): the program's rows are
+    BLOCK_N / 2 output columns' gate and up rows side by side, and it stores silu(gate) * up."""
     p = tl.program_id(1)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
+    if ACT == 2:
+        i = tl.arange(0, BLOCK_N)
+        col = tl.program_id(0) * (BLOCK_N // 2) + i // 2
+        n = col + (i % 2) * (N // 2)
+        n_ok = col < N // 2
     n64 = n.to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
     if USE_PDL:
@@ -695,10 +706,17 @@ def _pair_up_kernel(a_ptr, idx_ptr, w_ptr, out_ptr, N, K, stride_a, stride_we, s
     if SCALE == 1:
         acc *= tl.load(s_e + n, mask=n_ok, other=0.0)[None, :]
     y = acc.to(out_ptr.dtype.element_ty)
-    if RELU2:
+    if ACT == 1:
         y = tl.maximum(y.to(tl.float32), 0.0)
         y = (y * y).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + p * stride_out + n64[None, :], y, mask=n_ok[None, :])
+    if ACT == 2:  # as ``silu_mul``: silu(gate) rounded, times up
+        gate, up = tl.split(tl.reshape(y.to(tl.float32), (BLOCK_N // 2, 2)))
+        col, _ = tl.split(tl.reshape(n64, (BLOCK_N // 2, 2)))
+        col_ok, _ = tl.split(tl.reshape(n_ok.to(tl.int32), (BLOCK_N // 2, 2)))
+        h = (gate * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty).to(tl.float32) * up
+        tl.store(out_ptr + p * stride_out + col, h.to(out_ptr.dtype.element_ty), mask=col_ok > 0)
+    else:
+        tl.store(out_ptr + p * stride_out + n64[None, :], y, mask=n_ok[None, :])
 
 
 @triton.jit
@@ -834,7 +852,8 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
 
     x [T, K] (the activations' dtype), idx [T, k] int32 and w [T, k] fp32 from ``moe_route``,
     act: "relu2", up [E, I, K]; or "swiglu", up [E, 2I, K] (the gate's I rows, then the up's:
-    silu(gate) * up, a kernel of its own after the up projection, ``kernels.activation``);
+    silu(gate) * up, in the pair stream's up kernel, else a kernel of its own after the up
+    projection, ``kernels.activation``);
     down [E, D, I], plain or ``Fp8Weight`` (their values streamed, entering the
     tensor cores in x's dtype, and scaled per column or block in the kernel). The routed sum is
     rounded to x's dtype; then ``shared`` [T, D] (the shared expert's output) is added, and the
@@ -889,20 +908,22 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
         S = slot_count(T, k, E, bm)
         slot_of_pair, token_of_slot, starts, counts = _align(idx, E, bm, S, pdl, block_counts)
         block_e = max(16, triton.next_power_of_2(E))
-    gate_up = torch.empty(S, up_n, dtype=x.dtype, device=dev) if swiglu else None
+    # FP8 or SwiGLU experts' pairs stream K as matrix-vector products (``_pair_up_kernel``, SwiGLU
+    # in its epilogue), and the down projections and the combine are one kernel
+    # (``_pair_down_kernel``)
+    stream = pairs and (down_scale is not None or swiglu)
+    gate_up = torch.empty(S, up_n, dtype=x.dtype, device=dev) if swiglu and not stream else None
     h = torch.empty(S, I, dtype=x.dtype, device=dev)
-    # FP8 pairs: the down projections and the combine are one kernel (``_pair_down_kernel``)
-    down_combined = pairs and down_scale is not None
-    y = None if down_combined else torch.empty(S, D, dtype=x.dtype, device=dev)
+    y = None if stream else torch.empty(S, D, dtype=x.dtype, device=dev)
     # up (gathering each slot's token row, relu2 after, or SwiGLU's kernel), then down; the TMA
     # unit copies the weight tiles (and, in the sorted layout, the down projection's input tiles,
     # whose rows are a tile's slots in order), where it can
-    for a, weight, scales, result, up_proj in ((x, up, up_scale, gate_up if swiglu else h, True),
+    for a, weight, scales, result, up_proj in ((x, up, up_scale, h if gate_up is None else gate_up, True),
                                                (h, down, down_scale, y, False)):
-        if not up_proj and swiglu:  # padding slots' rows are zeros, and silu(0) * 0 = 0
-            silu_mul(gate_up, out=h, pdl=pdl)
-        if not up_proj and down_combined:
+        if not up_proj and stream:
             break
+        if not up_proj and gate_up is not None:  # padding slots' rows are zeros, and silu(0) * 0 = 0
+            silu_mul(gate_up, out=h, pdl=pdl)
         a_scale = None
         if w8a8:  # the rows as FP8 values and a scale each (the padding slots' zero rows: zeros)
             a, a_scale = quantize_rows(a)
@@ -920,10 +941,10 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
             bk = min(bk, scale_block)
         tma = _tma(weight) and (pairs or up_proj or _tma(a))
         w_arg = TensorDescriptor.from_tensor(weight, [1, bn, bk]) if tma else weight
-        if pairs and mode > 0 and up_proj:  # FP8 pairs: matrix-vector products streaming K
+        if stream:  # the up projections as matrix-vector products streaming K
             bn, bk = PAIR_UP_BLOCK_N, min(PAIR_UP_BLOCK_K, max(32, triton.next_power_of_2(kk)))
             _pair_up_kernel[(triton.cdiv(n, bn), S)](
-                a, idx, weight, result, n, kk, *common, TOP_K=k, RELU2=not swiglu, BLOCK_N=bn, BLOCK_K=bk,
+                a, idx, weight, result, n, kk, *common, TOP_K=k, ACT=2 if swiglu else 1, BLOCK_N=bn, BLOCK_K=bk,
                 EVEN_K=kk % bk == 0, STAGES=PAIR_UP_STAGES, USE_PDL=pdl, SCALE=mode, SCALE_BLOCK=scale_block,
                 num_warps=4, **extra)
         elif pairs:
@@ -947,16 +968,17 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
         # down projection drains, and its wait returns only once the other stream's work has
         # completed too (the join is a full dependency; a GPU test checks the order)
         torch.cuda.current_stream(dev).wait_event(shared_ready)
-    if down_combined:
-        scale, scale_block = down_scale
+    if stream:
+        scale, scale_block = down_scale if down_scale is not None else (down, 0)
+        mode = 0 if down_scale is None else 2 if scale_block else 1
         bn, bk, stages = PAIR_DOWN_ONE_TOKEN if T == 1 else PAIR_DOWN_TOKENS
         _pair_down_kernel[(triton.cdiv(D, bn), T)](
             h, idx, w, down, shared if shared is not None else h, target, D, I, h.stride(0), down.stride(0),
             down.stride(1), shared.stride(0) if shared is not None else 0, target.stride(0), scale, scale.stride(0),
-            scale.stride(1) if scale_block else 0, TOP_K=k, BLOCK_J=triton.next_power_of_2(k),
+            scale.stride(1) if mode == 2 else 0, TOP_K=k, BLOCK_J=triton.next_power_of_2(k),
             SHARED=shared is not None, ACCUMULATE=residual is not None, BLOCK_N=bn,
             BLOCK_K=min(bk, max(32, triton.next_power_of_2(I))), STAGES=stages, USE_PDL=pdl,
-            SCALE=2 if scale_block else 1, SCALE_BLOCK=scale_block, num_warps=4, **extra)
+            SCALE=mode, SCALE_BLOCK=scale_block, num_warps=4, **extra)
         return target
     block_d = min(1024, triton.next_power_of_2(D))
     _combine_kernel[(T, triton.cdiv(D, block_d))](

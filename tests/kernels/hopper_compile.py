@@ -92,8 +92,8 @@ def launch_moe() -> None:
     three bf16 terms of the router, the top-k counting its blocks' pairs); the pair tiles, 16-row
     grouped tiles with the one-program align, and 128-row TMA tiles with the two-pass align (or the
     routing's counts and one pass), the up projection's last column block in narrower tiles (320 =
-    256 + 64); FP8 experts of one and two tokens (the pair stream), and W8A8 ones in the sorted
-    layout; each with and without PDL."""
+    256 + 64); bf16 SwiGLU and FP8 experts of one and two tokens (the pair stream), and W8A8 ones
+    in the sorted layout; each with and without PDL."""
     from mambastep.kernels import moe
     from mambastep.kernels.fp8 import quantize_fp8
 
@@ -112,15 +112,24 @@ def launch_moe() -> None:
             for block_counts in (None, moe.block_counts_ref(idx, E)):
                 moe.moe_experts.triton(x, idx, torch.rand(T, k), up, down, residual=torch.empty_like(x),
                                        block_counts=block_counts, pdl=pdl)
+    # SwiGLU experts of one and two tokens (Granite's): the pair stream, SwiGLU in its up kernel
+    for T in (1, 2):
+        x = torch.randn(T, D).to(torch.bfloat16)
+        idx = torch.stack([torch.randperm(E)[:6].sort()[0] for _ in range(T)]).to(torch.int32)
+        moe.moe_experts.triton(x, idx, torch.rand(T, 6), torch.empty(E, 2 * I, D, dtype=torch.bfloat16), down,
+                               residual=torch.empty_like(x), pdl=True, act="swiglu")
     # FP8 experts of one and two tokens: the pair stream, scaled per column and in 128 x 128 blocks
     for block in (0, 128):
         fp8_up, fp8_down = (quantize_fp8(torch.randn(E, n, kk) * 0.02, block) for n, kk in ((I, D), (D, I)))
+        fp8_gate_up = quantize_fp8(torch.randn(E, 2 * I, D) * 0.02, block)
         for T in (1, 2):
             x = torch.randn(T, D).to(torch.bfloat16)
             idx = torch.stack([torch.randperm(E)[:6].sort()[0] for _ in range(T)]).to(torch.int32)
             for pdl in (False, True):
                 moe.moe_experts.triton(x, idx, torch.rand(T, 6), fp8_up, fp8_down, residual=torch.empty_like(x),
                                        pdl=pdl)
+            moe.moe_experts.triton(x, idx, torch.rand(T, 6), fp8_gate_up, fp8_down, residual=torch.empty_like(x),
+                                   pdl=True, act="swiglu")
         # W8A8 in the sorted layout: FP8 rows on both sides of the tensor cores (16- and 128-row tiles)
         for T, k in ((64, 6), (1200, 2)):
             x = torch.randn(T, D).to(torch.bfloat16)

@@ -225,29 +225,34 @@ def test_swiglu_experts_equal_granite_math(device, case, dtype):
         torch.testing.assert_close(ref, hf, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("act", ["relu2", "swiglu"])
 @pytest.mark.parametrize("block", [0, 16], ids=["fp8-column", "fp8-block16"])
 @pytest.mark.parametrize("case", ["one token", "a few pairs, a tile each", "two tokens, K in ragged tiles", "spread",
                                   "128-row tiles, narrow last column blocks", "many pairs (aligned in two passes)"])
-def test_fp8_experts_equal_the_dequantized_reference(device, case, block):
+def test_fp8_experts_equal_the_dequantized_reference(device, case, block, act):
     """FP8 experts (per expert and column, or 16 x 16 blocks, ragged in I): the values enter the
-    tensor cores in bf16 (or, for a token or two, CUDA cores' multiply-adds, the down projections
-    and the combine one kernel) and their scales multiply the sums; the dense reference runs on the
-    dequantized weights. With the shared expert's output, and added into a residual stream."""
+    tensor cores in bf16 (or, for a token or two, CUDA cores' multiply-adds, SwiGLU in the up
+    projections' kernel, the down projections and the combine one kernel) and their scales
+    multiply the sums; the dense reference runs on the dequantized weights. With the shared
+    expert's output, and added into a residual stream."""
     c = CASES[case]
     T, E, k = c["T"], c["E"], c["k"]
     K, I, D = c.get("K", 32), c.get("I", 24), c.get("D", 32)
     idx, w = routing(T, E, k, experts_used=c.get("experts_used"))
     x = torch.randn(T, K).to(torch.bfloat16)
-    up, down = (quantize_fp8(t.float(), block) for t in experts(E, I, K, D, torch.float32, "cpu"))
+    up, down = experts(E, I, K, D, torch.float32, "cpu")
+    if act == "swiglu":
+        up, _ = experts(E, 2 * I, K, D, torch.float32, "cpu", seed=2)
+    up, down = quantize_fp8(up, block), quantize_fp8(down, block)
     dev = [t.to(device) for t in (x, idx, w, up, down)]
-    ref = moe_experts_ref(x, idx, w, up, down)
+    ref = moe_experts_ref(x, idx, w, up, down, act=act)
     out = poisoned((T, D), torch.bfloat16, device)
-    moe_experts.triton(*dev, out=out)
+    moe_experts.triton(*dev, out=out, act=act)
     assert_close(out.cpu(), ref, torch.bfloat16)
     shared, residual = torch.randn(T, D).to(torch.bfloat16), torch.randn(T, D)
-    expect = moe_experts_ref(x, idx, w, up, down, shared=shared, residual=residual.clone())
+    expect = moe_experts_ref(x, idx, w, up, down, shared=shared, residual=residual.clone(), act=act)
     got = residual.to(device)
-    moe_experts.triton(*dev, shared=shared.to(device), residual=got)
+    moe_experts.triton(*dev, shared=shared.to(device), residual=got, act=act)
     assert_close(got.cpu(), expect, torch.bfloat16)
 
 

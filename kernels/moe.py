@@ -489,9 +489,11 @@ PAIR_TILES_MAX = 12
 # Nano's six experts at one token 27.6 us against 37.7 in pair tiles, at two tokens 47.7 against
 # 55.1, up, down and combine each streamed so; H200, swept over 8-64 columns x 128-1024). bf16
 # relu2 experts keep the pair tiles: the stream's best there, 36.6 against 35.6 us
-# (docs/experiments.md). bf16 SwiGLU experts (Granite) stream too, for the two launches it saves
-# (SwiGLU in the up kernel, the combine in the down one): not yet timed on the GPU.
+# (docs/experiments.md). bf16 SwiGLU experts (Granite) stream too where SWIGLU_PAIRS_STREAM, for
+# the two launches it saves (SwiGLU in the up kernel, the combine in the down one): not yet
+# timed on the GPU (``.ci/gpu-ab-swiglu`` times both ways).
 PAIR_UP_BLOCK_N, PAIR_UP_BLOCK_K, PAIR_UP_STAGES = 16, 256, 4
+SWIGLU_PAIRS_STREAM = True
 # and the down projections with the combine (``_pair_down_kernel``), (columns a program, K
 # tile, stages) for one token and for more: Nano's at one token 14.4 us against 15.4 for a down
 # kernel as the up one and the combine, at two 21.6 against 25.2 (H200; 4-16 columns x 256-1024)
@@ -911,7 +913,7 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
     # FP8 or SwiGLU experts' pairs stream K as matrix-vector products (``_pair_up_kernel``, SwiGLU
     # in its epilogue), and the down projections and the combine are one kernel
     # (``_pair_down_kernel``)
-    stream = pairs and (down_scale is not None or swiglu)
+    stream = pairs and (down_scale is not None or (swiglu and SWIGLU_PAIRS_STREAM))
     gate_up = torch.empty(S, up_n, dtype=x.dtype, device=dev) if swiglu and not stream else None
     h = torch.empty(S, I, dtype=x.dtype, device=dev)
     y = None if stream else torch.empty(S, D, dtype=x.dtype, device=dev)

@@ -37,6 +37,8 @@ token, weighted by the token's routing weight (zero where not chosen).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -47,9 +49,11 @@ from .activation import relu2_ref, silu_mul, silu_mul_ref
 from .decode_linear import _TL_DTYPES, _block_scaled, _streamed_rows, hopper_or_newer
 from .dispatch import with_reference
 from .fp8 import Fp8Weight, quantize_rows, quantize_rows_ref
+from .norm import rms_norm_ref
 
-__all__ = ["ACTIVATIONS", "SCORINGS", "block_counts_buffer", "block_m", "moe_experts", "moe_experts_ref", "moe_route",
-           "moe_route_ref", "router_terms", "slot_count"]
+__all__ = ["ACTIVATIONS", "SCORINGS", "block_counts_buffer", "block_m", "decodes_fused", "moe_decode",
+           "moe_decode_ref", "moe_experts", "moe_experts_ref", "moe_route", "moe_route_ref", "router_terms",
+           "slot_count"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -57,18 +61,32 @@ __all__ = ["ACTIVATIONS", "SCORINGS", "block_counts_buffer", "block_m", "moe_exp
 
 
 @triton.jit
-def _logits_kernel(x_ptr, gate_ptr, part_ptr, T, E, D, CHUNK, stride_x,
-                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
+def _logits_kernel(x_ptr, gate_ptr, part_ptr, T, E, D, CHUNK, stride_x, wn_ptr, h_ptr, stride_h, eps,
+                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
+                   NORM: tl.constexpr, ROUND_FIRST: tl.constexpr):
     """A few tokens' router logits, split over experts and over D: part[s, t, e] = the sum over
     chunk s of D of x[t, d] * gate[e, d], in fp32 multiply-adds (x rounded up from its dtype, as
-    HF's ``hidden.float()``). The top-k kernel adds the chunks in order, so no atomics."""
+    HF's ``hidden.float()``). The top-k kernel adds the chunks in order, so no atomics.
+
+    NORM: x is the residual stream, and the rows the router reads are its block's RMSNorm (weight
+    wn, ``rms_norm``'s rounding to h's dtype): each program sums its rows' squares over the whole
+    D (from L2), normalises its chunk, and the programs of the first experts write it to h, the
+    normed rows the experts read next (no norm launch before the router)."""
     es = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     s = tl.program_id(1)
     ts = tl.arange(0, BLOCK_T)
     e_ok, t_ok = es < E, ts < T
-    if USE_PDL:  # x is the previous kernel's output
+    if USE_PDL:  # x is the previous kernel's
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    if NORM:
+        sq = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            ds = d0 + tl.arange(0, BLOCK_D)
+            x = tl.load(x_ptr + ts[:, None] * stride_x + ds[None, :], mask=t_ok[:, None] & (ds < D)[None, :],
+                        other=0.0).to(tl.float32)
+            sq += x * x
+        rstd = tl.rsqrt(tl.sum(sq, axis=1) / D + eps)
     acc = tl.zeros((BLOCK_T, BLOCK_E, BLOCK_D), tl.float32)
     for d0 in range(s * CHUNK, tl.minimum(s * CHUNK + CHUNK, D), BLOCK_D):
         ds = d0 + tl.arange(0, BLOCK_D)
@@ -76,34 +94,27 @@ def _logits_kernel(x_ptr, gate_ptr, part_ptr, T, E, D, CHUNK, stride_x,
         g = tl.load(gate_ptr + es[:, None] * D + ds[None, :], mask=e_ok[:, None] & d_ok[None, :], other=0.0)
         x = tl.load(x_ptr + ts[:, None] * stride_x + ds[None, :], mask=t_ok[:, None] & d_ok[None, :],
                     other=0.0).to(tl.float32)
+        if NORM:  # as ``rms_norm``
+            x = x * rstd[:, None]
+            if ROUND_FIRST:
+                x = x.to(h_ptr.dtype.element_ty).to(tl.float32)
+            x = (x * tl.load(wn_ptr + ds, mask=d_ok, other=0.0).to(tl.float32)[None, :])
+            x = x.to(h_ptr.dtype.element_ty)
+            if tl.program_id(0) == 0:
+                tl.store(h_ptr + ts[:, None] * stride_h + ds[None, :], x, mask=t_ok[:, None] & d_ok[None, :])
+            x = x.to(tl.float32)
         acc += x[:, None, :] * g[None, :, :]
     tl.store(part_ptr + s * T * E + ts[:, None] * E + es[None, :], tl.sum(acc, axis=2),
              mask=t_ok[:, None] & e_ok[None, :])
 
 
 @triton.jit
-def _topk_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, counts_ptr, T, E, scale,
-                 TOP_K: tl.constexpr, N_GROUP: tl.constexpr, PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                 NORM: tl.constexpr, SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                 BLOCK_G: tl.constexpr, COUNTS: tl.constexpr, USE_PDL: tl.constexpr, SOFTMAX: tl.constexpr,
-                 ROUND_DTYPE: tl.constexpr):
-    """A block of tokens' top-k from their logits, given as SPLIT partial sums [SPLIT, T, E];
-    COUNTS: also the block's pairs per expert, counts[block, e] (the alignment's first pass).
-    SOFTMAX: the top-k of the logits (rounded to ROUND_DTYPE first, as HF's router computes them
-    in the model's dtype), weighted by the softmax over the k chosen, rounded so too; else
-    sigmoid scores, the bias steering the choice, NORM and the routed scale."""
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, BLOCK_E)
-    row_ok, col_ok = rows < T, cols < E
-    if not SOFTMAX:
-        bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0)
-    if USE_PDL:  # the logits are the previous kernel's
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    logits = tl.zeros((BLOCK_T, BLOCK_E), tl.float32)
-    for s in tl.static_range(SPLIT):
-        logits += tl.load(logits_ptr + s * T * E + rows[:, None] * E + cols[None, :],
-                          mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+def _choose(logits, bias, cols, col_ok, scale, TOP_K: tl.constexpr, N_GROUP: tl.constexpr,
+            PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr, BLOCK_T: tl.constexpr,
+            BLOCK_G: tl.constexpr, SOFTMAX: tl.constexpr, ROUND_DTYPE: tl.constexpr):
+    """Rows' choices from their fp32 logits [BLOCK_T, BLOCK_E]: (chosen [BLOCK_T, BLOCK_E], 1
+    where an expert is among the row's TOP_K, and the weights, zero elsewhere), as ``moe_route``
+    defines them."""
     if SOFTMAX:
         scores = logits.to(ROUND_DTYPE).to(tl.float32)
         choice = tl.where(col_ok[None, :], scores, float("-inf"))
@@ -122,21 +133,18 @@ def _topk_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, counts_ptr, T, E, scale,
             if PER_GROUP > 1:
                 s += tl.max(tl.where(cols[None, :] == best[:, None], float("-inf"), v), axis=1)
             gscore = tl.where(gcols[None, :] == g, s[:, None], gscore)
-        keep = tl.zeros((BLOCK_T, BLOCK_E), tl.int32)
+        keep = tl.zeros(choice.shape, tl.int32)
         for _ in tl.static_range(TOPK_GROUP):
             g = tl.argmax(gscore, axis=1)
             keep = tl.where(group[None, :] == g[:, None], 1, keep)
             gscore = tl.where(gcols[None, :] == g[:, None], float("-inf"), gscore)
         choice = tl.where(keep > 0, choice, float("-inf"))
-    chosen = tl.zeros((BLOCK_T, BLOCK_E), tl.int32)
+    chosen = tl.zeros(choice.shape, tl.int32)
     for _ in tl.static_range(TOP_K):
         best = tl.argmax(choice, axis=1)
         hit = cols[None, :] == best[:, None]
         chosen = tl.where(hit, 1, chosen)
         choice = tl.where(hit, float("-inf"), choice)
-    if COUNTS:
-        tl.store(counts_ptr + tl.program_id(0) * E + cols, tl.sum(tl.where(row_ok[:, None], chosen, 0), axis=0),
-                 mask=col_ok)
     if SOFTMAX:
         top = tl.max(tl.where(chosen > 0, scores, float("-inf")), axis=1)
         w = tl.where(chosen > 0, tl.exp(scores - top[:, None]), 0.0)
@@ -146,6 +154,46 @@ def _topk_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, counts_ptr, T, E, scale,
         if NORM:
             w = w / (tl.sum(w, axis=1)[:, None] + 1e-20)
         w = w * scale
+    return chosen, w
+
+
+@triton.jit
+def _summed_logits(logits_ptr, rows, row_ok, cols, col_ok, T, E, SPLIT: tl.constexpr, BLOCK_T: tl.constexpr,
+                   BLOCK_E: tl.constexpr):
+    """Rows' logits [BLOCK_T, BLOCK_E] from their SPLIT partial sums [SPLIT, T, E], added in order."""
+    logits = tl.zeros((BLOCK_T, BLOCK_E), tl.float32)
+    for s in tl.static_range(SPLIT):
+        logits += tl.load(logits_ptr + s * T * E + rows[:, None] * E + cols[None, :],
+                          mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+    return logits
+
+
+@triton.jit
+def _topk_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, counts_ptr, T, E, scale,
+                 TOP_K: tl.constexpr, N_GROUP: tl.constexpr, PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                 NORM: tl.constexpr, SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                 BLOCK_G: tl.constexpr, COUNTS: tl.constexpr, USE_PDL: tl.constexpr, SOFTMAX: tl.constexpr,
+                 ROUND_DTYPE: tl.constexpr):
+    """A block of tokens' top-k from their logits, given as SPLIT partial sums [SPLIT, T, E];
+    COUNTS: also the block's pairs per expert, counts[block, e] (the alignment's first pass).
+    SOFTMAX: the top-k of the logits (rounded to ROUND_DTYPE first, as HF's router computes them
+    in the model's dtype), weighted by the softmax over the k chosen, rounded so too; else
+    sigmoid scores, the bias steering the choice, NORM and the routed scale."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    row_ok, col_ok = rows < T, cols < E
+    bias = cols
+    if not SOFTMAX:
+        bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0)
+    if USE_PDL:  # the logits are the previous kernel's
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    logits = _summed_logits(logits_ptr, rows, row_ok, cols, col_ok, T, E, SPLIT, BLOCK_T, BLOCK_E)
+    chosen, w = _choose(logits, bias, cols, col_ok, scale, TOP_K, N_GROUP, PER_GROUP, TOPK_GROUP, NORM, BLOCK_T,
+                        BLOCK_G, SOFTMAX, ROUND_DTYPE)
+    if COUNTS:
+        tl.store(counts_ptr + tl.program_id(0) * E + cols, tl.sum(tl.where(row_ok[:, None], chosen, 0), axis=0),
+                 mask=col_ok)
     for j in tl.static_range(TOP_K):  # ascending expert order
         e = tl.min(tl.where(chosen > 0, cols[None, :], BLOCK_E), axis=1)
         hit = cols[None, :] == e[:, None]
@@ -282,31 +330,11 @@ def moe_route(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 
     """
     T, D = x.shape
     E = gate.shape[0]
-    if scoring not in SCORINGS:
-        raise ValueError(f"moe_route: scoring must be one of {SCORINGS}, got {scoring!r}")
-    softmax = scoring == "softmax"
-    if softmax:
-        if n_group != 1 or topk_group != 1 or scale != 1.0:
-            raise ValueError(f"moe_route: a softmax router takes no groups and no routed scale, got n_group="
-                             f"{n_group}, topk_group={topk_group}, scale={scale}")
-        bias = gate[:, 0]  # any [E] stand-in: the softmax kernel does not read it
-    if gate.shape != (E, D) or bias.shape != (E,) or x.stride(1) != 1 or not gate.is_contiguous():
-        raise ValueError(f"moe_route: x [T, D] with contiguous rows, contiguous gate [E, D] and bias [E]; got "
-                         f"{list(x.shape)}, {list(gate.shape)}, {list(bias.shape)}")
-    if E % n_group or not 1 <= topk_group <= n_group or top_k > topk_group * (E // n_group):
-        raise ValueError(f"moe_route: {top_k} of {E} experts in {topk_group} of {n_group} groups do not fit")
+    bias = _checked_router("moe_route", x, gate, bias, top_k, n_group, topk_group, scale, scoring)
     _check_block_counts("moe_route", block_counts, T, E)
     extra = {"launch_pdl": True} if pdl else {}
     if T <= ROUTER_KERNEL_MAX_T:
-        # the logits of a few rows: the cast and cuBLAS's fp32 product and its reduction took
-        # three launches (7 us a layer at one row); here one, split over D, its chunks added in order
-        block_t = triton.next_power_of_2(T)
-        block_d = max(32, 512 // block_t)
-        chunk = block_d * triton.cdiv(D, 4 * block_d)
-        split = triton.cdiv(D, chunk)
-        logits = torch.empty(split, T, E, dtype=torch.float32, device=x.device)
-        _logits_kernel[(triton.cdiv(E, 4), split)](x, gate, logits, T, E, D, chunk, x.stride(0), BLOCK_T=block_t,
-                                                  BLOCK_E=4, BLOCK_D=block_d, USE_PDL=pdl, num_warps=4, **extra)
+        logits, split = _few_rows_logits(x, gate, pdl)
     else:
         terms = gate_terms if gate_terms is not None and x.dtype == torch.bfloat16 else None
         logits, split = _router_dot(x, gate if terms is None else terms)
@@ -315,11 +343,58 @@ def moe_route(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 
     block_t = min(ROUTE_BLOCK_T, triton.next_power_of_2(T))
     _topk_kernel[(triton.cdiv(T, ROUTE_BLOCK_T),)](
         logits, bias, idx, w, block_counts if block_counts is not None else idx, T, E, float(scale), TOP_K=top_k,
-        N_GROUP=n_group, PER_GROUP=E // n_group, TOPK_GROUP=topk_group, NORM=norm_topk, SPLIT=split, BLOCK_T=block_t,
-        BLOCK_E=max(16, triton.next_power_of_2(E)), BLOCK_G=max(2, triton.next_power_of_2(n_group)),
-        COUNTS=block_counts is not None, USE_PDL=pdl, SOFTMAX=softmax, ROUND_DTYPE=_TL_DTYPES[x.dtype],
-        num_warps=1 if block_t < 4 else 4, **extra)
+        SPLIT=split, BLOCK_T=block_t, COUNTS=block_counts is not None, USE_PDL=pdl,
+        **_choice_args(E, n_group, topk_group, norm_topk, scoring, x.dtype), num_warps=1 if block_t < 4 else 4,
+        **extra)
     return idx, w
+
+
+def _checked_router(op: str, x, gate, bias, top_k: int, n_group: int, topk_group: int, scale: float, scoring: str):
+    """The router's arguments checked (a one-line error naming ``op`` and what is wrong); returns
+    the bias the kernels take (a stand-in for a softmax router, which has none)."""
+    T, D = x.shape
+    E = gate.shape[0]
+    if scoring not in SCORINGS:
+        raise ValueError(f"{op}: scoring must be one of {SCORINGS}, got {scoring!r}")
+    if scoring == "softmax":
+        if n_group != 1 or topk_group != 1 or scale != 1.0:
+            raise ValueError(f"{op}: a softmax router takes no groups and no routed scale, got n_group="
+                             f"{n_group}, topk_group={topk_group}, scale={scale}")
+        bias = gate[:, 0]  # any [E] stand-in: the softmax kernel does not read it
+    if gate.shape != (E, D) or bias.shape != (E,) or x.stride(1) != 1 or not gate.is_contiguous():
+        raise ValueError(f"{op}: x [T, D] with contiguous rows, contiguous gate [E, D] and bias [E]; got "
+                         f"{list(x.shape)}, {list(gate.shape)}, {list(bias.shape)}")
+    if E % n_group or not 1 <= topk_group <= n_group or top_k > topk_group * (E // n_group):
+        raise ValueError(f"{op}: {top_k} of {E} experts in {topk_group} of {n_group} groups do not fit")
+    return bias
+
+
+def _choice_args(E: int, n_group: int, topk_group: int, norm_topk: bool, scoring: str, dtype: torch.dtype) -> dict:
+    """The constexprs of ``_choose`` (and of the kernels that call it) for a router of E experts."""
+    return dict(N_GROUP=n_group, PER_GROUP=E // n_group, TOPK_GROUP=topk_group, NORM=norm_topk,
+                BLOCK_E=max(16, triton.next_power_of_2(E)), BLOCK_G=max(2, triton.next_power_of_2(n_group)),
+                SOFTMAX=scoring == "softmax", ROUND_DTYPE=_TL_DTYPES[dtype])
+
+
+def _few_rows_logits(x, gate, pdl: bool, norm=None, h=None):
+    """The logits' partial sums [split, T, E] of up to ``ROUTER_KERNEL_MAX_T`` rows, and the
+    split: the cast and cuBLAS's fp32 product and its reduction took three launches (7 us a layer
+    at one row); here one, split over D, its chunks added in order. norm: (weight, eps,
+    round_first) of the rows' block norm, x being the residual stream: the normed rows go to h."""
+    T, D = x.shape
+    E = gate.shape[0]
+    block_t = triton.next_power_of_2(T)
+    block_d = max(32, 512 // block_t)
+    chunk = block_d * triton.cdiv(D, 4 * block_d)
+    split = triton.cdiv(D, chunk)
+    logits = torch.empty(split, T, E, dtype=torch.float32, device=x.device)
+    wn, eps, round_first = norm if norm is not None else (gate, 0.0, False)
+    extra = {"launch_pdl": True} if pdl else {}
+    _logits_kernel[(triton.cdiv(E, 4), split)](
+        x, gate, logits, T, E, D, chunk, x.stride(0), wn, h if h is not None else x, h.stride(0) if h is not None else 0,
+        float(eps), BLOCK_T=block_t, BLOCK_E=4, BLOCK_D=block_d, USE_PDL=pdl, NORM=norm is not None,
+        ROUND_FIRST=round_first, num_warps=4, **extra)
+    return logits, split
 
 
 # programs _router_dot's split over D aims for: about two per SM (one 4-warp tile per SM left the
@@ -673,15 +748,72 @@ def _pair_up_kernel(a_ptr, idx_ptr, w_ptr, out_ptr, N, K, stride_a, stride_we, s
                     TOP_K: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     EVEN_K: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr, SCALE: tl.constexpr,
                     SCALE_BLOCK: tl.constexpr):
-    """A few pairs' up projections as matrix-vector products on CUDA cores: out[p, cols] =
-    act(a[p // TOP_K] @ w[idx[p], cols].T) for pair p (program axis 1) over BLOCK_N weight rows
-    (axis 0), K streamed in pipelined tiles as the skinny projections stream theirs
-    (``decode_linear._streamed_rows``), each weight element read once. A 16-row tensor-core tile
-    for one row would be mostly padding; here every SM streams a share of the six experts' weights.
-    The routing is the previous kernel's: read after the wait. SCALE as ``_tile_product``'s.
-    ACT: 0 none, 1 relu2, 2 SwiGLU over w = [gate | up] (N = 2I rows): the program's rows are
-    BLOCK_N / 2 output columns' gate and up rows side by side, and it stores silu(gate) * up."""
+    """A few pairs' up projections as matrix-vector products on CUDA cores (``_pair_up``), pair
+    p's expert idx[p] from the routing, the previous kernel's: read after the wait."""
     p = tl.program_id(1)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    e = tl.load(idx_ptr + p).to(tl.int64)
+    _pair_up(e, p, a_ptr, w_ptr, out_ptr, N, K, stride_a, stride_we, stride_wn, stride_out, s_ptr, stride_se,
+             stride_sn, TOP_K, ACT, BLOCK_N, BLOCK_K, EVEN_K, STAGES, USE_PDL, SCALE, SCALE_BLOCK)
+
+
+@triton.jit
+def _routed_pair_up_kernel(logits_ptr, bias_ptr, idx_ptr, wt_ptr, T, E, scale,
+                           a_ptr, w_ptr, out_ptr, N, K, stride_a, stride_we, stride_wn, stride_out,
+                           s_ptr, stride_se, stride_sn,
+                           N_GROUP: tl.constexpr, PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                           NORM: tl.constexpr, SPLIT: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
+                           SOFTMAX: tl.constexpr, ROUND_DTYPE: tl.constexpr,
+                           TOP_K: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           EVEN_K: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr, SCALE: tl.constexpr,
+                           SCALE_BLOCK: tl.constexpr):
+    """``_pair_up_kernel`` with no top-k launch before it: each program chooses its token's
+    experts from the router's logits (SPLIT partial sums, the previous kernel's) as the top-k
+    kernel does (``_choose``), takes its pair's (the j-th in ascending order for pair t * TOP_K
+    + j), and the programs of the first column block write idx and the weights for what follows."""
+    p = tl.program_id(1)
+    cols = tl.arange(0, BLOCK_E)
+    col_ok = cols < E
+    bias = cols
+    if not SOFTMAX:  # a weight: before the wait
+        bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    t = p // TOP_K + tl.arange(0, 1)
+    logits = _summed_logits(logits_ptr, t, t < T, cols, col_ok, T, E, SPLIT, 1, BLOCK_E)
+    chosen, w = _choose(logits, bias, cols, col_ok, scale, TOP_K, N_GROUP, PER_GROUP, TOPK_GROUP, NORM, 1,
+                        BLOCK_G, SOFTMAX, ROUND_DTYPE)
+    j = p % TOP_K
+    e = tl.zeros((1,), tl.int32)
+    wt = tl.zeros((1,), tl.float32)
+    for jj in tl.static_range(TOP_K):  # ascending expert order
+        ej = tl.min(tl.where(chosen > 0, cols[None, :], BLOCK_E), axis=1)
+        hit = cols[None, :] == ej[:, None]
+        e = tl.where(j == jj, ej, e)
+        wt = tl.where(j == jj, tl.sum(tl.where(hit, w, 0.0), axis=1), wt)
+        chosen = tl.where(hit, 0, chosen)
+    if tl.program_id(0) == 0:
+        tl.store(idx_ptr + p + tl.arange(0, 1), e)
+        tl.store(wt_ptr + p + tl.arange(0, 1), wt)
+    _pair_up(tl.sum(e, axis=0).to(tl.int64), p, a_ptr, w_ptr, out_ptr, N, K, stride_a, stride_we, stride_wn,
+             stride_out, s_ptr, stride_se, stride_sn, TOP_K, ACT, BLOCK_N, BLOCK_K, EVEN_K, STAGES, USE_PDL, SCALE,
+             SCALE_BLOCK)
+
+
+@triton.jit
+def _pair_up(e, p, a_ptr, w_ptr, out_ptr, N, K, stride_a, stride_we, stride_wn, stride_out, s_ptr, stride_se,
+             stride_sn, TOP_K: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             EVEN_K: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr, SCALE: tl.constexpr,
+             SCALE_BLOCK: tl.constexpr):
+    """Pair p's up projection, expert e, as a matrix-vector product on CUDA cores: out[p, cols] =
+    act(a[p // TOP_K] @ w[e, cols].T) over BLOCK_N weight rows (program axis 0), K streamed in
+    pipelined tiles as the skinny projections stream theirs (``decode_linear._streamed_rows``),
+    each weight element read once. A 16-row tensor-core tile for one row would be mostly
+    padding; here every SM streams a share of the six experts' weights. SCALE as
+    ``_tile_product``'s. ACT: 0 none, 1 relu2, 2 SwiGLU over w = [gate | up] (N = 2I rows): the
+    program's rows are BLOCK_N / 2 output columns' gate and up rows side by side, and it stores
+    silu(gate) * up."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     if ACT == 2:
@@ -691,16 +823,13 @@ def _pair_up_kernel(a_ptr, idx_ptr, w_ptr, out_ptr, N, K, stride_a, stride_we, s
         n_ok = col < N // 2
     n64 = n.to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-    e = tl.load(idx_ptr + p).to(tl.int64)
     w_e = w_ptr + e * stride_we
     w0 = tl.load(w_e + n64[:, None] * stride_wn + ks[None, :], mask=n_ok[:, None] & (ks[None, :] < K), other=0.0)
     s_e = s_ptr + e * stride_se
     n_blk = n
     if SCALE == 2:
         n_blk = tl.minimum(n, N - 1) // SCALE_BLOCK
-    acc = _streamed_rows(w0, n64, n_ok, a_ptr + (p // TOP_K).to(tl.int64) * stride_a, a_ptr, w_e, idx_ptr, 1, K,
+    acc = _streamed_rows(w0, n64, n_ok, a_ptr + (p // TOP_K).to(tl.int64) * stride_a, a_ptr, w_e, a_ptr, 1, K,
                          0.0, 0, stride_wn, s_e, n_blk, stride_sn, False, False, 1, BLOCK_N, BLOCK_K, EVEN_K, STAGES,
                          False, SCALE_BLOCK if SCALE == 2 else 0)
     if USE_PDL:
@@ -726,14 +855,15 @@ def _pair_down_kernel(h_ptr, idx_ptr, wt_ptr, w_ptr, shared_ptr, out_ptr, N, K, 
                       stride_shared, stride_out, s_ptr, stride_se, stride_sn,
                       TOP_K: tl.constexpr, BLOCK_J: tl.constexpr, SHARED: tl.constexpr, ACCUMULATE: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr,
-                      SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr):
+                      SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr, ROUTED: tl.constexpr):
     """A token's down projections and their weighted sum in one pass (program axis 1 the token,
     axis 0 BLOCK_N output columns): out[t] (+)= round(sum_j wt[t, j] * round(h[t * TOP_K + j] @
     down[idx[t, j]].T)) (+ shared[t]), rounding as ``_combine_kernel``. The token's TOP_K
     experts' K are one stream of TOP_K x K, pipelined across the experts' boundaries, where
     each expert's sum is finished (scaled, rounded, weighted) and its accumulator cleared: a
     program streams six experts' columns, not one, and no combine launch follows. SCALE as
-    ``_tile_product``'s (FP8 values)."""
+    ``_tile_product``'s (FP8 values). ROUTED: idx and wt are the previous kernel's
+    (``_routed_pair_up_kernel``'s), read after the wait."""
     t = tl.program_id(1)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
@@ -741,10 +871,12 @@ def _pair_down_kernel(h_ptr, idx_ptr, wt_ptr, w_ptr, shared_ptr, out_ptr, N, K, 
     n_blk = tl.minimum(n, N - 1) // SCALE_BLOCK if SCALE == 2 else n
     ks = tl.arange(0, BLOCK_K)
     js = tl.arange(0, BLOCK_J)
-    # the routing is two or more launches back, so complete (``kernels.decode_linear``)
-    es = tl.load(idx_ptr + t * TOP_K + js, mask=js < TOP_K, other=0).to(tl.int64)
+    if not ROUTED:  # the routing is two or more launches back, so complete (``kernels.decode_linear``)
+        es = tl.load(idx_ptr + t * TOP_K + js, mask=js < TOP_K, other=0).to(tl.int64)
     if USE_PDL:  # h is the previous kernel's
         tl.extra.cuda.gdc_wait()
+    if ROUTED:
+        es = tl.load(idx_ptr + t * TOP_K + js, mask=js < TOP_K, other=0).to(tl.int64)
     tiles = tl.cdiv(K, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
     total = tl.zeros((BLOCK_N,), tl.float32)
@@ -902,6 +1034,9 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     extra = {"launch_pdl": True} if pdl else {}
     pairs = T * k <= PAIR_TILES_MAX
+    if pairs and _streams(up_scale, swiglu):
+        return _stream_pairs(x, idx, w, (up, up_scale), (down, down_scale), target, swiglu=swiglu, shared=shared,
+                             shared_ready=shared_ready, accumulate=residual is not None, pdl=pdl)
     if pairs:  # each pair a tile of its own, row p of h and y pair p's (no slot table)
         bm, S = 16, T * k
         slot_of_pair = idx  # any valid pointer: the combine does not read it
@@ -910,20 +1045,14 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
         S = slot_count(T, k, E, bm)
         slot_of_pair, token_of_slot, starts, counts = _align(idx, E, bm, S, pdl, block_counts)
         block_e = max(16, triton.next_power_of_2(E))
-    # FP8 or SwiGLU experts' pairs stream K as matrix-vector products (``_pair_up_kernel``, SwiGLU
-    # in its epilogue), and the down projections and the combine are one kernel
-    # (``_pair_down_kernel``)
-    stream = pairs and (down_scale is not None or (swiglu and SWIGLU_PAIRS_STREAM))
-    gate_up = torch.empty(S, up_n, dtype=x.dtype, device=dev) if swiglu and not stream else None
+    gate_up = torch.empty(S, up_n, dtype=x.dtype, device=dev) if swiglu else None
     h = torch.empty(S, I, dtype=x.dtype, device=dev)
-    y = None if stream else torch.empty(S, D, dtype=x.dtype, device=dev)
+    y = torch.empty(S, D, dtype=x.dtype, device=dev)
     # up (gathering each slot's token row, relu2 after, or SwiGLU's kernel), then down; the TMA
     # unit copies the weight tiles (and, in the sorted layout, the down projection's input tiles,
     # whose rows are a tile's slots in order), where it can
     for a, weight, scales, result, up_proj in ((x, up, up_scale, h if gate_up is None else gate_up, True),
                                                (h, down, down_scale, y, False)):
-        if not up_proj and stream:
-            break
         if not up_proj and gate_up is not None:  # padding slots' rows are zeros, and silu(0) * 0 = 0
             silu_mul(gate_up, out=h, pdl=pdl)
         a_scale = None
@@ -943,13 +1072,7 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
             bk = min(bk, scale_block)
         tma = _tma(weight) and (pairs or up_proj or _tma(a))
         w_arg = TensorDescriptor.from_tensor(weight, [1, bn, bk]) if tma else weight
-        if stream:  # the up projections as matrix-vector products streaming K
-            bn, bk = PAIR_UP_BLOCK_N, min(PAIR_UP_BLOCK_K, max(32, triton.next_power_of_2(kk)))
-            _pair_up_kernel[(triton.cdiv(n, bn), S)](
-                a, idx, weight, result, n, kk, *common, TOP_K=k, ACT=2 if swiglu else 1, BLOCK_N=bn, BLOCK_K=bk,
-                EVEN_K=kk % bk == 0, STAGES=PAIR_UP_STAGES, USE_PDL=pdl, SCALE=mode, SCALE_BLOCK=scale_block,
-                num_warps=4, **extra)
-        elif pairs:
+        if pairs:
             _pair_kernel[(S, triton.cdiv(n, bn))](
                 a, idx, w_arg, result, n, kk, *common, GATHER=up_proj, TOP_K=k, RELU2=up_proj and not swiglu,
                 PRECISION=precision,
@@ -965,29 +1088,132 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
                 A_TMA=tma and not up_proj, W_TMA=tma, ZERO_PAD=up_proj, BN_LAST=bn_last, SCALE=mode,
                 SCALE_BLOCK=scale_block, as_ptr=a_scale if w8a8 else a, A_SCALED=w8a8, num_warps=warps,
                 num_stages=stages, **extra)
-    if shared_ready is not None:
-        # the combine still launches as a programmatic dependent: it may start as the routed
-        # down projection drains, and its wait returns only once the other stream's work has
-        # completed too (the join is a full dependency; a GPU test checks the order)
-        torch.cuda.current_stream(dev).wait_event(shared_ready)
-    if stream:
-        scale, scale_block = down_scale if down_scale is not None else (down, 0)
-        mode = 0 if down_scale is None else 2 if scale_block else 1
-        bn, bk, stages = PAIR_DOWN_ONE_TOKEN if T == 1 else PAIR_DOWN_TOKENS
-        _pair_down_kernel[(triton.cdiv(D, bn), T)](
-            h, idx, w, down, shared if shared is not None else h, target, D, I, h.stride(0), down.stride(0),
-            down.stride(1), shared.stride(0) if shared is not None else 0, target.stride(0), scale, scale.stride(0),
-            scale.stride(1) if mode == 2 else 0, TOP_K=k, BLOCK_J=triton.next_power_of_2(k),
-            SHARED=shared is not None, ACCUMULATE=residual is not None, BLOCK_N=bn,
-            BLOCK_K=min(bk, max(32, triton.next_power_of_2(I))), STAGES=stages, USE_PDL=pdl,
-            SCALE=mode, SCALE_BLOCK=scale_block, num_warps=4, **extra)
-        return target
+    _join(shared_ready, dev)
     block_d = min(1024, triton.next_power_of_2(D))
     _combine_kernel[(T, triton.cdiv(D, block_d))](
         y, slot_of_pair, w, shared if shared is not None else y, target, D, y.stride(0),
         shared.stride(0) if shared is not None else 0, target.stride(0),
         TOP_K=k, SHARED=shared is not None, ACCUMULATE=residual is not None, BLOCK_D=block_d, PAIRS=pairs,
         USE_PDL=pdl, num_warps=4, **extra)
+    return target
+
+
+class _Logits(NamedTuple):
+    """A few rows' router logits, as partial sums [split, T, E], and what choosing from them takes."""
+
+    logits: torch.Tensor
+    split: int
+    bias: torch.Tensor
+    scale: float
+    experts: int
+    choice: dict  # ``_choice_args``
+
+
+def decodes_fused(tokens: int, top_k: int, up, act: str) -> bool:
+    """Whether ``moe_decode`` takes a step of ``tokens`` rows over these experts: a token or two's
+    pairs that stream (FP8 or SwiGLU experts)."""
+    return tokens * top_k <= PAIR_TILES_MAX and _streams(up.scale if isinstance(up, Fp8Weight) else None,
+                                                         act == "swiglu")
+
+
+def moe_decode_ref(residual, norm_w, eps, gate, bias, up, down, *, round_first=True, shared=None, shared_ready=None,
+                   pdl=False, act="relu2", top_k: int, n_group: int = 1, topk_group: int = 1, norm_topk: bool = True,
+                   scale: float = 1.0, scoring="sigmoid"):
+    """The three ops it folds: the block norm, the router, the experts added into the residual."""
+    h = rms_norm_ref(residual, norm_w, eps, round_first=round_first,
+                     out=torch.empty(residual.shape, dtype=norm_w.dtype, device=residual.device))
+    idx, w = moe_route_ref(h, gate, bias, top_k=top_k, n_group=n_group, topk_group=topk_group, norm_topk=norm_topk,
+                           scale=scale, scoring=scoring)
+    moe_experts_ref(h, idx, w, up, down, shared=shared, residual=residual, act=act)
+    return idx, w
+
+
+@with_reference(moe_decode_ref)
+def moe_decode(residual, norm_w, eps, gate, bias, up, down, *, round_first=True, shared=None, shared_ready=None,
+               pdl=False, act="relu2", top_k: int, n_group: int = 1, topk_group: int = 1, norm_topk: bool = True,
+               scale: float = 1.0, scoring="sigmoid"):
+    """A decode step's MoE block for a token or two (``decodes_fused``) in three kernels:
+    ``rms_norm(residual)`` (weight norm_w, eps, round_first) folded into the router's logits
+    kernel, which writes the normed rows; the pairs' up projections, each program choosing its
+    token's experts from the logits as ``moe_route`` does (no top-k launch); the down projections
+    with the combine, adding into ``residual`` in place (``_stream_pairs``). ``shared``,
+    ``shared_ready``, ``pdl``, ``act`` as ``moe_experts``'s; the router's arguments as
+    ``moe_route``'s. Returns (idx, w), the routing it chose."""
+    T, D = residual.shape
+    E = gate.shape[0]
+    bias = _checked_router("moe_decode", residual, gate, bias, top_k, n_group, topk_group, scale, scoring)
+    if not decodes_fused(T, top_k, up, act):
+        raise ValueError(f"moe_decode: {T} rows of {top_k} experts ({act}, "
+                         f"{'FP8' if isinstance(up, Fp8Weight) else up.dtype}) do not stream as pairs; use moe_route "
+                         f"and moe_experts")
+    up_values, down_values = _values_and_scales(up), _values_and_scales(down)
+    Dd = down_values[0].shape[1]
+    if residual.stride(1) != 1 or Dd != D or up_values[0].shape[2] != D or norm_w.shape != (D,):
+        raise ValueError(f"moe_decode: residual [T, D] with contiguous rows, norm_w [D], up [E, I, D], down [E, D, I]; "
+                         f"got {list(residual.shape)}, {list(norm_w.shape)}, {list(up.shape)}, {list(down.shape)}")
+    h = torch.empty(T, D, dtype=norm_w.dtype, device=residual.device)
+    logits, split = _few_rows_logits(residual, gate, pdl, norm=(norm_w, eps, round_first), h=h)
+    idx = torch.empty(T, top_k, dtype=torch.int32, device=residual.device)
+    w = torch.empty(T, top_k, dtype=torch.float32, device=residual.device)
+    route = _Logits(logits, split, bias, float(scale), E, _choice_args(E, n_group, topk_group, norm_topk, scoring,
+                                                                        h.dtype))
+    _stream_pairs(h, idx, w, up_values, down_values, residual, swiglu=act == "swiglu", shared=shared,
+                  shared_ready=shared_ready, accumulate=True, pdl=pdl, route=route)
+    return idx, w
+
+
+def _join(shared_ready, device) -> None:
+    """Before the combine: wait for the shared expert's stream. The combine still launches as a
+    programmatic dependent: it may start as the routed down projection drains, and its wait
+    returns only once the other stream's work has completed too (the join is a full dependency;
+    a GPU test checks the order)."""
+    if shared_ready is not None:
+        torch.cuda.current_stream(device).wait_event(shared_ready)
+
+
+def _streams(up_scale, swiglu: bool) -> bool:
+    """Whether a token or two's pairs stream K as matrix-vector products (``_stream_pairs``)
+    rather than taking a tensor-core tile each: FP8 experts, and SwiGLU ones."""
+    return up_scale is not None or (swiglu and SWIGLU_PAIRS_STREAM)
+
+
+def _stream_pairs(x, idx, w, up, down, target, *, swiglu: bool, shared, shared_ready, accumulate: bool, pdl: bool,
+                  route=None):
+    """A token or two's pairs (up to ``PAIR_TILES_MAX``) as matrix-vector products streaming K
+    on CUDA cores: the up projections, relu2 or SwiGLU in their epilogue, into rows of h a pair
+    each; then a token's down projections with the combine in one kernel, into target (added
+    when ``accumulate``). up, down: (values, scales or None) as ``_values_and_scales`` gives them.
+    route: None, idx and w hold the routing; or a ``_Logits``: the up kernel's programs choose the
+    pairs' experts from the router's logits and write idx and w (``_routed_pair_up_kernel``)."""
+    (up, up_scale), (down, down_scale) = up, down
+    T, k = idx.shape
+    n, K = up.shape[1], up.shape[2]
+    D, I = down.shape[1], down.shape[2]
+    h = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
+    extra = {"launch_pdl": True} if pdl else {}
+    scale, block = up_scale if up_scale is not None else (up, 0)
+    mode = 0 if up_scale is None else 2 if block else 1
+    bk = min(PAIR_UP_BLOCK_K, max(32, triton.next_power_of_2(K)))
+    operands = (x, up, h, n, K, x.stride(0), up.stride(0), up.stride(1), h.stride(0), scale, scale.stride(0),
+                scale.stride(1) if mode == 2 else 0)
+    consts = dict(TOP_K=k, ACT=2 if swiglu else 1, BLOCK_N=PAIR_UP_BLOCK_N, BLOCK_K=bk, EVEN_K=K % bk == 0,
+                  STAGES=PAIR_UP_STAGES, USE_PDL=pdl, SCALE=mode, SCALE_BLOCK=block, num_warps=4, **extra)
+    grid = (triton.cdiv(n, PAIR_UP_BLOCK_N), T * k)
+    if route is None:
+        _pair_up_kernel[grid](operands[0], idx, *operands[1:], **consts)
+    else:
+        _routed_pair_up_kernel[grid](route.logits, route.bias, idx, w, T, route.experts, route.scale, *operands,
+                                     SPLIT=route.split, **route.choice, **consts)
+    _join(shared_ready, x.device)
+    scale, block = down_scale if down_scale is not None else (down, 0)
+    mode = 0 if down_scale is None else 2 if block else 1
+    bn, bk, stages = PAIR_DOWN_ONE_TOKEN if T == 1 else PAIR_DOWN_TOKENS
+    _pair_down_kernel[(triton.cdiv(D, bn), T)](
+        h, idx, w, down, shared if shared is not None else h, target, D, I, h.stride(0), down.stride(0),
+        down.stride(1), shared.stride(0) if shared is not None else 0, target.stride(0), scale, scale.stride(0),
+        scale.stride(1) if mode == 2 else 0, TOP_K=k, BLOCK_J=triton.next_power_of_2(k), SHARED=shared is not None,
+        ACCUMULATE=accumulate, BLOCK_N=bn, BLOCK_K=min(bk, max(32, triton.next_power_of_2(I))), STAGES=stages,
+        USE_PDL=pdl, SCALE=mode, SCALE_BLOCK=block, ROUTED=route is not None, num_warps=4, **extra)
     return target
 
 

@@ -65,18 +65,19 @@ def _pool(model: Model, plans: Mapping[str, StepPlan], max_context: int | None) 
 
 def compare(preset: str, variants: Mapping[str, Variant], plans: Mapping[str, StepPlan], *, rounds: int = 3,
             back_to_back: int = 50, max_context: int | None = None, dtype: torch.dtype = torch.bfloat16,
-            device: str | None = None, seed: int = 0) -> list[dict]:
+            device: str | None = None, seed: int = 0, quantization: str | None = None) -> list[dict]:
     """One row a (plan, variant): its synchronised step times (ms, one median a round), steps
     launched back to back (ms a step, the median over the first two rounds; CUDA only), and
     whether its logits equal the first variant's (with the largest difference). ``preset``:
     random weights of that shape; ``variants``: name -> context manager factory, the first the
     baseline; ``max_context``: the pool's length (what a decode attention's split sizes follow;
-    ``bench steps`` pools ``CONTEXT + 2 * 2048``)."""
+    ``bench steps`` pools ``CONTEXT + 2 * 2048``); ``quantization``: as ``Model.from_preset``'s
+    (``"fp8"``: the weights quantized at load)."""
     if not variants or not plans:
         raise ValueError("compare needs at least one variant and one plan")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(seed)
-    model = Model.from_preset(preset, dtype=dtype, device=device, seed=seed)
+    model = Model.from_preset(preset, dtype=dtype, device=device, seed=seed, quantization=quantization)
     pool = _pool(model, plans, max_context)
     buckets = _buckets(plans)
     runners = {}

@@ -449,3 +449,59 @@ def test_the_combine_waits_for_the_shared_expert_across_the_join(T, fp8):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(residual, expect)
+
+
+# a decode step's MoE in three kernels (``moe_decode``): the experts it streams, and routers
+DECODES = {
+    "FP8 relu2 experts, sigmoid router (Nemotron-3)": dict(act="relu2", fp8=True),
+    "bf16 SwiGLU experts, softmax router (Granite)": dict(act="swiglu", fp8=False, scoring="softmax"),
+    "FP8 SwiGLU experts in blocks, grouped sigmoid router": dict(act="swiglu", fp8=True, block=16, n_group=4,
+                                                                 topk_group=2, scale=2.5),
+}
+
+
+@pytest.mark.parametrize("case", list(DECODES), ids=list(DECODES))
+@pytest.mark.parametrize("T,k", [(1, 6), (2, 3)])
+@pytest.mark.parametrize("residual_dtype,round_first", [(torch.float32, False), (torch.bfloat16, True)])
+def test_a_decode_steps_moe_folds_norm_and_top_k_into_its_neighbours(device, case, T, k, residual_dtype,
+                                                                       round_first):
+    """The block norm in the router's logits kernel (which writes the normed rows), each pair's
+    up projection choosing its token's experts from the logits, the down projections with the
+    combine: the same routing as the three ops' reference (idx equal, weights close) and the same
+    residual, with the shared expert's output added."""
+    c = DECODES[case]
+    torch.manual_seed(T + k)
+    E, D, I = 16, 48, 24
+    route = dict(top_k=k, scoring=c.get("scoring", "sigmoid"), n_group=c.get("n_group", 1),
+                 topk_group=c.get("topk_group", 1), scale=c.get("scale", 1.0))
+    gate = torch.randn(E, D)
+    bias = None if route["scoring"] == "softmax" else 0.1 * torch.randn(E)
+    norm_w = (1 + 0.2 * torch.randn(D)).to(torch.bfloat16)
+    up, down = experts(E, 2 * I if c["act"] == "swiglu" else I, D, D, torch.float32, "cpu")
+    _, down = experts(E, I, D, D, torch.float32, "cpu", seed=1)
+    if c["fp8"]:
+        up, down = quantize_fp8(up, c.get("block", 0)), quantize_fp8(down, c.get("block", 0))
+    else:
+        up, down = up.to(torch.bfloat16), down.to(torch.bfloat16)
+    residual = torch.randn(T, D).to(residual_dtype)
+    shared = torch.randn(T, D).to(torch.bfloat16)
+    assert moe.decodes_fused(T, k, up, c["act"])
+    expect = residual.clone()
+    ref_idx, ref_w = moe.moe_decode_ref(expect, norm_w, 1e-5, gate, bias, up, down, round_first=round_first,
+                                        shared=shared, act=c["act"], **route)
+    got = residual.to(device)
+    dev = [None if t is None else t.to(device) for t in (norm_w, gate, bias, up, down, shared)]
+    idx, w = moe.moe_decode.triton(got, dev[0], 1e-5, *dev[1:5], round_first=round_first, shared=dev[5],
+                                   act=c["act"], **route)
+    assert torch.equal(idx.cpu(), ref_idx)
+    assert_close(w.cpu(), ref_w, torch.bfloat16, factor=0.1)
+    assert_close(got.cpu(), expect, torch.bfloat16)
+
+
+def test_moe_decode_refuses_experts_that_do_not_stream(device):
+    """bf16 relu2 experts take pair tiles (``moe_route`` and ``moe_experts``), not the folded path."""
+    up, down = experts(8, 16, 32, 32, torch.bfloat16, device)
+    assert not moe.decodes_fused(1, 2, up, "relu2")
+    with pytest.raises(ValueError, match="do not stream as pairs"):
+        moe.moe_decode.triton(torch.randn(1, 32, device=device), torch.ones(32, device=device), 1e-5,
+                              torch.randn(8, 32, device=device), torch.zeros(8, device=device), up, down, top_k=2)

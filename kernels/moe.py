@@ -31,6 +31,11 @@ Static shapes throughout, so a step is captured once per bucket and replays with
    down projections' own kernel, which streams a token's k experts one after the other). No
    atomics anywhere, so a step is deterministic run to run.
 
+``moe_decode`` is a fused decode step's MoE block for a token or two whose pairs stream, in
+three kernels rather than five: the block norm folded into the router's logits kernel, the
+top-k into the pairs' up projections (each program chooses its token's experts from the logits
+as the top-k kernel does), then the down projections with the combine.
+
 ``moe_experts_ref`` is the dense math every test compares against: every expert over every
 token, weighted by the token's routing weight (zero where not chosen).
 """
@@ -566,7 +571,7 @@ PAIR_TILES_MAX = 12
 # relu2 experts keep the pair tiles: the stream's best there, 36.6 against 35.6 us
 # (docs/experiments.md). bf16 SwiGLU experts (Granite) stream too where SWIGLU_PAIRS_STREAM, for
 # the two launches it saves (SwiGLU in the up kernel, the combine in the down one): not yet
-# timed on the GPU (``.ci/gpu-ab-swiglu`` times both ways).
+# timed on the GPU (``.ci/gpu-ab-decode`` times both ways).
 PAIR_UP_BLOCK_N, PAIR_UP_BLOCK_K, PAIR_UP_STAGES = 16, 256, 4
 SWIGLU_PAIRS_STREAM = True
 # and the down projections with the combine (``_pair_down_kernel``), (columns a program, K

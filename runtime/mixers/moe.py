@@ -33,7 +33,7 @@ SHARED_BESIDE_MAX_TOKENS = 64
 # A fused decode step of a token or two over experts whose pairs stream (FP8, SwiGLU) as
 # ``moe_decode``'s three kernels: the block norm folded into the router's logits, the top-k into
 # the up projections (two launches fewer a layer). Off until the GPU has timed it against the
-# five (``.ci/gpu-ab-swiglu`` runs both).
+# five (``.ci/gpu-ab-decode`` runs both).
 FOLD_DECODE = False
 
 

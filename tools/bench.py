@@ -20,9 +20,10 @@
                                             speculative decoding beside plain: verify steps
                                             against k, tokens/s alone against the acceptance
                                             length, and at concurrency 64
-    mambastep bench tiles [--preset P ...] [--quantization fp8] [--json PATH]
-                                            one row through each of a preset's projection shapes:
-                                            the skinny tile table's choice beside a sweep of others
+    mambastep bench tiles [--preset P ...] [--batch B] [--quantization fp8] [--json PATH]
+                                            B decode rows (default 1) through each of a preset's
+                                            projection shapes: the skinny tile table's choice
+                                            beside a sweep of others
     mambastep bench profile --preset P --batch B [--prefill T] [--quantization fp8] [--timeline [--window LO:HI]]
                                             per-kernel time of one eager step: B decode rows
                                             (and a prefill chunk of T tokens); --timeline: what
@@ -80,7 +81,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument("--preset", action="append",
                         help="steps, fp8, sampling, prefix, spec, tiles: preset(s) to run (default: the suite's)")
-    parser.add_argument("--batch", type=int, default=1, help="profile: decode batch")
+    parser.add_argument("--batch", type=int, default=1, help="profile: decode batch; tiles: the decode rows (1-8)")
     parser.add_argument("--prefill", type=int, default=0, help="profile: tokens of one prefill chunk (0: none)")
     parser.add_argument("--timeline", action="store_true",
                         help="profile: the captured graph's replays, each kernel charged what it adds to the step")
@@ -106,6 +107,8 @@ def main(argv=None) -> int:
     writable_path(parser, "--out", args.out)
     if args.quantization and args.what not in ("profile", "tiles"):
         parser.error("--quantization is profile's and tiles' (bench fp8 runs both precisions)")
+    if args.what == "tiles" and not 1 <= args.batch <= bench_tiles.MAX_ROWS:
+        parser.error(f"--batch: bench tiles takes 1 to {bench_tiles.MAX_ROWS} decode rows, got {args.batch}")
     if args.window and not (args.what == "profile" and args.timeline):
         parser.error("--window needs profile --timeline")
     if args.what == "markdown":
@@ -132,7 +135,7 @@ def main(argv=None) -> int:
         return 0
     suite = SUITES[args.what]
     takes_presets = args.what in ("steps", "fp8", "sampling", "prefix", "spec", "tiles")
-    kw = {"quantization": args.quantization} if args.what == "tiles" else {}
+    kw = {"quantization": args.quantization, "rows": args.batch} if args.what == "tiles" else {}
     result = suite.run(tuple(args.preset), **kw) if (takes_presets and args.preset) else suite.run(**kw)
     suite.print_table(result)
     if args.json:

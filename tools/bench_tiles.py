@@ -1,10 +1,10 @@
-"""One decode row through a preset's skinny projections (``kernels.decode_linear``): the tile
-table's choice (``decode_linear._config``) beside a sweep of others, at each distinct weight
-shape of the preset's blocks and its LM head. The tool to retune the table for a family, or to
+"""A decode step's rows (one by default; up to ``MAX_ROWS``, 8) through a preset's skinny
+projections (``kernels.decode_linear``): the tile table's choice (``decode_linear._config``)
+beside a sweep of others, at each distinct weight shape of the preset's blocks and its LM head. The tool to retune the table for a family, or to
 check it: what it finds goes to docs/experiments.md and, where it wins in a whole step
 (``bench profile --timeline``), into the table's rules.
 
-Each shape is timed as the fused decode step runs it: one row, launched with programmatic
+Each shape is timed as the fused decode step runs it: the rows, launched with programmatic
 dependent launch, in a CUDA graph of calls over copies of the weight that together pass the L2
 (at least ``CYCLE_BYTES``), so every call reads its weight from HBM; the median of ``REPLAYS``
 replays, per call. A projection that reads the hidden state (K = hidden) takes the block norm's
@@ -23,7 +23,7 @@ import triton
 from tqdm import tqdm
 
 from ..kernels import decode_linear
-from ..kernels.decode_linear import ONE_TILE_MAX_K, norm_linear
+from ..kernels.decode_linear import MAX_ROWS, ONE_TILE_MAX_K, norm_linear
 from ..kernels.fp8 import Fp8Weight
 from ..runtime.model import Model
 from .bench_kernels import copy_bandwidth, stamp
@@ -57,12 +57,14 @@ def projections(model: Model) -> list[tuple[dict, object]]:
     return out
 
 
-def candidates(K: int) -> list[decode_linear._Config]:
-    """The tiles swept: K streamed in tiles of 256-1024 columns over 4-32 output columns a
-    program (at most 16K weights a tile), 3 or 4 stages; and, where K fits, the whole K as one
-    register tile."""
+def candidates(K: int, rows: int = 1) -> list[decode_linear._Config]:
+    """The tiles swept: K streamed in tiles of 128-1024 columns over 4-32 output columns a
+    program (at most 16K partial sums a tile: fewer weights as the rows grow), 2 to 4 stages;
+    and, where K fits, the whole K as one register tile."""
+    m = triton.next_power_of_2(rows)
     tiles = [decode_linear._Config(True, bn, bk, 4, stages)
-             for bn, bk, stages in itertools.product((4, 8, 16, 32), (256, 512, 1024), (3, 4)) if bn * bk <= 16384]
+             for bn, bk, stages in itertools.product((4, 8, 16, 32), (128, 256, 512, 1024), (2, 3, 4))
+             if bn * bk * m <= 16384 and bn * bk >= 1024]
     if K <= ONE_TILE_MAX_K:
         tiles += [decode_linear._Config(False, bn, triton.next_power_of_2(K), warps, 1)
                   for bn, warps in ((2, 1), (4, 1), (8, 4), (16, 4))]
@@ -79,17 +81,17 @@ def _copies(weight, n: int) -> list:
     return [weight.clone() for _ in range(n)]
 
 
-def time_us(shape: dict, weight, tile: decode_linear._Config | None) -> float:
-    """Microseconds a call at ``shape`` takes in ``tile`` (None: the table's), as the module doc
-    says; NaN where the tile does not launch."""
+def time_us(shape: dict, weight, tile: decode_linear._Config | None, rows: int = 1) -> float:
+    """Microseconds a call of ``rows`` rows at ``shape`` takes in ``tile`` (None: the table's), as
+    the module doc says; NaN where the tile does not launch."""
     N, K = shape["N"], shape["K"]
     nbytes = N * K * (1 if shape["fp8"] else 2)
     weights = _copies(weight, max(2, int(CYCLE_BYTES // nbytes)))
     dev, act = _device(weight), torch.bfloat16
-    x = torch.randn(1, K, device=dev, dtype=act)
+    x = torch.randn(rows, K, device=dev, dtype=act)
     norm_w = torch.ones(K, device=dev, dtype=act)
-    out = torch.empty(1, N, device=dev, dtype=act)
-    residual = torch.randn(1, N, device=dev, dtype=act)
+    out = torch.empty(rows, N, device=dev, dtype=act)
+    residual = torch.randn(rows, N, device=dev, dtype=act)
 
     def calls():
         for w in weights:
@@ -123,27 +125,30 @@ def time_us(shape: dict, weight, tile: decode_linear._Config | None) -> float:
         torch.cuda.synchronize()
 
 
-def bench_preset(name: str, bandwidth: float, quantization: str | None, progress: bool) -> dict:
+def bench_preset(name: str, bandwidth: float, quantization: str | None, progress: bool, rows: int = 1) -> dict:
     model = Model.from_preset(name, dtype=torch.bfloat16, device="cuda", quantization=quantization)
-    rows = []
+    out = []
     for shape, weight in tqdm(projections(model), desc=name, disable=not progress):
         N, K, fp8 = shape["N"], shape["K"], shape["fp8"]
-        table = decode_linear._config(1, N, K, _device(weight), fp8=fp8)
-        table_us = time_us(shape, weight, None)
+        table = decode_linear._config(rows, N, K, _device(weight), fp8=fp8)
+        table_us = time_us(shape, weight, None, rows)
         # the best of the sweep, the table's own tile among them
-        best_us, best = min([(t, tile) for tile in candidates(K) if (t := time_us(shape, weight, tile)) == t]
+        best_us, best = min([(t, tile) for tile in candidates(K, rows) if (t := time_us(shape, weight, tile, rows)) == t]
                             + [(table_us, table)])
-        rows.append({**shape, "floor_us": N * K * (1 if fp8 else 2) / bandwidth * 1e6, "table": list(table),
-                     "table_us": table_us, "best": list(best), "best_us": best_us})
+        out.append({**shape, "floor_us": N * K * (1 if fp8 else 2) / bandwidth * 1e6, "table": list(table),
+                    "table_us": table_us, "best": list(best), "best_us": best_us})
     del model
     torch.cuda.empty_cache()
-    return {"preset": name, "quantization": quantization, "rows": rows}
+    return {"preset": name, "quantization": quantization, "rows": out}
 
 
-def run(presets=PRESETS, progress: bool = True, quantization: str | None = None) -> dict:
+def run(presets=PRESETS, progress: bool = True, quantization: str | None = None, rows: int = 1) -> dict:
+    """``rows``: the decode rows through each projection (1 to ``decode_linear.MAX_ROWS``)."""
+    if not 1 <= rows <= MAX_ROWS:
+        raise ValueError(f"bench tiles: rows must be 1 to {MAX_ROWS}, got {rows}")
     bandwidth = copy_bandwidth()
-    return {**stamp(), "copy_GB/s": bandwidth / 1e9,
-            "presets": [bench_preset(p, bandwidth, quantization, progress) for p in presets]}
+    return {**stamp(), "copy_GB/s": bandwidth / 1e9, "decode_rows": rows,
+            "presets": [bench_preset(p, bandwidth, quantization, progress, rows) for p in presets]}
 
 
 def _tile(t) -> str:
@@ -152,8 +157,10 @@ def _tile(t) -> str:
 
 
 def tables(result: dict) -> str:
+    rows = result.get("decode_rows", 1)
     out = [f"{result['device']}, {result['date']}, torch {result['torch']}, copy bandwidth "
-           f"{result['copy_GB/s']:.0f} GB/s; one row, PDL, in a graph, weights read from HBM"]
+           f"{result['copy_GB/s']:.0f} GB/s; {'one row' if rows == 1 else f'{rows} rows'}, PDL, in a graph, "
+           f"weights read from HBM"]
     for p in result["presets"]:
         out += ["", f"### {p['preset']}" + (f" ({p['quantization']})" if p["quantization"] else ""), "",
                 "| projection | N x K | floor (us) | table's tile | table (us) | best tile | best (us) | table/best |",

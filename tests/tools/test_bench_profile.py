@@ -54,6 +54,7 @@ def test_a_window_lists_kernels_in_start_order_from_the_replays_start():
     (["profile", "--window", "1:4"], "--window needs profile --timeline"),
     (["steps", "--quantization", "fp8"], "--quantization is profile's"),
     (["profile", "--quantization", "int4"], "invalid choice: 'int4'"),
+    (["tiles", "--batch", "9"], "bench tiles takes 1 to 8 decode rows, got 9"),
 ])
 def test_a_bad_option_is_a_one_line_error(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:

@@ -289,6 +289,13 @@ def test_the_tile_bench_lists_each_projection_shape_once():
         "Parallel.mamba.in_proj", "Parallel.mamba.out_proj", "Parallel.attention.qkv", "Parallel.attention.o_proj"]
     assert any(not t.loop for t in bench_tiles.candidates(2048))
     assert all(t.loop for t in bench_tiles.candidates(4096))
+    # more rows, narrower tiles: the partial sums a program holds stay within the one row's
+    for rows in (2, 3, 8):
+        tiles = bench_tiles.candidates(4096, rows)
+        assert tiles and all(t.block_n * t.block_k * (4 if rows == 3 else rows) <= 16384 for t in tiles)
+        assert len(tiles) < len(bench_tiles.candidates(4096))
+    with pytest.raises(ValueError, match="rows must be 1 to 8"):
+        bench_tiles.run(("tiny-granite",), rows=9)
 
 
 def test_the_tile_bench_table(capsys):
@@ -301,3 +308,7 @@ def test_the_tile_bench_table(capsys):
     out = capsys.readouterr().out
     assert ("| MLP.up | 16384 x 2048 | 15.80 | 16 x 256, 3 stages | 21.00 | 8 x 2048 one tile, 4 warps | 18.80 | "
             "1.12x |") in out
+    assert "; one row, PDL" in out
+    bench_tiles.print_table({"device": "GPU", "date": "2026-12-05", "torch": "2", "copy_GB/s": 4250.0,
+                             "decode_rows": 4, "presets": []})
+    assert "; 4 rows, PDL" in capsys.readouterr().out

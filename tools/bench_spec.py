@@ -3,7 +3,10 @@
 Verify steps: B sequences of 1 + k tokens (each its last token and k drafts, nothing accepted
 to replay) from slots holding ``CONTEXT`` tokens (fewer where the pool is shorter), in a graph
 captured for exactly that shape, beside a decode step of B rows; per step, synchronised, median
-(as ``bench steps``).
+(as ``bench steps``); each beside its HBM floor (``bench_steps.hbm_floor_bytes``: the weights
+once, of the routed experts those the step's tokens route to, the sequences' states). A MoE's
+verify sequence reads each of its tokens' experts, so the floors bound what speculation can
+give: at an acceptance length a, at most a x the decode floor / the verify floor.
 
 Tokens/s: one request alone (a ``prompt_tokens`` random prompt, ``max_tokens`` greedy tokens) on
 one engine, plain (the request opts out) and speculating with k = ``num_drafts``; where the preset
@@ -38,8 +41,8 @@ from ..runtime.presets import preset_config
 from ..runtime.request import SamplingParams
 from ..runtime.speculative import Speculative
 from ..runtime.step_runner import StepRunner
-from .bench_kernels import stamp
-from .bench_steps import CONTEXT, step_ms
+from .bench_kernels import copy_bandwidth, stamp
+from .bench_steps import CONTEXT, hbm_floor_bytes, routed_experts, step_ms
 
 PRESETS = ("nemotron-h-8b", "nemotron-3-nano-30b-a3b", "nemotron-3.5-lightning-30b-a3b")
 MTP_KEEP = (0.0, 0.75, 1.0)  # the MTP layers' rows: nothing kept, an acceptance length near 3 (k = 4), all
@@ -60,7 +63,8 @@ def verify_plan(batch: int, k: int, vocab: int, context: int) -> StepPlan:
 
 def verify_steps(model: Model, pool, progress: bool) -> list[dict]:
     """Verify step and decode step times (ms) for each batch in ``BATCHES`` (that the pool has
-    slots for) and k in ``DRAFTS``; in CUDA graphs (on a CPU, eager)."""
+    slots for) and k in ``DRAFTS``, and their HBM floors' bytes (the experts each routes to
+    counted from an eager run of it); in CUDA graphs (on a CPU, eager)."""
     rows = []
     cuda = model.device.type == "cuda"
     context = min(CONTEXT, pool.max_context - 1 - max(DRAFTS))
@@ -71,7 +75,9 @@ def verify_steps(model: Model, pool, progress: bool) -> list[dict]:
         if cuda:
             plain.capture([Bucket(batch)], progress=False)
         decode = StepPlan.make(decode=[(1 + i, i, context) for i in range(batch)])
-        row = {"batch": batch, "context": context, "decode_ms": step_ms(plain, decode), "verify_ms": {}}
+        row = {"batch": batch, "context": context, "decode_ms": step_ms(plain, decode), "verify_ms": {},
+               "decode_floor_bytes": hbm_floor_bytes(model, pool, batch, routed_experts(plain, decode)),
+               "verify_floor_bytes": {}}
         del plain
         for k in DRAFTS:
             tokens = batch * (1 + k)
@@ -80,7 +86,9 @@ def verify_steps(model: Model, pool, progress: bool) -> list[dict]:
             runner = StepRunner(model, pool, buckets)
             if cuda:
                 runner.capture([Bucket(0, tokens, k)], progress=False)
-            row["verify_ms"][k] = step_ms(runner, verify_plan(batch, k, model.cfg.vocab_size, context))
+            plan = verify_plan(batch, k, model.cfg.vocab_size, context)
+            row["verify_ms"][k] = step_ms(runner, plan)
+            row["verify_floor_bytes"][k] = hbm_floor_bytes(model, pool, batch, routed_experts(runner, plan))
             del runner
         rows.append(row)
         if progress:
@@ -213,22 +221,45 @@ def bench_preset(name: str, *, prompt_tokens: int = 512, max_tokens: int = 256, 
 
 
 def run(presets=PRESETS, progress: bool = True, **kw) -> dict:
-    return {**stamp(), "presets": [bench_preset(p, progress=progress, **kw) for p in presets]}
+    bandwidth = copy_bandwidth() if torch.cuda.is_available() and kw.get("device", "cuda").startswith("cuda") else None
+    return {**stamp(), "copy_GB/s": bandwidth and bandwidth / 1e9,
+            "presets": [bench_preset(p, progress=progress, **kw) for p in presets]}
+
+
+def floor_bound(step: dict, k: int, length: float) -> float:
+    """The most speculation can give at an acceptance length ``length`` with k drafts, at the
+    HBM floors: that many tokens for the verify step's bytes, against one for the decode step's."""
+    return length * step["decode_floor_bytes"] / step["verify_floor_bytes"][k]
 
 
 def tables(result: dict) -> str:
     out = [f"{result['device']}, {result['date']}, torch {result['torch']}; random weights, greedy"]
+    rate = result.get("copy_GB/s")  # floors in ms where measured (bytes / the copy bandwidth)
+
+    def cell(ms: float, base: float | None, nbytes: int | None) -> str:
+        """A step's time (against the decode step's, ``base``), and its floor where measured."""
+        notes = [f"{ms / base:.2f}x"] if base else []
+        if rate and nbytes is not None:
+            notes.append(f"floor {nbytes / rate / 1e6:.3f}")
+        return f"{ms:.3f} ({', '.join(notes)})" if notes else f"{ms:.3f}"
+
     for p in result["presets"]:
         ks = list(p["steps"][0]["verify_ms"]) if p["steps"] else []
         context = p["steps"][0]["context"] if p["steps"] else 0
+        floored = rate and any("decode_floor_bytes" in s for s in p["steps"])
         out += ["", f"{p['preset']}: verify steps of 1 + k tokens a sequence beside a decode step, "
-                    f"{context} tokens in each slot (ms)", "",
+                    f"{context} tokens in each slot (ms{'; its HBM floor beside each' if floored else ''})", "",
                 "| batch | decode | " + " | ".join(f"verify k={k}" for k in ks) + " |",
                 "| --- | --- | " + " | ".join("---" for _ in ks) + " |"]
         for s in p["steps"]:
-            out.append(f"| {s['batch']} | {s['decode_ms']:.3f} | "
-                       + " | ".join(f"{s['verify_ms'][k]:.3f} ({s['verify_ms'][k] / s['decode_ms']:.2f}x)" for k in ks)
-                       + " |")
+            floors = s.get("verify_floor_bytes", {})
+            out.append(f"| {s['batch']} | {cell(s['decode_ms'], None, s.get('decode_floor_bytes'))} | "
+                       + " | ".join(cell(s["verify_ms"][k], s["decode_ms"], floors.get(k)) for k in ks) + " |")
+        one = next((s for s in p["steps"] if s["batch"] == 1 and "verify_floor_bytes" in s), None)
+        if one and 2 in one["verify_floor_bytes"] and p["num_drafts"] in one["verify_floor_bytes"]:
+            out += ["", f"At the HBM floors, one sequence: an acceptance length of 3 gives at most "
+                        f"{floor_bound(one, 2, 3.0):.2f}x plain decoding with k = 2 (the fewest drafts it takes), "
+                        f"{floor_bound(one, p['num_drafts'], 3.0):.2f}x with k = {p['num_drafts']}."]
         out += ["", f"{p['preset']}: one request alone, a {p['prompt_tokens']}-token prompt, {p['max_tokens']} greedy "
                     f"tokens, k = {p['num_drafts']}", "",
                 "| drafts | kept | acceptance length | tokens/s | speed-up |", "| --- | --- | --- | --- | --- |"]

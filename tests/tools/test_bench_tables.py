@@ -258,6 +258,13 @@ def test_the_spec_bench_sets_speculation_beside_plain_on_the_cpu(tmp_path):
         lengths = [r["acceptance_length"] for r in runs if r["drafter"] == drafter]
         assert lengths[0] == 1.0 and lengths[-1] == 1 + p["num_drafts"] and all(1 <= n <= 5 for n in lengths)
     assert runs[-1]["leading_equal"] == 12 and p["wide"]["requests_equal"] == p["wide"]["mtp_requests_equal"] == 4
+    # each step's HBM floor: a verify sequence's tokens route to more experts than one token, so
+    # its floor grows with k, and bounds what an acceptance length can give
+    step = p["steps"][0]
+    floors = [step["verify_floor_bytes"][k] for k in bench_spec.DRAFTS]
+    assert step["decode_floor_bytes"] < floors[0] and floors == sorted(floors)
+    assert 1 < bench_spec.floor_bound(step, 2, 3.0) < 3
+    assert "At the HBM floors, one sequence: an acceptance length of 3 gives at most" in bench_spec.tables(result)
     path = tmp_path / "spec.json"
     path.write_text(json.dumps(result))
     page = bench_markdown.render(spec=str(path))

@@ -323,3 +323,15 @@ def test_pdl_chain_in_a_graph_equals_plain_launches(tile_k):
     (res_pdl, h_pdl), (res_plain, h_plain) = run(True), run(False)
     assert torch.equal(res_pdl, res_plain)
     assert torch.equal(h_pdl, h_plain)
+
+
+def test_l2_prefetch_lines(monkeypatch):
+    """PREFETCH_L2 (off by default; a GPU's kernels only, the interpreter runs no inline
+    assembly): the 128-byte lines of a weight row past its first tile, a power of two, capped."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert decode_linear.prefetch_lines(8192, 2048, cuda) == 0  # off
+    monkeypatch.setattr(decode_linear, "PREFETCH_L2", True)
+    assert decode_linear.prefetch_lines(8192, 2048, cpu) == 0
+    assert decode_linear.prefetch_lines(8192, 2048, cuda) == 64  # 6144 bytes: 48 lines, as 64
+    assert decode_linear.prefetch_lines(2048, 2048, cuda) == 0  # the first tile is the row
+    assert decode_linear.prefetch_lines(43008 * 4, 0, cuda) == decode_linear.L2_PREFETCH_LINES

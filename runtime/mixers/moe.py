@@ -39,6 +39,11 @@ FOLD_DECODE = False
 
 class MoEMixer(Mixer):
     fuses_decode = True
+    # FP8 experts' products past a few pairs with their activations quantized per row too
+    # (``moe_experts``' w8a8): off until the GPU has measured it against the widened weights
+    # (``mambastep bench fp8`` times a prefill chunk both ways, ``.ci/gpu-ab-decode`` wide decode
+    # steps); an instance may set its own
+    w8a8 = False
 
     def __init__(self, cfg: ModelConfig, idx: int, w: dict[str, torch.Tensor]):
         self.layer = idx
@@ -59,10 +64,6 @@ class MoEMixer(Mixer):
                                                             "fc2_latent_proj.weight", "fc2_latent_proj.bias"))
         self.route = dict(top_k=cfg.num_experts_per_tok, n_group=cfg.n_group, topk_group=cfg.topk_group,
                           norm_topk=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor, scoring=cfg.moe_scoring)
-        # FP8 experts' products past a few pairs with their activations quantized per row too
-        # (``moe_experts``' w8a8): off until the GPU has measured it against the widened weights
-        # (``mambastep bench fp8`` times a prefill chunk both ways)
-        self.w8a8 = False
 
     def forward(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         return self._moe(h, ctx, lambda: mlp(h, *self.shared, act=self.act))

@@ -22,8 +22,9 @@ their own that move almost nothing. Here one kernel does all three:
     which measured faster than recomputing its groups tile by tile.
 - epilogue: store the rounded product; or add it into the residual stream in place; or squared
   ReLU; or SwiGLU over a [gate | up] weight (a program owns output columns' gate and up rows
-  side by side, and stores silu(gate) * up: no activation kernel after it); or, for Mamba2's in_proj, the causal conv1d decode update (state shift and SiLU) on the
-  ``xBC`` columns, which one program owns per channel, so the conv state has a single writer.
+  side by side, and stores silu(gate) * up: no activation kernel after it); or, for Mamba2's
+  in_proj, the causal conv1d decode update (state shift and SiLU) on the ``xBC`` columns, which
+  one program owns per channel, so the conv state has a single writer.
 
 Programmatic dependent launch (sm_90+): with ``pdl=True`` a kernel may start while the previous one
 drains. Before ``gdc_wait`` it loads only what the previous kernel cannot be writing: its first

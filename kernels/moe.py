@@ -396,8 +396,8 @@ def _few_rows_logits(x, gate, pdl: bool, norm=None, h=None):
     wn, eps, round_first = norm if norm is not None else (gate, 0.0, False)
     extra = {"launch_pdl": True} if pdl else {}
     _logits_kernel[(triton.cdiv(E, 4), split)](
-        x, gate, logits, T, E, D, chunk, x.stride(0), wn, h if h is not None else x, h.stride(0) if h is not None else 0,
-        float(eps), BLOCK_T=block_t, BLOCK_E=4, BLOCK_D=block_d, USE_PDL=pdl, NORM=norm is not None,
+        x, gate, logits, T, E, D, chunk, x.stride(0), wn, h if h is not None else x,
+        h.stride(0) if h is not None else 0, float(eps), BLOCK_T=block_t, BLOCK_E=4, BLOCK_D=block_d, USE_PDL=pdl, NORM=norm is not None,
         ROUND_FIRST=round_first, num_warps=4, **extra)
     return logits, split
 

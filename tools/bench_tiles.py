@@ -1,8 +1,9 @@
 """A decode step's rows (one by default; up to ``MAX_ROWS``, 8) through a preset's skinny
 projections (``kernels.decode_linear``): the tile table's choice (``decode_linear._config``)
-beside a sweep of others, at each distinct weight shape of the preset's blocks and its LM head. The tool to retune the table for a family, or to
-check it: what it finds goes to docs/experiments.md and, where it wins in a whole step
-(``bench profile --timeline``), into the table's rules.
+beside a sweep of others, at each distinct weight shape of the preset's blocks and its LM head.
+The tool to retune the table for a family, or to check it: what it finds goes to
+docs/experiments.md and, where it wins in a whole step (``bench profile --timeline``), into the
+table's rules.
 
 Each shape is timed as the fused decode step runs it: the rows, launched with programmatic
 dependent launch, in a CUDA graph of calls over copies of the weight that together pass the L2
@@ -133,8 +134,8 @@ def bench_preset(name: str, bandwidth: float, quantization: str | None, progress
         table = decode_linear._config(rows, N, K, _device(weight), fp8=fp8)
         table_us = time_us(shape, weight, None, rows)
         # the best of the sweep, the table's own tile among them
-        best_us, best = min([(t, tile) for tile in candidates(K, rows) if (t := time_us(shape, weight, tile, rows)) == t]
-                            + [(table_us, table)])
+        swept = [(t, tile) for tile in candidates(K, rows) if (t := time_us(shape, weight, tile, rows)) == t]
+        best_us, best = min(swept + [(table_us, table)])
         out.append({**shape, "floor_us": N * K * (1 if fp8 else 2) / bandwidth * 1e6, "table": list(table),
                     "table_us": table_us, "best": list(best), "best_us": best_us})
     del model

@@ -9,7 +9,6 @@ would never show). ``test_hopper_compile.py`` runs it."""
 
 from __future__ import annotations
 
-import inspect
 import os
 import re
 import subprocess
@@ -137,7 +136,8 @@ def launch_moe() -> None:
                                    pdl=True, act="swiglu")
         # a decode step's MoE folded into three kernels (moe_decode): FP8 relu2 experts with a
         # sigmoid router (Nemotron-3), FP8 SwiGLU ones with a softmax router
-        for T, (experts, act, scoring) in ((1, ((fp8_up, "relu2", "sigmoid"))), (2, (fp8_gate_up, "swiglu", "softmax"))):
+        for T, (experts, act, scoring) in ((1, (fp8_up, "relu2", "sigmoid")),
+                                           (2, (fp8_gate_up, "swiglu", "softmax"))):
             moe.moe_decode.triton(torch.randn(T, D), torch.ones(D, dtype=torch.bfloat16), 1e-5, gate, bias, experts,
                                   fp8_down, pdl=True, act=act, top_k=6, scoring=scoring)
         # the pair stream's down kernel asking the L2 for its experts' slices before its wait

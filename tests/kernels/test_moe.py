@@ -498,6 +498,56 @@ def test_a_decode_steps_moe_folds_norm_and_top_k_into_its_neighbours(device, cas
     assert_close(got.cpu(), expect, torch.bfloat16)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefetch", [False, True], ids=["plain", "L2 prefetch"])
+@pytest.mark.parametrize("T", [1, 2])
+def test_moe_decode_in_a_graph_waits_for_the_shared_expert(T, prefetch, monkeypatch):
+    """``moe_decode`` captured with programmatic launches (and with the L2 prefetch, which
+    signals dependents early): its down kernel reads the shared expert's output only once the
+    other stream has written it (after a sleep), and the residual, idx and w equal an eager,
+    unforked call's."""
+    from mambastep.kernels import decode_linear
+
+    dev = torch.device("cuda")
+    if not decode_linear.pdl_supported(dev):
+        pytest.skip("programmatic dependent launch needs sm_90+ and a Triton that launches with it")
+    monkeypatch.setattr(decode_linear, "PREFETCH_L2", prefetch)
+    E, D, I, k = 32, 256, 128, 6
+    torch.manual_seed(T)
+    gate, bias = torch.randn(E, D, device=dev), 0.1 * torch.randn(E, device=dev)
+    norm_w = (1 + 0.2 * torch.randn(D, device=dev)).to(torch.bfloat16)
+    up, down = (quantize_fp8(t.float()) for t in experts(E, I, D, D, torch.float32, dev))
+    shared_out = torch.randn(T, D, device=dev).to(torch.bfloat16)
+    start = torch.randn(T, D, device=dev)
+    expect = start.clone()
+    expect_idx, expect_w = moe.moe_decode(expect, norm_w, 1e-5, gate, bias, up, down, shared=shared_out, top_k=k)
+
+    shared = torch.full_like(shared_out, float("nan"))
+    residual = start.clone()
+    side = torch.cuda.Stream(dev)
+
+    def step():
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(2_000_000)
+            shared.copy_(shared_out)
+        ready = torch.cuda.Event()
+        ready.record(side)
+        return moe.moe_decode(residual, norm_w, 1e-5, gate, bias, up, down, shared=shared, shared_ready=ready,
+                              pdl=True, top_k=k)
+
+    step()  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        idx, w = step()
+    shared.fill_(float("nan"))
+    residual.copy_(start)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(idx, expect_idx) and torch.equal(w, expect_w)
+    assert torch.equal(residual, expect)
+
+
 def test_moe_decode_refuses_experts_that_do_not_stream(device):
     """bf16 relu2 experts take pair tiles (``moe_route`` and ``moe_experts``), not the folded path."""
     up, down = experts(8, 16, 32, 32, torch.bfloat16, device)

@@ -280,20 +280,24 @@ def test_bad_inputs_raise(device):
 
 
 @pytest.mark.gpu
-def test_pdl_chain_in_a_graph_equals_plain_launches(tile_k):
+@pytest.mark.parametrize("prefetch", [False, True], ids=["plain", "L2 prefetch"])
+def test_pdl_chain_in_a_graph_equals_plain_launches(tile_k, prefetch, monkeypatch):
     """A block-like chain (norm + projection, projection + residual add, norm + projection +
-    relu2, gated norm + projection + residual add, norm + projection), each kernel reading its
-    predecessor's output, captured in a CUDA graph with programmatic dependent launch as the
-    decode step runs it: bit for bit what plain launches give, on both ways through K (streamed,
-    the gated norm is a kernel of its own in the chain)."""
+    relu2, gated norm + projection + residual add, norm + projection, norm + SwiGLU projection,
+    projection + residual add), each kernel reading its predecessor's output, captured in a CUDA
+    graph with programmatic dependent launch as the decode step runs it: bit for bit what plain
+    launches give, on both ways through K (streamed, the gated norm is a kernel of its own in the
+    chain); and with the streamed kernels' L2 prefetch, which signals their dependents early."""
     from mambastep.kernels.decode_linear import pdl_supported
 
     dev = torch.device("cuda")
     if not pdl_supported(dev):
         pytest.skip("programmatic dependent launch needs sm_90+ and a Triton that launches with it")
+    monkeypatch.setattr(decode_linear, "PREFETCH_L2", prefetch)
     torch.manual_seed(6)
     K = 256
     w = [_weights(K, K, dev, False)[0] for _ in range(5)]
+    gate_up = _weights(2 * K, K, dev, False)[0]
     norm_w = torch.randn(K, device=dev).to(BF16)
     z = torch.randn(1, K, device=dev).to(BF16)
     start = torch.randn(1, K, device=dev)
@@ -310,6 +314,8 @@ def test_pdl_chain_in_a_graph_equals_plain_launches(tile_k):
             gated_norm_linear.triton(h, z, norm_w, K // 2, 1e-5, w[3], residual=residual, pdl=pdl,
                                      tile_k=tile_k)
             norm_linear.triton(residual, norm_w, 1e-5, w[4], out=h, pdl=pdl, tile_k=tile_k)
+            norm_linear.triton(residual, norm_w, 1e-5, gate_up, swiglu=True, out=h, pdl=pdl, tile_k=tile_k)
+            norm_linear.triton(h, None, 1e-5, w[1], residual=residual, pdl=pdl, tile_k=tile_k, early=True)
 
         block()  # compiles outside the capture
         graph = torch.cuda.CUDAGraph()

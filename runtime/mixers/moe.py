@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 
 from ...kernels.linear import linear
-from ...kernels.moe import block_counts_buffer, decodes_fused, moe_decode, moe_experts, moe_route, router_terms
+from ...kernels.moe import decodes_fused, moe_decode, moe_experts
+from ...kernels.moe_route import block_counts_buffer, moe_route, router_terms
 from ..config import ModelConfig
 from .base import Mixer, Norm, StepContext
 from .mlp import mlp, mlp_fused

@@ -94,7 +94,7 @@ def launch_moe() -> None:
     256 + 64); bf16 SwiGLU and FP8 experts of one and two tokens (the pair stream, and folded with the
     norm and the router: ``moe_decode``), and W8A8 ones
     in the sorted layout; each with and without PDL."""
-    from mambastep.kernels import moe
+    from mambastep.kernels import moe, moe_route as route
     from mambastep.kernels.fp8 import quantize_fp8
 
     D, E, I = 256, 16, 320
@@ -104,12 +104,12 @@ def launch_moe() -> None:
     for T, k in ((1, 6), (16, 6), (64, 6), (40, 2), (1200, 2)):  # pairs, pairs, 16-row, 16-row, 128-row tiles
         x = torch.randn(T, D).to(torch.bfloat16)
         for pdl in (False, True):
-            moe.moe_route.triton(x, gate, bias, top_k=k, pdl=pdl)
-            counts = moe.block_counts_buffer(T, E, "cpu")
-            for terms in (moe.router_terms(gate), moe.router_terms(gate.to(torch.bfloat16).float())):
-                moe.moe_route.triton(x, gate, bias, top_k=k, gate_terms=terms, block_counts=counts, pdl=pdl)
+            route.moe_route.triton(x, gate, bias, top_k=k, pdl=pdl)
+            counts = route.block_counts_buffer(T, E, "cpu")
+            for terms in (route.router_terms(gate), route.router_terms(gate.to(torch.bfloat16).float())):
+                route.moe_route.triton(x, gate, bias, top_k=k, gate_terms=terms, block_counts=counts, pdl=pdl)
             idx = torch.stack([torch.randperm(E)[:k].sort()[0] for _ in range(T)]).to(torch.int32)
-            for block_counts in (None, moe.block_counts_ref(idx, E)):
+            for block_counts in (None, route.block_counts_ref(idx, E)):
                 moe.moe_experts.triton(x, idx, torch.rand(T, k), up, down, residual=torch.empty_like(x),
                                        block_counts=block_counts, pdl=pdl)
     # SwiGLU experts of one and two tokens (Granite's): the pair stream, SwiGLU in its up kernel;

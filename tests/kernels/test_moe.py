@@ -1,5 +1,5 @@
-"""The grouped-experts path (routing, sorted pairs, grouped GEMMs, combine) against the dense
-all-experts reference, in Triton's interpreter on CPU and compiled on a GPU."""
+"""The grouped-experts path (sorted pairs, grouped GEMMs, combine; a decode step's folded MoE)
+against the dense all-experts reference, in Triton's interpreter on CPU and compiled on a GPU."""
 
 import pytest
 import torch
@@ -7,7 +7,8 @@ from hypothesis import given, settings, strategies as st
 
 from mambastep.kernels import moe
 from mambastep.kernels.fp8 import quantize_fp8
-from mambastep.kernels.moe import block_m, moe_experts, moe_experts_ref, moe_route, moe_route_ref, slot_count
+from mambastep.kernels.moe import block_m, moe_experts, moe_experts_ref, slot_count
+from mambastep.kernels.moe_route import block_counts_ref, moe_route, moe_route_ref
 from support import assert_close, poisoned
 
 
@@ -25,134 +26,6 @@ def routing(T, E, k, seed=0, experts_used=None):
     pool = torch.arange(E) if experts_used is None else torch.tensor(experts_used)
     idx = torch.stack([pool[torch.randperm(len(pool), generator=g)[:k]].sort()[0] for _ in range(T)])
     return idx.to(torch.int32), torch.rand(T, k, generator=g) + 0.1
-
-
-@pytest.mark.parametrize("E,k,n_group,topk_group", [(8, 2, 1, 1), (16, 3, 4, 2), (128, 6, 1, 1)])
-@pytest.mark.parametrize("T", [1, 5, 33])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_route_matches_hf_math(device, E, k, n_group, topk_group, T, dtype):
-    g = torch.Generator().manual_seed(T + E)
-    D = 40
-    x = torch.randn(T, D, generator=g).to(dtype).to(device)
-    gate = (torch.randn(E, D, generator=g) * 0.3).to(device)
-    bias = (torch.randn(E, generator=g) * 0.05).to(device)
-    kw = dict(top_k=k, n_group=n_group, topk_group=topk_group, norm_topk=True, scale=2.5)
-    idx, w = moe_route.triton(x, gate, bias, **kw)
-    ref_idx, ref_w = moe_route_ref(x.cpu(), gate.cpu(), bias.cpu(), **kw)
-    assert torch.equal(idx.cpu(), ref_idx)  # the same experts, in ascending order
-    torch.testing.assert_close(w.cpu(), ref_w, rtol=1e-5, atol=1e-6)
-    assert torch.allclose(w.sum(-1).cpu(), torch.full((T,), 2.5), rtol=1e-5)
-
-
-BF16, FP32 = torch.bfloat16, torch.float32
-
-
-@pytest.mark.parametrize("T,E,D,dtype,k", [
-    # a decode step's few rows: the split logits kernel, wide enough rows for several chunks of D
-    # with a ragged last one
-    (1, 16, 700, BF16, 3), (3, 16, 700, BF16, 3), (16, 16, 700, BF16, 3),
-    # more rows: the tensor-core kernel, split over D (three chunks, the last ragged) and tiled
-    # over rows (a ragged last tile)
-    (17, 16, 600, FP32, 6), (17, 16, 600, BF16, 6), (100, 128, 600, FP32, 6), (100, 128, 600, BF16, 6),
-])
-def test_router_logits_kernels_match_hf(device, T, E, D, dtype, k):
-    """Both logits kernels give HF's experts and weights."""
-    _assert_route_matches_hf(device, T, E, D, dtype, k, seed=T + E)
-
-
-def _assert_route_matches_hf(device, T, E, D, dtype, k, seed):
-    """The kernels' experts for random rows equal HF's, and their weights to fp32's accuracy."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, D, generator=g).to(dtype).to(device)
-    gate = (torch.randn(E, D, generator=g) * 0.1).to(device)
-    bias = (torch.randn(E, generator=g) * 0.05).to(device)
-    kw = dict(top_k=k, n_group=1, topk_group=1, norm_topk=True, scale=2.5)
-    idx, w = moe_route.triton(x, gate, bias, **kw)
-    ref_idx, ref_w = moe_route_ref(x.cpu(), gate.cpu(), bias.cpu(), **kw)
-    assert torch.equal(idx.cpu(), ref_idx)
-    torch.testing.assert_close(w.cpu(), ref_w, rtol=1e-5, atol=1e-6)
-
-
-def test_router_terms_sum_to_the_fp32_gate():
-    """A bf16 router is one term; fp32 weights take up to three, and their fp32 sum is exact."""
-    g = torch.Generator().manual_seed(0)
-    gate = torch.randn(16, 300, generator=g) * 0.1
-    terms = moe.router_terms(gate)
-    assert terms.dtype == BF16 and terms.shape == (3, 16, 300)
-    assert torch.equal(terms.float().sum(0), gate)
-    assert moe.router_terms(gate.to(BF16).float()).shape == (1, 16, 300)
-
-
-@pytest.mark.parametrize("bf16_gate", [False, True], ids=["fp32 router, three terms", "bf16 router, one term"])
-@pytest.mark.parametrize("T", [17, 100])
-def test_router_logits_from_bf16_terms_match_hf(device, T, bf16_gate):
-    """bf16 rows against the router's bf16 terms give HF's experts and weights, and the top-k
-    kernel counts each block of tokens' pairs per expert."""
-    g = torch.Generator().manual_seed(T)
-    E, D, k = 128, 600, 6
-    x = torch.randn(T, D, generator=g).to(BF16)
-    gate = torch.randn(E, D, generator=g) * 0.1
-    if bf16_gate:
-        gate = gate.to(BF16).float()
-    bias = torch.randn(E, generator=g) * 0.05
-    kw = dict(top_k=k, n_group=1, topk_group=1, norm_topk=True, scale=2.5)
-    counts = poisoned((-(-T // moe.ROUTE_BLOCK_T), E), torch.int32, device)
-    idx, w = moe_route.triton(x.to(device), gate.to(device), bias.to(device), **kw,
-                              gate_terms=moe.router_terms(gate).to(device), block_counts=counts)
-    ref_idx, ref_w = moe_route_ref(x, gate, bias, **kw)
-    assert torch.equal(idx.cpu(), ref_idx)
-    torch.testing.assert_close(w.cpu(), ref_w, rtol=1e-5, atol=1e-6)
-    assert torch.equal(counts.cpu(), moe.block_counts_ref(ref_idx, E))
-
-
-@pytest.mark.parametrize("programs", [2, 4], ids=["one chunk", "two chunks"])
-def test_router_logits_split_capped_by_the_program_count(device, monkeypatch, programs):
-    """Where the row tiles alone are about ``ROUTER_PROGRAMS`` programs (long prefill chunks),
-    D is split into fewer chunks than its length allows; the logits' chunks still add up to HF's
-    choice."""
-    monkeypatch.setattr(moe, "ROUTER_PROGRAMS", programs)  # 100 rows are two tiles of rows
-    x = torch.zeros(100, 600, dtype=BF16, device=device)
-    assert moe._router_dot(x, torch.zeros(128, 600, device=device))[1] == programs // 2
-    _assert_route_matches_hf(device, 100, 128, 600, BF16, 6, seed=programs)
-
-
-def test_route_without_normalisation_keeps_the_scores(device):
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(4, 24, generator=g).to(device)
-    gate, bias = (0.1 * torch.randn(8, 24, generator=g)).to(device), torch.zeros(8, device=device)
-    _, w = moe_route.triton(x, gate, bias, top_k=2, norm_topk=False, scale=1.0)
-    _, ref = moe_route_ref(x.cpu(), gate.cpu(), bias.cpu(), top_k=2, norm_topk=False)
-    torch.testing.assert_close(w.cpu(), ref)
-    assert (w < 1).all() and not torch.allclose(w.sum(-1), torch.ones(4, device=device))  # scores as they are
-
-
-@pytest.mark.parametrize("E,k", [(8, 3), (64, 6), (72, 10)])
-@pytest.mark.parametrize("T", [1, 5, 33])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_softmax_route_matches_hf_granite(device, E, k, T, dtype):
-    """Granite's router: the top-k of the logits in the model's dtype, weighted by their softmax,
-    rounded so too, as HF's GraniteMoeHybrid computes them (both logits kernels: T <= 16 and past).
-    In bf16 two logits may round to one value at the k-th place, and which of the two experts
-    wins is then the sort's choice (torch's CPU top-k takes the later one): the chosen logits and
-    weights are compared, not the expert ids."""
-    g = torch.Generator().manual_seed(T + E)
-    D = 40
-    x = torch.randn(T, D, generator=g).to(dtype)
-    gate = (torch.randn(E, D, generator=g) * 0.3).to(dtype)
-    idx, w = moe_route.triton(x.to(device), gate.float().to(device), None, top_k=k, scoring="softmax")
-    idx, w = idx.cpu().long(), w.cpu()
-    assert (idx.diff(dim=-1) > 0).all()  # k distinct experts, in ascending order
-    logits = torch.nn.functional.linear(x, gate).float()  # HF: in the model's dtype, then float
-    top, hf_idx = logits.topk(k, dim=-1)
-    hf_w = top.softmax(dim=-1).to(dtype).float()
-    assert torch.equal(logits.gather(1, idx).sort(dim=-1).values, top.sort(dim=-1).values)
-    torch.testing.assert_close(w.sort(dim=-1).values, hf_w.sort(dim=-1).values, rtol=1e-5, atol=1e-6)
-    if dtype == torch.float32:  # no ties: the same experts
-        assert torch.equal(idx, hf_idx.sort(dim=-1).values)
-    with pytest.raises(ValueError, match="a softmax router takes no groups and no routed scale"):
-        moe_route.triton(x.to(device), gate.float().to(device), None, top_k=k, scoring="softmax", scale=2.5)
-    ref_idx, ref_w = moe_route_ref(x, gate.float(), None, top_k=k, scoring="softmax")
-    assert torch.equal(logits.gather(1, ref_idx.long()).sort(dim=-1).values, top.sort(dim=-1).values)
 
 
 # up to kernels.moe.PAIR_TILES_MAX (12) pairs a tile each, past it the sorted layout
@@ -328,7 +201,7 @@ def test_pairs_take_their_expert_run_in_token_order(device, T, routed_counts):
     E, k = 8, 2
     idx, _ = routing(T, E, k, seed=T, experts_used=[1, 2, 6])
     bm = block_m(T, k, E)
-    block_counts = moe.block_counts_ref(idx, E).to(device) if routed_counts else None
+    block_counts = block_counts_ref(idx, E).to(device) if routed_counts else None
     slot_of_pair, token_of_slot, starts, counts = (t.cpu() for t in moe._align(idx.to(device), E, bm,
                                                                                      slot_count(T, k, E, bm),
                                                                                      block_counts=block_counts))
@@ -405,7 +278,8 @@ def test_ops_dispatch_on_the_device():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8 (one token's down projections and combine one kernel)"])
+@pytest.mark.parametrize("fp8", [False, True],
+                         ids=["bf16", "fp8 (one token's down projections and combine one kernel)"])
 @pytest.mark.parametrize("T", [1, 2, 8], ids=["pair tiles", "pair tiles, 2 rows", "sorted layout"])
 def test_the_combine_waits_for_the_shared_expert_across_the_join(T, fp8):
     """Captured with programmatic launches, the combine depends on both streams' last kernels: it
@@ -426,9 +300,20 @@ def test_the_combine_waits_for_the_shared_expert_across_the_join(T, fp8):
     shared_out = torch.randn(T, D, device=dev).to(torch.bfloat16)
     start = torch.randn(T, D, device=dev).to(torch.bfloat16)
     expect = moe_experts(x, idx, w, up, down, shared=shared_out, residual=start.clone())
-
-    shared = torch.full_like(shared_out, float("nan"))
     residual = start.clone()
+    _replayed_beside_a_late_shared_expert(
+        shared_out, lambda shared, ready: moe_experts(x, idx, w, up, down, shared=shared, residual=residual,
+                                                      shared_ready=ready, pdl=True), lambda: residual.copy_(start))
+    assert torch.equal(residual, expect)
+
+
+def _replayed_beside_a_late_shared_expert(shared_out, call, reset):
+    """``call(shared, ready)`` captured in a CUDA graph beside a side stream that writes the shared
+    expert's output into ``shared`` after a sleep of about a millisecond (``ready``: that
+    stream's event after it), compiled outside the capture; then ``shared`` poisoned, ``reset()``
+    and the graph replayed once. Returns what the captured call returned."""
+    dev = shared_out.device
+    shared = torch.full_like(shared_out, float("nan"))
     side = torch.cuda.Stream(dev)
 
     def step():
@@ -438,17 +323,17 @@ def test_the_combine_waits_for_the_shared_expert_across_the_join(T, fp8):
             shared.copy_(shared_out)
         ready = torch.cuda.Event()
         ready.record(side)
-        moe_experts(x, idx, w, up, down, shared=shared, residual=residual, shared_ready=ready, pdl=True)
+        return call(shared, ready)
 
     step()  # compiles outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        step()
+        out = step()
     shared.fill_(float("nan"))
-    residual.copy_(start)
+    reset()
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(residual, expect)
+    return out
 
 
 # a decode step's MoE in three kernels (``moe_decode``): the experts it streams, and routers
@@ -521,29 +406,11 @@ def test_moe_decode_in_a_graph_waits_for_the_shared_expert(T, prefetch, monkeypa
     start = torch.randn(T, D, device=dev)
     expect = start.clone()
     expect_idx, expect_w = moe.moe_decode(expect, norm_w, 1e-5, gate, bias, up, down, shared=shared_out, top_k=k)
-
-    shared = torch.full_like(shared_out, float("nan"))
     residual = start.clone()
-    side = torch.cuda.Stream(dev)
-
-    def step():
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            torch.cuda._sleep(2_000_000)
-            shared.copy_(shared_out)
-        ready = torch.cuda.Event()
-        ready.record(side)
-        return moe.moe_decode(residual, norm_w, 1e-5, gate, bias, up, down, shared=shared, shared_ready=ready,
-                              pdl=True, top_k=k)
-
-    step()  # compiles outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        idx, w = step()
-    shared.fill_(float("nan"))
-    residual.copy_(start)
-    graph.replay()
-    torch.cuda.synchronize()
+    idx, w = _replayed_beside_a_late_shared_expert(
+        shared_out, lambda shared, ready: moe.moe_decode(residual, norm_w, 1e-5, gate, bias, up, down, shared=shared,
+                                                         shared_ready=ready, pdl=True, top_k=k),
+        lambda: residual.copy_(start))
     assert torch.equal(idx, expect_idx) and torch.equal(w, expect_w)
     assert torch.equal(residual, expect)
 

@@ -146,6 +146,27 @@ def prefetch_rows_l2(w_rows, n_ok, start, nbytes, LINES: tl.constexpr):
 
 
 @triton.jit
+def swiglu_rows(N, BLOCK_N: tl.constexpr):
+    """A SwiGLU projection's weight rows for this program, over w = [gate | up] (N = 2I rows):
+    BLOCK_N / 2 output columns' gate and up rows side by side (j, I + j, j + 1, I + j + 1, ...),
+    so that its epilogue (``swiglu_pairs``) pairs them within the program; and which are in range."""
+    i = tl.arange(0, BLOCK_N)
+    col = tl.program_id(0) * (BLOCK_N // 2) + i // 2
+    return col + (i % 2) * (N // 2), col < N // 2
+
+
+@triton.jit
+def swiglu_pairs(y, n, n_ok, ACT_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """silu(gate) * up of the program's rows ``n`` (``swiglu_rows``'s; y: their products, rounded
+    as the projection hands them on, [.., BLOCK_N]), silu(gate) rounded to ACT_DTYPE as HF's op:
+    (the values [BLOCK_N / 2] in fp32, their output columns, which are in range)."""
+    gate, up = tl.split(tl.reshape(y.to(tl.float32), (BLOCK_N // 2, 2)))
+    col, _ = tl.split(tl.reshape(n.to(tl.int64), (BLOCK_N // 2, 2)))
+    col_ok, _ = tl.split(tl.reshape(n_ok.to(tl.int32), (BLOCK_N // 2, 2)))
+    return (gate * tl.sigmoid(gate)).to(ACT_DTYPE).to(tl.float32) * up, col, col_ok > 0
+
+
+@triton.jit
 def _load_rows(ptr, src, row_ok, cols, col_ok, stride):
     return tl.load(ptr + src[:, None] * stride + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
 
@@ -339,15 +360,9 @@ def _finish_row(
         s_ptrs = (cs_ptr + tl.maximum(slot_m, 0).to(tl.int64)[:, :, None] * stride_cs_s
                   + c[None, :, None] * stride_cs_d + taps * stride_cs_k)
         tl.store(s_ptrs, nxt.to(cs_ptr.dtype.element_ty), mask=live[:, :, None] & (taps < CONV_K - 1))
-    if EPILOGUE == 4:
-        # the program's weight rows are output column j's gate and up side by side
-        # (``_skinny_kernel``): silu(gate), rounded as HF's op, times up, into column j
-        gate, up = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
-        col, _ = tl.split(tl.reshape(n, (BLOCK_N // 2, 2)))
-        col_ok, _ = tl.split(tl.reshape(n_ok.to(tl.int32), (BLOCK_N // 2, 2)))
-        y = (gate * tl.sigmoid(gate)).to(ACT_DTYPE).to(tl.float32) * up
-        tl.store(out_ptr + row.to(tl.int64) * stride_out + col.to(tl.int64), y.to(out_ptr.dtype.element_ty),
-                 mask=col_ok > 0)
+    if EPILOGUE == 4:  # the program's rows are gate and up pairs (``swiglu_rows``)
+        h, col, col_ok = swiglu_pairs(y, n, n_ok, ACT_DTYPE, BLOCK_N)
+        tl.store(out_ptr + row.to(tl.int64) * stride_out + col, h.to(out_ptr.dtype.element_ty), mask=col_ok)
     else:
         tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
 
@@ -376,14 +391,8 @@ def _skinny_kernel(
     # layout (no cross-row shuffles); with LOOP, K is streamed in tiles.
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    if EPILOGUE == 4:
-        # SwiGLU over w = [gate | up] (N = 2I rows): the program's rows are BLOCK_N / 2 output
-        # columns' gate and up rows side by side (j, I + j, j + 1, I + j + 1, ...), so the epilogue
-        # pairs them within the program
-        i = tl.arange(0, BLOCK_N)
-        col = tl.program_id(0) * (BLOCK_N // 2) + i // 2
-        n = col + (i % 2) * (N // 2)
-        n_ok = col < N // 2
+    if EPILOGUE == 4:  # SwiGLU: gate and up rows side by side
+        n, n_ok = swiglu_rows(N, BLOCK_N)
     n64 = n.to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
     if not LOOP and x_ptr.dtype.element_ty == tl.float32:

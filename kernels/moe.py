@@ -47,7 +47,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .activation import relu2_ref, silu_mul, silu_mul_ref
-from .decode_linear import _block_scaled, _streamed_rows, hopper_or_newer, prefetch_lines, prefetch_rows_l2
+from .decode_linear import (_block_scaled, _streamed_rows, hopper_or_newer, prefetch_lines, prefetch_rows_l2,
+                            swiglu_pairs, swiglu_rows)
 from .dispatch import with_reference
 from .fp8 import Fp8Weight, quantize_rows, quantize_rows_ref
 from .moe_route import (ROUTE_BLOCK_T, _check_block_counts, _checked_router, _choice_args, _choose, _few_rows_logits,
@@ -447,10 +448,7 @@ def _pair_up(e, p, a_ptr, w_ptr, out_ptr, N, K, stride_a, stride_we, stride_wn, 
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     if ACT == 2:
-        i = tl.arange(0, BLOCK_N)
-        col = tl.program_id(0) * (BLOCK_N // 2) + i // 2
-        n = col + (i % 2) * (N // 2)
-        n_ok = col < N // 2
+        n, n_ok = swiglu_rows(N, BLOCK_N)
     n64 = n.to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
     w_e = w_ptr + e * stride_we
@@ -471,11 +469,8 @@ def _pair_up(e, p, a_ptr, w_ptr, out_ptr, N, K, stride_a, stride_we, stride_wn, 
         y = tl.maximum(y.to(tl.float32), 0.0)
         y = (y * y).to(out_ptr.dtype.element_ty)
     if ACT == 2:  # as ``silu_mul``: silu(gate) rounded, times up
-        gate, up = tl.split(tl.reshape(y.to(tl.float32), (BLOCK_N // 2, 2)))
-        col, _ = tl.split(tl.reshape(n64, (BLOCK_N // 2, 2)))
-        col_ok, _ = tl.split(tl.reshape(n_ok.to(tl.int32), (BLOCK_N // 2, 2)))
-        h = (gate * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty).to(tl.float32) * up
-        tl.store(out_ptr + p * stride_out + col, h.to(out_ptr.dtype.element_ty), mask=col_ok > 0)
+        h, col, col_ok = swiglu_pairs(y, n64, n_ok, out_ptr.dtype.element_ty, BLOCK_N)
+        tl.store(out_ptr + p * stride_out + col, h.to(out_ptr.dtype.element_ty), mask=col_ok)
     else:
         tl.store(out_ptr + p * stride_out + n64[None, :], y, mask=n_ok[None, :])
 

@@ -694,8 +694,7 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
         if w8a8:  # the rows as FP8 values and a scale each (the padding slots' zero rows: zeros)
             a, a_scale = quantize_rows(a)
         n, kk = weight.shape[1], weight.shape[2]
-        scale, scale_block = scales if scales is not None else (weight, 0)
-        mode = 0 if scales is None else 2 if scale_block else 1
+        scale, scale_block, mode = _scale_args(weight, scales)
         common = (a.stride(0), weight.stride(0), weight.stride(1), result.stride(0), scale, scale.stride(0),
                   scale.stride(1) if mode == 2 else 0)
         bn, bk, warps, stages = _gemm_config(bm, n, kk, x.dtype)
@@ -782,9 +781,9 @@ def moe_decode(residual, norm_w, eps, gate, bias, up, down, *, round_first=True,
                          f"{'FP8' if isinstance(up, Fp8Weight) else up.dtype}) do not stream as pairs; use moe_route "
                          f"and moe_experts")
     up_values, down_values = _values_and_scales(up), _values_and_scales(down)
-    Dd = down_values[0].shape[1]
-    if residual.stride(1) != 1 or Dd != D or up_values[0].shape[2] != D or norm_w.shape != (D,):
-        raise ValueError(f"moe_decode: residual [T, D] with contiguous rows, norm_w [D], up [E, I, D], down [E, D, I]; "
+    # (the residual's rows are the router's x: ``_checked_router`` checked them)
+    if down_values[0].shape[1] != D or up_values[0].shape[2] != D or norm_w.shape != (D,):
+        raise ValueError(f"moe_decode: residual [T, D], norm_w [D], up [E, I, D], down [E, D, I]; "
                          f"got {list(residual.shape)}, {list(norm_w.shape)}, {list(up.shape)}, {list(down.shape)}")
     h = torch.empty(T, D, dtype=norm_w.dtype, device=residual.device)
     logits, split = _few_rows_logits(residual, gate, pdl, norm=(norm_w, eps, round_first), h=h)
@@ -826,8 +825,7 @@ def _stream_pairs(x, idx, w, up, down, target, *, swiglu: bool, shared, shared_r
     D, I = down.shape[1], down.shape[2]
     h = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
     extra = {"launch_pdl": True} if pdl else {}
-    scale, block = up_scale if up_scale is not None else (up, 0)
-    mode = 0 if up_scale is None else 2 if block else 1
+    scale, block, mode = _scale_args(up, up_scale)
     bk = min(PAIR_UP_BLOCK_K, max(32, triton.next_power_of_2(K)))
     operands = (x, up, h, n, K, x.stride(0), up.stride(0), up.stride(1), h.stride(0), scale, scale.stride(0),
                 scale.stride(1) if mode == 2 else 0)
@@ -840,8 +838,7 @@ def _stream_pairs(x, idx, w, up, down, target, *, swiglu: bool, shared, shared_r
         _routed_pair_up_kernel[grid](route.logits, route.bias, idx, w, T, route.experts, route.scale, *operands,
                                      SPLIT=route.split, **route.choice, **consts)
     _join(shared_ready, x.device)
-    scale, block = down_scale if down_scale is not None else (down, 0)
-    mode = 0 if down_scale is None else 2 if block else 1
+    scale, block, mode = _scale_args(down, down_scale)
     bn, bk, stages = PAIR_DOWN_ONE_TOKEN if T == 1 else PAIR_DOWN_TOKENS
     _pair_down_kernel[(triton.cdiv(D, bn), T)](
         h, idx, w, down, shared if shared is not None else h, target, D, I, h.stride(0), down.stride(0),
@@ -875,6 +872,16 @@ def _values_and_scales(weight):
     if weight.values.dtype != torch.float8_e4m3fn or not weight.scale.is_contiguous():
         raise ValueError("moe_experts: FP8 experts need float8_e4m3fn values and contiguous scales")
     return weight.values, (weight.scale, weight.block)
+
+
+def _scale_args(values: torch.Tensor, scales) -> tuple[torch.Tensor, int, int]:
+    """A product's scale arguments from ``_values_and_scales``' pair: (the scale tensor, or the
+    values as a stand-in pointer the kernel does not read; the block, 0 for per-column scales or
+    none; SCALE, as ``_tile_product`` takes it: 0 none, 1 per column, 2 per block)."""
+    if scales is None:
+        return values, 0, 0
+    scale, block = scales
+    return scale, block, 2 if block else 1
 
 
 def _tma(t: torch.Tensor) -> bool:

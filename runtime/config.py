@@ -630,18 +630,25 @@ def _check_type(name: str, annotation: str, value) -> None:
 
 
 def _nemotron_layer_types(hf: dict) -> tuple[str, ...]:
-    if hf.get("layers_block_type"):
-        types = hf["layers_block_type"]
+    return _block_kinds(hf, "layers_block_type", "hybrid_override_pattern")
+
+
+def _block_kinds(hf: dict, names_key: str, pattern_key: str, default_pattern: str | None = None) -> tuple[str, ...]:
+    """Block kinds as a NemotronH config gives them: HF's names listed under ``names_key``, or
+    the characters of the pattern under ``pattern_key`` (older configs; ``default_pattern``
+    where neither is there)."""
+    if hf.get(names_key):
+        types = hf[names_key]
         unknown = [t for t in types if t not in _HF_LAYER_TYPES]
         if unknown:
-            raise ConfigError(f"layers_block_type: unknown layer types {unknown}")
+            raise ConfigError(f"{names_key}: unknown layer types {unknown}")
         return tuple(_HF_LAYER_TYPES[t] for t in types)
-    pattern = hf.get("hybrid_override_pattern")
+    pattern = hf.get(pattern_key) or default_pattern
     if not pattern:
-        raise ConfigError("layers_block_type: missing (nor hybrid_override_pattern)")
+        raise ConfigError(f"{names_key}: missing (nor {pattern_key})")
     unknown = sorted(set(pattern) - set(_PATTERN))
     if unknown:
-        raise ConfigError(f"hybrid_override_pattern: unknown layer characters {unknown}")
+        raise ConfigError(f"{pattern_key}: unknown layer characters {unknown}")
     return tuple(_PATTERN[c] for c in pattern)
 
 
@@ -654,18 +661,7 @@ def _nemotron_mtp(hf: dict) -> dict:
         raise ConfigError(f"num_nextn_predict_layers: expected an int >= 0, got {depths!r}")
     if depths == 0:
         return {}
-    if hf.get("mtp_layers_block_type"):
-        names = hf["mtp_layers_block_type"]
-        unknown = [t for t in names if t not in _HF_LAYER_TYPES]
-        if unknown:
-            raise ConfigError(f"mtp_layers_block_type: unknown layer types {unknown}")
-        kinds = tuple(_HF_LAYER_TYPES[t] for t in names)
-    else:
-        pattern = hf.get("mtp_hybrid_override_pattern") or "*E"
-        unknown = sorted(set(pattern) - set(_PATTERN))
-        if unknown:
-            raise ConfigError(f"mtp_hybrid_override_pattern: unknown layer characters {unknown}")
-        kinds = tuple(_PATTERN[c] for c in pattern)
+    kinds = _block_kinds(hf, "mtp_layers_block_type", "mtp_hybrid_override_pattern", default_pattern="*E")
     return {"mtp_layer_types": kinds, "mtp_depths": depths}
 
 

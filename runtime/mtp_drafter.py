@@ -35,7 +35,7 @@ from .mtp import MTPModel
 from .plan import StepPlan
 from .request import Request
 from .state_pool import StatePool
-from .step_runner import StepRunner
+from .step_runner import StepRunner, on_device
 
 __all__ = ["MTPDrafter", "MTPDrafting"]
 
@@ -230,21 +230,15 @@ class MTPDrafting:
         """Keep what the last MTP step drew for ``drafters``' slots as their j-th draft."""
         slots = [d.slot for d in drafters]
         if slots:
-            slots = _on_device(slots, self._drawn.device)
+            slots = on_device(slots, torch.int64, self._drawn.device)
             self._drawn[j].index_copy_(0, slots, self.runner.slot_tokens.index_select(0, slots))
 
 
 def _gather(out: torch.Tensor, pairs: list[tuple[int, int]], source: torch.Tensor) -> None:
     """out[dst] = source[src] for each (dst, src) of ``pairs``, on the device."""
     if pairs:
-        dst, src = (_on_device(list(v), source.device) for v in zip(*pairs))
+        dst, src = (on_device(v, torch.int64, source.device) for v in zip(*pairs))
         out.index_copy_(0, dst, source.index_select(0, src))
-
-
-def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """int64 ``values`` on ``device``, through pinned memory: the host does not wait for the device."""
-    t = torch.as_tensor(values, dtype=torch.int64)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 def _greedy(plan: StepPlan) -> StepPlan:

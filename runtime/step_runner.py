@@ -35,7 +35,7 @@ from .slot_tokens_seen import SlotTokensSeen
 from .state_pool import StatePool
 from .step_buffers import StepBuffers
 
-__all__ = ["PendingTokens", "StepRunner"]
+__all__ = ["PendingTokens", "StepRunner", "on_device"]
 
 
 class PendingTokens:
@@ -138,17 +138,13 @@ class StepRunner:
         """Start what ``slot`` has seen for a request whose prompt did not start in a step (a
         prefix cache restored its beginning): its bias entries (ids, values, until: numpy
         [MAX_BIASED] each) and its prompt's tokens so far marked; between steps, no sync."""
-        ids, values, until = (self._on_device(a, dtype)[None] for a, dtype in
+        device = self.model.device
+        ids, values, until = (on_device(a, dtype, device)[None] for a, dtype in
                               zip(bias, (torch.int32, torch.float32, torch.int32)))
-        tokens = self._on_device(prompt, torch.int64)
+        tokens = on_device(prompt, torch.int64, device)
         with torch.inference_mode():
-            self.seen.admit(self._on_device([slot], torch.int32), ids, values, until)
+            self.seen.admit(on_device([slot], torch.int32, device), ids, values, until)
             self.seen.see_prompt(torch.full_like(tokens, slot), tokens)
-
-    def _on_device(self, values, dtype: torch.dtype) -> torch.Tensor:
-        """A host array on the model's device, copied from pinned memory without a sync."""
-        t = torch.as_tensor(np.asarray(values), dtype=dtype)
-        return t.pin_memory().to(self.model.device, non_blocking=True) if self.cuda else t
 
     def copy_state(self, src: int, dsts: list[int], tokens: int, recurrent: bool = True) -> None:
         """Copy slot ``src``'s state (its first ``tokens`` positions; keys and values only where
@@ -189,6 +185,12 @@ class StepRunner:
             event.record()
         self._flip ^= 1
         return PendingTokens(host.numpy(), event, bucket, host_logprobs)
+
+
+def on_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host array on ``device``, copied from pinned memory without a sync."""
+    t = torch.as_tensor(np.asarray(values), dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 def _run_model(model: Model, buffers: StepBuffers, pool: StatePool, aux_stream, side_stream,

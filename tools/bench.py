@@ -81,8 +81,8 @@ def main(argv=None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument("--preset", action="append",
                         help="steps, fp8, sampling, prefix, spec, tiles: preset(s) to run (default: the suite's)")
-    parser.add_argument("--batch", type=int, default=1, help="profile: decode batch; tiles: the decode rows (1-8)")
-    parser.add_argument("--prefill", type=int, default=0, help="profile: tokens of one prefill chunk (0: none)")
+    parser.add_argument("--batch", type=int, help="profile: decode batch; tiles: the decode rows (1-8); default 1")
+    parser.add_argument("--prefill", type=int, help="profile: tokens of one prefill chunk (default 0: none)")
     parser.add_argument("--timeline", action="store_true",
                         help="profile: the captured graph's replays, each kernel charged what it adds to the step")
     parser.add_argument("--window", metavar="LO:HI", type=_window,
@@ -107,6 +107,12 @@ def main(argv=None) -> int:
     writable_path(parser, "--out", args.out)
     if args.quantization and args.what not in ("profile", "tiles"):
         parser.error("--quantization is profile's and tiles' (bench fp8 runs both precisions)")
+    if args.batch is not None and args.what not in ("profile", "tiles"):
+        parser.error("--batch is profile's and tiles'")
+    if args.prefill is not None and args.what != "profile":
+        parser.error("--prefill is profile's")
+    args.batch = 1 if args.batch is None else args.batch
+    args.prefill = args.prefill or 0
     if args.what == "tiles" and not 1 <= args.batch <= bench_tiles.MAX_ROWS:
         parser.error(f"--batch: bench tiles takes 1 to {bench_tiles.MAX_ROWS} decode rows, got {args.batch}")
     if args.window and not (args.what == "profile" and args.timeline):

@@ -10,7 +10,7 @@ give: at an acceptance length a, at most a x the decode floor / the verify floor
 
 Tokens/s: one request alone (a ``prompt_tokens`` random prompt, ``max_tokens`` greedy tokens) on
 one engine, plain (the request opts out) and speculating with k = ``num_drafts``; where the preset
-has MTP layers, also drafted by them (``Speculative(mtp=True)``, on an engine of one slot), which
+has MTP layers, also drafted by them (``Speculative(mtp=True)``, on an engine of its own), which
 puts their cost (an MTP step after each step, k - 1 chained ones before a verify step) beside. Random weights
 make a real drafter's acceptance meaningless, and so do bf16 kernels: drafts of the plain run's
 own greedy tokens are kept for a few tokens only, since the verify step's kernels round

@@ -55,6 +55,8 @@ def test_a_window_lists_kernels_in_start_order_from_the_replays_start():
     (["steps", "--quantization", "fp8"], "--quantization is profile's"),
     (["profile", "--quantization", "int4"], "invalid choice: 'int4'"),
     (["tiles", "--batch", "9"], "bench tiles takes 1 to 8 decode rows, got 9"),
+    (["steps", "--batch", "4"], "--batch is profile's and tiles'"),
+    (["tiles", "--prefill", "64"], "--prefill is profile's"),
 ])
 def test_a_bad_option_is_a_one_line_error(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:

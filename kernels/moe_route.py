@@ -348,6 +348,9 @@ def _few_rows_logits(x, gate, pdl: bool, norm=None, h=None):
     round_first) of the rows' block norm, x being the residual stream: the normed rows go to h."""
     T, D = x.shape
     E = gate.shape[0]
+    if (norm is None) != (h is None) or (h is not None and (h.shape != x.shape or h.stride(1) != 1)):
+        raise ValueError(f"router logits: a block norm writes its rows to h [T, D] (both or neither); got norm "
+                         f"{'given' if norm is not None else 'None'}, h {None if h is None else list(h.shape)}")
     block_t = triton.next_power_of_2(T)
     block_d = max(32, 512 // block_t)
     chunk = block_d * triton.cdiv(D, 4 * block_d)
@@ -356,8 +359,8 @@ def _few_rows_logits(x, gate, pdl: bool, norm=None, h=None):
     wn, eps, round_first = norm if norm is not None else (gate, 0.0, False)
     extra = {"launch_pdl": True} if pdl else {}
     _logits_kernel[(triton.cdiv(E, 4), split)](
-        x, gate, logits, T, E, D, chunk, x.stride(0), wn, h if h is not None else x,
-        h.stride(0) if h is not None else 0, float(eps), BLOCK_T=block_t, BLOCK_E=4, BLOCK_D=block_d, USE_PDL=pdl,
+        x, gate, logits, T, E, D, chunk, x.stride(0), wn, x if h is None else h, 0 if h is None else h.stride(0),
+        float(eps), BLOCK_T=block_t, BLOCK_E=4, BLOCK_D=block_d, USE_PDL=pdl,
         NORM=norm is not None, ROUND_FIRST=round_first, num_warps=4, **extra)
     return logits, split
 

@@ -85,14 +85,6 @@ __all__ = [
 MAX_ROWS = 8
 # The widest K held as one tile in registers; wider projections stream K (see ``_config``).
 ONE_TILE_MAX_K = 2048
-# Streamed projections under PDL: before its wait, a program asks the L2 for the rest of its
-# weight slice (``prefetch.global.L2``, one a 128-byte line), and it signals its own dependents
-# right after the wait rather than after its K loop, so that the next projection's programs take
-# the SMs early and their weights stream in while this one drains (CUTLASS's weight-prefetch
-# GEMM, example 63, does this for low-latency decoding). Off until the GPU has timed it
-# (``.ci/gpu-ab-decode``); the lines a program asks for are capped at L2_PREFETCH_LINES a row.
-PREFETCH_L2 = False
-L2_PREFETCH_LINES = 512
 
 _PRO_NONE, _PRO_RMS, _PRO_GATED = 0, 1, 2
 _EPI_STORE, _EPI_RESIDUAL, _EPI_RELU2, _EPI_CONV, _EPI_SWIGLU = 0, 1, 2, 3, 4
@@ -126,23 +118,6 @@ def _input_rows(x_ptr, z, src, row_ok, cols, col_ok, stride_x, GATED: tl.constex
         z = z.to(tl.float32)
         a = a * z * tl.sigmoid(z)
     return a
-
-
-@triton.jit
-def prefetch_l2(ptrs, mask):
-    """Ask the L2 for the 128-byte lines at ``ptrs`` (where ``mask``), not waiting for them: a
-    hint, no data comes back (the kernels call it before their PDL wait, for weights)."""
-    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-                              "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def prefetch_rows_l2(w_rows, n_ok, start, nbytes, LINES: tl.constexpr):
-    """prefetch_l2 over rows of bytes: for each row pointer of ``w_rows`` (where ``n_ok``), the
-    lines from byte ``start`` on, at most LINES of them, up to byte ``nbytes`` of the row."""
-    lines = start + tl.arange(0, LINES) * 128
-    prefetch_l2(w_rows[:, None].to(tl.pointer_type(tl.int8)) + lines[None, :],
-                n_ok[:, None] & (lines < nbytes)[None, :])
 
 
 @triton.jit
@@ -380,7 +355,6 @@ def _skinny_kernel(
     M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     LOOP: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr, EARLY: tl.constexpr, USE_PDL: tl.constexpr,
     NORM_WEIGHT: tl.constexpr, SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr, ACT_DTYPE: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     # SCALE: 0, w holds the weights; 1, FP8 values scaled per output column (s_ptr [N], applied to
     # the sums); 2, FP8 values scaled per SCALE_BLOCK x SCALE_BLOCK block (s_ptr [N / SCALE_BLOCK,
@@ -447,12 +421,9 @@ def _skinny_kernel(
         # the rows' state is written back per row below; threads holding copies of one element
         # must all have read it first
         tl.debug_barrier()
-    if PREFETCH > 0:  # PREFETCH_L2: the slice past its first tile, lines of 128 bytes
-        esize = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-        prefetch_rows_l2(w_ptr + n64 * stride_w, n_ok, BLOCK_K * esize, K * esize, PREFETCH)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        if not LOOP or PREFETCH > 0:
+        if not LOOP:
             tl.extra.cuda.gdc_launch_dependents()
     if LOOP:
         tl.static_assert(PROLOGUE != 2, "a gated norm runs as its own kernel before a streamed product")
@@ -461,7 +432,7 @@ def _skinny_kernel(
             PROLOGUE == 1, HAS_ROW_IDX, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, STAGES, NORM_WEIGHT,
             SCALE_BLOCK,
         )
-        if USE_PDL and PREFETCH == 0:
+        if USE_PDL:
             # several waves of programs: the dependents take slots only as the last one drains
             tl.extra.cuda.gdc_launch_dependents()
     for m in tl.static_range(M):
@@ -479,16 +450,6 @@ def _skinny_kernel(
             out_ptr, cs_ptr, stride_out, stride_cs_s, stride_cs_d, stride_cs_k,
             EPILOGUE, HAS_BIAS, CONV_K, BLOCK_C, CONV_BIAS, BLOCK_M, EARLY, ACT_DTYPE, BLOCK_N,
         )
-
-
-def prefetch_lines(row_bytes: int, first_bytes: int, device: torch.device) -> int:
-    """The PREFETCH constexpr of a streamed kernel whose weight rows are ``row_bytes`` long, the
-    first ``first_bytes`` of each loaded before its wait anyway: the 128-byte lines a row past
-    them (a power of two, at most L2_PREFETCH_LINES), or 0 where PREFETCH_L2 is off or the
-    device is not a GPU (the interpreter runs no inline assembly)."""
-    if not PREFETCH_L2 or device.type != "cuda" or row_bytes <= first_bytes:
-        return 0
-    return min(L2_PREFETCH_LINES, triton.next_power_of_2(triton.cdiv(row_bytes - first_bytes, 128)))
 
 
 @functools.cache
@@ -662,8 +623,6 @@ def _launch(x, z, norm_w, weight, bias, out, rows: _Rows, *, eps, group_size, pr
         M=M, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, LOOP=cfg.loop,
         EVEN_K=K % cfg.block_k == 0, STAGES=cfg.stages, EARLY=early, USE_PDL=pdl, num_warps=cfg.num_warps,
         NORM_WEIGHT=not unit_norm, SCALE=scale_mode, SCALE_BLOCK=scale_block, ACT_DTYPE=_TL_DTYPES[act_dtype],
-        PREFETCH=prefetch_lines(K * weight.element_size(), cfg.block_k * weight.element_size(), weight.device)
-        if cfg.loop and pdl else 0,
         **extra,
     )
     return out

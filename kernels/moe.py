@@ -47,8 +47,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .activation import relu2_ref, silu_mul, silu_mul_ref
-from .decode_linear import (_block_scaled, _streamed_rows, hopper_or_newer, prefetch_lines, prefetch_rows_l2,
-                            swiglu_pairs, swiglu_rows)
+from .decode_linear import _block_scaled, _streamed_rows, hopper_or_newer, swiglu_pairs, swiglu_rows
 from .dispatch import with_reference
 from .fp8 import Fp8Weight, quantize_rows, quantize_rows_ref
 from .moe_route import (ROUTE_BLOCK_T, _check_block_counts, _checked_router, _choice_args, _choose, _few_rows_logits,
@@ -480,7 +479,7 @@ def _pair_down_kernel(h_ptr, idx_ptr, wt_ptr, w_ptr, shared_ptr, out_ptr, N, K, 
                       stride_shared, stride_out, s_ptr, stride_se, stride_sn,
                       TOP_K: tl.constexpr, BLOCK_J: tl.constexpr, SHARED: tl.constexpr, ACCUMULATE: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr,
-                      SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr, ROUTED: tl.constexpr, PREFETCH: tl.constexpr):
+                      SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr, ROUTED: tl.constexpr):
     """A token's down projections and their weighted sum in one pass (program axis 1 the token,
     axis 0 BLOCK_N output columns): out[t] (+)= round(sum_j wt[t, j] * round(h[t * TOP_K + j] @
     down[idx[t, j]].T)) (+ shared[t]), rounding as ``_combine_kernel``. The token's TOP_K
@@ -488,9 +487,7 @@ def _pair_down_kernel(h_ptr, idx_ptr, wt_ptr, w_ptr, shared_ptr, out_ptr, N, K, 
     each expert's sum is finished (scaled, rounded, weighted) and its accumulator cleared: a
     program streams six experts' columns, not one, and no combine launch follows. SCALE as
     ``_tile_product``'s (FP8 values). ROUTED: idx and wt are the previous kernel's
-    (``_routed_pair_up_kernel``'s), read after the wait. PREFETCH (``decode_linear.PREFETCH_L2``;
-    not ROUTED): before the wait, the program's slices of its token's experts are asked of the L2
-    (PREFETCH lines of 128 bytes a row), and its dependents signalled right after it."""
+    (``_routed_pair_up_kernel``'s), read after the wait."""
     t = tl.program_id(1)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
@@ -500,15 +497,8 @@ def _pair_down_kernel(h_ptr, idx_ptr, wt_ptr, w_ptr, shared_ptr, out_ptr, N, K, 
     js = tl.arange(0, BLOCK_J)
     if not ROUTED:  # the routing is two or more launches back, so complete (``kernels.decode_linear``)
         es = tl.load(idx_ptr + t * TOP_K + js, mask=js < TOP_K, other=0).to(tl.int64)
-        if PREFETCH > 0:
-            for jj in tl.static_range(TOP_K):
-                ej = tl.sum(tl.where(js == jj, es, 0), axis=0)
-                prefetch_rows_l2(w_ptr + ej * stride_we + n64 * stride_wn, n_ok, 0,
-                                 K * (w_ptr.dtype.element_ty.primitive_bitwidth // 8), PREFETCH)
     if USE_PDL:  # h is the previous kernel's
         tl.extra.cuda.gdc_wait()
-        if PREFETCH > 0:
-            tl.extra.cuda.gdc_launch_dependents()
     if ROUTED:
         es = tl.load(idx_ptr + t * TOP_K + js, mask=js < TOP_K, other=0).to(tl.int64)
     tiles = tl.cdiv(K, BLOCK_K)
@@ -533,7 +523,7 @@ def _pair_down_kernel(h_ptr, idx_ptr, wt_ptr, w_ptr, shared_ptr, out_ptr, N, K, 
             y = y.to(h_ptr.dtype.element_ty).to(tl.float32)
             total += tl.load(wt_ptr + t * TOP_K + j) * y
             acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-    if USE_PDL and PREFETCH == 0:
+    if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     dtype = h_ptr.dtype.element_ty
     r = total.to(dtype)
@@ -845,9 +835,7 @@ def _stream_pairs(x, idx, w, up, down, target, *, swiglu: bool, shared, shared_r
         down.stride(1), shared.stride(0) if shared is not None else 0, target.stride(0), scale, scale.stride(0),
         scale.stride(1) if mode == 2 else 0, TOP_K=k, BLOCK_J=triton.next_power_of_2(k), SHARED=shared is not None,
         ACCUMULATE=accumulate, BLOCK_N=bn, BLOCK_K=min(bk, max(32, triton.next_power_of_2(I))), STAGES=stages,
-        USE_PDL=pdl, SCALE=mode, SCALE_BLOCK=block, ROUTED=route is not None,
-        PREFETCH=prefetch_lines(I * down.element_size(), 0, down.device) if pdl and route is None else 0, num_warps=4,
-        **extra)
+        USE_PDL=pdl, SCALE=mode, SCALE_BLOCK=block, ROUTED=route is not None, num_warps=4, **extra)
     return target
 
 

@@ -140,15 +140,6 @@ def launch_moe() -> None:
                                            (2, (fp8_gate_up, "swiglu", "softmax"))):
             moe.moe_decode.triton(torch.randn(T, D), torch.ones(D, dtype=torch.bfloat16), 1e-5, gate, bias, experts,
                                   fp8_down, pdl=True, act=act, top_k=6, scoring=scoring)
-        # the pair stream's down kernel asking the L2 for its experts' slices before its wait
-        # (decode_linear.PREFETCH_L2, off by default; here as on a GPU)
-        from mambastep.kernels import decode_linear
-
-        decode_linear.PREFETCH_L2, on_cpu = True, moe.prefetch_lines
-        moe.prefetch_lines = lambda row_bytes, first_bytes, device: on_cpu(row_bytes, first_bytes, torch.device("cuda"))
-        moe.moe_experts.triton(x, idx, torch.rand(1, 6) if x.shape[0] == 1 else torch.rand(2, 6), fp8_up, fp8_down,
-                               residual=torch.empty_like(x), pdl=True)
-        decode_linear.PREFETCH_L2, moe.prefetch_lines = False, on_cpu
         # W8A8 in the sorted layout: FP8 rows on both sides of the tensor cores (16- and 128-row tiles)
         for T, k in ((64, 6), (1200, 2)):
             x = torch.randn(T, D).to(torch.bfloat16)
@@ -181,19 +172,6 @@ def launch_skinny() -> None:
                        conv=conv, out=torch.empty(1, 10304, **bf16), pdl=True)
     norm_linear.triton(torch.randn(1, 4096).to(torch.bfloat16), None, 1e-5, torch.empty(2688, 4096, **bf16),
                        residual=torch.empty(1, 2688), pdl=True, early=True)
-    # with the L2 prefetch before the wait (decode_linear.PREFETCH_L2, off by default; here as on
-    # a GPU): the 8B's in_proj (bf16), Nano's (FP8 per column), a 128-block FP8 down_proj
-    from mambastep.kernels import decode_linear
-    from mambastep.kernels.fp8 import quantize_fp8
-
-    decode_linear.PREFETCH_L2 = True
-    on_cpu = decode_linear.prefetch_lines
-    decode_linear.prefetch_lines = lambda row_bytes, first_bytes, device: on_cpu(row_bytes, first_bytes,
-                                                                                torch.device("cuda"))
-    for N, K, block in ((18560, 4096, None), (10304, 2688, 0), (2688, 3712, 128)):
-        w = torch.empty(N, K, **bf16) if block is None else quantize_fp8(torch.randn(N, K) * 0.02, block)
-        norm_linear.triton(torch.randn(1, K), torch.ones(K, **bf16), 1e-5, w, out=torch.empty(1, N, **bf16), pdl=True)
-    decode_linear.prefetch_lines, decode_linear.PREFETCH_L2 = on_cpu, False
     # Granite-4.0-H-micro's up_proj (K = 2048, one register tile) and down_proj (a short grid:
     # 4 columns a program)
     norm_linear.triton(torch.randn(1, 2048), torch.ones(2048, **bf16), 1e-5, torch.empty(16384, 2048, **bf16),

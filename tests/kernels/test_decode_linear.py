@@ -280,20 +280,18 @@ def test_bad_inputs_raise(device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("prefetch", [False, True], ids=["plain", "L2 prefetch"])
-def test_pdl_chain_in_a_graph_equals_plain_launches(tile_k, prefetch, monkeypatch):
+def test_pdl_chain_in_a_graph_equals_plain_launches(tile_k):
     """A block-like chain (norm + projection, projection + residual add, norm + projection +
     relu2, gated norm + projection + residual add, norm + projection, norm + SwiGLU projection,
     projection + residual add), each kernel reading its predecessor's output, captured in a CUDA
     graph with programmatic dependent launch as the decode step runs it: bit for bit what plain
     launches give, on both ways through K (streamed, the gated norm is a kernel of its own in the
-    chain); and with the streamed kernels' L2 prefetch, which signals their dependents early."""
+    chain)."""
     from mambastep.kernels.decode_linear import pdl_supported
 
     dev = torch.device("cuda")
     if not pdl_supported(dev):
         pytest.skip("programmatic dependent launch needs sm_90+ and a Triton that launches with it")
-    monkeypatch.setattr(decode_linear, "PREFETCH_L2", prefetch)
     torch.manual_seed(6)
     K = 256
     w = [_weights(K, K, dev, False)[0] for _ in range(5)]
@@ -329,15 +327,3 @@ def test_pdl_chain_in_a_graph_equals_plain_launches(tile_k, prefetch, monkeypatc
     (res_pdl, h_pdl), (res_plain, h_plain) = run(True), run(False)
     assert torch.equal(res_pdl, res_plain)
     assert torch.equal(h_pdl, h_plain)
-
-
-def test_l2_prefetch_lines(monkeypatch):
-    """PREFETCH_L2 (off by default; a GPU's kernels only, the interpreter runs no inline
-    assembly): the 128-byte lines of a weight row past its first tile, a power of two, capped."""
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert decode_linear.prefetch_lines(8192, 2048, cuda) == 0  # off
-    monkeypatch.setattr(decode_linear, "PREFETCH_L2", True)
-    assert decode_linear.prefetch_lines(8192, 2048, cpu) == 0
-    assert decode_linear.prefetch_lines(8192, 2048, cuda) == 64  # 6144 bytes: 48 lines, as 64
-    assert decode_linear.prefetch_lines(2048, 2048, cuda) == 0  # the first tile is the row
-    assert decode_linear.prefetch_lines(43008 * 4, 0, cuda) == decode_linear.L2_PREFETCH_LINES

@@ -68,7 +68,8 @@ def compare(preset: str, variants: Mapping[str, Variant], plans: Mapping[str, St
             device: str | None = None, seed: int = 0, quantization: str | None = None) -> list[dict]:
     """One row a (plan, variant): its synchronised step times (ms, one median a round), steps
     launched back to back (ms a step, the median over the first two rounds; CUDA only), and
-    whether its logits equal the first variant's (with the largest difference). ``preset``:
+    whether its logits equal the first variant's (else the largest difference, the first's standard
+    deviation, and the share of rows whose top token agrees). ``preset``:
     random weights of that shape; ``variants``: name -> context manager factory, the first the
     baseline; ``max_context``: the pool's length (what a decode attention's split sizes follow;
     ``bench steps`` pools ``CONTEXT + 2 * 2048``); ``quantization``: as ``Model.from_preset``'s
@@ -108,7 +109,8 @@ def compare(preset: str, variants: Mapping[str, Variant], plans: Mapping[str, St
         for name in runners:
             row = {"plan": plan_name, "variant": name, "sync_ms": times[name],
                    "median_ms": statistics.median(times[name]), "equal": torch.equal(logits[name], base),
-                   "max_abs_diff": (logits[name] - base).abs().max().item()}
+                   "max_abs_diff": (logits[name] - base).abs().max().item(), "base_std": base.std().item(),
+                   "top1": (logits[name].argmax(-1) == base.argmax(-1)).float().mean().item()}
             if streamed[name]:
                 row["back_to_back_ms"] = statistics.median(streamed[name])
             rows.append(row)
@@ -123,7 +125,8 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         base = first.setdefault(r["plan"], r["median_ms"])
         b2b = f"{r['back_to_back_ms']:.3f}" if "back_to_back_ms" in r else "n/a"
-        same = "equal" if r["equal"] else f"max diff {r['max_abs_diff']:.3g}"
+        same = "equal" if r["equal"] else (f"max diff {r['max_abs_diff']:.3g} (std {r['base_std']:.3g}), "
+                                           f"top-1 {r['top1']:.0%}")
         out.append(f"| {r['plan']} | {r['variant']} | {' '.join(f'{t:.3f}' for t in r['sync_ms'])} | "
                    f"{r['median_ms']:.3f} | {r['median_ms'] / base - 1:+.1%} | {b2b} | {same} |")
     return "\n".join(out)

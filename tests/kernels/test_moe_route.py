@@ -135,14 +135,3 @@ def test_softmax_route_matches_hf_granite(device, E, k, T, dtype):
         moe_route.triton(x.to(device), gate.float().to(device), None, top_k=k, scoring="softmax", scale=2.5)
     ref_idx, ref_w = moe_route_ref(x, gate.float(), None, top_k=k, scoring="softmax")
     assert torch.equal(logits.gather(1, ref_idx.long()).sort(dim=-1).values, top.sort(dim=-1).values)
-
-
-def test_the_logits_kernels_norm_needs_somewhere_for_its_rows(device):
-    """The logits kernel with a block norm (``moe_decode``'s) writes the normed rows to h: given
-    without h (where the residual itself would be overwritten), or h without a norm, is refused."""
-    x, gate = torch.randn(1, 32, device=device), torch.randn(8, 32, device=device)
-    norm = (torch.ones(32, device=device), 1e-5, True)
-    with pytest.raises(ValueError, match="both or neither"):
-        route._few_rows_logits(x, gate, False, norm=norm)
-    with pytest.raises(ValueError, match="both or neither"):
-        route._few_rows_logits(x, gate, False, h=torch.empty_like(x))

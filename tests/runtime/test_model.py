@@ -160,27 +160,6 @@ def test_fused_decode_equals_layer_by_layer(kind, tmp_path):
     _fused_against_layered(kind, tmp_path)
 
 
-@torch.no_grad()
-def test_folded_moe_decode_equals_layer_by_layer(tmp_path, monkeypatch):
-    """A MoE decode step of a few pairs as ``moe_decode``'s three kernels (the block norm in the
-    router, the top-k in the experts' up projections; off by default until timed on the GPU):
-    Granite's SwiGLU experts give the layer-by-layer logits and states, the shared expert taking
-    the block norm in its first projection from the residual."""
-    from mambastep.kernels import moe
-    from mambastep.runtime.mixers import moe as moe_mixer
-
-    monkeypatch.setattr(moe_mixer, "FOLD_DECODE", True)
-    calls = []
-
-    def counted(*args, **kw):
-        calls.append(args[0].shape[0])
-        return moe.moe_decode(*args, **kw)
-
-    monkeypatch.setattr(moe_mixer, "moe_decode", counted)
-    _fused_against_layered("granite", tmp_path)
-    assert sorted(set(calls)) == [1, 2, 4]  # every MoE layer's fused steps (4 rows of 3 experts: 12 pairs)
-
-
 def _fused_against_layered(kind, tmp_path):
     save_tiny(kind, tmp_path)  # Nemotron-H with every layer kind, experts included
     fused = Model.from_pretrained(tmp_path, dtype=torch.float32, options=DecodeOptions(fused=True))

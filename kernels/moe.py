@@ -45,7 +45,7 @@ from .dispatch import with_reference
 from .fp8 import Fp8Weight, quantize_rows, quantize_rows_ref
 from .moe_route import ROUTE_BLOCK_T, _check_block_counts
 
-__all__ = ["ACTIVATIONS", "block_m", "moe_experts", "moe_experts_ref", "slot_count"]
+__all__ = ["ACTIVATIONS", "W8A8_MIN_BLOCK", "block_m", "moe_experts", "moe_experts_ref", "slot_count", "takes_w8a8"]
 
 
 def block_m(tokens: int, top_k: int, n_experts: int) -> int:
@@ -557,7 +557,7 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
     expert computed beside the routed ones); the combine waits for it, nothing before it does.
     pdl: the kernels launch as programmatic dependents of the previous one (``kernels.decode_linear``),
     the combine too when it also waits for ``shared_ready``.
-    w8a8: with FP8 experts and bf16/fp16 x (refused otherwise), past the pairs (the sorted
+    w8a8: with FP8 experts and bf16/fp16 x (``takes_w8a8``; refused otherwise), past the pairs (the sorted
     layout: prefill chunks and wide decode steps), each product's input rows are quantized per
     row (``quantize_rows``, a launch each) and enter the FP8 tensor cores as the weights do,
     rather than the weights being widened to x's dtype inside the K loop
@@ -692,17 +692,30 @@ def _stream_pairs(x, idx, w, up, down, target, *, swiglu: bool, shared, shared_r
     return target
 
 
+# An FP8 tensor-core product takes K tiles of at least 32, and a block-scaled one a block a tile.
+W8A8_MIN_BLOCK = 32
+
+
+def takes_w8a8(x_dtype: torch.dtype, up, down) -> bool:
+    """Whether ``moe_experts(..., w8a8=True)`` runs over these experts and activations: FP8
+    experts, scaled per column or in blocks of at least ``W8A8_MIN_BLOCK`` along K, and bf16 or
+    fp16 activations."""
+    return (all(isinstance(t, Fp8Weight) and (t.block == 0 or t.block >= W8A8_MIN_BLOCK) for t in (up, down))
+            and x_dtype in (torch.bfloat16, torch.float16))
+
+
 def _quantizes_rows(w8a8: bool, x: torch.Tensor, up, down, k: int) -> bool:
     """Whether ``moe_experts`` quantizes the activations per row (W8A8): where asked, past the
-    pairs (``PAIR_TILES_MAX``: a decode step of a few streams the weights as without). Asked of
-    experts that are not FP8, or of activations not bf16/fp16, it is refused."""
+    pairs (``PAIR_TILES_MAX``: a decode step of a few streams the weights as without). Asked where
+    it does not run (``takes_w8a8``), it is refused by name."""
     if not w8a8:
         return False
-    if not (isinstance(up, Fp8Weight) and isinstance(down, Fp8Weight)) or x.dtype not in (torch.bfloat16,
-                                                                                          torch.float16):
-        raise ValueError(f"moe_experts: w8a8 needs FP8 experts and bf16 or fp16 activations, got "
-                         f"{'FP8' if isinstance(up, Fp8Weight) else up.dtype} up, "
-                         f"{'FP8' if isinstance(down, Fp8Weight) else down.dtype} down, {x.dtype} x")
+    if not takes_w8a8(x.dtype, up, down):
+        def named(t):
+            return (f"FP8 in blocks of {t.block}" if t.block else "FP8") if isinstance(t, Fp8Weight) else str(t.dtype)
+        raise ValueError(f"moe_experts: w8a8 needs FP8 experts (per column or in blocks of at least "
+                         f"{W8A8_MIN_BLOCK}) and bf16 or fp16 activations, got {named(up)} up, {named(down)} down, "
+                         f"{x.dtype} x")
     return x.shape[0] * k > PAIR_TILES_MAX
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ...kernels.linear import linear
-from ...kernels.moe import moe_experts
+from ...kernels.moe import moe_experts, takes_w8a8
 from ...kernels.moe_route import block_counts_buffer, moe_route, router_terms
 from ..config import ModelConfig
 from .base import Mixer, Norm, StepContext
@@ -36,8 +36,9 @@ SHARED_BESIDE_MAX_TOKENS = 64
 class MoEMixer(Mixer):
     fuses_decode = True
     # FP8 experts' products past a few pairs with their activations quantized per row too
-    # (``moe_experts``' w8a8): off until the GPU has measured it against the widened weights
-    # (``mambastep bench fp8`` times a prefill chunk both ways); an instance may set its own
+    # (``moe_experts``' w8a8, where ``takes_w8a8``). Timed on the H200: Nano FP8 decode at 64 rows
+    # 11.0 against 12.4 ms, at 256 18.6 against 21.8; off until its agreement with bf16 and the
+    # GPU suite with it on have run (docs/experiments.md); an instance may set its own
     w8a8 = False
 
     def __init__(self, cfg: ModelConfig, idx: int, w: dict[str, torch.Tensor]):
@@ -85,6 +86,7 @@ class MoEMixer(Mixer):
                 ready = torch.cuda.Event()
                 ready.record(side)
         pdl = ctx.options.pdl
+        w8a8 = self.w8a8 and takes_w8a8(h.dtype, self.up, self.down)
         counts = block_counts_buffer(h.shape[0], self.gate.shape[0], h.device)
         idx, w = moe_route(h, self.gate, self.bias, **self.route, gate_terms=self.gate_terms, block_counts=counts,
                            pdl=pdl)
@@ -92,10 +94,10 @@ class MoEMixer(Mixer):
             ctx.observe(self.layer, idx)
         if self.latent is None:
             return moe_experts(h, idx, w, self.up, self.down, shared=shared, residual=residual, shared_ready=ready,
-                               block_counts=counts, pdl=pdl, act=self.act, w8a8=self.w8a8)
+                               block_counts=counts, pdl=pdl, act=self.act, w8a8=w8a8)
         down_w, down_b, up_w, up_b = self.latent
         routed = linear(moe_experts(linear(h, down_w, down_b), idx, w, self.up, self.down, block_counts=counts,
-                                    act=self.act, w8a8=self.w8a8), up_w, up_b)
+                                    act=self.act, w8a8=w8a8), up_w, up_b)
         if ready is not None:
             torch.cuda.current_stream(h.device).wait_event(ready)
         out = routed if shared is None else routed + shared

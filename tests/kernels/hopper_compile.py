@@ -92,7 +92,8 @@ def launch_moe() -> None:
     grouped tiles with the one-program align, and 128-row TMA tiles with the two-pass align (or the
     routing's counts and one pass), the up projection's last column block in narrower tiles (320 =
     256 + 64); bf16 SwiGLU experts of one and two tokens, FP8 ones (the pair stream), and W8A8 ones
-    in the sorted layout; each with and without PDL."""
+    in the sorted layout (FP8 scaled per column, in 128 x 128 blocks and in the narrowest blocks
+    it takes, 32); each with and without PDL."""
     from mambastep.kernels import moe, moe_route as route
     from mambastep.kernels.fp8 import quantize_fp8
 
@@ -136,6 +137,13 @@ def launch_moe() -> None:
             idx = torch.stack([torch.randperm(E)[:k].sort()[0] for _ in range(T)]).to(torch.int32)
             moe.moe_experts.triton(x, idx, torch.rand(T, k), fp8_up, fp8_down, residual=torch.empty_like(x),
                                    pdl=True, w8a8=True)
+    # W8A8 over 32 x 32 block scales: a K tile of 32, the shortest an FP8 tensor-core product takes
+    fp8_up, fp8_down = (quantize_fp8(torch.randn(E, n, kk) * 0.02, 32) for n, kk in ((I, D), (D, I)))
+    for T, k in ((64, 6), (1200, 2)):
+        x = torch.randn(T, D).to(torch.bfloat16)
+        idx = torch.stack([torch.randperm(E)[:k].sort()[0] for _ in range(T)]).to(torch.int32)
+        moe.moe_experts.triton(x, idx, torch.rand(T, k), fp8_up, fp8_down, residual=torch.empty_like(x), pdl=True,
+                               w8a8=True)
 
 
 def launch_skinny() -> None:

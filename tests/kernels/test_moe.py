@@ -130,7 +130,7 @@ def test_fp8_experts_equal_the_dequantized_reference(device, case, block, act):
 
 
 @pytest.mark.parametrize("act", ["relu2", "swiglu"])
-@pytest.mark.parametrize("block", [0, 16], ids=["fp8-column", "fp8-block16"])
+@pytest.mark.parametrize("block", [0, 32], ids=["fp8-column", "fp8-block32"])
 @pytest.mark.parametrize("case", ["spread", "128-row tiles, narrow last column blocks",
                                   "many pairs (aligned in two passes)", "one token"])
 def test_w8a8_experts_equal_the_reference_rounding_their_rows(device, case, block, act):
@@ -161,13 +161,22 @@ def test_w8a8_experts_equal_the_reference_rounding_their_rows(device, case, bloc
     assert ((got.float() - w8a16).norm() / w8a16.norm()).item() < 0.1
 
 
-def test_w8a8_is_refused_where_the_experts_are_not_fp8(device):
-    """Asked of bf16 experts, or of fp32 activations, W8A8 is an error that says so (the launcher
-    and the reference alike), not a flag passed over."""
+def test_w8a8_is_refused_where_it_does_not_run(device):
+    """Asked of bf16 experts, of fp32 activations, or of FP8 blocks narrower than an FP8 tensor-core
+    product's K tile (16: the GPU's compiler refused the kernel), W8A8 is an error that says so
+    (the launcher and the reference alike), not a flag passed over; ``takes_w8a8`` says which run."""
     idx, w = routing(9, 8, 2)
     up, down = experts(8, 24, 32, 32, torch.bfloat16, "cpu")
     fp8_up, fp8_down = (quantize_fp8(t.float()) for t in (up, down))
+    small_up, small_down = (quantize_fp8(t.float(), 16) for t in (up, down))
+    assert moe.takes_w8a8(torch.bfloat16, fp8_up, fp8_down) and moe.takes_w8a8(torch.float16, fp8_up, fp8_down)
+    assert not moe.takes_w8a8(torch.float32, fp8_up, fp8_down)
+    assert not moe.takes_w8a8(torch.bfloat16, up, down)
+    assert not moe.takes_w8a8(torch.bfloat16, small_up, small_down)
     for op in (moe_experts.triton, moe_experts_ref):
+        with pytest.raises(ValueError, match="blocks of at least 32.*FP8 in blocks of 16 up"):
+            op(torch.randn(9, 32).to(torch.bfloat16).to(device), idx.to(device), w.to(device), small_up.to(device),
+               small_down.to(device), w8a8=True)
         with pytest.raises(ValueError, match="w8a8 needs FP8 experts.*torch.bfloat16 up"):
             op(torch.randn(9, 32).to(torch.bfloat16).to(device), idx.to(device), w.to(device), up.to(device),
                down.to(device), w8a8=True)

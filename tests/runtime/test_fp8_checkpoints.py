@@ -171,6 +171,20 @@ def test_fp8_logits_match_hf_and_excluded_modules_stay_full_precision(tiny, tmp_
     torch.testing.assert_close(logits, ref, atol=2e-4, rtol=2e-4)
 
 
+@torch.no_grad()
+def test_w8a8_asked_of_an_fp32_model_leaves_its_experts_as_they_are(tiny, tmp_path, monkeypatch):
+    """``MoEMixer.w8a8`` on: an fp32 model's FP8 experts, which W8A8 does not take (``takes_w8a8``:
+    bf16 or fp16 activations), run as without it over a prompt's many pairs, not an error mid-step."""
+    from mambastep.runtime.mixers.moe import MoEMixer
+
+    model = Model.from_pretrained(tiny, dtype=torch.float32, quantization="fp8")
+    ids = _prompts()[2]
+    assert len(ids) * model.cfg.num_experts_per_tok > 12  # past the pairs: the sorted layout W8A8 would take
+    plain = step(new_runner(model), [(ids, 0, 0)])[0]
+    monkeypatch.setattr(MoEMixer, "w8a8", True)
+    assert torch.equal(step(new_runner(model), [(ids, 0, 0)])[0], plain)
+
+
 def _quantize_hf_in_place(hf, excluded_layers):
     """HF's linears as mambastep's load-time quantization leaves them: per output channel, the
     attention layers and the Mamba layer before each kept (the test's own quantizer)."""

@@ -257,11 +257,16 @@ def test_a_signal_drains_every_process_then_exits_cleanly(how):
             signal_server(server, how)
             await asyncio.sleep(0.5)
             answers, pids = [], set()
-            for _ in range(16):  # each on a connection of its own: both processes are asked
-                async with httpx.AsyncClient(base_url=server.url, timeout=10) as one:
-                    health = (await one.get("/health")).json()
+            # each request on a connection of its own (none kept alive), so both processes are
+            # asked; one client for all: a client each cost ~0.1 s (its TLS context), and the 16
+            # checks must end while the long request still generates (4000 tokens took 12 s on
+            # an idle core; CI once saw it done before them, and the server rightly gone)
+            async with httpx.AsyncClient(base_url=server.url, timeout=10,
+                                         limits=httpx.Limits(max_keepalive_connections=0)) as fresh:
+                for _ in range(16):
+                    health = (await fresh.get("/health")).json()
                     pids.add(health.get("pid"))
-                    answers.append((health["status"], (await one.post("/v1/completions", json=body(4))).status_code))
+                    answers.append((health["status"], (await fresh.post("/v1/completions", json=body(4))).status_code))
             short_result = await asyncio.wait_for(short, 30)
             long.cancel()  # its client leaves: nothing is left in flight
             with contextlib.suppress(asyncio.CancelledError):

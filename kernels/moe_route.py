@@ -272,7 +272,7 @@ def moe_route(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 
     """
     T, D = x.shape
     E = gate.shape[0]
-    bias = _checked_router("moe_route", x, gate, bias, top_k, n_group, topk_group, scale, scoring)
+    bias = _checked_router(x, gate, bias, top_k, n_group, topk_group, scale, scoring)
     _check_block_counts("moe_route", block_counts, T, E)
     extra = {"launch_pdl": True} if pdl else {}
     if T <= ROUTER_KERNEL_MAX_T:
@@ -291,28 +291,28 @@ def moe_route(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 
     return idx, w
 
 
-def _checked_router(op: str, x, gate, bias, top_k: int, n_group: int, topk_group: int, scale: float, scoring: str):
-    """The router's arguments checked (a one-line error naming ``op`` and what is wrong); returns
+def _checked_router(x, gate, bias, top_k: int, n_group: int, topk_group: int, scale: float, scoring: str):
+    """``moe_route``'s router arguments checked (a one-line error naming what is wrong); returns
     the bias the kernels take (a stand-in for a softmax router, which has none)."""
     T, D = x.shape
     E = gate.shape[0]
     if scoring not in SCORINGS:
-        raise ValueError(f"{op}: scoring must be one of {SCORINGS}, got {scoring!r}")
+        raise ValueError(f"moe_route: scoring must be one of {SCORINGS}, got {scoring!r}")
     if scoring == "softmax":
         if n_group != 1 or topk_group != 1 or scale != 1.0:
-            raise ValueError(f"{op}: a softmax router takes no groups and no routed scale, got n_group="
+            raise ValueError(f"moe_route: a softmax router takes no groups and no routed scale, got n_group="
                              f"{n_group}, topk_group={topk_group}, scale={scale}")
         bias = gate[:, 0]  # any [E] stand-in: the softmax kernel does not read it
     if gate.shape != (E, D) or bias.shape != (E,) or x.stride(1) != 1 or not gate.is_contiguous():
-        raise ValueError(f"{op}: x [T, D] with contiguous rows, contiguous gate [E, D] and bias [E]; got "
+        raise ValueError(f"moe_route: x [T, D] with contiguous rows, contiguous gate [E, D] and bias [E]; got "
                          f"{list(x.shape)}, {list(gate.shape)}, {list(bias.shape)}")
     if E % n_group or not 1 <= topk_group <= n_group or top_k > topk_group * (E // n_group):
-        raise ValueError(f"{op}: {top_k} of {E} experts in {topk_group} of {n_group} groups do not fit")
+        raise ValueError(f"moe_route: {top_k} of {E} experts in {topk_group} of {n_group} groups do not fit")
     return bias
 
 
 def _choice_args(E: int, n_group: int, topk_group: int, norm_topk: bool, scoring: str, dtype: torch.dtype) -> dict:
-    """The constexprs of ``_choose`` (and of the kernels that call it) for a router of E experts."""
+    """The top-k kernel's constexprs for ``_choose`` over a router of E experts."""
     return dict(N_GROUP=n_group, PER_GROUP=E // n_group, TOPK_GROUP=topk_group, NORM=norm_topk,
                 BLOCK_E=max(16, triton.next_power_of_2(E)), BLOCK_G=max(2, triton.next_power_of_2(n_group)),
                 SOFTMAX=scoring == "softmax", ROUND_DTYPE=_TL_DTYPES[dtype])

@@ -137,7 +137,8 @@ def bench_preset(name: str, bandwidth: float, quantization: str | None, progress
         swept = [(t, tile) for tile in candidates(K, rows) if (t := time_us(shape, weight, tile, rows)) == t]
         best_us, best = min(swept + [(table_us, table)])
         out.append({**shape, "floor_us": N * K * (1 if fp8 else 2) / bandwidth * 1e6, "table": list(table),
-                    "table_us": table_us, "best": list(best), "best_us": best_us})
+                    "table_us": table_us, "best": list(best), "best_us": best_us,
+                    "swept": [[*tile, t] for t, tile in swept]})  # every tile that ran, to fit a rule to
     del model
     torch.cuda.empty_cache()
     return {"preset": name, "quantization": quantization, "rows": out}

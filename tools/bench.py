@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     parser.add_argument("--fp8", metavar="JSON", nargs="*", default=[], help="markdown: JSONs of `bench fp8`")
     parser.add_argument("--sampling", metavar="JSON", help="markdown: the JSON of `bench sampling`")
     parser.add_argument("--prefix", metavar="JSON", help="markdown: the JSON of `bench prefix`")
-    parser.add_argument("--spec", metavar="JSON", help="markdown: the JSON of `bench spec`")
+    parser.add_argument("--spec", metavar="JSON", nargs="*", default=[], help="markdown: JSONs of `bench spec`")
     parser.add_argument("--run", metavar="JSON", nargs="*", default=[], help="markdown: JSONs of `mambastep run`")
     parser.add_argument("--serve", metavar="JSON", nargs="*", default=[],
                         help="markdown: JSONs of `bench serve` and of the in-process runs beside them (.ci/gpu-serve)")

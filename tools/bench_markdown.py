@@ -102,11 +102,11 @@ def _load_results(paths) -> list[dict]:
 
 
 def render(steps=(), kernels: str | None = None, runs=(), serve=(), tune=(), fp8=(), sampling: str | None = None,
-           prefix: str | None = None, spec: str | None = None) -> str:
+           prefix: str | None = None, spec=()) -> str:
     """The page: ``steps`` one or more JSONs of `bench steps`, ``fp8`` of `bench fp8`, ``runs`` and ``serve`` JSONs of
     `mambastep run` and of .ci/gpu-serve, ``tune`` JSONs of `mambastep tune --validate`,
     ``kernels`` the JSON of `bench kernels`, ``sampling`` the JSON of `bench sampling`, ``prefix`` that of
-    `bench prefix`, ``spec`` that of `bench spec`."""
+    `bench prefix`, ``spec`` one or more JSONs of `bench spec`."""
     out = ["# Benchmarks", "",
            "Current numbers only, each table under the command that printed it; the whole page is written by",
            "`mambastep bench markdown` from those commands' `--json` output (`.ci/gpu-bench` runs them all).",
@@ -129,10 +129,12 @@ def render(steps=(), kernels: str | None = None, runs=(), serve=(), tune=(), fp8
     if prefix:
         out += ["## Prefix cache", "", "```", "mambastep bench prefix [--preset P ...] --json prefix.json", "```", "",
                 bench_prefix.__doc__.strip(), "", bench_prefix.tables(json.loads(Path(prefix).read_text())), ""]
+    spec = [spec] if isinstance(spec, (str, Path)) else list(spec or ())
     if spec:
         out += ["## Speculative decoding", "", "```", "mambastep bench spec [--preset P ...] --json spec.json",
-                "```", "",
-                bench_spec.__doc__.strip(), "", bench_spec.tables(json.loads(Path(spec).read_text())), ""]
+                "```", "", bench_spec.__doc__.strip(), ""]
+        for path in spec:  # one run of the command each, with its own date and device
+            out += [bench_spec.tables(json.loads(Path(path).read_text())), ""]
     if runs:
         results = _load_results(runs)
         out += ["## The main job", "", "```", "mambastep run --preset P --concurrency C --requests N [--pipelined]",

@@ -162,7 +162,7 @@ class MTPDrafting:
             _gather(self._stash, into_stash, self.target_hidden)
             if seqs:
                 self.runner.launch(_greedy(StepPlan.make(prefill=seqs)))
-                self._keep(0, self._ready)
+                self._keep(0, self._slots(self._ready))
 
     def fork(self, src: int, dsts: list[int], tokens: int, choices: list[Request]) -> None:
         """A prompt's prefix request in ``src`` forked into its choices (``Engine.add_choices``),
@@ -219,18 +219,21 @@ class MTPDrafting:
         # each chained row writes the MTP's position consumed + j - 1: within its pool
         k = min(self.num_drafts, self.max_context - max(d.consumed for d in ready))
         with torch.inference_mode():
+            slots = self._slots(ready)  # on the device once for the chain
             for j in range(1, k):
                 self.runner.launch(_greedy(StepPlan.make(decode=[(-1, d.slot, d.consumed + j - 1) for d in ready])))
-                self._keep(j, ready)
+                self._keep(j, slots)
             drawn = self._drawn[:k].cpu().numpy()  # the one wait
         for d in ready:
             d.drafts, d.known = drawn[:, d.slot].tolist(), d.consumed + 1
 
-    def _keep(self, j: int, drafters: list[MTPDrafter]) -> None:
-        """Keep what the last MTP step drew for ``drafters``' slots as their j-th draft."""
-        slots = [d.slot for d in drafters]
-        if slots:
-            slots = on_device(slots, torch.int64, self._drawn.device)
+    def _slots(self, drafters: list[MTPDrafter]) -> torch.Tensor | None:
+        """``drafters``' slots on the device (None: no drafter)."""
+        return on_device([d.slot for d in drafters], torch.int64, self._drawn.device) if drafters else None
+
+    def _keep(self, j: int, slots: torch.Tensor | None) -> None:
+        """Keep what the last MTP step drew for the drafters in ``slots`` (``_slots``) as their j-th draft."""
+        if slots is not None:
             self._drawn[j].index_copy_(0, slots, self.runner.slot_tokens.index_select(0, slots))
 
 

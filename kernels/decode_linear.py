@@ -519,6 +519,13 @@ def _config(M: int, N: int, K: int, device: torch.device, tile_k: int | None = N
     at most two programs an SM: Granite-4.0-H's out_proj and down_proj, N = 1536-2048) takes 4
     x 512 tiles in 4 stages: micro's down_proj 11.0 against 12.3 us, its out_proj 6.9 against
     7.7, tiny's out_proj 5.0 against 5.7.
+
+    Two to eight bf16 rows, K streamed: K tiles of 1024 / rows columns (512 / rows below K =
+    4096), 4 stages, 8 columns a program (16 vocabulary-wide). Swept on an H100 (``bench tiles
+    --batch``), the best tiles kept about that much K whatever the rows; half of it in 3 stages,
+    the rule before, lost up to 1.6x on a projection at 8 rows. The 8B's whole
+    fused step at 2 rows 5.89 ms against 5.92 with the rule before, at 4 rows 6.61 against 7.12
+    (docs/experiments.md).
     """
     if tile_k is not None:
         return _Config(True, 16, tile_k, 4, 2)
@@ -546,6 +553,9 @@ def _config(M: int, N: int, K: int, device: torch.device, tile_k: int | None = N
         # a short grid (Granite-4.0-H's out_proj and down_proj): 4 columns a program, twice the
         # programs, 4 stages
         return _Config(True, 4, 512, 4, 4)
+    if M > 1 and not fp8:
+        # bf16 rows: K tiles twice as long, 4 stages (2-8 rows through the 8B's projections)
+        return _Config(True, 16 if vocabulary_wide else 8, max(32, 2 * block_k), 4, 4)
     return _Config(True, 16 if vocabulary_wide or many else 8, max(32, block_k), 4, 3)
 
 

@@ -7,9 +7,10 @@ channel, attention and the Mamba layer before it kept in bf16, NVIDIA's recipe),
 same weights. Floors count the bytes each step reads: FP8 values and their scales, the bf16
 modules, the states (``bench_steps.hbm_floor_bytes``). The prefill's FLOP floor takes each
 product at its own rate: FP8 products at the FP8 tensor-core rate, the rest at bf16's, both
-sustained (``bench_kernels.matmul_rate``). A mixture-of-experts model in FP8 also runs with its
-experts' activations quantized per row (W8A8, ``moe_experts``' w8a8, off in the runtime until
-these rows decide it): the prefill and wide decode steps timed, and its agreement with bf16.
+sustained (``bench_kernels.matmul_rate``). A mixture-of-experts model's FP8 experts quantize their
+activations per row past a few pairs (W8A8, ``MoEMixer.w8a8``, the runtime's default); the same
+steps with them W8A16 (the FP8 values widened to bf16) are timed beside, at the prefill and the
+wide decode steps, with their agreement with bf16.
 
 Agreement: 64 random prompts of 16 tokens, then 32 decode steps each fed the bf16 model's
 greedy token, so both models see the same inputs: top-1 agreement and the mean KL divergence
@@ -39,8 +40,9 @@ PRESETS = ("nemotron-3-nano-30b-a3b", "nemotron-h-8b", "nemotron-nano-9b-v2")
 DECODE_BATCHES = (1, 2, 4, 8, 32, 64, 128, 256)
 PREFILL = 2048
 AGREE_ROWS, AGREE_PROMPT, AGREE_STEPS = 64, 16, 32
-# the wide decode steps W8A8 is timed at (past a few pairs: the sorted layout it changes)
-W8A8_DECODE = (64, 256)
+# the wide decode steps W8A16 experts are timed at beside W8A8's (past a few pairs: the sorted
+# layout W8A8 changes)
+W8A16_DECODE = (64, 256)
 
 
 def fp8_matmul_rate(n: int = 8192, settle_s: float = 2.0) -> float:
@@ -95,26 +97,28 @@ def bench_model(model: Model, bandwidth: float, rates: tuple[float, float], prog
     rows.append({"kind": "prefill", "tokens": PREFILL, "graph_ms": step_ms(runner, chunk, rounds=10),
                  "floor_ms": prefill_floor})
     logits, tokens = _agreement_steps(eager, max(DECODE_BATCHES), feed)
-    w8a8_logits = None
-    if moe and model.cfg.quantization is not None:
-        # the same steps with the experts' activations quantized too (W8A8), in graphs of their own
-        for mixer in _moe_mixers(model):
-            mixer.w8a8 = True
+    w8a16_logits = None
+    mixers = _moe_mixers(model) if model.cfg.quantization is not None else []
+    if mixers:
+        # the same steps with the experts' FP8 values widened to bf16 (W8A16), in graphs of their own
+        was = [m.w8a8 for m in mixers]
+        for m in mixers:
+            m.w8a8 = False
         try:
-            w8a8 = StepRunner(model, pool, BucketSet(decode=W8A8_DECODE, mixed_decode=(0,), prefill=(PREFILL,),
-                                                     max_prefill_seqs=1), overlap=True)
-            w8a8.capture(progress=False)
+            w8a16 = StepRunner(model, pool, BucketSet(decode=W8A16_DECODE, mixed_decode=(0,), prefill=(PREFILL,),
+                                                      max_prefill_seqs=1), overlap=True)
+            w8a16.capture(progress=False)
             floors = {r["batch"]: r["floor_ms"] for r in rows if r["kind"] == "decode"}
-            rows += [{"kind": "decode-w8a8", "batch": b, "graph_ms": step_ms(w8a8, decode_plan(b), rounds=20),
-                      "floor_ms": floors[b]} for b in W8A8_DECODE]
-            rows.append({"kind": "prefill-w8a8", "tokens": PREFILL, "graph_ms": step_ms(w8a8, chunk, rounds=10),
+            rows += [{"kind": "decode-w8a16", "batch": b, "graph_ms": step_ms(w8a16, decode_plan(b), rounds=20),
+                      "floor_ms": floors[b]} for b in W8A16_DECODE]
+            rows.append({"kind": "prefill-w8a16", "tokens": PREFILL, "graph_ms": step_ms(w8a16, chunk, rounds=10),
                          "floor_ms": prefill_floor})
-            del w8a8
-            w8a8_logits, _ = _agreement_steps(eager, max(DECODE_BATCHES), feed)
+            del w8a16
+            w8a16_logits, _ = _agreement_steps(eager, max(DECODE_BATCHES), feed)
         finally:
-            for mixer in _moe_mixers(model):
-                mixer.w8a8 = False
-    return {"capture": report, "rows": rows}, logits, tokens, w8a8_logits
+            for m, w in zip(mixers, was):
+                m.w8a8 = w
+    return {"capture": report, "rows": rows}, logits, tokens, w8a16_logits
 
 
 def _agreement(ref: torch.Tensor, got: torch.Tensor) -> dict:
@@ -131,11 +135,11 @@ def bench_preset(name: str, bandwidth: float, rates: tuple[float, float], progre
     del model
     torch.cuda.empty_cache()
     model = Model.from_preset(name, dtype=torch.bfloat16, device="cuda", quantization="fp8")
-    out["fp8"], got, _, got_w8a8 = bench_model(model, bandwidth, rates, progress, f"{name} fp8", feed=tokens)
+    out["fp8"], got, _, got_w8a16 = bench_model(model, bandwidth, rates, progress, f"{name} fp8", feed=tokens)
     out.update(_agreement(ref, got))
-    if got_w8a8 is not None:
-        out["w8a8"] = _agreement(ref, got_w8a8)
-    del model, ref, got, got_w8a8
+    if got_w8a16 is not None:
+        out["w8a16"] = _agreement(ref, got_w8a16)
+    del model, ref, got, got_w8a16
     torch.cuda.empty_cache()
     return out
 
@@ -161,9 +165,9 @@ def tables(result: dict) -> str:
         out += ["", f"### {p['preset']}", "",
                 f"FP8 against bf16 over {p['positions']} positions: top-1 agreement {p['top1_agreement']:.3f}, "
                 f"mean KL {p['mean_kl']:.4f} nats"]
-        if "w8a8" in p:
-            out.append(f"(experts W8A8: top-1 agreement {p['w8a8']['top1_agreement']:.3f}, "
-                       f"mean KL {p['w8a8']['mean_kl']:.4f} nats)")
+        if "w8a16" in p:
+            out.append(f"(experts W8A16: top-1 agreement {p['w8a16']['top1_agreement']:.3f}, "
+                       f"mean KL {p['w8a16']['mean_kl']:.4f} nats)")
         out.append("")
         if p.get("note"):  # added by hand to a result file: what changed since, or how to read it
             out += [f"Note: {p['note']}", ""]
@@ -173,11 +177,11 @@ def tables(result: dict) -> str:
         for key in [*DECODE_BATCHES, PREFILL]:
             a, b = bf[key], f8[key]
             out.append(_row(f"decode x{key}" if a["kind"] == "decode" else f"prefill {key} (FLOP floor)", a, b))
-        for r in p["fp8"]["rows"]:  # W8A8 rows beside bf16's same step (the FP8 row above is W8A16)
-            if r["kind"] == "decode-w8a8":
-                out.append(_row(f"decode x{r['batch']}, experts W8A8", bf[r["batch"]], r))
-            elif r["kind"] == "prefill-w8a8":
-                out.append(_row(f"prefill {PREFILL}, experts W8A8", bf[PREFILL], r))
+        for r in p["fp8"]["rows"]:  # W8A16 experts' rows beside bf16's same step (the FP8 rows above: W8A8)
+            if r["kind"] == "decode-w8a16":
+                out.append(_row(f"decode x{r['batch']}, experts W8A16", bf[r["batch"]], r))
+            elif r["kind"] == "prefill-w8a16":
+                out.append(_row(f"prefill {PREFILL}, experts W8A16", bf[PREFILL], r))
     return "\n".join(out)
 
 

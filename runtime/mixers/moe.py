@@ -36,10 +36,12 @@ SHARED_BESIDE_MAX_TOKENS = 64
 class MoEMixer(Mixer):
     fuses_decode = True
     # FP8 experts' products past a few pairs with their activations quantized per row too
-    # (``moe_experts``' w8a8, where ``takes_w8a8``). Timed on the H200: Nano FP8 decode at 64 rows
-    # 11.0 against 12.4 ms, at 256 18.6 against 21.8; off until its agreement with bf16 and the
-    # GPU suite with it on have run (docs/experiments.md); an instance may set its own
-    w8a8 = False
+    # (``moe_experts``' w8a8, where ``takes_w8a8``), as the dense FP8 products past a few rows
+    # already are, and as FP8 checkpoints are made to run (ModelOpt calibrates an input scale per
+    # product for it). Timed on the H200: Nano FP8 decode at 64 rows 11.0 against 12.4 ms, at 256
+    # 18.6 against 21.8 (docs/experiments.md). An instance may set its own (False: W8A16, the
+    # FP8 values widened to the activations' dtype)
+    w8a8 = True
 
     def __init__(self, cfg: ModelConfig, idx: int, w: dict[str, torch.Tensor]):
         self.layer = idx

@@ -180,9 +180,37 @@ def test_w8a8_asked_of_an_fp32_model_leaves_its_experts_as_they_are(tiny, tmp_pa
     model = Model.from_pretrained(tiny, dtype=torch.float32, quantization="fp8")
     ids = _prompts()[2]
     assert len(ids) * model.cfg.num_experts_per_tok > 12  # past the pairs: the sorted layout W8A8 would take
+    monkeypatch.setattr(MoEMixer, "w8a8", False)
     plain = step(new_runner(model), [(ids, 0, 0)])[0]
     monkeypatch.setattr(MoEMixer, "w8a8", True)
     assert torch.equal(step(new_runner(model), [(ids, 0, 0)])[0], plain)
+
+
+@torch.no_grad()
+def test_a_bf16_models_fp8_experts_quantize_their_rows_past_the_pairs_by_default(tiny, monkeypatch):
+    """W8A8 is the model's default for FP8 experts under bf16 activations: a prompt's many pairs
+    reach the experts with ``w8a8`` asked, and its logits move from W8A16's by the rows' e4m3
+    rounding, no more."""
+    from mambastep.runtime.mixers import moe as moe_mixer
+
+    asked = []
+
+    def spy(*args, **kw):
+        asked.append(kw["w8a8"])
+        return experts(*args, **kw)
+
+    experts = moe_mixer.moe_experts
+    monkeypatch.setattr(moe_mixer, "moe_experts", spy)
+    model = Model.from_pretrained(tiny, dtype=torch.bfloat16, quantization="fp8")
+    ids = _prompts()[2]
+    w8a8 = step(new_runner(model), [(ids, 0, 0)])[0].float()
+    assert asked and all(asked)
+    asked.clear()
+    monkeypatch.setattr(moe_mixer.MoEMixer, "w8a8", False)
+    w8a16 = step(new_runner(model), [(ids, 0, 0)])[0].float()
+    assert asked and not any(asked)
+    assert not torch.equal(w8a8, w8a16)
+    assert (w8a8 - w8a16).norm() / w8a16.norm() < 0.1
 
 
 def _quantize_hf_in_place(hf, excluded_layers):

@@ -203,24 +203,24 @@ def test_fp8_tables_set_bf16_beside_fp8(capsys):
                   for b in bench_fp8.DECODE_BATCHES]
         return decode + [{"kind": "prefill", "tokens": 2048, "graph_ms": 30.0, "floor_ms": 20.0}]
 
-    w8a8 = [{"kind": "decode-w8a8", "batch": 64, "graph_ms": 40.0, "floor_ms": 32.0},
-            {"kind": "prefill-w8a8", "tokens": 2048, "graph_ms": 24.0, "floor_ms": 20.0}]
+    w8a16 = [{"kind": "decode-w8a16", "batch": 64, "graph_ms": 40.0, "floor_ms": 32.0},
+            {"kind": "prefill-w8a16", "tokens": 2048, "graph_ms": 24.0, "floor_ms": 20.0}]
 
     bench_fp8.print_table({"device": "GPU", "date": "2026-12-04", "torch": "2", "copy_GB/s": 4274.0,
                            "matmul_TFLOP/s": 676.0, "fp8_matmul_TFLOP/s": 1240.0,
                            "presets": [{"preset": "nemotron-h-8b", "bf16": {"rows": rows(1.0)},
-                                        "fp8": {"rows": rows(0.8) + w8a8}, "top1_agreement": 0.9, "mean_kl": 0.01,
-                                        "positions": 2048, "w8a8": {"top1_agreement": 0.85, "mean_kl": 0.02},
+                                        "fp8": {"rows": rows(0.8) + w8a16}, "top1_agreement": 0.9, "mean_kl": 0.01,
+                                        "positions": 2048, "w8a16": {"top1_agreement": 0.85, "mean_kl": 0.02},
                                         "note": "a note"}]})
     out = capsys.readouterr().out
     assert "| decode x1 | 1.000 | 0.500 | 2.00x | 0.800 | 0.500 | 1.60x | 1.25x |" in out
-    # the W8A8 experts' steps: rows of their own beside bf16's, not in place of the FP8 ones
+    # the W8A16 experts' steps: rows of their own beside bf16's, not in place of the FP8 ones
     assert "| prefill 2048 (FLOP floor) | 30.000 | 20.000 | 1.50x | 30.000 | 20.000 | 1.50x | 1.00x |" in out
     assert "| decode x64 | 64.000 | 32.000 | 2.00x | 51.200 | 32.000 | 1.60x | 1.25x |" in out
-    assert "| decode x64, experts W8A8 | 64.000 | 32.000 | 2.00x | 40.000 | 32.000 | 1.25x | 1.60x |" in out
-    assert "| prefill 2048, experts W8A8 | 30.000 | 20.000 | 1.50x | 24.000 | 20.000 | 1.20x | 1.25x |" in out
+    assert "| decode x64, experts W8A16 | 64.000 | 32.000 | 2.00x | 40.000 | 32.000 | 1.25x | 1.60x |" in out
+    assert "| prefill 2048, experts W8A16 | 30.000 | 20.000 | 1.50x | 24.000 | 20.000 | 1.20x | 1.25x |" in out
     assert "top-1 agreement 0.900" in out and "Note: a note" in out and "FP8 1240 TFLOP/s" in out
-    assert "(experts W8A8: top-1 agreement 0.850, mean KL 0.0200 nats)" in out
+    assert "(experts W8A16: top-1 agreement 0.850, mean KL 0.0200 nats)" in out
 
 
 def test_the_prefix_bench_sets_the_cache_beside_none_on_the_cpu(tmp_path):

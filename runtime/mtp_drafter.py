@@ -129,9 +129,9 @@ class MTPDrafting:
                 d.lost = True
                 continue
             # a prefix request's positions read its choices' prompt, whose last token it lacks
-            context = np.concatenate([req.prompt if req.choices is None else req.choices[0].prompt,
-                                      np.asarray(req.output, dtype=np.int64)])
-            new, end = max(have, first), min(first + n, len(context) - 1)
+            prompt = req.prompt if req.choices is None else req.choices[0].prompt
+            known = len(prompt) + len(req.output)
+            new, end = max(have, first), min(first + n, known - 1)
             if new >= end:
                 continue
             d.slot, d.known = slot, -1
@@ -144,7 +144,7 @@ class MTPDrafting:
                 d.stashed += end - new
                 continue
             at = sum(len(t) for t, _, _ in seqs)  # this sequence's first row in hidden_in
-            seqs.append((context[d.consumed + 1 : end + 1], slot, d.consumed))
+            seqs.append((_span(prompt, req.output, d.consumed + 1, end + 1), slot, d.consumed))
             if carry:
                 into_mtp["boundary"].append((at, d.carry))
             into_mtp["stash"] += [(at + i, slot * self.stash + i) for i in range(d.stashed)]
@@ -153,7 +153,7 @@ class MTPDrafting:
             d.consumed, d.stashed, d.carry = end, 0, None
             if req.choices is not None:
                 self._prefixes[slot] = end
-            elif req.prompt_done and end == len(context) - 1:
+            elif req.prompt_done and end == known - 1:
                 self._ready.append(d)
         with torch.inference_mode():
             sources = {"target": self.target_hidden, "boundary": self._boundary, "stash": self._stash}
@@ -235,6 +235,14 @@ class MTPDrafting:
         """Keep what the last MTP step drew for the drafters in ``slots`` (``_slots``) as their j-th draft."""
         if slots is not None:
             self._drawn[j].index_copy_(0, slots, self.runner.slot_tokens.index_select(0, slots))
+
+
+def _span(prompt, output: list[int], lo: int, hi: int) -> np.ndarray:
+    """Tokens ``lo`` to ``hi`` - 1 of the prompt followed by the output, not joining the whole (a
+    step's few new positions of a long context)."""
+    p = len(prompt)
+    return np.concatenate([np.asarray(prompt[lo:min(hi, p)], dtype=np.int64),
+                           np.asarray(output[max(lo - p, 0) : max(hi - p, 0)], dtype=np.int64)])
 
 
 def _gather(out: torch.Tensor, pairs: list[tuple[int, int]], source: torch.Tensor) -> None:

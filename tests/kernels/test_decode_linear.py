@@ -230,10 +230,10 @@ _GPU_SHAPES = [pytest.param(1, K, N, marks=pytest.mark.gpu) for K, N in ((4096, 
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("M,K,N", [(1, 2500, 20), (2, 4100, 20), *_GPU_SHAPES])
+@pytest.mark.parametrize("M,K,N", [(1, 2500, 20), (2, 4100, 20), (5, 2100, 24), *_GPU_SHAPES])
 def test_default_config_at_large_k(device, M, K, N, fp8):
     """K past one tile takes the streamed path with the tile sizes the launcher picks (FP8
-    weights' own at one row)."""
+    weights' own at one row; bf16 rows' longer K tiles at 2-8, 5 of 8 rows masked in)."""
     torch.manual_seed(M)
     assert decode_linear._config(M, N, K, device, fp8=fp8).loop
     x = torch.randn(M, K, device=device)

@@ -523,9 +523,9 @@ def _config(M: int, N: int, K: int, device: torch.device, tile_k: int | None = N
     Two to eight bf16 rows, K streamed: K tiles of 1024 / rows columns (512 / rows below K =
     4096), 4 stages, 8 columns a program (16 vocabulary-wide). Swept on an H100 (``bench tiles
     --batch``), the best tiles kept about that much K whatever the rows; half of it in 3 stages,
-    the rule before, lost up to 1.6x on a projection at 8 rows. The 8B's whole
-    fused step at 2 rows 5.89 ms against 5.92 with the rule before, at 4 rows 6.61 against 7.12
-    (docs/experiments.md).
+    the rule before, lost up to 1.6x on a projection at 8 rows. The 8B's whole fused step at 2
+    rows 5.89 ms against 5.92 with the rule before, at 4 rows 6.61 against 7.12
+    (docs/experiments.md). FP8 rows past one keep the rule before (not swept).
     """
     if tile_k is not None:
         return _Config(True, 16, tile_k, 4, 2)

@@ -273,3 +273,23 @@ def test_an_fp8_lm_head_is_refused_by_name(tiny, tmp_path):
 def test_an_unknown_quantization_name_is_refused(tiny):
     with pytest.raises(ValueError, match="quantization: expected one of"):
         Model.from_pretrained(tiny, dtype=torch.float32, quantization="int4")
+
+
+def test_load_time_quantization_lets_each_full_precision_weight_go(tiny):
+    """``quantize_online`` replaces the weights in their dict, so each full-precision tensor is
+    freed as its FP8 copy arrives: a bf16 model that fills a card still quantizes on it."""
+    import weakref
+
+    from mambastep.runtime.config import ModelConfig
+    from mambastep.runtime.quantization import online_fp8
+    from mambastep.runtime.weights import quantize_online, random_weights
+
+    cfg = ModelConfig.from_pretrained(tiny)
+    weights = random_weights(cfg, dtype=torch.bfloat16)
+    quant = online_fp8(cfg.layer_types)
+    kept = {n: weakref.ref(w) for n, w in weights.items()}
+    out = quantize_online(weights, quant)
+    assert out is weights
+    quantized = [n for n, w in out.items() if isinstance(w, Fp8Weight)]
+    assert quantized and all(kept[n]() is None for n in quantized)  # the bf16 originals are gone
+    assert all(kept[n]() is out[n] for n in out if n not in quantized)  # the rest untouched

@@ -12,6 +12,9 @@ activations per row past a few pairs (W8A8, ``MoEMixer.w8a8``, the runtime's def
 steps with them W8A16 (the FP8 values widened to bf16) are timed beside, at the prefill and the
 wide decode steps, with their agreement with bf16.
 
+A model whose state does not fit 256 rows beside it (Nemotron-3-Nano in bf16 on an 80 GB
+card) is timed at the batches that fit.
+
 Agreement: 64 random prompts of 16 tokens, then 32 decode steps each fed the bf16 model's
 greedy token, so both models see the same inputs: top-1 agreement and the mean KL divergence
 of the next-token distributions, KL(bf16 || FP8), over those 2,048 positions. Random weights
@@ -43,6 +46,7 @@ AGREE_ROWS, AGREE_PROMPT, AGREE_STEPS = 64, 16, 32
 # the wide decode steps W8A16 experts are timed at beside W8A8's (past a few pairs: the sorted
 # layout W8A8 changes)
 W8A16_DECODE = (64, 256)
+MAX_CONTEXT = CONTEXT + PREFILL + 2
 
 
 def fp8_matmul_rate(n: int = 8192, settle_s: float = 2.0) -> float:
@@ -75,18 +79,18 @@ def _agreement_steps(runner: StepRunner, slot0: int, feed=None):
 
 
 def bench_model(model: Model, bandwidth: float, rates: tuple[float, float], progress: bool, label: str,
-                feed=None) -> tuple[dict, torch.Tensor, list]:
-    slots = max(DECODE_BATCHES) + AGREE_ROWS + 1
-    pool = StatePool(model.cfg, slots, max_context=CONTEXT + PREFILL + 2, dtype=torch.bfloat16, device="cuda")
+                batches: tuple[int, ...], feed=None) -> tuple[dict, torch.Tensor, list]:
+    slots = max(batches) + AGREE_ROWS + 1
+    pool = StatePool(model.cfg, slots, max_context=MAX_CONTEXT, dtype=torch.bfloat16, device="cuda")
     for t in pool.tensors():
         t.normal_(0, 0.1)
-    buckets = BucketSet(decode=DECODE_BATCHES, mixed_decode=(0,), prefill=(PREFILL,), max_prefill_seqs=1)
+    buckets = BucketSet(decode=batches, mixed_decode=(0,), prefill=(PREFILL,), max_prefill_seqs=1)
     runner = StepRunner(model, pool, buckets, overlap=True)
     report = str(runner.capture(progress=progress))
     eager = StepRunner(model, pool, buckets, overlap=False)  # never captured: eager steps
     moe = bool(_moe_mixers(model))
     rows = []
-    for batch in tqdm(DECODE_BATCHES, desc=f"{label} decode", disable=not progress):
+    for batch in tqdm(batches, desc=f"{label} decode", disable=not progress):
         plan = decode_plan(batch)
         routed = routed_experts(eager, plan) if moe else None
         rows.append({"kind": "decode", "batch": batch, "graph_ms": step_ms(runner, plan, rounds=20),
@@ -96,7 +100,7 @@ def bench_model(model: Model, bandwidth: float, rates: tuple[float, float], prog
     prefill_floor = prefill_floor_ms(model, PREFILL, *rates)
     rows.append({"kind": "prefill", "tokens": PREFILL, "graph_ms": step_ms(runner, chunk, rounds=10),
                  "floor_ms": prefill_floor})
-    logits, tokens = _agreement_steps(eager, max(DECODE_BATCHES), feed)
+    logits, tokens = _agreement_steps(eager, max(batches), feed)
     w8a16_logits = None
     mixers = _moe_mixers(model) if model.cfg.quantization is not None else []
     if mixers:
@@ -105,16 +109,17 @@ def bench_model(model: Model, bandwidth: float, rates: tuple[float, float], prog
         for m in mixers:
             m.w8a8 = False
         try:
-            w8a16 = StepRunner(model, pool, BucketSet(decode=W8A16_DECODE, mixed_decode=(0,), prefill=(PREFILL,),
-                                                      max_prefill_seqs=1), overlap=True)
+            wide = tuple(b for b in W8A16_DECODE if b in batches)
+            at = BucketSet(decode=wide or batches[:1], mixed_decode=(0,), prefill=(PREFILL,), max_prefill_seqs=1)
+            w8a16 = StepRunner(model, pool, at, overlap=True)
             w8a16.capture(progress=False)
             floors = {r["batch"]: r["floor_ms"] for r in rows if r["kind"] == "decode"}
             rows += [{"kind": "decode-w8a16", "batch": b, "graph_ms": step_ms(w8a16, decode_plan(b), rounds=20),
-                      "floor_ms": floors[b]} for b in W8A16_DECODE]
+                      "floor_ms": floors[b]} for b in wide]
             rows.append({"kind": "prefill-w8a16", "tokens": PREFILL, "graph_ms": step_ms(w8a16, chunk, rounds=10),
                          "floor_ms": prefill_floor})
             del w8a16
-            w8a16_logits, _ = _agreement_steps(eager, max(DECODE_BATCHES), feed)
+            w8a16_logits, _ = _agreement_steps(eager, max(batches), feed)
         finally:
             for m, w in zip(mixers, was):
                 m.w8a8 = w
@@ -131,11 +136,17 @@ def _agreement(ref: torch.Tensor, got: torch.Tensor) -> dict:
 def bench_preset(name: str, bandwidth: float, rates: tuple[float, float], progress: bool) -> dict:
     out = {"preset": name}
     model = Model.from_preset(name, dtype=torch.bfloat16, device="cuda")
-    out["bf16"], ref, tokens, _ = bench_model(model, bandwidth, rates, progress, f"{name} bf16")
+    # the batches whose slots (and the agreement's) fit half the memory the bf16 model leaves (the
+    # rest: graphs and activations); both precisions take the same
+    per_slot = StatePool.bytes_per_slot(model.cfg, MAX_CONTEXT, torch.bfloat16)
+    free = torch.cuda.mem_get_info()[0] // 2
+    batches = tuple(b for b in DECODE_BATCHES if (b + AGREE_ROWS + 1) * per_slot <= free) or DECODE_BATCHES[:1]
+    out["bf16"], ref, tokens, _ = bench_model(model, bandwidth, rates, progress, f"{name} bf16", batches)
     del model
     torch.cuda.empty_cache()
     model = Model.from_preset(name, dtype=torch.bfloat16, device="cuda", quantization="fp8")
-    out["fp8"], got, _, got_w8a16 = bench_model(model, bandwidth, rates, progress, f"{name} fp8", feed=tokens)
+    out["fp8"], got, _, got_w8a16 = bench_model(model, bandwidth, rates, progress, f"{name} fp8", batches,
+                                                feed=tokens)
     out.update(_agreement(ref, got))
     if got_w8a16 is not None:
         out["w8a16"] = _agreement(ref, got_w8a16)
@@ -174,7 +185,7 @@ def tables(result: dict) -> str:
         out += [
                 "| step | bf16 (ms) | bf16 floor (ms) | bf16/floor | FP8 (ms) | FP8 floor (ms) | FP8/floor | "
                 "bf16/FP8 |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-        for key in [*DECODE_BATCHES, PREFILL]:
+        for key in bf:  # the decode batches the card held, then the prefill
             a, b = bf[key], f8[key]
             out.append(_row(f"decode x{key}" if a["kind"] == "decode" else f"prefill {key} (FLOP floor)", a, b))
         for r in p["fp8"]["rows"]:  # W8A16 experts' rows beside bf16's same step (the FP8 rows above: W8A8)

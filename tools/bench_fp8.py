@@ -179,6 +179,10 @@ def tables(result: dict) -> str:
         if "w8a16" in p:
             out.append(f"(experts W8A16: top-1 agreement {p['w8a16']['top1_agreement']:.3f}, "
                        f"mean KL {p['w8a16']['mean_kl']:.4f} nats)")
+        left = [b for b in DECODE_BATCHES if b not in bf]
+        if left:  # said, not silently missing
+            out.append(f"(decode x{', x'.join(map(str, left))} left out: their slots do not fit beside the bf16 "
+                       "model on this card)")
         out.append("")
         if p.get("note"):  # added by hand to a result file: what changed since, or how to read it
             out += [f"Note: {p['note']}", ""]

@@ -221,6 +221,17 @@ def test_fp8_tables_set_bf16_beside_fp8(capsys):
     assert "| prefill 2048, experts W8A16 | 30.000 | 20.000 | 1.50x | 24.000 | 20.000 | 1.20x | 1.25x |" in out
     assert "top-1 agreement 0.900" in out and "Note: a note" in out and "FP8 1240 TFLOP/s" in out
     assert "(experts W8A16: top-1 agreement 0.850, mean KL 0.0200 nats)" in out
+    assert "left out" not in out
+
+    # a card that held only the batches to 128: the tables follow them and say what was left out
+    small = {"device": "GPU", "date": "2026-12-05", "torch": "2", "copy_GB/s": 3000.0, "matmul_TFLOP/s": 600.0,
+             "fp8_matmul_TFLOP/s": 1200.0,
+             "presets": [{"preset": "nemotron-3-nano-30b-a3b", "bf16": {"rows": rows(1.0)[:-2] + rows(1.0)[-1:]},
+                          "fp8": {"rows": rows(0.8)[:-2] + rows(0.8)[-1:]}, "top1_agreement": 0.9, "mean_kl": 0.01,
+                          "positions": 2048}]}
+    out = bench_fp8.tables(small)
+    assert "| decode x128 |" in out and "| decode x256 |" not in out and "| prefill 2048 (FLOP floor) |" in out
+    assert "(decode x256 left out: their slots do not fit beside the bf16 model on this card)" in out
 
 
 def test_the_prefix_bench_sets_the_cache_beside_none_on_the_cpu(tmp_path):

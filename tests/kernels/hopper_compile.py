@@ -137,6 +137,8 @@ def launch_moe() -> None:
             idx = torch.stack([torch.randperm(E)[:k].sort()[0] for _ in range(T)]).to(torch.int32)
             moe.moe_experts.triton(x, idx, torch.rand(T, k), fp8_up, fp8_down, residual=torch.empty_like(x),
                                    pdl=True, w8a8=True)
+            moe.moe_experts.triton(x, idx, torch.rand(T, k), fp8_gate_up, fp8_down, residual=torch.empty_like(x),
+                                   pdl=True, act="swiglu", w8a8=True)
     # W8A8 over 32 x 32 block scales: a K tile of 32, the shortest an FP8 tensor-core product takes
     fp8_up, fp8_down = (quantize_fp8(torch.randn(E, n, kk) * 0.02, 32) for n, kk in ((I, D), (D, I)))
     for T, k in ((64, 6), (1200, 2)):

@@ -35,8 +35,8 @@ from ..runtime.state_pool import StatePool
 from ..runtime.step_runner import StepRunner
 from .bench_kernels import copy_bandwidth, matmul_rate, median_ms, stamp
 from .bench_steps import (
-    CONTEXT, _moe_mixers, decode_plan, hbm_floor_bytes, prefill_floor_ms, prefill_plan, replay_ms, routed_experts,
-    step_ms,
+    CONTEXT, _moe_mixers, decode_plan, fitting_batches, hbm_floor_bytes, prefill_floor_ms, prefill_plan, replay_ms,
+    routed_experts, step_ms,
 )
 
 PRESETS = ("nemotron-3-nano-30b-a3b", "nemotron-h-8b", "nemotron-nano-9b-v2")
@@ -136,11 +136,9 @@ def _agreement(ref: torch.Tensor, got: torch.Tensor) -> dict:
 def bench_preset(name: str, bandwidth: float, rates: tuple[float, float], progress: bool) -> dict:
     out = {"preset": name}
     model = Model.from_preset(name, dtype=torch.bfloat16, device="cuda")
-    # the batches whose slots (and the agreement's) fit half the memory the bf16 model leaves (the
-    # rest: graphs and activations); both precisions take the same
-    per_slot = StatePool.bytes_per_slot(model.cfg, MAX_CONTEXT, torch.bfloat16)
-    free = torch.cuda.mem_get_info()[0] // 2
-    batches = tuple(b for b in DECODE_BATCHES if (b + AGREE_ROWS + 1) * per_slot <= free) or DECODE_BATCHES[:1]
+    # the batches whose slots (and the agreement's and the prefill's) fit beside the bf16 model;
+    # both precisions take the same
+    batches = fitting_batches(model, DECODE_BATCHES, MAX_CONTEXT, extra_slots=AGREE_ROWS + 1) or DECODE_BATCHES[:1]
     out["bf16"], ref, tokens, _ = bench_model(model, bandwidth, rates, progress, f"{name} bf16", batches)
     del model
     torch.cuda.empty_cache()

@@ -101,6 +101,11 @@ def _load_results(paths) -> list[dict]:
     return runs
 
 
+def _paths(given) -> list:
+    """One JSON path or several (None: none) as a list."""
+    return [given] if isinstance(given, (str, Path)) else list(given or ())
+
+
 def render(steps=(), kernels: str | None = None, runs=(), serve=(), tune=(), fp8=(), sampling: str | None = None,
            prefix: str | None = None, spec=()) -> str:
     """The page: ``steps`` one or more JSONs of `bench steps`, ``fp8`` of `bench fp8`, ``runs`` and ``serve`` JSONs of
@@ -111,7 +116,7 @@ def render(steps=(), kernels: str | None = None, runs=(), serve=(), tune=(), fp8
            "Current numbers only, each table under the command that printed it; the whole page is written by",
            "`mambastep bench markdown` from those commands' `--json` output (`.ci/gpu-bench` runs them all).",
            "What was tried and dropped is in docs/experiments.md. Presets have random bf16 weights.", ""]
-    steps = [steps] if isinstance(steps, (str, Path)) else list(steps or ())
+    steps = _paths(steps)
     if steps:
         out += ["## Decode and mixed steps", "", "```", "mambastep bench steps [--preset P ...] --json steps.json",
                 "```", "", bench_steps.__doc__.strip(), ""]
@@ -129,7 +134,7 @@ def render(steps=(), kernels: str | None = None, runs=(), serve=(), tune=(), fp8
     if prefix:
         out += ["## Prefix cache", "", "```", "mambastep bench prefix [--preset P ...] --json prefix.json", "```", "",
                 bench_prefix.__doc__.strip(), "", bench_prefix.tables(json.loads(Path(prefix).read_text())), ""]
-    spec = [spec] if isinstance(spec, (str, Path)) else list(spec or ())
+    spec = _paths(spec)
     if spec:
         out += ["## Speculative decoding", "", "```", "mambastep bench spec [--preset P ...] --json spec.json",
                 "```", "", bench_spec.__doc__.strip(), ""]

@@ -233,14 +233,20 @@ def captured_with(model: Model, pool: StatePool, buckets: list, progress: bool, 
     return runner
 
 
+def fitting_batches(model: Model, batches: tuple[int, ...], max_context: int, extra_slots: int) -> tuple[int, ...]:
+    """The decode batches whose slots, ``extra_slots`` more beside them, fit half the memory the
+    loaded ``model`` leaves on the device (the rest: graphs and activations); bf16 states."""
+    per_slot = StatePool.bytes_per_slot(model.cfg, max_context, torch.bfloat16)
+    free = torch.cuda.mem_get_info()[0] // 2
+    return tuple(b for b in batches if (b + extra_slots) * per_slot <= free)
+
+
 def bench_preset(name: str, bandwidth: float, rate: float, progress: bool) -> dict:
     torch.manual_seed(0)
     model = Model.from_preset(name, dtype=torch.bfloat16, device="cuda")
-    # the batches whose slots fit half the memory left (the rest: graphs and activations); a
-    # large model's state (Granite-4.0-H-Small: 0.2 GB a slot) may not fit 256 rows beside it
+    # a large model's state (Granite-4.0-H-Small: 0.2 GB a slot) may not fit 256 rows beside it
     max_context = CONTEXT + 2 * max(PREFILL_CHUNKS)
-    per_slot = StatePool.bytes_per_slot(model.cfg, max_context, torch.bfloat16)
-    batches = tuple(b for b in DECODE_BATCHES if (b + 1) * per_slot <= torch.cuda.mem_get_info()[0] // 2)
+    batches = fitting_batches(model, DECODE_BATCHES, max_context, extra_slots=1)
     slots = max(batches) + 1  # decode rows take slots from 0, a prefill chunk the last
     pool = StatePool(model.cfg, slots, max_context=max_context, dtype=torch.bfloat16, device="cuda")
     for t in pool.tensors():

@@ -455,14 +455,17 @@ class ModelConfig:
     @classmethod
     def _from_falcon_h1(cls, hf: dict) -> "ModelConfig":
         """Falcon-H1. Each HF layer is two blocks here: a parallel block (norm:
-        ``input_layernorm``), its Mamba2 mixer (no gated norm) and its attention (rotary over
-        whole heads) summed, then its SwiGLU MLP (``pre_ff_layernorm``); the muP multipliers
-        fold into the weights (``runtime.multipliers``)."""
+        ``input_layernorm``), its Mamba2 mixer and its attention (rotary over whole heads) summed,
+        then its SwiGLU MLP (``pre_ff_layernorm``); the muP multipliers fold into the weights
+        (``runtime.multipliers``). The Mamba2 mixer gates its output by silu(z) alone
+        (``mamba_rms_norm`` false: 0.5B to 7B) or, as Mamba2 does, gates and then RMS-normalises
+        each group (true: 34B)."""
         _require(hf, "hidden_size", "vocab_size", "num_hidden_layers")
         _silu(hf)
-        if hf.get("mamba_rms_norm", False):
-            raise ConfigError("mamba_rms_norm: true (a gated norm in Falcon-H1's Mamba2 layers, normed before its "
-                              "gate); mambastep reads the released models' false")
+        gated_norm = bool(hf.get("mamba_rms_norm", False))
+        if gated_norm and hf.get("mamba_norm_before_gate", False):
+            raise ConfigError("mamba_norm_before_gate: true (Falcon-H1's Mamba2 norm before its gate); mambastep "
+                              "reads the released models' false: gate, then normalise")
         for key in ("projectors_bias", "mamba_proj_bias"):
             if hf.get(key, False):
                 raise ConfigError(f"{key}: true; mambastep reads Falcon-H1's Mamba2 projections without biases, as "
@@ -476,7 +479,7 @@ class ModelConfig:
             layer_types=("parallel", "mlp") * layers,
             **_common_fields(hf, norm_eps=1e-5, max_positions=8192),
             **_mamba_fields(hf),
-            mamba_gated_norm=False,
+            mamba_gated_norm=gated_norm,
             **_attention_fields(hf, head_dim),
             rotary_dim=rotary,
             rope_theta=_rope_theta(hf),

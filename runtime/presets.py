@@ -158,6 +158,15 @@ PRESETS: dict[str, dict] = {
         rotary_dim=128, rope_theta=1e11, intermediate_size=12288, mlp_activation="swiglu",
         max_position_embeddings=262144,
     ),
+    # tiiuae/Falcon-H1-34B-Instruct (its config.json): 72 layers, each Mamba2 (32 heads of 128, d_state
+    # 256, two groups, gated and normalised per group) beside rotary attention (20 query, 4 KV heads of
+    # 128), then a SwiGLU MLP of 21504; a 261120-token vocabulary, untied
+    "falcon-h1-34b": dict(
+        architecture="falcon_h1", vocab_size=261120, hidden_size=5120, layer_types=("parallel", "mlp") * 72,
+        mamba_num_heads=32, mamba_head_dim=128, ssm_state_size=256, n_groups=2, conv_kernel=4, chunk_size=128,
+        num_attention_heads=20, num_key_value_heads=4, attention_head_dim=128, rotary_dim=128, rope_theta=1e11,
+        intermediate_size=21504, mlp_activation="swiglu", max_position_embeddings=262144,
+    ),
 }
 
 # Nemotron 3.5 Lightning 30B-A3B: its published signature is Nano's (52 layers, hidden 2688, 128

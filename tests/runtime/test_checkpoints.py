@@ -186,7 +186,7 @@ def test_experts_stored_one_by_one_load_as_the_stack_and_a_misshaped_one_is_name
 
 
 @pytest.mark.parametrize("kind, change, named", [
-    ("falcon_h1", {"mamba_rms_norm": True}, "mamba_rms_norm: true"),
+    ("falcon_h1", {"mamba_rms_norm": True, "mamba_norm_before_gate": True}, "mamba_norm_before_gate: true"),
     ("falcon_h1", {"projectors_bias": True}, "projectors_bias: true"),
     ("falcon_h1", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e11, "factor": 4.0}},
      "rope_parameters.rope_type: 'yarn'"),

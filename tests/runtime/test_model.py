@@ -38,18 +38,20 @@ VARIANTS = {"mamba2": ("mamba2", {}), "nemotron_h": ("nemotron_h", {}), "moe": (
             "latent_moe": ("nemotron_h", {**MOE, "moe_latent_size": 16}), "granite": ("granite", {}),
             "granite_dense": ("granite", GRANITE_DENSE),
             "granite_rope": ("granite", {"position_embedding_type": "rope"}),
-            "bamba": ("bamba", {}), "falcon_h1": ("falcon_h1", {})}
+            "bamba": ("bamba", {}), "falcon_h1": ("falcon_h1", {}),
+            # Falcon-H1-34B: its Mamba2 gates, then normalises each of its two groups
+            "falcon_h1_norm": ("falcon_h1", {"mamba_rms_norm": True, "mamba_n_groups": 2})}
 _gpu = pytest.mark.gpu
 _latent = pytest.mark.skipif(not HF_LATENT_MOE, reason="the installed transformers has no latent MoE")
 
 
 @pytest.fixture(scope="module", params=[
     "mamba2", "nemotron_h", "moe", pytest.param("latent_moe", marks=_latent), "granite", "granite_dense",
-    "granite_rope", "bamba", "falcon_h1",
+    "granite_rope", "bamba", "falcon_h1", "falcon_h1_norm",
     # on a GPU, fp32 through the Triton kernels (the grouped experts among them)
     pytest.param("moe@cuda", marks=_gpu), pytest.param("latent_moe@cuda", marks=[_gpu, _latent]),
     pytest.param("granite@cuda", marks=_gpu), pytest.param("bamba@cuda", marks=_gpu),
-    pytest.param("falcon_h1@cuda", marks=_gpu),
+    pytest.param("falcon_h1@cuda", marks=_gpu), pytest.param("falcon_h1_norm@cuda", marks=_gpu),
 ])
 def pair(request, tmp_path_factory):
     """(HF model, our model loaded from the HF checkpoint) for each checkpoint variant."""

@@ -24,11 +24,14 @@
                                             B decode rows (default 1) through each of a preset's
                                             projection shapes: the skinny tile table's choice
                                             beside a sweep of others
-    mambastep bench profile --preset P --batch B [--prefill T] [--quantization fp8] [--timeline [--window LO:HI]]
+    mambastep bench profile --preset P --batch B [--prefill T] [--quantization fp8] [--mtp]
+                            [--timeline [--window LO:HI]]
                                             per-kernel time of one eager step: B decode rows
-                                            (and a prefill chunk of T tokens); --timeline: what
-                                            each kernel adds to the captured step's span;
-                                            --window: kernels LO..HI-1 with start and end
+                                            (and a prefill chunk of T tokens); --mtp: a step of
+                                            the preset's MTP layers; --timeline: what each
+                                            kernel adds to the captured step's span, beside the
+                                            whole step's time; --window: kernels LO..HI-1 with
+                                            start and end
     mambastep bench serve --url URL [--concurrency C] [--requests N]
                                             load generator over HTTP against `mambastep serve`
                                             (`mambastep bench serve --help`)
@@ -88,6 +91,9 @@ def main(argv=None) -> int:
     parser.add_argument("--window", metavar="LO:HI", type=_window,
                         help="profile --timeline: also kernels LO to HI-1 of one replay, each with its start and end "
                              "(what ran beside what)")
+    parser.add_argument("--mtp", action="store_true",
+                        help="profile: a step of the preset's MTP layers as the drafter runs them (decode rows: "
+                             "chained drafts; --prefill: a catch-up of that many positions)")
     add_quantization(parser)  # profile's and tiles'
     parser.add_argument("--steps", metavar="JSON", nargs="*", default=[], help="markdown: JSONs of `bench steps`")
     parser.add_argument("--kernels", metavar="JSON", help="markdown: the JSON of `bench kernels`")
@@ -115,6 +121,8 @@ def main(argv=None) -> int:
     args.prefill = args.prefill or 0
     if args.what == "tiles" and not 1 <= args.batch <= bench_tiles.MAX_ROWS:
         parser.error(f"--batch: bench tiles takes 1 to {bench_tiles.MAX_ROWS} decode rows, got {args.batch}")
+    if args.mtp and args.what != "profile":
+        parser.error("--mtp is profile's")
     if args.window and not (args.what == "profile" and args.timeline):
         parser.error("--window needs profile --timeline")
     if args.what == "markdown":
@@ -135,9 +143,10 @@ def main(argv=None) -> int:
         preset = (args.preset or ["mamba2-130m"])[0]
         if args.timeline:
             print(bench_profile.timeline(preset, args.batch, args.prefill, window=args.window,
-                                         quantization=args.quantization))
+                                         quantization=args.quantization, mtp=args.mtp))
         else:
-            print(bench_profile.profile(preset, args.batch, args.prefill, quantization=args.quantization))
+            print(bench_profile.profile(preset, args.batch, args.prefill, quantization=args.quantization,
+                                        mtp=args.mtp))
         return 0
     suite = SUITES[args.what]
     takes_presets = args.what in ("steps", "fp8", "sampling", "prefix", "spec", "tiles")

@@ -20,23 +20,29 @@ import torch
 
 from ..graphs import BucketSet
 from ..runtime.model import Model
+from ..runtime.mtp import MTPModel
 from ..runtime.plan import StepPlan
 from ..runtime.state_pool import StatePool
 from ..runtime.step_runner import StepRunner
-from .bench_steps import CONTEXT, decode_rows, prefill_plan
+from .bench_steps import CONTEXT, decode_rows, prefill_plan, step_ms
 
 
-def _step(preset: str, batch: int, prefill: int, overlap: bool,
-          quantization: str | None = None) -> tuple[StepRunner, StepPlan]:
-    """A runner over ``preset`` (random bf16 weights, quantized as ``quantization`` says) and
-    the plan of a step of ``batch`` decode rows plus one prefill chunk of ``prefill`` tokens
-    (none at 0)."""
+def _step(preset: str, batch: int, prefill: int, overlap: bool, quantization: str | None = None,
+          mtp: bool = False) -> tuple[StepRunner, StepPlan]:
+    """A runner over ``preset`` (random bf16 weights, quantized as ``quantization`` says), or
+    with ``mtp`` over its MTP layers as the drafter runs them (decode rows: chained drafts; a
+    prefill chunk: a catch-up), and the plan of a step of ``batch`` decode rows plus one prefill
+    chunk of ``prefill`` tokens (none at 0)."""
     torch.manual_seed(0)
-    model = Model.from_preset(preset, dtype=torch.bfloat16, device="cuda", quantization=quantization)
+    model = Model.from_preset(preset, dtype=torch.bfloat16, device="cuda", quantization=quantization, mtp=mtp)
+    if mtp:
+        if not model.cfg.mtp_depths:
+            raise SystemExit(f"--mtp: preset {preset!r} has no MTP layers")
+        model = MTPModel(model, model.mtp_weights, num_slots=batch + 1, max_tokens=max(prefill, 16) + batch)
     pool = StatePool(model.cfg, batch + 1, max_context=CONTEXT + prefill + 2, dtype=torch.bfloat16, device="cuda")
     buckets = BucketSet(decode=(max(batch, 1),), mixed_decode=tuple(sorted({0, batch})), prefill=(max(prefill, 16),),
                         max_prefill_seqs=1)
-    chunk = [(prefill_plan(prefill, batch).prefill_tokens.tolist(), batch, 0)] if prefill else []
+    chunk = [(prefill_plan(prefill, batch, model.cfg.vocab_size).prefill_tokens.tolist(), batch, 0)] if prefill else []
     return StepRunner(model, pool, buckets, overlap=overlap), StepPlan.make(chunk, decode_rows(batch))
 
 
@@ -46,10 +52,12 @@ def _kernels(prof) -> list[tuple[float, float, str]]:
             if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
-def profile(preset: str, batch: int, prefill: int = 0, top: int = 25, quantization: str | None = None) -> str:
+def profile(preset: str, batch: int, prefill: int = 0, top: int = 25, quantization: str | None = None,
+            mtp: bool = False) -> str:
     """Per-kernel device time of a step: ``batch`` decode rows, plus one prefill chunk of
-    ``prefill`` tokens if nonzero (run eagerly and unforked: the same kernels as the graph)."""
-    runner, plan = _step(preset, batch, prefill, overlap=False, quantization=quantization)
+    ``prefill`` tokens if nonzero (run eagerly and unforked: the same kernels as the graph);
+    ``mtp``: a step of the preset's MTP layers."""
+    runner, plan = _step(preset, batch, prefill, overlap=False, quantization=quantization, mtp=mtp)
     runner.logits(plan)
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -110,13 +118,16 @@ def kernel_window(replay: list[tuple[float, float, str]], lo: int, hi: int) -> l
 
 
 def timeline(preset: str, batch: int, prefill: int = 0, replays: int = 5, top: int = 30,
-             window: tuple[int, int] | None = None, quantization: str | None = None) -> str:
+             window: tuple[int, int] | None = None, quantization: str | None = None, mtp: bool = False) -> str:
     """The step's graph replayed ``replays`` times under the profiler: each kernel's charge of
     the step (see the module doc), the largest ``top``; with ``window`` (lo, hi), also kernels lo
-    to hi - 1 of the middle replay, each with its start and end."""
-    runner, plan = _step(preset, batch, prefill, overlap=True, quantization=quantization)
+    to hi - 1 of the middle replay, each with its start and end. Beside the replay's span, the
+    whole step as the engine runs it (refill, replay, draw; synchronised): what the host adds.
+    ``mtp``: a step of the preset's MTP layers."""
+    runner, plan = _step(preset, batch, prefill, overlap=True, quantization=quantization, mtp=mtp)
     bucket = runner.bucket_for(plan)
     runner.capture([bucket], progress=False)
+    whole_ms = step_ms(runner, plan)
     runner.logits(plan)  # fills the buffers the replays read
     for _ in range(3):
         runner.graphs.forward(bucket)
@@ -128,9 +139,10 @@ def timeline(preset: str, batch: int, prefill: int = 0, replays: int = 5, top: i
             time.sleep(0.002)  # idle between replays, so they split apart
     split = split_replays(_kernels(prof))
     span, rows = kernel_shares(split)
-    out = [f"{preset}" + (f" ({quantization})" if quantization else "") + f", {batch} decode rows"
-           + (f" + a {prefill}-token chunk" if prefill else "")
-           + f": graph replay span {span:.1f} us (mean of {replays})", "",
+    out = [f"{preset}" + (" MTP layers" if mtp else "") + (f" ({quantization})" if quantization else "")
+           + f", {batch} decode rows" + (f" + a {prefill}-token chunk" if prefill else "")
+           + f": graph replay span {span:.1f} us (mean of {replays}); the whole step, refilled, replayed and "
+           f"drawn, synchronised: {1e3 * whole_ms:.1f} us (median)", "",
            "| charge a step (us) | a call (us) | own duration (us) | calls a step | prev > KERNEL > next |",
            "| --- | --- | --- | --- | --- |"]
     for r in rows[:top]:

@@ -89,8 +89,9 @@ def decode_plan(batch: int, first_slot: int = 0) -> StepPlan:
     return StepPlan.make(decode=decode_rows(batch, first_slot))
 
 
-def prefill_plan(tokens: int, slot: int) -> StepPlan:
-    ids = torch.randint(1, 1000, (tokens,)).tolist()
+def prefill_plan(tokens: int, slot: int, vocab: int = 1000) -> StepPlan:
+    """A prompt chunk of ``tokens`` random ids below ``vocab`` (and 1000) into ``slot``."""
+    ids = torch.randint(1, min(vocab, 1000), (tokens,)).tolist()
     return StepPlan.make([(ids, slot, 0)])
 
 

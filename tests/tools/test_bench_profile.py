@@ -1,10 +1,12 @@
 """The timeline profile's accounting (the profiling itself needs a GPU): replays split apart by
 the idle between them, and each kernel charged what it adds to its replay's span."""
 
+import re
+
 import pytest
 
 from mambastep.tools import bench
-from mambastep.tools.bench_profile import kernel_shares, kernel_window, short_name, split_replays
+from mambastep.tools.bench_profile import kernel_shares, kernel_window, profile, short_name, split_replays, timeline
 
 
 def test_each_kernel_is_charged_what_it_adds_and_the_charges_sum_to_the_span():
@@ -57,6 +59,7 @@ def test_a_window_lists_kernels_in_start_order_from_the_replays_start():
     (["tiles", "--batch", "9"], "bench tiles takes 1 to 8 decode rows, got 9"),
     (["steps", "--batch", "4"], "--batch is profile's and tiles'"),
     (["tiles", "--prefill", "64"], "--prefill is profile's"),
+    (["steps", "--mtp"], "--mtp is profile's"),
 ])
 def test_a_bad_option_is_a_one_line_error(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -64,3 +67,19 @@ def test_a_bad_option_is_a_one_line_error(argv, message, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mtp", [False, True])
+def test_a_step_is_profiled_and_its_replays_charged_on_the_gpu(mtp):
+    """Both views of a real step run: a tiny hybrid's, or its MTP layers' (two chained drafts
+    beside a catch-up of five positions); the timeline's header gives the replay's span beside
+    the whole step's time, and its table charges named kernels."""
+    table = profile("tiny-hybrid", 2, 5, mtp=mtp)
+    assert "Self CUDA" in table
+    text = timeline("tiny-hybrid", 2, 5, mtp=mtp)
+    header = text.splitlines()[0]
+    assert header.startswith("tiny-hybrid" + (" MTP layers" if mtp else "") + ", 2 decode rows + a 5-token chunk")
+    span, whole = (float(x) for x in re.findall(r"([0-9.]+) us \(me", header))
+    assert 0 < span and 0 < whole
+    assert text.count("| **") == 0 and text.count("> **") >= 3

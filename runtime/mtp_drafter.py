@@ -104,7 +104,10 @@ class MTPDrafting:
         speculating request's newly certain positions in (``by_slot``: the running requests).
         While more requests decode than may verify (``max_batch``), a decoding request's new
         positions wait in the stash instead (their hidden states copied, no MTP step), at most
-        ``stash`` of them: past that it drafts nothing more."""
+        ``stash`` of them: past that it drafts nothing more. A prompt's positions that run then
+        are not taken in at all: the request drafts nothing (its catch-up, an MTP prefill that
+        reads most of the experts of a MoE layer, cost 2.4% of the output tokens/s at
+        concurrency 64 where no request verifies; docs/experiments.md)."""
         starts = np.concatenate([[0], np.cumsum(plan.prefill_lens)])
         # (slot, its first position, positions, its first packed row of the target step)
         pieces = [(int(s), int(c), int(n), int(row)) for s, c, n, row in
@@ -134,8 +137,11 @@ class MTPDrafting:
             new, end = max(have, first), min(first + n, known - 1)
             if new >= end:
                 continue
+            if wide and new < len(req.prompt):  # a prompt's positions while none may verify
+                d.lost = True
+                continue
             d.slot, d.known = slot, -1
-            if wide and d.carry is None and new >= len(req.prompt):  # decode positions: stashed
+            if wide and d.carry is None:  # decode positions: stashed
                 if d.stashed + end - new > self.stash:
                     d.lost = True
                     continue

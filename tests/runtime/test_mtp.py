@@ -301,28 +301,38 @@ def test_mtp_drafting_beside_a_prefix_cache(checkpoint, monkeypatch):
 
 
 def test_mtp_positions_wait_in_the_stash_while_more_decode_than_verify(checkpoint, monkeypatch):
-    """max_batch 1 and three requests: while two or more decode, the MTP runs no step for their
-    decode positions (their hidden states wait in the stash); the one left alone catches up
-    from the stash and drafts the oracle's drafts. A stash too small for the wait leaves that
-    request drafting nothing; the tokens stay the plain engine's either way."""
+    """max_batch 1: a request followed from its prompt, then two more arriving while it decodes.
+    While two or more decode, the MTP runs no step for the first's decode positions (their
+    hidden states wait in the stash), and the prompts that run then are not taken in: those two
+    draft nothing. Left alone, the first catches up from the stash and drafts the oracle's
+    drafts; a stash too small for the wait leaves it drafting nothing. The tokens stay the plain
+    engine's either way."""
     path = checkpoint[0]
-    ps = [engine_prompts()[i] for i in (0, 3, 2)]
-    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (4, 8, 16)]
+    ps = [engine_prompts()[i] for i in (2, 0, 3)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (20, 4, 8)]
     want = [mtp_engine(path).generate([p], q)[0] for p, q in zip(ps, params)]
     for stash, drafts_alone in ((64, True), (2, False)):
         spec = mtp_engine(path, speculative=Speculative(mtp=True, num_drafts=3, max_batch=1, adaptive=False))
         spec.mtp.stash = stash
         seen = spy_on_drafts(monkeypatch)
-        ids = [spec.add_request(p, q) for p, q in zip(ps, params)]
-        got = {i: [] for i in ids}
-        stashed = 0
+        first = spec.add_request(ps[0], params[0])
+        got = {first: []}
+        while not got[first]:  # its prompt ran alone: the MTP took it in
+            for o in spec.step():
+                got[o.id] += o.new_tokens
+        ids = [first] + [spec.add_request(p, q) for p, q in zip(ps[1:], params[1:])]
+        got.update({i: [] for i in ids[1:]})
+        stashed, late = 0, set()
         while spec.has_unfinished():
             for o in spec.step():
                 got[o.id] += o.new_tokens
-            stashed = max(stashed, max((r.drafter.stashed for r in spec.scheduler.running), default=0))
+            running = spec.scheduler.running
+            stashed = max(stashed, max((r.drafter.stashed for r in running), default=0))
+            late |= {r.drafter.lost for r in running if r.id != first and r.prompt_done}
         assert [got[i] for i in ids] == want
         assert stashed >= 2  # positions waited
-        alone = [(c, d) for c, d in seen if c[: len(ps[2])] == ps[2] and len(c) > len(ps[2]) + 8]
+        assert late == {True}  # their prompts ran while wide: they draft nothing
+        alone = [(c, d) for c, d in seen if c[: len(ps[0])] == ps[0] and len(c) > len(ps[0]) + 12]
         assert alone and all(bool(d) == drafts_alone for _, d in alone)
         assert_the_oracles_drafts(seen, checkpoint)
 

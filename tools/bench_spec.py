@@ -285,7 +285,8 @@ def tables(result: dict) -> str:
                     f"({w['spec_tokens_per_s'] / w['plain_tokens_per_s'] - 1:+.1%}); "
                     f"{w['requests_equal']} of {w['concurrency']} requests' tokens equal."]
         if "mtp_tokens_per_s" in w:
-            out += ["", f"The same with the MTP layers drafting (an MTP step after every step, for every request): "
+            out += ["", f"The same with the MTP layers drafting (`Speculative(mtp=True)`, none verifying at this "
+                        f"batch): "
                         f"{w['mtp_tokens_per_s']:.0f} output tokens/s "
                         f"({w['mtp_tokens_per_s'] / w['plain_tokens_per_s'] - 1:+.1%} against none); "
                         f"{w['mtp_requests_equal']} of {w['concurrency']} requests' tokens equal."]

@@ -111,26 +111,30 @@ def _summed_logits(logits_ptr, rows, row_ok, cols, col_ok, T, E, SPLIT: tl.const
 
 
 @triton.jit
-def _topk_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, counts_ptr, T, E, scale,
+def _topk_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, counts_ptr, route_as_ptr, T, E, scale,
                  TOP_K: tl.constexpr, N_GROUP: tl.constexpr, PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
                  NORM: tl.constexpr, SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
                  BLOCK_G: tl.constexpr, COUNTS: tl.constexpr, USE_PDL: tl.constexpr, SOFTMAX: tl.constexpr,
-                 ROUND_DTYPE: tl.constexpr):
+                 ROUND_DTYPE: tl.constexpr, ROUTE_AS: tl.constexpr):
     """A block of tokens' top-k from their logits, given as SPLIT partial sums [SPLIT, T, E];
     COUNTS: also the block's pairs per expert, counts[block, e] (the alignment's first pass).
     SOFTMAX: the top-k of the logits (rounded to ROUND_DTYPE first, as HF's router computes them
     in the model's dtype), weighted by the softmax over the k chosen, rounded so too; else
-    sigmoid scores, the bias steering the choice, NORM and the routed scale."""
+    sigmoid scores, the bias steering the choice, NORM and the routed scale. ROUTE_AS: row t
+    chooses from row route_as[t]'s logits (a padding row as a live one: no expert more)."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     row_ok, col_ok = rows < T, cols < E
     bias = cols
     if not SOFTMAX:
         bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0)
+    source = rows
+    if ROUTE_AS:  # the step's metadata, uploaded before the step
+        source = tl.load(route_as_ptr + rows, mask=row_ok, other=0)
     if USE_PDL:  # the logits are the previous kernel's
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    logits = _summed_logits(logits_ptr, rows, row_ok, cols, col_ok, T, E, SPLIT, BLOCK_T, BLOCK_E)
+    logits = _summed_logits(logits_ptr, source, row_ok, cols, col_ok, T, E, SPLIT, BLOCK_T, BLOCK_E)
     chosen, w = _choose(logits, bias, cols, col_ok, scale, TOP_K, N_GROUP, PER_GROUP, TOPK_GROUP, NORM, BLOCK_T,
                         BLOCK_G, SOFTMAX, ROUND_DTYPE)
     if COUNTS:
@@ -218,7 +222,10 @@ SCORINGS = ("sigmoid", "softmax")
 
 
 def moe_route_ref(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 1, norm_topk: bool = True,
-                  scale: float = 1.0, gate_terms=None, block_counts=None, pdl: bool = False, scoring="sigmoid"):
+                  scale: float = 1.0, gate_terms=None, block_counts=None, pdl: bool = False, scoring="sigmoid",
+                  route_as=None):
+    if route_as is not None:  # each row chooses as the row it names
+        x = x.index_select(0, route_as.long())
     if scoring == "softmax":
         logits = F.linear(x.float(), gate.float()).to(x.dtype).float()
         idx = logits.topk(top_k, dim=-1)[1].sort(dim=-1)[0]
@@ -254,7 +261,8 @@ ROUTER_KERNEL_MAX_T = 16
 
 @with_reference(moe_route_ref)
 def moe_route(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 1, norm_topk: bool = True,
-              scale: float = 1.0, gate_terms=None, block_counts=None, pdl: bool = False, scoring="sigmoid"):
+              scale: float = 1.0, gate_terms=None, block_counts=None, pdl: bool = False, scoring="sigmoid",
+              route_as=None):
     """A token's experts and weights, as HF's NemotronH router (``scoring="sigmoid"``) or
     Granite's (``"softmax"``: the top-k of the logits rounded to x's dtype, weighted by their
     softmax, rounded so too: already normalised, so norm_topk changes nothing; no bias, groups
@@ -268,12 +276,16 @@ def moe_route(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 
     bf16 products). ``block_counts``: an int32 [cdiv(T, ROUTE_BLOCK_T), E] buffer, filled with
     each block of tokens' pairs per expert (what ``moe_experts`` takes to skip a counting pass).
     ``pdl``: its kernels launch as programmatic dependents of the previous kernel
-    (``kernels.decode_linear``).
+    (``kernels.decode_linear``). ``route_as`` [T] int32 (a step's metadata): row t takes the
+    experts and weights of row ``route_as[t]``, so a bucket's padding rows, routed as a live row,
+    add no expert for the step to read.
     """
     T, D = x.shape
     E = gate.shape[0]
     bias = _checked_router(x, gate, bias, top_k, n_group, topk_group, scale, scoring)
     _check_block_counts("moe_route", block_counts, T, E)
+    if route_as is not None and (route_as.shape != (T,) or route_as.dtype != torch.int32):
+        raise ValueError(f"moe_route: route_as must be int32 [{T}]; got {route_as.dtype} {list(route_as.shape)}")
     extra = {"launch_pdl": True} if pdl else {}
     if T <= ROUTER_KERNEL_MAX_T:
         logits, split = _few_rows_logits(x, gate, pdl)
@@ -284,8 +296,9 @@ def moe_route(x, gate, bias, *, top_k: int, n_group: int = 1, topk_group: int = 
     w = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
     block_t = min(ROUTE_BLOCK_T, triton.next_power_of_2(T))
     _topk_kernel[(triton.cdiv(T, ROUTE_BLOCK_T),)](
-        logits, bias, idx, w, block_counts if block_counts is not None else idx, T, E, float(scale), TOP_K=top_k,
-        SPLIT=split, BLOCK_T=block_t, COUNTS=block_counts is not None, USE_PDL=pdl,
+        logits, bias, idx, w, block_counts if block_counts is not None else idx,
+        route_as if route_as is not None else idx, T, E, float(scale), TOP_K=top_k,
+        SPLIT=split, BLOCK_T=block_t, COUNTS=block_counts is not None, USE_PDL=pdl, ROUTE_AS=route_as is not None,
         **_choice_args(E, n_group, topk_group, norm_topk, scoring, x.dtype), num_warps=1 if block_t < 4 else 4,
         **extra)
     return idx, w

@@ -98,6 +98,9 @@ class StepBuffers:
             "has_initial_state": (i32, S), "context_lens": (i32, S), "chunk_seq": (i32, C),
             "chunk_start": (i32, C), "chunk_end": (i32, C), "seq_chunk_start": (i32, S + 1),
             "final_slot": (i32, S), "snapshot_slot": (i32, S), "snapshot_row": (i32, S),
+            # per packed row, the row whose experts it takes: itself, or a padding row the step's
+            # first live one (``moe_route``'s route_as: padding adds no expert to read)
+            "route_as": (i32, T + max_decode),
             # last, the two arrays as long as the prefill tokens, which the refill writes over
             # the bucket's part only
             "input_ids": (i64, T + max_decode), "seq_idx": (i32, T),
@@ -114,6 +117,7 @@ class StepBuffers:
         }, self.device)
         self._processors_padding = self.processors.bytes.copy()
         self._arange = np.arange(max_decode, dtype=np.int64)
+        self._rows = np.arange(T + max_decode, dtype=np.int32)
         self._inputs: dict[Bucket, StepInputs] = {}
 
     def _prefill_meta(self, views: dict, tokens: int) -> PrefillMetadata:
@@ -137,6 +141,7 @@ class StepBuffers:
                 logit_rows=d["logit_rows"][:rows],
                 verify=bucket.drafts > 0,
                 row_slots=d["sample_slots"][:rows],
+                route_as=d["route_as"][: Tp + B],
             )
         return self._inputs[bucket]
 
@@ -179,6 +184,11 @@ class StepBuffers:
         ids = h["input_ids"][: Tp + bucket.decode]
         ids[:] = 0
         ids[Tp : Tp + n_dec] = plan.decode_tokens
+        n_tok = len(plan.prefill_tokens)
+        route_as = h["route_as"][: Tp + bucket.decode]
+        route_as[:] = 0 if n_tok else Tp  # padding: as the first live row
+        route_as[:n_tok] = self._rows[:n_tok]
+        route_as[Tp : Tp + n_dec] = self._rows[Tp : Tp + n_dec]
         h["decode_slots"][:n_dec] = plan.decode_slots
         np.add(plan.decode_context, 1, out=h["decode_kv_lens"][:n_dec])
         rows = h["logit_rows"]

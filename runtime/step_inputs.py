@@ -30,6 +30,9 @@ class StepInputs:
     row_slots:      [R] int32 the slot whose next decode input each logit row's draw becomes,
                     PAD_SLOT_ID for none (the plan's ``sample_slots``); None where tests build
                     inputs without it
+    route_as:       [Tp + B] int32 the row whose experts each packed row takes (itself; a padding
+                    row, the first live one), so padding adds no expert to a MoE layer's reads;
+                    None: every row routes as itself
     """
 
     input_ids: torch.Tensor
@@ -39,6 +42,7 @@ class StepInputs:
     logit_rows: torch.Tensor
     verify: bool = False
     row_slots: torch.Tensor | None = None
+    route_as: torch.Tensor | None = None
 
     @property
     def num_prefill_tokens(self) -> int:

@@ -91,7 +91,7 @@ class MoEMixer(Mixer):
         w8a8 = self.w8a8 and takes_w8a8(h.dtype, self.up, self.down)
         counts = block_counts_buffer(h.shape[0], self.gate.shape[0], h.device)
         idx, w = moe_route(h, self.gate, self.bias, **self.route, gate_terms=self.gate_terms, block_counts=counts,
-                           pdl=pdl)
+                           pdl=pdl, route_as=ctx.inputs.route_as)
         if ctx.observe is not None:
             ctx.observe(self.layer, idx)
         if self.latent is None:

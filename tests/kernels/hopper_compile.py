@@ -108,6 +108,9 @@ def launch_moe() -> None:
             counts = route.block_counts_buffer(T, E, "cpu")
             for terms in (route.router_terms(gate), route.router_terms(gate.to(torch.bfloat16).float())):
                 route.moe_route.triton(x, gate, bias, top_k=k, gate_terms=terms, block_counts=counts, pdl=pdl)
+            # as the model routes: padding rows as the first live one
+            route.moe_route.triton(x, gate, bias, top_k=k, block_counts=counts, pdl=pdl,
+                                   route_as=torch.zeros(T, dtype=torch.int32))
             idx = torch.stack([torch.randperm(E)[:k].sort()[0] for _ in range(T)]).to(torch.int32)
             for block_counts in (None, route.block_counts_ref(idx, E)):
                 moe.moe_experts.triton(x, idx, torch.rand(T, k), up, down, residual=torch.empty_like(x),

@@ -135,3 +135,28 @@ def test_softmax_route_matches_hf_granite(device, E, k, T, dtype):
         moe_route.triton(x.to(device), gate.float().to(device), None, top_k=k, scoring="softmax", scale=2.5)
     ref_idx, ref_w = moe_route_ref(x, gate.float(), None, top_k=k, scoring="softmax")
     assert torch.equal(logits.gather(1, ref_idx.long()).sort(dim=-1).values, top.sort(dim=-1).values)
+
+
+@pytest.mark.parametrize("T,scoring", [(5, "sigmoid"), (16, "sigmoid"), (40, "sigmoid"), (16, "softmax")])
+def test_rows_routed_as_another_take_its_experts_and_add_none(device, T, scoring):
+    """route_as: a bucket's padding rows choose as a live row (here rows past the first three
+    choose as row 1, with the block counts to match), over both logits kernels; the live rows
+    are routed as without it."""
+    g = torch.Generator().manual_seed(T)
+    E, D, k = 16, 48, 3
+    x = torch.randn(T, D, generator=g).to(device)
+    gate = (torch.randn(E, D, generator=g) * 0.3).to(device)
+    bias = None if scoring == "softmax" else (torch.randn(E, generator=g) * 0.05).to(device)
+    route_as = torch.tensor([0, 1, 2] + [1] * (T - 3), dtype=torch.int32, device=device)
+    counts = route.block_counts_buffer(T, E, device)
+    idx, w = moe_route.triton(x, gate, bias, top_k=k, scoring=scoring, route_as=route_as, block_counts=counts)
+    plain_idx, plain_w = moe_route.triton(x, gate, bias, top_k=k, scoring=scoring)
+    ref_idx, ref_w = moe_route_ref(x.cpu(), gate.cpu(), None if bias is None else bias.cpu(), top_k=k, scoring=scoring,
+                                   route_as=route_as.cpu())
+    assert torch.equal(idx.cpu(), ref_idx)
+    torch.testing.assert_close(w.cpu(), ref_w, rtol=1e-5, atol=1e-6)
+    assert torch.equal(idx[:3], plain_idx[:3]) and torch.equal(w[:3], plain_w[:3])
+    assert (idx[3:] == idx[1]).all() and idx.unique().numel() == idx[:3].unique().numel()
+    assert torch.equal(counts.cpu(), route.block_counts_ref(idx.cpu(), E))
+    with pytest.raises(ValueError, match=r"route_as must be int32 \[%d\]" % T):
+        moe_route.triton(x, gate, bias, top_k=k, scoring=scoring, route_as=route_as[:-1])

@@ -324,3 +324,38 @@ def test_fused_decode_equals_layer_by_layer_gpu(preset, tile_k):
     for a, b in zip(*results):
         assert torch.equal(a.argmax(-1), b.argmax(-1))
         torch.testing.assert_close(a, b, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@torch.no_grad()
+def test_padding_rows_add_no_expert_to_a_step(device):
+    """A MoE layer reads the experts its live rows choose and no more: one decode row padded to
+    a bucket of 8, and a verify-style chunk of 5 tokens padded to 32, route to the same experts
+    as in buckets of their exact size, with the same logits (16 experts, 2 a token, so padding
+    routed as itself would add some)."""
+    cfg = dataclasses.replace(preset_config("tiny-hybrid"), n_routed_experts=16, num_experts_per_tok=2)
+    dtype = torch.float32
+    model = Model(cfg, random_weights(cfg, dtype=dtype, device=device, seed=1), DecodeOptions(fused=False))
+    pool = StatePool(cfg, 4, max_context=64, dtype=dtype, device=device)
+    for t in pool.tensors():
+        t.normal_(0, 0.1)
+    start = [t.clone() for t in pool.tensors()]  # each run from the same states
+    plans = [StepPlan.make(decode=[(7, 0, 10)]), StepPlan.make([(tokens(5, 1), 1, 3)])]
+    exact = BucketSet(decode=(1,), mixed_decode=(0,), prefill=(5,), max_prefill_seqs=1)
+    padded = BucketSet(decode=(8,), mixed_decode=(0,), prefill=(32,), max_prefill_seqs=1)
+    for plan in plans:
+        seen, logits = [], []
+        for buckets in (exact, padded):
+            for t, t0 in zip(pool.tensors(), start):
+                t.copy_(t0)
+            runner = StepRunner(model, pool, buckets)
+            bucket = runner.bucket_for(plan)
+            runner.buffers.fill(plan, bucket)
+            runner.buffers.upload()
+            experts = {}
+            out = model.forward(runner.buffers.inputs(bucket), pool,
+                                observe=lambda layer, idx: experts.__setitem__(layer, set(idx.flatten().tolist())))
+            seen.append(experts)
+            logits.append(out[: plan.num_rows].clone())
+        assert seen[0] == seen[1] and seen[0]
+        torch.testing.assert_close(logits[0], logits[1])

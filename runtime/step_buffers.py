@@ -116,8 +116,7 @@ class StepBuffers:
             "bias_until": (i32, S * MAX_BIASED),
         }, self.device)
         self._processors_padding = self.processors.bytes.copy()
-        self._arange = np.arange(max_decode, dtype=np.int64)
-        self._rows = np.arange(T + max_decode, dtype=np.int32)
+        self._rows = np.arange(T + max_decode, dtype=np.int32)  # packed row numbers
         self._inputs: dict[Bucket, StepInputs] = {}
 
     def _prefill_meta(self, views: dict, tokens: int) -> PrefillMetadata:
@@ -192,7 +191,7 @@ class StepBuffers:
         h["decode_slots"][:n_dec] = plan.decode_slots
         np.add(plan.decode_context, 1, out=h["decode_kv_lens"][:n_dec])
         rows = h["logit_rows"]
-        np.add(self._arange[:n_dec], Tp, out=rows[n_pre : n_pre + n_dec])
+        rows[n_pre : n_pre + n_dec] = self._rows[Tp : Tp + n_dec]
         if Tp:
             ids[: len(plan.prefill_tokens)] = plan.prefill_tokens
             fill_prefill_metadata(self._prefill_meta(h, Tp), plan.prefill_lens, plan.prefill_slots,

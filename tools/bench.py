@@ -52,6 +52,7 @@ import sys
 
 import torch
 
+from ..runtime.presets import PRESETS
 from . import (bench_fp8, bench_kernels, bench_markdown, bench_prefix, bench_profile, bench_sampling, bench_spec,
                bench_steps, bench_tiles)
 from .args import Parser, add_quantization, writable_path
@@ -123,6 +124,9 @@ def main(argv=None) -> int:
         parser.error(f"--batch: bench tiles takes 1 to {bench_tiles.MAX_ROWS} decode rows, got {args.batch}")
     if args.mtp and args.what != "profile":
         parser.error("--mtp is profile's")
+    preset = (args.preset or ["mamba2-130m"])[0]  # profile's
+    if args.mtp and preset in PRESETS and not PRESETS[preset].get("mtp_layer_types"):
+        parser.error(f"--mtp: preset {preset!r} has no MTP layers")
     if args.window and not (args.what == "profile" and args.timeline):
         parser.error("--window needs profile --timeline")
     if args.what == "markdown":
@@ -140,7 +144,6 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         parser.error("benchmarks need a CUDA device")
     if args.what == "profile":
-        preset = (args.preset or ["mamba2-130m"])[0]
         if args.timeline:
             print(bench_profile.timeline(preset, args.batch, args.prefill, window=args.window,
                                          quantization=args.quantization, mtp=args.mtp))

@@ -36,8 +36,6 @@ def _step(preset: str, batch: int, prefill: int, overlap: bool, quantization: st
     torch.manual_seed(0)
     model = Model.from_preset(preset, dtype=torch.bfloat16, device="cuda", quantization=quantization, mtp=mtp)
     if mtp:
-        if not model.cfg.mtp_depths:
-            raise SystemExit(f"--mtp: preset {preset!r} has no MTP layers")
         model = MTPModel(model, model.mtp_weights, num_slots=batch + 1, max_tokens=max(prefill, 16) + batch)
     pool = StatePool(model.cfg, batch + 1, max_context=CONTEXT + prefill + 2, dtype=torch.bfloat16, device="cuda")
     buckets = BucketSet(decode=(max(batch, 1),), mixed_decode=tuple(sorted({0, batch})), prefill=(max(prefill, 16),),

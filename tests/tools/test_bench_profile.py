@@ -60,6 +60,7 @@ def test_a_window_lists_kernels_in_start_order_from_the_replays_start():
     (["steps", "--batch", "4"], "--batch is profile's and tiles'"),
     (["tiles", "--prefill", "64"], "--prefill is profile's"),
     (["steps", "--mtp"], "--mtp is profile's"),
+    (["profile", "--mtp", "--preset", "nemotron-h-8b"], "--mtp: preset 'nemotron-h-8b' has no MTP layers"),
 ])
 def test_a_bad_option_is_a_one_line_error(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:

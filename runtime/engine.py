@@ -106,14 +106,14 @@ class Engine:
             if cuda:
                 free = torch.cuda.mem_get_info(model.device)[0]
                 # a slot is its state and what its request has seen (the logits processors' tables)
-                per_slot = (StatePool.bytes_per_slot(self.cfg, max_context, model.dtype)
+                per_slot = (StatePool.bytes_per_slot(self.cfg, max_context, model.dtype, drafts=self.buckets.drafts)
                             + SlotTokensSeen.bytes_per_slot(self.cfg.vocab_size))
                 fit = int(free * memory_fraction // per_slot)
                 num_slots = max(1, min(num_slots, fit))
         self.num_slots = num_slots  # the requests'; a prefix cache's snapshots take slots beyond them
         if not (isinstance(prefix_cache_slots, int) and prefix_cache_slots >= 0):
             raise ValueError(f"prefix_cache_slots: expected an int >= 0, got {prefix_cache_slots!r}")
-        per_slot = StatePool.bytes_per_slot(self.cfg, max_context, model.dtype)
+        per_slot = StatePool.bytes_per_slot(self.cfg, max_context, model.dtype, drafts=self.buckets.drafts)
         if prefix_cache_gib:
             if prefix_cache_slots:
                 raise ValueError("prefix_cache_slots and prefix_cache_gib: give one of them")
@@ -122,7 +122,7 @@ class Engine:
                 raise ValueError(f"prefix_cache_gib: {prefix_cache_gib} GiB holds no snapshot of "
                                  f"{per_slot / 2**30:.3f} GiB (a slot's state at max_context={max_context})")
         self.pool = StatePool(self.cfg, num_slots + prefix_cache_slots, max_context, dtype=model.dtype,
-                              device=model.device)
+                              device=model.device, drafts=self.buckets.drafts)
         mtp = speculative is not None and speculative.mtp
         if mtp and model.mtp_weights is None:
             raise ValueError("speculative mtp: the model was loaded without its MTP layers; load it with mtp=True "

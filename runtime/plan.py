@@ -31,6 +31,9 @@ class StepPlan:
                      states after its last token go, -1 for nowhere (a verify sequence's drafts)
     prefill_logits:  [n_prefill] or empty (1 each): the logit rows of each prefill sequence, its
                      last tokens' (a verify sequence's: its last certain token and its drafts)
+    replay_lens:     [n_prefill] or empty (0 each): in a verify step, the rows each sequence's
+                     Mamba2 layers replay from its slot's record before its tokens (the drafts
+                     the step before kept; ``runtime.replay``)
     decode_tokens:   [n_decode] the token each decode row feeds in; -1 takes the token the
                      previous step sampled for its slot, already on the device
     decode_slots:    [n_decode] state slot of each decode row
@@ -61,6 +64,7 @@ class StepPlan:
     snapshot_tokens: np.ndarray = field(default_factory=_i32)
     final_slots: np.ndarray = field(default_factory=_i32)
     prefill_logits: np.ndarray = field(default_factory=_i32)
+    replay_lens: np.ndarray = field(default_factory=_i32)
     decode_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     decode_slots: np.ndarray = field(default_factory=_i32)
     decode_context: np.ndarray = field(default_factory=_i32)

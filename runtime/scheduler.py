@@ -21,7 +21,10 @@ choices prefills whole.
 
 With speculative decoding (``runtime.speculative``), decode requests may run as verify
 sequences in prefill form, first in the step: their pending tokens and their drafts
-(``_verifying``, ``_verify_sequence``); their rows feed the next step through the host.
+(``_verifying``, ``_verify_sequence``); their rows feed the next step through the host. In a
+step that verifies drafts, a sequence's pending tokens but the last (the drafts the step before
+kept) are replayed from the record by the Mamba2 layers alone (``_replayed``); a step without
+drafts runs them through the model, as a prompt's chunk.
 """
 
 from __future__ import annotations
@@ -103,6 +106,9 @@ class Scheduler:
             if q is not None:
                 seqs.append(q)
                 budget -= len(q.tokens)
+        if any(q.drafts for q in seqs):  # a verify step: its Mamba2 layers replay the kept drafts
+            for q in seqs:
+                budget += _replayed(q)
         chunks: list[tuple[Request, int]] = []
         for r in self.running:
             if not r.prompt_done and budget > 0 and len(seqs) + len(chunks) < self.max_prefill_seqs:
@@ -251,6 +257,7 @@ class Scheduler:
                                 if any(q.snapshot for q in seqs) else []),
             final_slots=i32([q.req.slot if q.final is None else q.final for q in seqs] if verifying else []),
             prefill_logits=i32([1 + q.drafts for q in seqs] if verifying else []),
+            replay_lens=i32([q.replay for q in seqs] if verifying else []),
             decode_tokens=np.asarray(dec_tokens, dtype=np.int64),
             decode_slots=i32([r.slot for r in decodes]),
             decode_context=i32(dec_ctx),
@@ -269,6 +276,18 @@ class Scheduler:
         return plan, rows
 
 
+def _replayed(q: "_Sequence") -> int:
+    """Make verify sequence ``q`` of a verify step replay its pending tokens but the last (the
+    drafts the step before kept, whose in_proj rows its Mamba2 layers recorded) from the record,
+    and run only its last pending token and its drafts through the model (``runtime.replay``);
+    the tokens it no longer runs."""
+    n = len(q.tokens) - q.drafts - 1
+    q.tokens, q.context, q.replay = q.tokens[n:], q.context + n, n
+    if q.snapshot is not None:  # its checkpoint: after the last pending token
+        q.snapshot = (q.snapshot[0], 1)
+    return n
+
+
 def _pending(r: Request) -> int:
     """Tokens ``r`` drew that its slot's state has not taken in (pipelined: 0 while the last
     step's draw is on its way)."""
@@ -280,7 +299,8 @@ class _Sequence:
     """A sequence of the step in prefill form: a prompt's chunk, or a decode request's pending
     tokens and ``drafts`` drafts after them (a verify sequence). ``draws``: whether its logit
     rows draw for the request; ``snapshot``: (slot, its tokens before the snapshot), or None;
-    ``final``: where its state after the last token goes (None: its own slot)."""
+    ``final``: where its state after the last token goes (None: its own slot); ``replay``: the
+    rows its Mamba2 layers replay from its slot's record before ``tokens`` (``_replayed``)."""
 
     req: Request
     tokens: np.ndarray
@@ -289,6 +309,7 @@ class _Sequence:
     drafts: int = 0
     snapshot: tuple[int, int] | None = None
     final: int | None = None
+    replay: int = 0
 
 
 def _processors(plan: StepPlan, chunked: list[Request], rows: list[Request | None]) -> None:

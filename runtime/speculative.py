@@ -6,9 +6,13 @@ after a verify step the drafts it accepted too), then the drafts its drafter pro
 yields logits at the last pending token and at each draft. Its kernels snapshot the conv and SSM
 states after the pending tokens into the request's own slot and write the state after the
 drafts nowhere (``PrefillMetadata.final_slot``), so the slot only ever holds a checkpoint of
-certain tokens, and the drafts the step accepts are replayed from it by the next step (as in
-ReplaySSM). Attention layers' keys and values past the checkpoint are overwritten by that
-replay, and never read before it.
+certain tokens. The drafts the step accepts are replayed from it by the next verify step, as in
+ReplaySSM, through the Mamba2 recurrence alone: each Mamba2 layer recorded the drafts' in_proj
+rows, and scans the kept ones before the sequence's own tokens, which are then only the last
+token drawn and the new drafts (``runtime.replay``). Attention layers' keys and values at the
+kept drafts' positions were written by the step that verified them; those past them are
+overwritten before they are read. A step that verifies no drafts runs the pending tokens through
+the whole model instead.
 
 Acceptance: each logit row draws as the plain path draws that position (the request's seed, the
 token's index in its output), and the drafts are taken while each equals the draw before it;

@@ -4,6 +4,12 @@ Per Mamba2 layer: a conv state [S, conv_dim, K-1] (stored as [S, K-1, conv_dim] 
 decode row's channels are contiguous) and an SSM state [S, H, P, N]. Per attention layer: a KV
 cache [S, max_context, KVH, Dh] for K and for V. A request owns one slot index across all layers.
 Padded rows never touch a slot (kernels skip PAD_SLOT_ID), so no slot is reserved for padding.
+
+With speculative decoding (``drafts`` k > 0), each Mamba2 layer also keeps a record of k rows a
+slot, [S * k, conv_dim + H]: the in_proj columns (xBC before the conv, and dt) of a verify
+step's drafts, slot s's j-th at row s * k + j, which the next verify step's Mamba2 layers replay
+where the drafts were kept (``runtime.replay``). A record is scratch, never part of a slot's
+state: nothing copies it.
 """
 
 from __future__ import annotations
@@ -25,12 +31,16 @@ class StatePool:
         dtype: torch.dtype,
         ssm_dtype: torch.dtype = torch.float32,
         device="cpu",
+        drafts: int = 0,
     ):
         if num_slots < 1:
             raise ValueError(f"num_slots must be at least 1, got {num_slots}")
-        self.cfg, self.num_slots, self.max_context = cfg, num_slots, max_context
+        if not (isinstance(drafts, int) and drafts >= 0):
+            raise ValueError(f"drafts: expected an int >= 0, got {drafts!r}")
+        self.cfg, self.num_slots, self.max_context, self.drafts = cfg, num_slots, max_context, drafts
         self.conv: dict[int, torch.Tensor] = {}
         self.ssm: dict[int, torch.Tensor] = {}
+        self.record: dict[int, torch.Tensor] = {}
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
         S = num_slots
@@ -40,6 +50,9 @@ class StatePool:
             self.ssm[i] = torch.zeros(
                 S, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size, dtype=ssm_dtype, device=device
             )
+            if drafts:
+                self.record[i] = torch.zeros(S * drafts, cfg.conv_dim + cfg.mamba_num_heads, dtype=dtype,
+                                             device=device)
         for i in cfg.layers_of("attention"):
             shape = (S, max_context, cfg.num_key_value_heads, cfg.attention_head_dim)
             self.k[i] = torch.zeros(shape, dtype=dtype, device=device)
@@ -64,9 +77,10 @@ class StatePool:
         return [*self.conv.values(), *self.ssm.values(), *self.k.values(), *self.v.values()]
 
     @staticmethod
-    def bytes_per_slot(cfg: ModelConfig, max_context: int, dtype: torch.dtype, ssm_dtype=torch.float32) -> int:
+    def bytes_per_slot(cfg: ModelConfig, max_context: int, dtype: torch.dtype, ssm_dtype=torch.float32,
+                       drafts: int = 0) -> int:
         es, ss = torch.finfo(dtype).bits // 8, torch.finfo(ssm_dtype).bits // 8
-        per_mamba = (cfg.conv_kernel - 1) * cfg.conv_dim * es
+        per_mamba = (cfg.conv_kernel - 1 + drafts) * cfg.conv_dim * es + drafts * cfg.mamba_num_heads * es
         per_mamba += cfg.mamba_num_heads * cfg.mamba_head_dim * cfg.ssm_state_size * ss
         per_attn = 2 * max_context * cfg.num_key_value_heads * cfg.attention_head_dim * es
         return len(cfg.layers_of("mamba")) * per_mamba + len(cfg.layers_of("attention")) * per_attn

@@ -24,6 +24,7 @@ from ..graphs import Bucket
 from ..kernels.logits_processors import MAX_BIASED
 from ..kernels.varlen import PAD_SLOT_ID, PrefillMetadata, fill_prefill_metadata, max_chunks_for
 from .plan import StepPlan
+from .replay import Replay, fill_replay, layout_rows
 from .step_inputs import StepInputs
 
 __all__ = ["StepBuffers"]
@@ -78,11 +79,14 @@ class _Arena:
 
 class StepBuffers:
     def __init__(self, max_decode: int, max_prefill_tokens: int, max_prefill_seqs: int, chunk_size: int,
-                 device="cpu", max_drafts: int = 0):
-        """max_drafts: the most drafts a verify bucket's sequences carry (each a logit row)."""
+                 device="cpu", max_drafts: int = 0, record_stride: int = 0):
+        """max_drafts: the most drafts a verify bucket's sequences carry (each a logit row);
+        record_stride: the record rows a slot of the state pool has (``StatePool.drafts``), which
+        a verify step's Mamba2 layers replay from and keep drafts in (``runtime.replay``)."""
         self.device = torch.device(device)
         self.max_decode, self.max_prefill_tokens = max_decode, max_prefill_tokens
         self.max_prefill_seqs, self.chunk_size, self.max_drafts = max_prefill_seqs, chunk_size, max_drafts
+        self.record_stride = record_stride
         T, S = max_prefill_tokens, max_prefill_seqs
         C = max_chunks_for(T, S, chunk_size)
         R = S * (1 + max_drafts) + max_decode  # logit rows
@@ -101,10 +105,15 @@ class StepBuffers:
             # per packed row, the row whose experts it takes: itself, or a padding row the step's
             # first live one (``moe_route``'s route_as: padding adds no expert to read)
             "route_as": (i32, T + max_decode),
-            # last, the two arrays as long as the prefill tokens, which the refill writes over
-            # the bucket's part only
+            # last, the arrays as long as the prefill tokens, which the refill writes over the
+            # bucket's part only, and a verify bucket's Mamba2 layout, which only a verify
+            # step's refill writes (all of the bucket's part) and only a verify step reads
             "input_ids": (i64, T + max_decode), "seq_idx": (i32, T),
         }
+        if max_drafts:
+            E = layout_rows(T, S, max_drafts)
+            spec.update({f"replay_{k}": (i32, n) for k, n in self._meta_sizes(E).items()})
+            spec.update(replay_src=(i32, E), replay_own=(i32, T), replay_record=(i32, T))
         self.arena = _Arena(spec, self.device)
         # A refill starts by copying this image of every per-row field at its padding value
         # (token 0, row 0, greedy sampling, no slot), then writes only the plan's live entries.
@@ -119,12 +128,22 @@ class StepBuffers:
         self._rows = np.arange(T + max_decode, dtype=np.int32)  # packed row numbers
         self._inputs: dict[Bucket, StepInputs] = {}
 
-    def _prefill_meta(self, views: dict, tokens: int) -> PrefillMetadata:
+    def _meta_sizes(self, tokens: int) -> dict[str, int]:
+        """The entries of each PrefillMetadata array for ``tokens`` rows."""
         S, C = self.max_prefill_seqs, max_chunks_for(tokens, self.max_prefill_seqs, self.chunk_size)
-        sizes = dict(cu_seqlens=S + 1, seq_idx=tokens, slot_idx=S, has_initial_state=S, context_lens=S,
-                     chunk_seq=C, chunk_start=C, chunk_end=C, seq_chunk_start=S + 1, final_slot=S,
-                     snapshot_slot=S, snapshot_row=S)
-        return PrefillMetadata(**{k: views[k][:n] for k, n in sizes.items()}, chunk_size=self.chunk_size)
+        return dict(cu_seqlens=S + 1, seq_idx=tokens, slot_idx=S, has_initial_state=S, context_lens=S,
+                    chunk_seq=C, chunk_start=C, chunk_end=C, seq_chunk_start=S + 1, final_slot=S,
+                    snapshot_slot=S, snapshot_row=S)
+
+    def _prefill_meta(self, views: dict, tokens: int, prefix: str = "") -> PrefillMetadata:
+        return PrefillMetadata(**{k: views[prefix + k][:n] for k, n in self._meta_sizes(tokens).items()},
+                               chunk_size=self.chunk_size)
+
+    def _replay(self, views: dict, bucket: Bucket) -> Replay:
+        """``bucket``'s Mamba2 layout (a verify bucket's) over ``views``."""
+        E, Tp = layout_rows(bucket.prefill, self.max_prefill_seqs, bucket.drafts), bucket.prefill
+        return Replay(self._prefill_meta(views, E, "replay_"), views["replay_src"][:E], views["replay_own"][:Tp],
+                      views["replay_record"][:Tp])
 
     def inputs(self, bucket: Bucket) -> StepInputs:
         """Device inputs shaped for ``bucket``: fixed views into the device arena."""
@@ -138,7 +157,7 @@ class StepBuffers:
                 decode_slots=d["decode_slots"][:B],
                 decode_kv_lens=d["decode_kv_lens"][:B],
                 logit_rows=d["logit_rows"][:rows],
-                verify=bucket.drafts > 0,
+                replay=self._replay(d, bucket) if bucket.drafts and Tp else None,
                 row_slots=d["sample_slots"][:rows],
                 route_as=d["route_as"][: Tp + B],
             )
@@ -198,6 +217,10 @@ class StepBuffers:
                                   plan.prefill_context > 0, plan.prefill_context,
                                   (plan.snapshot_slots, plan.snapshot_tokens) if len(plan.snapshot_slots) else None,
                                   plan.final_slots if len(plan.final_slots) else None)
+            if bucket.drafts:
+                fill_replay(self._replay(h, bucket), plan, self.record_stride)
+            elif len(plan.replay_lens) and plan.replay_lens.any():
+                raise ValueError(f"plan replays drafts from the record outside a verify bucket ({bucket})")
             ends = np.cumsum(plan.prefill_lens)
             if len(plan.prefill_logits):  # each sequence's last tokens: ends - n .. ends - 1
                 n = plan.prefill_logits

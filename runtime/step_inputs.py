@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.varlen import PrefillMetadata
+from .replay import Replay
 
 __all__ = ["StepInputs"]
 
@@ -25,8 +26,9 @@ class StepInputs:
     decode_slots:   [B] int32 state slot of each decode row, PAD_SLOT_ID for padding
     decode_kv_lens: [B] int32 context length of each decode row including its new token
     logit_rows:     [R] int64 packed rows whose logits are computed (last prompt tokens, decodes)
-    verify:         a speculative step's (a verify bucket): its prefill sequences are a few
-                    tokens each, which a Mamba layer scans token by token where they are few
+    replay:         a speculative step's (a verify bucket), the layout its Mamba2 layers scan:
+                    each sequence's kept drafts replayed from the record, then its own tokens
+                    (``runtime.replay``); None in every other step
     row_slots:      [R] int32 the slot whose next decode input each logit row's draw becomes,
                     PAD_SLOT_ID for none (the plan's ``sample_slots``); None where tests build
                     inputs without it
@@ -40,9 +42,14 @@ class StepInputs:
     decode_slots: torch.Tensor
     decode_kv_lens: torch.Tensor
     logit_rows: torch.Tensor
-    verify: bool = False
+    replay: Replay | None = None
     row_slots: torch.Tensor | None = None
     route_as: torch.Tensor | None = None
+
+    @property
+    def verify(self) -> bool:
+        """A speculative step's: its prefill sequences are a few tokens each."""
+        return self.replay is not None
 
     @property
     def num_prefill_tokens(self) -> int:

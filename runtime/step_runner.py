@@ -70,6 +70,10 @@ class StepRunner:
         (a drafter's runner; other variants would run eagerly)."""
         self.model, self.pool, self.buckets = model, pool, buckets
         self.cuda = model.device.type == "cuda"
+        if buckets.drafts > pool.drafts and model.cfg.has("mamba"):
+            raise ValueError(f"verify buckets of {buckets.drafts} drafts need a state pool that records as many a "
+                             f"slot for the Mamba2 layers to replay (StatePool(drafts={buckets.drafts})); it has "
+                             f"{pool.drafts}")
         self.buffers = StepBuffers(
             max_decode=max(max_decode or 0, buckets.max_decode),
             max_prefill_tokens=max(max_prefill_tokens or 0, buckets.max_prefill_tokens),
@@ -77,6 +81,7 @@ class StepRunner:
             chunk_size=model.cfg.chunk_size if model.cfg.has("mamba") else 64,
             device=model.device,
             max_drafts=buckets.drafts,
+            record_stride=pool.drafts,
         )
         # High priority: when both branches queue kernels, the prefill branch's (short grids, on
         # the critical path) take SMs first and the decode branch fills around them.

@@ -21,12 +21,13 @@ the tokens. Beside them prompt lookup (``NgramDrafter``), its drafts checked, on
 repeats one block, for what it is worth on a random model, and how many of its tokens lead
 equal to plain decoding's. And at concurrency ``wide``, prompt lookup on random prompts beside
 no speculation: the engine speculates only while at most ``Speculative.max_batch`` requests
-decode; with MTP layers, the same drafted by them, whose catch-up runs after every step
-whether a step verifies or not (its cost at a batch that does not speculate).
+decode; with MTP layers, the same drafted by them, which follow every step (their cost at a
+batch that does not speculate).
 """
 
 from __future__ import annotations
 
+import gc
 import time
 
 import numpy as np
@@ -40,6 +41,7 @@ from ..runtime.plan import StepPlan
 from ..runtime.presets import preset_config
 from ..runtime.request import SamplingParams
 from ..runtime.speculative import Speculative
+from ..runtime.state_pool import StatePool
 from ..runtime.step_runner import StepRunner
 from .bench_kernels import copy_bandwidth, stamp
 from .bench_steps import CONTEXT, hbm_floor_bytes, routed_experts, step_ms
@@ -215,7 +217,12 @@ def bench_preset(name: str, *, prompt_tokens: int = 512, max_tokens: int = 256, 
         wide_mtp, wide_run["mtp_tokens_per_s"] = _wide(mtp_engine, prompts, SamplingParams(**short, speculative=True))
         wide_run["mtp_requests_equal"] = sum(a == b for a, b in zip(wide_mtp, wide_plain))
         del mtp_engine
-    steps = verify_steps(model, engine.pool, progress)
+    # the step timings on a pool of their own, which records up to the largest k's drafts
+    slots, max_context = engine.pool.num_slots, engine.pool.max_context
+    del engine, measured
+    gc.collect()
+    pool = StatePool(model.cfg, slots, max_context, dtype=model.dtype, device=model.device, drafts=max(DRAFTS))
+    steps = verify_steps(model, pool, progress)
     return {"preset": name, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "num_drafts": num_drafts,
             "max_batch": spec.max_batch, "steps": steps, "alone": runs, "wide": wide_run}
 

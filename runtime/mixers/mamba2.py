@@ -6,6 +6,9 @@ update and the selective state update. Both write into one output buffer, then t
 (Falcon-H1: the gate alone, ``y * silu(z)``) and out_proj run over all tokens again. Fused, a small
 decode step is three kernels: block norm + in_proj + conv update; state update; gated norm +
 out_proj + residual add (without the norm: the gate a kernel of its own, then out_proj).
+
+A verify step's prefill rows (``runtime.replay``) are scanned, token by token where they are few,
+after each sequence's drafts kept by the verify step before, replayed from the layer's record.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from ...kernels.conv1d import conv1d_update, conv1d_varlen
 from ...kernels.decode_linear import ConvTail, gated_norm_linear, norm_linear
 from ...kernels.linear import linear
 from ...kernels.norm import gated_rms_norm
+from ...kernels.replay import gather_rows, scatter_rows
 from ...kernels.ssd import ssd_scan
 from ...kernels.ssd_short import SHORT_TOKENS, ssd_short_scan
 from ...kernels.state_update import selective_state_update
@@ -80,14 +84,30 @@ class Mamba2Mixer(Mixer):
     def prefill(self, work, ctx: StepContext, passed=None) -> None:
         """``passed``: an event the scan records once its chunk states are passed."""
         proj, xbc, y = work
-        tp = ctx.inputs.num_prefill_tokens
+        tp, replay = ctx.inputs.num_prefill_tokens, ctx.inputs.replay
+        if replay is not None:
+            return self._verify(proj, y[:tp], ctx)
         conv_state, ssm_state = ctx.pool.conv[self.idx], ctx.pool.ssm[self.idx]
         conv1d_varlen(self._xbc(proj[:tp]), self.conv_w, self.conv_b, conv_state, ctx.inputs.prefill, out=xbc[:tp])
         x, B, C = self._ssm_operands(xbc[:tp])
-        # a speculative step's verify sequences, of a few tokens each, scan token by token
-        scan = ssd_short_scan if ctx.inputs.verify and tp <= SHORT_TOKENS else ssd_scan
-        scan(x, self._dt(proj[:tp]), self.A, B, C, self.D, ssm_state, ctx.inputs.prefill, dt_bias=self.dt_bias,
-             dt_softplus=True, dt_limit=self.dt_limit, out=y[:tp], passed=passed)
+        ssd_scan(x, self._dt(proj[:tp]), self.A, B, C, self.D, ssm_state, ctx.inputs.prefill, dt_bias=self.dt_bias,
+                 dt_softplus=True, dt_limit=self.dt_limit, out=y[:tp], passed=passed)
+
+    def _verify(self, proj: torch.Tensor, y: torch.Tensor, ctx: StepContext) -> None:
+        """A verify step's prefill rows (``runtime.replay``): the conv and the scan over the
+        layout of each sequence's replayed rows (from the record) and its own; then the
+        sequences' drafts' rows kept in the record for the next verify step."""
+        replay, record = ctx.inputs.replay, ctx.pool.record[self.idx]
+        tp = y.shape[0]
+        rows = gather_rows(proj[:tp, self.inner :], record, replay.src)  # [layout rows, conv_dim + H]
+        scatter_rows(proj[:tp, self.inner :], replay.record, record)
+        xbc = conv1d_varlen(rows[:, : self.conv_dim], self.conv_w, self.conv_b, ctx.pool.conv[self.idx], replay.meta)
+        x, B, C = self._ssm_operands(xbc)
+        # verify sequences, of a few tokens each, scan token by token
+        scan = ssd_short_scan if tp <= SHORT_TOKENS else ssd_scan
+        out = scan(x, rows[:, self.conv_dim :], self.A, B, C, self.D, ctx.pool.ssm[self.idx], replay.meta,
+                   dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit)
+        gather_rows(out.view(-1, self.inner), None, replay.own, out=y.view(tp, self.inner))
 
     def decode(self, work, ctx: StepContext) -> None:
         proj, xbc, y = work

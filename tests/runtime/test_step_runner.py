@@ -26,8 +26,9 @@ SLOTS = 8
 
 
 def make_runner(model, **kw):
-    pool = StatePool(model.cfg, SLOTS, max_context=128, dtype=model.dtype, device=model.device)
-    return StepRunner(model, pool, kw.pop("buckets", BUCKETS), max_prefill_tokens=128, **kw)
+    buckets = kw.pop("buckets", BUCKETS)
+    pool = StatePool(model.cfg, SLOTS, max_context=128, dtype=model.dtype, device=model.device, drafts=buckets.drafts)
+    return StepRunner(model, pool, buckets, max_prefill_tokens=128, **kw)
 
 
 def tokens(n, seed):
@@ -214,12 +215,13 @@ def drawn(plan: StepPlan, temperature: float, top_p: float, processed: bool, log
 
 
 def verify_plan() -> StepPlan:
-    """Two verify sequences (2 pending tokens, 3 drafts; 1 pending, 2 drafts) after the script,
-    checkpointed into their own slots, their final states dropped."""
+    """Two verify sequences (a kept draft replayed, 1 pending token, 3 drafts; 1 pending, 2
+    drafts) after the script, checkpointed into their own slots, their final states dropped."""
     i32 = lambda v: np.asarray(v, dtype=np.int32)  # noqa: E731
-    return StepPlan(prefill_tokens=np.asarray(tokens(5, 7) + tokens(3, 8)), prefill_lens=i32([5, 3]),
-                    prefill_slots=i32([0, 3]), prefill_context=i32([14, 22]), snapshot_slots=i32([0, 3]),
-                    snapshot_tokens=i32([2, 1]), final_slots=i32([-1, -1]), prefill_logits=i32([4, 3]))
+    return StepPlan(prefill_tokens=np.asarray(tokens(4, 7) + tokens(3, 8)), prefill_lens=i32([4, 3]),
+                    prefill_slots=i32([0, 3]), prefill_context=i32([15, 22]), snapshot_slots=i32([0, 3]),
+                    snapshot_tokens=i32([1, 1]), final_slots=i32([-1, -1]), prefill_logits=i32([4, 3]),
+                    replay_lens=i32([1, 0]))
 
 
 @pytest.mark.gpu

@@ -37,18 +37,21 @@ Variant = Callable[[], ContextManager]
 
 
 def _buckets(plans: Mapping[str, StepPlan]) -> BucketSet:
-    """The graph buckets of exactly these plans' shapes."""
+    """The graph buckets of exactly these plans' shapes (verify plans': verify buckets of the
+    most drafts any carries)."""
     decode = {p.num_decode for p in plans.values() if not p.num_prefill}
     mixed = [p for p in plans.values() if p.num_prefill]
+    verify = {p.num_prefill_tokens for p in mixed if p.num_drafts}
     return BucketSet(decode=tuple(sorted(decode or {1})),
                      mixed_decode=tuple(sorted({0} | {p.num_decode for p in mixed})),
                      prefill=tuple(sorted({p.num_prefill_tokens for p in mixed} or {16})),
-                     max_prefill_seqs=max([p.num_prefill for p in mixed] or [1]))
+                     max_prefill_seqs=max([p.num_prefill for p in mixed] or [1]),
+                     drafts=max([p.num_drafts for p in mixed] or [0]), verify=tuple(sorted(verify or {16})))
 
 
-def _pool(model: Model, plans: Mapping[str, StepPlan], max_context: int | None) -> StatePool:
+def _pool(model: Model, plans: Mapping[str, StepPlan], max_context: int | None, drafts: int) -> StatePool:
     """A pool holding every slot the plans name, ``max_context`` long (default: as long as their
-    contexts need); random states."""
+    contexts need), recording ``drafts`` a slot; random states."""
     slots, context = 1, 1
     for p in plans.values():
         slots = max(slots, 1 + int(max(p.decode_slots.max(initial=0), p.prefill_slots.max(initial=0))))
@@ -57,7 +60,7 @@ def _pool(model: Model, plans: Mapping[str, StepPlan], max_context: int | None) 
     if max_context is not None and max_context < context:
         raise ValueError(f"max_context {max_context}: the plans need {context} positions")
     pool = StatePool(model.cfg, slots, max_context=max_context or context + 1, dtype=model.dtype,
-                     device=model.device)
+                     device=model.device, drafts=drafts)
     for t in pool.tensors():
         t.normal_(0, 0.1)
     return pool
@@ -79,8 +82,8 @@ def compare(preset: str, variants: Mapping[str, Variant], plans: Mapping[str, St
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(seed)
     model = Model.from_preset(preset, dtype=dtype, device=device, seed=seed, quantization=quantization)
-    pool = _pool(model, plans, max_context)
     buckets = _buckets(plans)
+    pool = _pool(model, plans, max_context, buckets.drafts)
     runners = {}
     for name, variant in variants.items():
         runner = StepRunner(model, pool, buckets, overlap=True)

@@ -20,7 +20,7 @@ from ...kernels.conv1d import conv1d_update, conv1d_varlen
 from ...kernels.decode_linear import ConvTail, gated_norm_linear, norm_linear
 from ...kernels.linear import linear
 from ...kernels.norm import gated_rms_norm
-from ...kernels.replay import gather_rows, scatter_rows
+from ...kernels.replay import gather_rows, take_rows
 from ...kernels.ssd import ssd_scan
 from ...kernels.ssd_short import SHORT_TOKENS, ssd_short_scan
 from ...kernels.state_update import selective_state_update
@@ -95,19 +95,20 @@ class Mamba2Mixer(Mixer):
 
     def _verify(self, proj: torch.Tensor, y: torch.Tensor, ctx: StepContext) -> None:
         """A verify step's prefill rows (``runtime.replay``): the conv and the scan over the
-        layout of each sequence's replayed rows (from the record) and its own; then the
-        sequences' drafts' rows kept in the record for the next verify step."""
+        layout of each sequence's replayed rows (from the record) and its own; then the own
+        rows' outputs taken back, and the sequences' drafts' rows kept in the record for the
+        next verify step (two launches more than a prefill's)."""
         replay, record = ctx.inputs.replay, ctx.pool.record[self.idx]
         tp = y.shape[0]
         rows = gather_rows(proj[:tp, self.inner :], record, replay.src)  # [layout rows, conv_dim + H]
-        scatter_rows(proj[:tp, self.inner :], replay.record, record)
         xbc = conv1d_varlen(rows[:, : self.conv_dim], self.conv_w, self.conv_b, ctx.pool.conv[self.idx], replay.meta)
         x, B, C = self._ssm_operands(xbc)
         # verify sequences, of a few tokens each, scan token by token
         scan = ssd_short_scan if tp <= SHORT_TOKENS else ssd_scan
         out = scan(x, rows[:, self.conv_dim :], self.A, B, C, self.D, ctx.pool.ssm[self.idx], replay.meta,
                    dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit)
-        gather_rows(out.view(-1, self.inner), None, replay.own, out=y.view(tp, self.inner))
+        take_rows(out.view(-1, self.inner), replay.own, y.view(tp, self.inner), proj[:tp, self.inner :], replay.record,
+                  record)
 
     def decode(self, work, ctx: StepContext) -> None:
         proj, xbc, y = work

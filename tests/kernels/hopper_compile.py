@@ -1,11 +1,11 @@
 """Compile kernels for Hopper (sm_90) without a GPU (the MoE kernels, with their TMA tiles, the
 skinny projections' streamed path, the decode attention, a Mamba2 prefill chunk's scan and
-conv): every launch a call makes is caught, its arguments turned into the signature and
-specialisation the JIT would give them, and the kernel compiled to a cubin instead of run, and
-ptxas asked what registers it takes. Run in a process of its own (the interpreter must be off):
-``python tests/kernels/hopper_compile.py``; prints a line per kernel variant, exits 1 if any
-fails to compile or spills registers (a variant that spills is slow on the GPU, which a CPU run
-would never show). ``test_hopper_compile.py`` runs it."""
+conv, a verify step's row moves): every launch a call makes is caught, its arguments turned
+into the signature and specialisation the JIT would give them, and the kernel compiled to a
+cubin instead of run, and ptxas asked what registers it takes. Run in a process of its own (the
+interpreter must be off): ``python tests/kernels/hopper_compile.py``; prints a line per kernel
+variant, exits 1 if any fails to compile or spills registers (a variant that spills is slow on
+the GPU, which a CPU run would never show). ``test_hopper_compile.py`` runs it."""
 
 from __future__ import annotations
 
@@ -227,11 +227,26 @@ def launch_prefill() -> None:
                          torch.empty(2, K - 1, D, **bf16).transpose(1, 2), meta)
 
 
+def launch_replay() -> None:
+    """A verify step's row moves at Nemotron-H-8B's widths (bf16): the layout's gather from the
+    packed rows and the record, and the outputs taken back with the drafts' rows kept."""
+    from mambastep.kernels.replay import gather_rows, take_rows
+
+    inner, W, T, E = 8192, 10368, 16, 24
+    bf16 = dict(dtype=torch.bfloat16)
+    src, own = torch.zeros(E, dtype=torch.int32), torch.zeros(T, dtype=torch.int32)
+    proj = torch.empty(T, inner + W, **bf16)[:, inner:]
+    gather_rows.triton(proj, torch.empty(8, W, **bf16), src, out=torch.empty(E, W, **bf16))
+    take_rows.triton(torch.empty(E, inner, **bf16), own, torch.empty(T, inner, **bf16), proj, own,
+                     torch.empty(8, W, **bf16))
+
+
 if __name__ == "__main__":
     JITFunction.run = _compile_instead
     launch_moe()
     launch_skinny()
     launch_decode_attention()
     launch_prefill()
+    launch_replay()
     print(f"{len(compiled)} kernel variants, {len(failed)} failed to compile for sm_90 or spilled")
     sys.exit(1 if failed or not compiled else 0)

@@ -39,7 +39,7 @@ from ..kernels.varlen import PAD_SLOT_ID
 from .plan import StepPlan
 from .prefix_cache import PrefixCache
 from .request import Request
-from .speculative import Gate, Speculative
+from .speculative import Gate, Speculative, draft_ladder
 
 __all__ = ["Scheduler"]
 
@@ -51,7 +51,8 @@ class Scheduler:
         self.token_budget, self.max_prefill_seqs, self.max_decode = token_budget, max_prefill_seqs, max_decode
         self.speculative, self.max_context = speculative, max_context
         # where speculating pays, from the steps' times the engine reports (``Gate``)
-        self.gate = Gate() if speculative is not None and speculative.adaptive else None
+        self.gate = (Gate(draft_ladder(speculative.num_drafts)) if speculative is not None and speculative.adaptive
+                     else None)
         self.free_slots = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self.cache = prefix_cache
         # (snapshot slot, request, tokens) to restore before the last schedule()'s step, and
@@ -151,16 +152,17 @@ class Scheduler:
         each that speculates with the drafts its drafter proposes and the others with none (a
         decode in prefill form, beside them in the step), where there are at most ``max_batch``
         (and room in the step's sequences), none has logits processors (whose counts a verify
-        step does not keep), the gate finds verifying pays at that batch size, and one of them
-        drafts anything. Else those with more than one token pending (a verify step's accepted
-        drafts), which catch up without drafts, while the rest decode as usual."""
+        step does not keep), the gate finds verifying pays at that batch size (and with how
+        many drafts; without a gate ``num_drafts``), and one of them drafts anything. Else
+        those with more than one token pending (a verify step's accepted drafts), which catch
+        up without drafts, while the rest decode as usual."""
         spec = self.speculative
         if (spec is not None and 0 < len(decodes) <= min(spec.max_batch, self.max_prefill_seqs)
                 and any(r.drafter is not None for r in decodes)
-                and not any(r.params.processed for r in decodes)
-                and (self.gate is None or self.gate.open(len(decodes)))):
-            for r in decodes:
-                r.verify = self._drafts(r) if r.drafter is not None else []
+                and not any(r.params.processed for r in decodes)):
+            k = spec.num_drafts if self.gate is None else self.gate.choose(len(decodes))
+            for r in decodes if k else ():
+                r.verify = self._drafts(r, k) if r.drafter is not None else []
             if any(r.verify for r in decodes):
                 return decodes
             for r in decodes:
@@ -170,11 +172,11 @@ class Scheduler:
             r.verify = []
         return verify
 
-    def _drafts(self, r: Request) -> list[int]:
-        """Up to k drafts from ``r``'s drafter, as many as its remaining tokens and its context
-        allow."""
+    def _drafts(self, r: Request, k: int) -> list[int]:
+        """Up to ``k`` drafts from ``r``'s drafter, as many as its remaining tokens and its
+        context allow."""
         known = len(r.prompt) + len(r.output)
-        k = min(self.speculative.num_drafts, r.params.max_tokens - len(r.output) - 1, self.max_context - known)
+        k = min(k, r.params.max_tokens - len(r.output) - 1, self.max_context - known)
         if k <= 0:
             return []
         context = np.concatenate([r.prompt, np.asarray(r.output, dtype=np.int64)])

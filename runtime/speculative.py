@@ -37,7 +37,7 @@ from typing import Callable, Protocol, Sequence
 
 from .ngram_drafter import NgramDrafter
 
-__all__ = ["Drafter", "Gate", "Speculative", "accepted"]
+__all__ = ["Drafter", "Gate", "Speculative", "accepted", "draft_ladder"]
 
 
 class Drafter(Protocol):
@@ -58,7 +58,8 @@ class Speculative:
                 products are no longer memory-bound, and a verify step costs more than the
                 tokens it adds); at most the buckets' ``max_prefill_seqs``
     default:    whether a request speculates when its ``SamplingParams.speculative`` is None
-    adaptive:   speculate at a batch size only while it pays there, as measured (``Gate``)
+    adaptive:   speculate at a batch size only while it pays there, and with the number of
+                drafts (1, 2, 4, ... up to ``num_drafts``) that pays best, as measured (``Gate``)
     draft_model: instead of ``drafter``, a small model of the target's vocabulary drafts its
                 greedy continuation on an engine of its own (``runtime.draft_model``): an HF
                 checkpoint directory or a preset name, loaded by the engine in the target's
@@ -98,53 +99,90 @@ def accepted(drafts: Sequence[int], drawn: Sequence[int]) -> int:
 
 
 class Gate:
-    """Whether speculating pays at a batch size, from what the engine's steps took.
+    """Whether speculating pays at a batch size, and with how many drafts, from what the engine's
+    steps took.
 
-    Per batch size b it keeps moving averages of a decode step's seconds (b rows, nothing
-    else in the step), a verify step's (b verify sequences, nothing else), and the tokens a
-    verify sequence yields (its acceptance length). Speculating pays while a verify step's
-    tokens per second beat a decode step's: ``tokens / verify_s > 1 / decode_s``. A side not
-    yet measured is tried first (verify, then decode). Then the losing side is taken once after
-    ``explore`` decisions at a batch size, again after twice as many, and so on up to
-    ``max_explore`` while the verdict holds (back to ``explore`` when it turns), so a change of
-    workload (the drafts starting to hold, or no longer) is seen at a bounded cost. It decides
-    step shapes only: the tokens are the same either way.
+    Each choice at a batch size b is an arm: decoding, at ``1 / decode_s`` tokens a second for
+    each row, or verifying with at most k drafts a sequence (k in ``drafts``), at ``tokens_k /
+    verify_s_k``, the tokens a verify sequence yielded over the step's seconds. A MoE's verify
+    step costs more with every draft (each reads its own experts), a dense model's hardly more,
+    and what the drafts yield depends on the workload: measured, not modelled. Per arm it keeps
+    moving averages. An arm not yet measured is tried first (the verify arms, most drafts first,
+    then decoding); then the best one is taken, and the others in turn once after ``explore``
+    decisions at a batch size, again after twice as many, and so on up to ``max_explore`` while
+    the best arm holds (back to ``explore`` when it changes), so a change of workload (the drafts
+    starting to hold, or no longer) is seen at a bounded cost. It decides step shapes only: the
+    tokens are the same either way.
     """
 
-    def __init__(self, explore: int = 32, max_explore: int = 1024, weight: float = 0.25):
+    def __init__(self, drafts: Sequence[int] = (4,), explore: int = 32, max_explore: int = 1024,
+                 weight: float = 0.25):
+        if not drafts or any(not (isinstance(k, int) and k >= 1) for k in drafts):
+            raise ValueError(f"drafts: expected ints >= 1, got {drafts!r}")
+        self.drafts = tuple(sorted(set(drafts), reverse=True))
         self.explore, self.max_explore, self.weight = explore, max_explore, weight
         self.decode_s: dict[int, float] = {}
-        self.verify_s: dict[int, float] = {}
-        self.tokens: dict[int, float] = {}
-        # per batch size: the last verdict, decisions since the last exploration, and how many
-        # the next one waits for
-        self._verdict: dict[int, bool] = {}
+        # per (batch size, drafts): a verify step's seconds and a sequence's tokens
+        self.verify_s: dict[tuple[int, int], float] = {}
+        self.tokens: dict[tuple[int, int], float] = {}
+        # per batch size: the best arm last found, decisions since the last exploration, how many
+        # the next one waits for, the arm explored last, and the arm the last decision took
+        self._best: dict[int, int] = {}
         self._since: dict[int, int] = {}
         self._interval: dict[int, int] = {}
+        self._explored: dict[int, int] = {}
+        self._last: dict[int, int] = {}
 
-    def open(self, batch: int) -> bool:
-        """Whether a step of ``batch`` decoding requests should verify drafts."""
-        if batch not in self.verify_s:
-            return True
+    def choose(self, batch: int) -> int:
+        """The drafts a step of ``batch`` decoding requests verifies at most a sequence, or 0:
+        the step decodes."""
+        arm = self._choose(batch)
+        self._last[batch] = arm
+        return arm
+
+    def _choose(self, batch: int) -> int:
+        for k in self.drafts:
+            if (batch, k) not in self.verify_s:
+                return k
         if batch not in self.decode_s:
-            return False
-        pays = self.tokens[batch] * self.decode_s[batch] > self.verify_s[batch]
-        if self._verdict.get(batch) != pays:
-            self._verdict[batch], self._since[batch], self._interval[batch] = pays, 0, self.explore
+            return 0
+        arms = [0, *self.drafts]
+        rate = {0: 1 / self.decode_s[batch]}
+        rate.update({k: self.tokens[batch, k] / self.verify_s[batch, k] for k in self.drafts})
+        best = max(arms, key=lambda a: rate[a])
+        if self._best.get(batch) != best:
+            self._best[batch], self._since[batch], self._interval[batch] = best, 0, self.explore
         self._since[batch] += 1
         if self._since[batch] < self._interval[batch]:
-            return pays
+            return best
         self._since[batch], self._interval[batch] = 0, min(2 * self._interval[batch], self.max_explore)
-        return not pays
+        others = sorted(a for a in arms if a != best)
+        after = [a for a in others if a > self._explored.get(batch, -1)]
+        self._explored[batch] = (after or others)[0]
+        return self._explored[batch]
 
     def decoded(self, batch: int, seconds: float) -> None:
         """A step of ``batch`` decode rows took ``seconds``."""
         self._average(self.decode_s, batch, seconds)
 
-    def verified(self, batch: int, seconds: float, tokens: float) -> None:
-        """A step of ``batch`` verify sequences took ``seconds`` and yielded ``tokens`` a sequence."""
-        self._average(self.verify_s, batch, seconds)
-        self._average(self.tokens, batch, tokens)
+    def verified(self, batch: int, seconds: float, tokens: float, drafts: int | None = None) -> None:
+        """A step of ``batch`` verify sequences took ``seconds`` and yielded ``tokens`` a sequence;
+        ``drafts``: the arm it was (default: the one ``choose`` last took at that batch size)."""
+        k = self._last.get(batch, self.drafts[0]) if drafts is None else drafts
+        if k not in self.drafts:
+            return
+        self._average(self.verify_s, (batch, k), seconds)
+        self._average(self.tokens, (batch, k), tokens)
 
-    def _average(self, table: dict[int, float], batch: int, value: float) -> None:
-        table[batch] = value if batch not in table else table[batch] + self.weight * (value - table[batch])
+    def _average(self, table: dict, key, value: float) -> None:
+        table[key] = value if key not in table else table[key] + self.weight * (value - table[key])
+
+
+def draft_ladder(num_drafts: int) -> tuple[int, ...]:
+    """The drafts an adaptive engine tries at most a sequence: 1, 2, 4, ... below ``num_drafts``,
+    and ``num_drafts``."""
+    ladder, k = {num_drafts}, 1
+    while k < num_drafts:
+        ladder.add(k)
+        k *= 2
+    return tuple(sorted(ladder))

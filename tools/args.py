@@ -38,7 +38,8 @@ def add_speculative(parser: Parser) -> None:
     parser.add_argument("--speculative", type=int, default=0, metavar="K",
                         help="draft up to K tokens a step by prompt lookup (the output repeating its context: "
                              "code edits, retrieval, summaries) and verify them in one step while at most 4 "
-                             "requests decode; the tokens are the same (default 0: off; not with --pipelined)")
+                             "requests decode, where and with as many drafts (1, 2, 4, ... K) as measured steps "
+                             "find it pays; the tokens are the same (default 0: off; not with --pipelined)")
     parser.add_argument("--draft-model", metavar="PATH|PRESET",
                         help="with --speculative K: draft with this small model of the same vocabulary (its greedy "
                              "continuation, on an engine of its own) instead of prompt lookup: an HF checkpoint "

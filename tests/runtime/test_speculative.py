@@ -151,25 +151,49 @@ def test_a_step_whose_requests_draft_nothing_decodes_as_usual(checkpoint):
 def test_the_gate_tries_both_then_takes_what_pays_and_explores():
     from mambastep.runtime.speculative import Gate
 
-    g = Gate(explore=4)
-    assert g.open(2)  # nothing measured: verify first
+    g = Gate(explore=4)  # one verify arm: 4 drafts
+    assert g.choose(2) == 4  # nothing measured: verify first
     g.verified(2, seconds=3.0, tokens=2.0)
-    assert not g.open(2)  # then a decode step
+    assert g.choose(2) == 0  # then a decode step
     g.decoded(2, seconds=1.0)
     # 2 tokens in 3 s against 1 token in 1 s: decoding pays; the 4th decision explores, then
     # the 8th after it
-    assert [g.open(2) for _ in range(12)] == [False] * 3 + [True] + [False] * 7 + [True]
+    assert [g.choose(2) for _ in range(12)] == [0] * 3 + [4] + [0] * 7 + [4]
     g.verified(2, seconds=3.0, tokens=4.0)  # the drafts start to hold: 2 + 0.25 * (4 - 2) = 2.5
     g.verified(2, seconds=3.0, tokens=5.0)
     g.verified(2, seconds=3.0, tokens=5.0)
-    assert g.tokens[2] > 3 and g.open(2)
-    assert g.open(1) and 1 not in g.decode_s  # each batch size on its own
+    assert g.tokens[2, 4] > 3 and g.choose(2) == 4
+    assert g.choose(1) == 4 and 1 not in g.decode_s  # each batch size on its own
+
+
+def test_the_gate_takes_the_number_of_drafts_that_pays_best():
+    """Arms of 1, 2 and 4 drafts and decoding, each tried once, most drafts first; then the best
+    by tokens a second, the others explored in turn; a verify step counts for the arm taken."""
+    from mambastep.runtime.speculative import Gate, draft_ladder
+
+    assert draft_ladder(4) == (1, 2, 4) and draft_ladder(3) == (1, 2, 3) and draft_ladder(1) == (1,)
+    g = Gate(drafts=draft_ladder(4), explore=2)
+    # a MoE's verify steps: each draft's experts cost more; the drafts hold 60% each
+    seconds, tokens = {1: 3.9, 2: 4.4, 4: 5.4}, {1: 1.6, 2: 1.96, 4: 2.31}
+    for k in (4, 2, 1):
+        assert g.choose(1) == k
+        g.verified(1, seconds[k], tokens[k])
+    assert g.choose(1) == 0
+    g.decoded(1, 5.0)  # a slow decode step: 0.2 tokens/s, where 2 drafts give 1.96 / 4.4 = 0.45
+    # the 2nd decision explores, then the 4th after it, the 8th after that: the others in turn
+    assert [g.choose(1) for _ in range(14)] == [2, 0] + [2, 2, 2, 1] + [2] * 7 + [4]
+    for _ in range(20):  # decode steps grow fast (the moving average follows): decoding pays best
+        g.decoded(1, 1.0)
+    assert g.choose(1) == 0
+    with pytest.raises(ValueError, match="drafts: expected ints >= 1"):
+        Gate(drafts=(0, 2))
 
 
 @pytest.mark.parametrize("pays", [False, True])
 def test_an_adaptive_engine_speculates_where_the_gate_finds_it_pays(checkpoint, pays):
     """The gate, told a verify step costs a million times a decode step (or nothing), keeps the
-    engine decoding (or verifying); the tokens are the same either way."""
+    engine decoding (or verifying, with the drafts it chose: 1 of the engine's 4); the tokens are
+    the same either way."""
     from mambastep.runtime.speculative import Gate
 
     _, path = checkpoint
@@ -177,12 +201,13 @@ def test_an_adaptive_engine_speculates_where_the_gate_finds_it_pays(checkpoint, 
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     plain = run(engine(path), ps, params, arrivals=(0,))
     script = {tuple(ps[0]): plain[0]}
-    e = engine(path, speculative=Speculative(drafter=lambda: Scripted(script, 0.0), num_drafts=2))
-    e.scheduler.gate = Gate()
+    e = engine(path, speculative=Speculative(drafter=lambda: Scripted(script, 0.0), num_drafts=4), trace=True)
+    e.scheduler.gate = Gate(drafts=(1,))
     e.scheduler.gate.decoded(1, 1.0 if pays else 1e-6)
     e.scheduler.gate.verified(1, 1e-6 if pays else 1e6, 1.0)
     assert run(e, ps, params, arrivals=(0,)) == plain
     assert (e.speculative_stats["verified"] > 0) == pays
+    assert {s.drafts for s in e.trace} == ({0, 1} if pays else {0})
 
 
 def test_speculation_with_choices_logprobs_and_a_prefix_cache(checkpoint):

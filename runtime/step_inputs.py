@@ -47,11 +47,6 @@ class StepInputs:
     route_as: torch.Tensor | None = None
 
     @property
-    def verify(self) -> bool:
-        """A speculative step's: its prefill sequences are a few tokens each."""
-        return self.replay is not None
-
-    @property
     def num_prefill_tokens(self) -> int:
         return 0 if self.prefill is None else self.prefill.max_tokens
 

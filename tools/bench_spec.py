@@ -9,7 +9,8 @@ verify sequence reads each of its tokens' experts, so the floors bound what spec
 give: at an acceptance length a, at most a x the decode floor / the verify floor.
 
 Tokens/s: one request alone (a ``prompt_tokens`` random prompt, ``max_tokens`` greedy tokens) on
-one engine, plain (the request opts out) and speculating with k = ``num_drafts``; where the preset
+one engine, plain (the request opts out) and speculating with k = ``num_drafts``, and on an engine
+whose gate chooses between decoding and 1, 2, 4 or 8 drafts (``speculative.Gate``); where the preset
 has MTP layers, also drafted by them (``Speculative(mtp=True)``, on an engine of its own), which
 puts their cost (an MTP step after each step, k - 1 chained ones before a verify step) beside. Random weights
 make a real drafter's acceptance meaningless, and so do bf16 kernels: drafts of the plain run's
@@ -51,6 +52,7 @@ MTP_KEEP = (0.0, 0.75, 1.0)  # the MTP layers' rows: nothing kept, an acceptance
 BATCHES = (1, 8, 64)
 DRAFTS = (1, 2, 4, 8)
 KEEP = (0.0, 0.4, 0.6, 0.75, 0.9, 1.0)  # each draft's chance to be kept, the ones before it kept
+GATE_KEEP = (0.6, 0.75, 0.9)  # the same with the gate choosing decoding or 1, 2, 4, 8 drafts
 
 
 def verify_plan(batch: int, k: int, vocab: int, context: int) -> StepPlan:
@@ -179,7 +181,8 @@ def bench_preset(name: str, *, prompt_tokens: int = 512, max_tokens: int = 256, 
         tokens, tps = _alone(on, prompt, SamplingParams(**greedy, speculative=True))
         s = {k: v - before[k] for k, v in on.speculative_stats.items()}
         run = {"drafter": label, "keep": keep, "tokens_per_s": tps,
-               "acceptance_length": 1 + s["accepted"] / max(1, s["verified"])}
+               "acceptance_length": 1 + s["accepted"] / max(1, s["verified"]),
+               "drafts": s["drafts"] / max(1, s["verified"])}
         if progress:
             print(f"  {label} keep={keep}: {tps:.0f} tokens/s, acceptance length {run['acceptance_length']:.2f}",
                   flush=True)
@@ -187,6 +190,13 @@ def bench_preset(name: str, *, prompt_tokens: int = 512, max_tokens: int = 256, 
 
     for keep in KEEP:
         runs.append(measured("set", prompt, keep)[0])
+    # the adaptive gate (``speculative.Gate``) on an engine of its own, choosing the drafts
+    gated = SetAcceptance(model, num_slots=2, max_context=prompt_tokens + max_tokens + 16, buckets=buckets,
+                          speculative=Speculative(drafter=Repeat, num_drafts=max(DRAFTS)), use_graphs=gpu,
+                          progress=progress)
+    for keep in GATE_KEEP:
+        runs.append(measured("gate", prompt, keep, gated)[0])
+    del gated
     mtp_engine = None
     if mtp:  # the checkpoint's MTP layers drafting (random: what they cost), at a set acceptance
         mtp_engine = SetAcceptance(model, num_slots=wide, max_context=prompt_tokens + max_tokens + 16, buckets=buckets,
@@ -273,7 +283,9 @@ def tables(result: dict) -> str:
         plain = p["alone"][0]["tokens_per_s"]
         for r in p["alone"]:
             label = {"none": "none (plain decoding)", "set": "set acceptance",
-                     "mtp": "the MTP layers, set acceptance", "ngram": "prompt lookup, repeating prompt"}[r["drafter"]]
+                     "mtp": "the MTP layers, set acceptance", "ngram": "prompt lookup, repeating prompt",
+                     "gate": f"set acceptance, the gate choosing up to {max(DRAFTS)} "
+                             f"({r.get('drafts', 0):.1f} a verify step)"}[r["drafter"]]
             kept = "checked" if r["keep"] is None else f"{r['keep']:.0%} each"
             kept = "-" if r["drafter"] == "none" else kept
             out.append(f"| {label} | {kept} | {r['acceptance_length']:.2f} | {r['tokens_per_s']:.0f} | "

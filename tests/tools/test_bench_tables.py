@@ -268,8 +268,10 @@ def test_the_spec_bench_sets_speculation_beside_plain_on_the_cpu(tmp_path):
     p = result["presets"][0]
     assert [s["batch"] for s in p["steps"]] == [1] and list(p["steps"][0]["verify_ms"]) == list(bench_spec.DRAFTS)
     runs = p["alone"]
-    assert [r["drafter"] for r in runs] == (["none"] + ["set"] * len(bench_spec.KEEP) + ["mtp"] * len(bench_spec.MTP_KEEP)
-                                            + ["ngram"])
+    assert [r["drafter"] for r in runs] == (["none"] + ["set"] * len(bench_spec.KEEP)
+                                            + ["gate"] * len(bench_spec.GATE_KEEP)
+                                            + ["mtp"] * len(bench_spec.MTP_KEEP) + ["ngram"])
+    assert all(1 <= r["drafts"] <= max(bench_spec.DRAFTS) for r in runs if r["drafter"] == "gate")
     for drafter in ("set", "mtp"):
         lengths = [r["acceptance_length"] for r in runs if r["drafter"] == drafter]
         assert lengths[0] == 1.0 and lengths[-1] == 1 + p["num_drafts"] and all(1 <= n <= 5 for n in lengths)
@@ -285,6 +287,7 @@ def test_the_spec_bench_sets_speculation_beside_plain_on_the_cpu(tmp_path):
     path.write_text(json.dumps(result))
     page = bench_markdown.render(spec=str(path))
     assert "mambastep bench spec" in page and "| set acceptance | 75% each |" in page
+    assert "| set acceptance, the gate choosing up to 8 (" in page
     assert "| the MTP layers, set acceptance | 75% each |" in page and "with the MTP layers drafting" in page
 
 

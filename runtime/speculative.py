@@ -165,12 +165,10 @@ class Gate:
         """A step of ``batch`` decode rows took ``seconds``."""
         self._average(self.decode_s, batch, seconds)
 
-    def verified(self, batch: int, seconds: float, tokens: float, drafts: int | None = None) -> None:
-        """A step of ``batch`` verify sequences took ``seconds`` and yielded ``tokens`` a sequence;
-        ``drafts``: the arm it was (default: the one ``choose`` last took at that batch size)."""
-        k = self._last.get(batch, self.drafts[0]) if drafts is None else drafts
-        if k not in self.drafts:
-            return
+    def verified(self, batch: int, seconds: float, tokens: float) -> None:
+        """A step of ``batch`` verify sequences took ``seconds`` and yielded ``tokens`` a sequence,
+        with the drafts ``choose`` last took at that batch size (before any, the most)."""
+        k = self._last.get(batch, self.drafts[0])
         self._average(self.verify_s, (batch, k), seconds)
         self._average(self.tokens, (batch, k), tokens)
 

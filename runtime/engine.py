@@ -355,21 +355,22 @@ class Engine:
             if not launched:
                 return []
             gate = self.scheduler.gate
-            # (read before _collect, which clears them: the requests this step ran in prefill form)
-            verified = {id(r): r for r in rows if r is not None and r.verify is not None} if gate else None
-            outputs = self._collect(launched)
+            outcomes = [] if gate is not None else None  # each verify sequence's drafts offered and kept
+            outputs = self._collect(launched, outcomes)
             if self.mtp is not None:  # the MTP takes in what the step made certain, and keeps snapshots
                 by_slot = {r.slot: r for r in self.scheduler.running}
                 self.mtp.follow(plan, launched[0].bucket, by_slot)
                 for slot, snapshot, tokens in self.scheduler.snapshots:
                     self.mtp.snapshot(slot, snapshot, tokens, by_slot.get(slot))
             if gate is not None:
-                self._time(plan, list(verified.values()), outputs, time.perf_counter() - start)
+                self._time(plan, outcomes, time.perf_counter() - start)
             return outputs
         done, self._in_flight = self._in_flight, launched
         return self._collect(done) if done else []
 
-    def _collect(self, launched) -> list[RequestOutput]:
+    def _collect(self, launched, outcomes: list[tuple[int, int]] | None = None) -> list[RequestOutput]:
+        """The step's outputs; ``outcomes``, where given, gets each verify sequence's drafts
+        offered and kept."""
         pending, rows = launched
         tokens = pending.get().tolist()
         logprobs = pending.logprobs()
@@ -381,8 +382,11 @@ class Engine:
                 i += 1
                 continue
             # a verify sequence's rows: its drafts are kept while each equals the draw before it
-            drafts, req.verify = req.verify or [], None
+            verify, req.verify = req.verify, None
+            drafts = verify or []
             n = 1 + self._accepted(drafts, tokens[i : i + 1 + len(drafts)])
+            if outcomes is not None and verify is not None:
+                outcomes.append((len(drafts), n - 1))
             if drafts:
                 stats = self.speculative_stats
                 stats["verified"], stats["drafts"], stats["accepted"] = (
@@ -410,17 +414,15 @@ class Engine:
             i += 1 + len(drafts)
         return outputs
 
-    def _time(self, plan, verified: list[Request], outputs: list[RequestOutput], seconds: float) -> None:
+    def _time(self, plan, outcomes: list[tuple[int, int]], seconds: float) -> None:
         """Tell the speculation gate what a step of decode rows alone, or of verify sequences
-        alone, took (and what the latter yielded a sequence); steps with prompt chunks say
+        alone, took (and each sequence's drafts offered and kept); steps with prompt chunks say
         nothing of either."""
         gate = self.scheduler.gate
         if plan.num_prefill == 0 and plan.num_decode:
             gate.decoded(plan.num_decode, seconds)
-        elif plan.num_drafts and plan.num_decode == 0 and len(verified) == plan.num_prefill:
-            ids = {r.id for r in verified}
-            gate.verified(len(verified), seconds,
-                          sum(len(o.new_tokens) for o in outputs if o.id in ids) / len(verified))
+        elif plan.num_drafts and plan.num_decode == 0 and len(outcomes) == plan.num_prefill:
+            gate.verified(len(outcomes), seconds, outcomes)
 
     def _accepted(self, drafts: list[int], drawn: list[int]) -> int:
         """How many of a verify sequence's drafts it keeps (``speculative.accepted``; a

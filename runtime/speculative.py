@@ -32,6 +32,7 @@ when it reads the step, before it schedules the next: a speculating engine is no
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
@@ -100,31 +101,42 @@ def accepted(drafts: Sequence[int], drawn: Sequence[int]) -> int:
 
 class Gate:
     """Whether speculating pays at a batch size, and with how many drafts, from what the engine's
-    steps took.
+    steps took and what their drafts yielded.
 
     Each choice at a batch size b is an arm: decoding, at ``1 / decode_s`` tokens a second for
     each row, or verifying with at most k drafts a sequence (k in ``drafts``), at ``tokens_k /
-    verify_s_k``, the tokens a verify sequence yielded over the step's seconds. A MoE's verify
-    step costs more with every draft (each reads its own experts), a dense model's hardly more,
-    and what the drafts yield depends on the workload: measured, not modelled. Per arm it keeps
-    moving averages. An arm not yet measured is tried first (the verify arms, most drafts first,
-    then decoding); then the best one is taken, and the others in turn once after ``explore``
-    decisions at a batch size, again after twice as many, and so on up to ``max_explore`` while
-    the best arm holds (back to ``explore`` when it changes), so a change of workload (the drafts
-    starting to hold, or no longer) is seen at a bounded cost. It decides step shapes only: the
-    tokens are the same either way.
+    verify_s_k``. The seconds are measured per arm and batch size (a MoE's verify step costs more
+    with every draft, each reading its own experts; a dense model's hardly more): the least of
+    the arm's last ``window`` steps, as a step's time only ever gains from noise (a first replay,
+    the host). The tokens are modelled from one acceptance rate pooled over every verify step of
+    every arm and batch size, the share of the drafts tried that were kept (a draft is tried
+    when those before it were kept): with rate p and m drafts offered a sequence (measured per
+    arm: a drafter may offer fewer), a sequence yields 1 + p + ... + p^m tokens. Pooling is what
+    makes it quick: a verify step of any arm tells every arm's yield, where one arm's own tokens
+    a step vary from 1 to k + 1. The counts fade by ``decay`` a decision, beside one kept draft
+    of one tried that does not: while the gate decodes, what it knew of the drafts fades towards
+    that optimistic prior until a verify arm is worth another look, so a drafter that starts to
+    hold is found at a cost that falls with how long it has failed.
+
+    Each arm is first measured ``samples`` times, most drafts first, then decoding; then the
+    best is taken, and the others in turn once after ``explore`` decisions at a batch size,
+    again after twice as many, and so on up to ``max_explore`` while the best arm holds (back
+    to ``explore`` when it changes). It decides step shapes only: the tokens are the same either
+    way.
     """
 
-    def __init__(self, drafts: Sequence[int] = (4,), explore: int = 32, max_explore: int = 1024,
-                 weight: float = 0.25):
+    def __init__(self, drafts: Sequence[int] = (4,), explore: int = 32, max_explore: int = 256, samples: int = 2,
+                 window: int = 4, decay: float = 0.99):
         if not drafts or any(not (isinstance(k, int) and k >= 1) for k in drafts):
             raise ValueError(f"drafts: expected ints >= 1, got {drafts!r}")
         self.drafts = tuple(sorted(set(drafts), reverse=True))
-        self.explore, self.max_explore, self.weight = explore, max_explore, weight
-        self.decode_s: dict[int, float] = {}
-        # per (batch size, drafts): a verify step's seconds and a sequence's tokens
-        self.verify_s: dict[tuple[int, int], float] = {}
-        self.tokens: dict[tuple[int, int], float] = {}
+        self.explore, self.max_explore, self.samples, self.window, self.decay = (explore, max_explore, samples,
+                                                                                 window, decay)
+        # per (batch size, arm; 0: decoding): its last steps' seconds
+        self.seconds: dict[tuple[int, int], deque[float]] = {}
+        # drafts kept and tried, fading; per verify arm, the drafts a sequence was offered
+        self.kept, self.tried = 0.0, 0.0
+        self.offered: dict[int, float] = {}
         # per batch size: the best arm last found, decisions since the last exploration, how many
         # the next one waits for, the arm explored last, and the arm the last decision took
         self._best: dict[int, int] = {}
@@ -136,20 +148,17 @@ class Gate:
     def choose(self, batch: int) -> int:
         """The drafts a step of ``batch`` decoding requests verifies at most a sequence, or 0:
         the step decodes."""
+        self.kept, self.tried = self.decay * self.kept, self.decay * self.tried
         arm = self._choose(batch)
         self._last[batch] = arm
         return arm
 
     def _choose(self, batch: int) -> int:
-        for k in self.drafts:
-            if (batch, k) not in self.verify_s:
-                return k
-        if batch not in self.decode_s:
-            return 0
-        arms = [0, *self.drafts]
-        rate = {0: 1 / self.decode_s[batch]}
-        rate.update({k: self.tokens[batch, k] / self.verify_s[batch, k] for k in self.drafts})
-        best = max(arms, key=lambda a: rate[a])
+        arms = [*self.drafts, 0]
+        for arm in arms:
+            if len(self.seconds.get((batch, arm), ())) < self.samples:
+                return arm
+        best = max(arms, key=lambda a: self.rate(batch, a))
         if self._best.get(batch) != best:
             self._best[batch], self._since[batch], self._interval[batch] = best, 0, self.explore
         self._since[batch] += 1
@@ -161,19 +170,40 @@ class Gate:
         self._explored[batch] = (after or others)[0]
         return self._explored[batch]
 
+    @property
+    def acceptance(self) -> float:
+        """The share of the drafts tried that were kept, beside a prior of one of one."""
+        return (self.kept + 1) / (self.tried + 1)
+
+    def tokens(self, arm: int) -> float:
+        """A sequence's expected tokens at an arm (decoding: 1)."""
+        p, m = self.acceptance, self.offered.get(arm, arm)
+        return m + 1 if p >= 1 else (1 - p ** (m + 1)) / (1 - p)
+
+    def rate(self, batch: int, arm: int) -> float:
+        """A row's expected tokens a second at an arm."""
+        return self.tokens(arm) / min(self.seconds[batch, arm])
+
     def decoded(self, batch: int, seconds: float) -> None:
         """A step of ``batch`` decode rows took ``seconds``."""
-        self._average(self.decode_s, batch, seconds)
+        self._time(batch, 0, seconds)
 
-    def verified(self, batch: int, seconds: float, tokens: float) -> None:
-        """A step of ``batch`` verify sequences took ``seconds`` and yielded ``tokens`` a sequence,
-        with the drafts ``choose`` last took at that batch size (before any, the most)."""
-        k = self._last.get(batch, self.drafts[0])
-        self._average(self.verify_s, (batch, k), seconds)
-        self._average(self.tokens, (batch, k), tokens)
+    def verified(self, batch: int, seconds: float, outcomes: Sequence[tuple[int, int]]) -> None:
+        """A step of ``batch`` verify sequences took ``seconds``; ``outcomes``: each sequence's
+        drafts offered and kept. It counts for the arm ``choose`` last took at that batch size
+        (before any, the most drafts)."""
+        arm = self._last.get(batch, self.drafts[0])
+        self._time(batch, arm, seconds)
+        for offered, kept in outcomes:
+            if not 0 <= kept <= offered:
+                raise ValueError(f"a verify outcome of {kept} drafts kept of {offered}")
+            self.kept += kept
+            self.tried += kept + (kept < offered)
+        mean = sum(o for o, _ in outcomes) / max(1, len(outcomes))
+        self.offered[arm] = mean if arm not in self.offered else 0.75 * self.offered[arm] + 0.25 * mean
 
-    def _average(self, table: dict, key, value: float) -> None:
-        table[key] = value if key not in table else table[key] + self.weight * (value - table[key])
+    def _time(self, batch: int, arm: int, seconds: float) -> None:
+        self.seconds.setdefault((batch, arm), deque(maxlen=self.window)).append(seconds)
 
 
 def draft_ladder(num_drafts: int) -> tuple[int, ...]:

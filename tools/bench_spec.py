@@ -41,7 +41,7 @@ from ..runtime.ngram_drafter import NgramDrafter
 from ..runtime.plan import StepPlan
 from ..runtime.presets import preset_config
 from ..runtime.request import SamplingParams
-from ..runtime.speculative import Speculative
+from ..runtime.speculative import Gate, Speculative, draft_ladder
 from ..runtime.state_pool import StatePool
 from ..runtime.step_runner import StepRunner
 from .bench_kernels import copy_bandwidth, stamp
@@ -194,7 +194,8 @@ def bench_preset(name: str, *, prompt_tokens: int = 512, max_tokens: int = 256, 
     gated = SetAcceptance(model, num_slots=2, max_context=prompt_tokens + max_tokens + 16, buckets=buckets,
                           speculative=Speculative(drafter=Repeat, num_drafts=max(DRAFTS)), use_graphs=gpu,
                           progress=progress)
-    for keep in GATE_KEEP:
+    for keep in GATE_KEEP:  # each from a fresh gate: what it finds at that acceptance, not after the last one's
+        gated.scheduler.gate = Gate(draft_ladder(max(DRAFTS)))
         runs.append(measured("gate", prompt, keep, gated)[0])
     del gated
     mtp_engine = None

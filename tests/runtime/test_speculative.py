@@ -148,45 +148,73 @@ def test_a_step_whose_requests_draft_nothing_decodes_as_usual(checkpoint):
     assert sum(s.decode for s in e.trace) == len(ps) * (MAX_TOKENS - 1)
 
 
-def test_the_gate_tries_both_then_takes_what_pays_and_explores():
+def test_the_gate_measures_each_arm_then_takes_what_pays_and_explores():
     from mambastep.runtime.speculative import Gate
 
-    g = Gate(explore=4)  # one verify arm: 4 drafts
+    g = Gate(explore=4)  # one verify arm, 4 drafts; two steps of each arm measured
     assert g.choose(2) == 4  # nothing measured: verify first
-    g.verified(2, seconds=3.0, tokens=2.0)
-    assert g.choose(2) == 0  # then a decode step
+    g.verified(2, seconds=3.0, outcomes=[(4, 0), (4, 0)])
+    assert g.choose(2) == 4
+    g.verified(2, seconds=9.0, outcomes=[(4, 0), (4, 1)])  # (a slow step: the least of an arm's counts)
+    assert [g.choose(2), g.choose(2)] == [0, 0]
     g.decoded(2, seconds=1.0)
-    # 2 tokens in 3 s against 1 token in 1 s: decoding pays; the 4th decision explores, then
-    # the 8th after it
+    g.decoded(2, seconds=1.0)
+    assert g.rate(2, 4) == pytest.approx(g.tokens(4) / 3.0) and g.rate(2, 0) == 1.0
+    # 1 draft kept of 5 tried: a sequence yields about 1.5 tokens in 3 s, against 1 token in 1 s;
+    # decoding pays. The 4th decision explores, then the 8th after it
     assert [g.choose(2) for _ in range(12)] == [0] * 3 + [4] + [0] * 7 + [4]
-    g.verified(2, seconds=3.0, tokens=4.0)  # the drafts start to hold: 2 + 0.25 * (4 - 2) = 2.5
-    g.verified(2, seconds=3.0, tokens=5.0)
-    g.verified(2, seconds=3.0, tokens=5.0)
-    assert g.tokens[2, 4] > 3 and g.choose(2) == 4
-    assert g.choose(1) == 4 and 1 not in g.decode_s  # each batch size on its own
+    for _ in range(3):  # the drafts start to hold
+        g.verified(2, seconds=3.0, outcomes=[(4, 4), (4, 4)])
+    assert g.acceptance > 0.8 and g.choose(2) == 4
+    assert g.choose(1) == 4 and (1, 0) not in g.seconds  # each batch size's seconds on its own
+    with pytest.raises(ValueError, match="2 drafts kept of 1"):
+        g.verified(2, 3.0, [(1, 2)])
 
 
 def test_the_gate_takes_the_number_of_drafts_that_pays_best():
-    """Arms of 1, 2 and 4 drafts and decoding, each tried once, most drafts first; then the best
-    by tokens a second, the others explored in turn; a verify step counts for the arm taken."""
+    """Arms of 1, 2 and 4 drafts and decoding, each measured twice, most drafts first; then the
+    best by tokens a second, with the tokens modelled from every arm's drafts pooled; the others
+    explored in turn; a verify step counts for the arm taken."""
     from mambastep.runtime.speculative import Gate, draft_ladder
 
     assert draft_ladder(4) == (1, 2, 4) and draft_ladder(3) == (1, 2, 3) and draft_ladder(1) == (1,)
     g = Gate(drafts=draft_ladder(4), explore=2)
-    # a MoE's verify steps: each draft's experts cost more; the drafts hold 60% each
-    seconds, tokens = {1: 3.9, 2: 4.4, 4: 5.4}, {1: 1.6, 2: 1.96, 4: 2.31}
+    # a MoE's verify steps: each draft's experts cost more; the drafts hold 60% of their tries
+    seconds = {1: 3.9, 2: 4.0, 4: 5.4}
+    outcomes = {4: ([(4, 2)], [(4, 1)]), 2: ([(2, 2)], [(2, 0)]), 1: ([(1, 1)], [(1, 0)])}
     for k in (4, 2, 1):
-        assert g.choose(1) == k
-        g.verified(1, seconds[k], tokens[k])
-    assert g.choose(1) == 0
-    g.decoded(1, 5.0)  # a slow decode step: 0.2 tokens/s, where 2 drafts give 1.96 / 4.4 = 0.45
+        for kept in outcomes[k]:
+            assert g.choose(1) == k
+            g.verified(1, seconds[k], kept)
+    assert g.acceptance == pytest.approx(7 / 11, abs=0.02)  # 6 kept of 10 tried, beside the prior's 1 of 1
+    assert [g.choose(1), g.choose(1)] == [0, 0]
+    g.decoded(1, 5.0)
+    g.decoded(1, 5.0)  # a slow decode step: 0.2 tokens/s, where 2 drafts give 2.04 / 4.0 = 0.51
+    assert g.tokens(2) == pytest.approx(1 + g.acceptance + g.acceptance ** 2)
     # the 2nd decision explores, then the 4th after it, the 8th after that: the others in turn
     assert [g.choose(1) for _ in range(14)] == [2, 0] + [2, 2, 2, 1] + [2] * 7 + [4]
-    for _ in range(20):  # decode steps grow fast (the moving average follows): decoding pays best
+    for _ in range(4):  # decode steps grow fast: decoding pays best
         g.decoded(1, 1.0)
     assert g.choose(1) == 0
     with pytest.raises(ValueError, match="drafts: expected ints >= 1"):
         Gate(drafts=(0, 2))
+
+
+def test_what_the_gate_knew_of_failing_drafts_fades_until_they_are_worth_another_look():
+    """Drafts that all failed make decoding pay; decision by decision the counts fade towards
+    the prior (one kept of one), until a verify step is worth trying again: a drafter that
+    starts to hold is found, at a cost that falls with how long it failed."""
+    from mambastep.runtime.speculative import Gate
+
+    g = Gate(max_explore=1 << 20, explore=1 << 20)  # no scheduled exploration
+    for _ in range(2):
+        assert g.choose(1) == 4
+        g.verified(1, 3.0, [(4, 0)] * 4)
+    for _ in range(2):
+        assert g.choose(1) == 0
+        g.decoded(1, 1.0)
+    waited = next(i for i in range(1000) if g.choose(1) != 0)  # (1000: never)
+    assert 100 < waited < 400 and g.tokens(4) > 3.0
 
 
 @pytest.mark.parametrize("pays", [False, True])
@@ -202,9 +230,9 @@ def test_an_adaptive_engine_speculates_where_the_gate_finds_it_pays(checkpoint, 
     plain = run(engine(path), ps, params, arrivals=(0,))
     script = {tuple(ps[0]): plain[0]}
     e = engine(path, speculative=Speculative(drafter=lambda: Scripted(script, 0.0), num_drafts=4), trace=True)
-    e.scheduler.gate = Gate(drafts=(1,))
+    e.scheduler.gate = Gate(drafts=(1,), samples=1)
     e.scheduler.gate.decoded(1, 1.0 if pays else 1e-6)
-    e.scheduler.gate.verified(1, 1e-6 if pays else 1e6, 1.0)
+    e.scheduler.gate.verified(1, 1e-6 if pays else 1e6, [(1, 0)])
     assert run(e, ps, params, arrivals=(0,)) == plain
     assert (e.speculative_stats["verified"] > 0) == pays
     assert {s.drafts for s in e.trace} == ({0, 1} if pays else {0})

@@ -103,20 +103,20 @@ class Gate:
     """Whether speculating pays at a batch size, and with how many drafts, from what the engine's
     steps took and what their drafts yielded.
 
-    Each choice at a batch size b is an arm: decoding, at ``1 / decode_s`` tokens a second for
-    each row, or verifying with at most k drafts a sequence (k in ``drafts``), at ``tokens_k /
-    verify_s_k``. The seconds are measured per arm and batch size (a MoE's verify step costs more
-    with every draft, each reading its own experts; a dense model's hardly more): the least of
-    the arm's last ``window`` steps, as a step's time only ever gains from noise (a first replay,
-    the host). The tokens are modelled from one acceptance rate pooled over every verify step of
+    Each choice at a batch size b is an arm: decoding, a token a row for a decode step's seconds,
+    or verifying with at most k drafts a sequence (k in ``drafts``), a sequence's expected tokens
+    for a verify step's seconds (``rate``). The seconds are measured per arm and batch size (a
+    MoE's verify step costs more with every draft, each reading its own experts; a dense model's
+    hardly more): the least of the arm's last ``window`` steps, as a step's time only ever gains
+    from noise (a first replay, the host). The tokens are modelled from one acceptance rate pooled over every verify step of
     every arm and batch size, the share of the drafts tried that were kept (a draft is tried
     when those before it were kept): with rate p and m drafts offered a sequence (measured per
     arm: a drafter may offer fewer), a sequence yields 1 + p + ... + p^m tokens. Pooling is what
     makes it quick: a verify step of any arm tells every arm's yield, where one arm's own tokens
-    a step vary from 1 to k + 1. The counts fade by ``decay`` a decision, beside one kept draft
-    of one tried that does not: while the gate decodes, what it knew of the drafts fades towards
-    that optimistic prior until a verify arm is worth another look, so a drafter that starts to
-    hold is found at a cost that falls with how long it has failed.
+    a step vary from 1 to k + 1. The counts fade by ``decay`` each decision; beside them a prior
+    of one draft kept of one tried does not. While the gate decodes, what it knew of the drafts
+    fades towards that optimistic prior until a verify arm is worth another look, so a drafter
+    that starts to hold is found, at a cost that falls with how long it has failed.
 
     Each arm is first measured ``samples`` times, most drafts first, then decoding; then the
     best is taken, and the others in turn once after ``explore`` decisions at a batch size,
@@ -129,12 +129,18 @@ class Gate:
                  window: int = 4, decay: float = 0.99):
         if not drafts or any(not (isinstance(k, int) and k >= 1) for k in drafts):
             raise ValueError(f"drafts: expected ints >= 1, got {drafts!r}")
+        for name, v in (("explore", explore), ("max_explore", max_explore), ("samples", samples), ("window", window)):
+            if not (isinstance(v, int) and v >= 1):
+                raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
+        if not 0 < decay <= 1:
+            raise ValueError(f"decay: expected a fraction in (0, 1], got {decay!r}")
         self.drafts = tuple(sorted(set(drafts), reverse=True))
         self.explore, self.max_explore, self.samples, self.window, self.decay = (explore, max_explore, samples,
                                                                                  window, decay)
         # per (batch size, arm; 0: decoding): its last steps' seconds
         self.seconds: dict[tuple[int, int], deque[float]] = {}
-        # drafts kept and tried, fading; per verify arm, the drafts a sequence was offered
+        # drafts kept and tried, fading; per verify arm, the drafts a sequence was offered (a
+        # moving average)
         self.kept, self.tried = 0.0, 0.0
         self.offered: dict[int, float] = {}
         # per batch size: the best arm last found, decisions since the last exploration, how many

@@ -198,6 +198,10 @@ def test_the_gate_takes_the_number_of_drafts_that_pays_best():
     assert g.choose(1) == 0
     with pytest.raises(ValueError, match="drafts: expected ints >= 1"):
         Gate(drafts=(0, 2))
+    with pytest.raises(ValueError, match="window: expected an int >= 1, got 0"):
+        Gate(window=0)
+    with pytest.raises(ValueError, match=r"decay: expected a fraction in \(0, 1\], got 1.5"):
+        Gate(decay=1.5)
 
 
 def test_what_the_gate_knew_of_failing_drafts_fades_until_they_are_worth_another_look():

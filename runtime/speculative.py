@@ -103,20 +103,20 @@ class Gate:
     """Whether speculating pays at a batch size, and with how many drafts, from what the engine's
     steps took and what their drafts yielded.
 
-    Each choice at a batch size b is an arm: decoding, a token a row for a decode step's seconds,
-    or verifying with at most k drafts a sequence (k in ``drafts``), a sequence's expected tokens
-    for a verify step's seconds (``rate``). The seconds are measured per arm and batch size (a
-    MoE's verify step costs more with every draft, each reading its own experts; a dense model's
-    hardly more): the least of the arm's last ``window`` steps, as a step's time only ever gains
-    from noise (a first replay, the host). The tokens are modelled from one acceptance rate pooled over every verify step of
-    every arm and batch size, the share of the drafts tried that were kept (a draft is tried
-    when those before it were kept): with rate p and m drafts offered a sequence (measured per
-    arm: a drafter may offer fewer), a sequence yields 1 + p + ... + p^m tokens. Pooling is what
-    makes it quick: a verify step of any arm tells every arm's yield, where one arm's own tokens
-    a step vary from 1 to k + 1. The counts fade by ``decay`` each decision; beside them a prior
-    of one draft kept of one tried does not. While the gate decodes, what it knew of the drafts
-    fades towards that optimistic prior until a verify arm is worth another look, so a drafter
-    that starts to hold is found, at a cost that falls with how long it has failed.
+    Each choice at a batch size b is an arm: decoding, a token a row for a decode step's seconds, or
+    verifying with at most k drafts a sequence (k in ``drafts``), a sequence's expected tokens for a
+    verify step's seconds (``rate``). The seconds are measured per arm and batch size (a MoE's
+    verify step costs more with every draft, each reading its own experts; a dense model's hardly
+    more): the least of the arm's last ``window`` steps, as a step's time only ever gains from noise
+    (a first replay, the host). The tokens are modelled from one acceptance rate pooled over every
+    verify step of every arm and batch size, the share of the drafts tried that were kept (a draft
+    is tried when those before it were kept): with rate p and m drafts offered a sequence (measured
+    per arm: a drafter may offer fewer), a sequence yields 1 + p + ... + p^m tokens. Pooling is what
+    makes it quick: a verify step of any arm tells every arm's yield, where one arm's own tokens a
+    step vary from 1 to k + 1. The counts fade by ``decay`` each decision; beside them a prior of
+    one draft kept of one tried does not. While the gate decodes, what it knew of the drafts fades
+    towards that optimistic prior until a verify arm is worth another look, so a drafter that starts
+    to hold is found, at a cost that falls with how long it has failed.
 
     Each arm is first measured ``samples`` times, most drafts first, then decoding; then the
     best is taken, and the others in turn once after ``explore`` decisions at a batch size,

@@ -86,14 +86,14 @@ class Mamba2Mixer(Mixer):
         proj, xbc, y = work
         tp, replay = ctx.inputs.num_prefill_tokens, ctx.inputs.replay
         if replay is not None:
-            return self._verify(proj, y[:tp], ctx)
+            return self._verify(proj, y[:tp], ctx, passed)
         conv_state, ssm_state = ctx.pool.conv[self.idx], ctx.pool.ssm[self.idx]
         conv1d_varlen(self._xbc(proj[:tp]), self.conv_w, self.conv_b, conv_state, ctx.inputs.prefill, out=xbc[:tp])
         x, B, C = self._ssm_operands(xbc[:tp])
         ssd_scan(x, self._dt(proj[:tp]), self.A, B, C, self.D, ssm_state, ctx.inputs.prefill, dt_bias=self.dt_bias,
                  dt_softplus=True, dt_limit=self.dt_limit, out=y[:tp], passed=passed)
 
-    def _verify(self, proj: torch.Tensor, y: torch.Tensor, ctx: StepContext) -> None:
+    def _verify(self, proj: torch.Tensor, y: torch.Tensor, ctx: StepContext, passed=None) -> None:
         """A verify step's prefill rows (``runtime.replay``): the conv and the scan over the
         layout of each sequence's replayed rows (from the record) and its own; then the own
         rows' outputs taken back, and the sequences' drafts' rows kept in the record for the
@@ -106,7 +106,7 @@ class Mamba2Mixer(Mixer):
         # verify sequences, of a few tokens each, scan token by token
         scan = ssd_short_scan if tp <= SHORT_TOKENS else ssd_scan
         out = scan(x, rows[:, self.conv_dim :], self.A, B, C, self.D, ctx.pool.ssm[self.idx], replay.meta,
-                   dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit)
+                   dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit, passed=passed)
         take_rows(out.view(-1, self.inner), replay.own, y.view(tp, self.inner), proj[:tp, self.inner :], replay.record,
                   record)
 

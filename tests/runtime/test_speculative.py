@@ -236,9 +236,11 @@ def test_an_adaptive_engine_speculates_where_the_gate_finds_it_pays(checkpoint, 
     e = engine(path, speculative=Speculative(drafter=lambda: Scripted(script, 0.0), num_drafts=4), trace=True)
     e.scheduler.gate = Gate(drafts=(1,), samples=1)
     e.scheduler.gate.decoded(1, 1.0 if pays else 1e-6)
-    e.scheduler.gate.verified(1, 1e-6 if pays else 1e6, [(1, 0)])
+    e.scheduler.gate.verified(1, 1e-6 if pays else 1e6, [(1, 1)])
     assert run(e, ps, params, arrivals=(0,)) == plain
     assert (e.speculative_stats["verified"] > 0) == pays
+    if pays:  # the engine told the gate each sequence's drafts: offered, and (the script's) every one kept
+        assert e.scheduler.gate.tried > 0 and e.scheduler.gate.kept == e.scheduler.gate.tried
     assert {s.drafts for s in e.trace} == ({0, 1} if pays else {0})
 
 

@@ -134,28 +134,51 @@ _MIN_SCALE = 1e-12
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, s_in_ptr, q_ptr, s_ptr, K, stride_x, stride_q,
-                          STATIC: tl.constexpr, BLOCK_K: tl.constexpr):
-    # one program a row: its absolute maximum (unless STATIC), then the row scaled and rounded
-    row = tl.program_id(0).to(tl.int64)
-    ks = tl.arange(0, BLOCK_K)
-    if STATIC:
-        scale = tl.load(s_in_ptr)
+def _quantize_rows_kernel(x_ptr, s_in_ptr, q_ptr, s_ptr, end_ptr, K, stride_x, stride_q,
+                          STATIC: tl.constexpr, HAS_END: tl.constexpr, ONE_TILE: tl.constexpr, BLOCK_K: tl.constexpr):
+    # one program a row: its absolute maximum (unless STATIC), then the row scaled and rounded.
+    # ONE_TILE: the row fits BLOCK_K columns, read once and held in registers; else it is read
+    # twice (the second pass from L2). HAS_END: rows at and past end_ptr's value are left alone.
+    row = tl.program_id(0)
+    if HAS_END:
+        rows_in_use = tl.load(end_ptr)
     else:
-        amax = tl.zeros([BLOCK_K], tl.float32)
-        for k in range(0, K, BLOCK_K):
-            v = tl.load(x_ptr + row * stride_x + k + ks, mask=k + ks < K, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(v))
-        # correctly rounded divisions (not the fast approximate one), as torch's
-        scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), 448.0), 1e-12)
-    tl.store(s_ptr + row, scale)
-    for k in range(0, K, BLOCK_K):
-        v = tl.load(x_ptr + row * stride_x + k + ks, mask=k + ks < K, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -448.0), 448.0)
-        tl.store(q_ptr + row * stride_q + k + ks, q.to(q_ptr.dtype.element_ty), mask=k + ks < K)
+        rows_in_use = row + 1
+    if row < rows_in_use:
+        x_row = x_ptr + row.to(tl.int64) * stride_x
+        q_row = q_ptr + row.to(tl.int64) * stride_q
+        ks = tl.arange(0, BLOCK_K)
+        if ONE_TILE:
+            v = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
+            if STATIC:
+                scale = tl.load(s_in_ptr)
+            else:
+                # correctly rounded divisions (not the fast approximate one), as torch's
+                scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(v), axis=0), 448.0), 1e-12)
+            tl.store(s_ptr + row, scale)
+            _store_quantized(q_row + ks, v, scale, ks < K)
+        else:
+            if STATIC:
+                scale = tl.load(s_in_ptr)
+            else:
+                amax = tl.zeros([BLOCK_K], tl.float32)
+                for k in range(0, K, BLOCK_K):
+                    v = tl.load(x_row + k + ks, mask=k + ks < K, other=0.0).to(tl.float32)
+                    amax = tl.maximum(amax, tl.abs(v))
+                scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), 448.0), 1e-12)
+            tl.store(s_ptr + row, scale)
+            for k in range(0, K, BLOCK_K):
+                v = tl.load(x_row + k + ks, mask=k + ks < K, other=0.0).to(tl.float32)
+                _store_quantized(q_row + k + ks, v, scale, k + ks < K)
 
 
-def quantize_rows_ref(x: torch.Tensor, input_scale: torch.Tensor | None = None):
+@triton.jit
+def _store_quantized(q_ptrs, v, scale, mask):
+    q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -448.0), 448.0)
+    tl.store(q_ptrs, q.to(q_ptrs.dtype.element_ty), mask=mask)
+
+
+def quantize_rows_ref(x: torch.Tensor, input_scale: torch.Tensor | None = None, row_end: torch.Tensor | None = None):
     x32 = x.float()
     if input_scale is None:
         scale = (x32.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=_MIN_SCALE)
@@ -165,11 +188,13 @@ def quantize_rows_ref(x: torch.Tensor, input_scale: torch.Tensor | None = None):
 
 
 @with_reference(quantize_rows_ref)
-def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None):
+def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None, row_end: torch.Tensor | None = None):
     """x [M, K] (rows contiguous) as FP8 values [M, K] and fp32 row scales [M, 1]: each row's
     absolute maximum over FP8_MAX (per token, dynamic), or the static ``input_scale`` (an fp32
-    scalar tensor) for every row, values saturated there. One kernel, one pass over x (two for
-    dynamic scales, the second from L2)."""
+    scalar tensor) for every row, values saturated there. One kernel, one pass over x where a
+    row fits a tile (else two, the second from L2). ``row_end``: an int32 device scalar, the rows
+    in use (a sorted MoE layout's end of its last run, ``kernels.moe``): the kernel leaves the
+    rows past it unwritten (the reference quantizes them all)."""
     M, K = x.shape
     if x.stride(1) != 1:
         raise ValueError("quantize_rows: x's rows must be contiguous")
@@ -177,9 +202,10 @@ def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None):
     scale = torch.empty(M, 1, dtype=torch.float32, device=x.device)
     if M:
         block = min(4096, triton.next_power_of_2(K))
-        _quantize_rows_kernel[(M,)](x, input_scale if input_scale is not None else scale, q, scale, K, x.stride(0),
-                                    q.stride(0), STATIC=input_scale is not None, BLOCK_K=block,
-                                    num_warps=8 if block >= 2048 else 4)
+        _quantize_rows_kernel[(M,)](x, input_scale if input_scale is not None else scale, q, scale,
+                                    row_end if row_end is not None else scale, K, x.stride(0), q.stride(0),
+                                    STATIC=input_scale is not None, HAS_END=row_end is not None,
+                                    ONE_TILE=K <= block, BLOCK_K=block, num_warps=8 if block >= 2048 else 4)
     return q, scale
 
 

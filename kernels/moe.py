@@ -122,6 +122,7 @@ def _align_kernel(idx_ptr, slot_of_pair_ptr, token_of_slot_ptr, starts_ptr, coun
     padded = _padded(counts, BM)
     starts = tl.cumsum(padded, axis=0) - padded
     tl.store(starts_ptr + cols, starts, mask=cols < E)
+    tl.store(starts_ptr + E, tl.sum(padded, axis=0))  # the end of the last run
     tl.store(counts_ptr + cols, counts, mask=cols < E)
     _assign_span(idx_ptr, slot_of_pair_ptr, token_of_slot_ptr, 0, P, P, starts, cols, TOP_K, BLOCK_P, BLOCK_E)
 
@@ -161,6 +162,7 @@ def _assign_kernel(idx_ptr, block_counts_ptr, slot_of_pair_ptr, token_of_slot_pt
     starts = tl.cumsum(padded, axis=0) - padded
     if b == 0:
         tl.store(starts_ptr + cols, starts, mask=col_ok)
+        tl.store(starts_ptr + E, tl.sum(padded, axis=0))  # the end of the last run
         tl.store(counts_ptr + cols, counts, mask=col_ok)
     _assign_span(idx_ptr, slot_of_pair_ptr, token_of_slot_ptr, b * SPAN, tl.minimum(b * SPAN + SPAN, P), P,
                  starts + before, cols, TOP_K, BLOCK_P, BLOCK_E)
@@ -194,7 +196,8 @@ PAIR_DOWN_ONE_TOKEN, PAIR_DOWN_TOKENS = (8, 1024, 3), (16, 512, 3)
 
 
 def _align(idx, E: int, bm: int, S: int, pdl: bool = False, block_counts=None):
-    """(slot_of_pair [P], token_of_slot [S], starts [E], counts [E]) on the device: one program
+    """(slot_of_pair [P], token_of_slot [S], starts [E + 1], counts [E]) on the device (starts[E]: the
+    end of the last run, the slots in use; the rest of token_of_slot is left unwritten): one program
     for a decode step's few pairs, two parallel passes (count, assign) for a prefill chunk's
     many, the first skipped where the routing counted its blocks (``block_counts``, from
     ``moe_route``). All make the same layout. ``pdl``: the one program, or the assigning pass
@@ -202,7 +205,7 @@ def _align(idx, E: int, bm: int, S: int, pdl: bool = False, block_counts=None):
     P, k, dev = idx.numel(), idx.shape[1], idx.device
     slot_of_pair = torch.empty(P, dtype=torch.int32, device=dev)
     token_of_slot = torch.empty(S, dtype=torch.int32, device=dev)
-    starts = torch.empty(E, dtype=torch.int32, device=dev)
+    starts = torch.empty(E + 1, dtype=torch.int32, device=dev)
     counts = torch.empty(E, dtype=torch.int32, device=dev)
     block_e = max(16, triton.next_power_of_2(E))
     block_p = max(16, min(256, 8192 // block_e))
@@ -613,8 +616,9 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
         if not up_proj and gate_up is not None:  # padding slots' rows are zeros, and silu(0) * 0 = 0
             silu_mul(gate_up, out=h, pdl=pdl)
         a_scale = None
-        if w8a8:  # the rows as FP8 values and a scale each (the padding slots' zero rows: zeros)
-            a, a_scale = quantize_rows(a)
+        if w8a8:  # the rows as FP8 values and a scale each (the padding slots' zero rows: zeros;
+            # the down projection's input past the last run, which no tile reads, left alone)
+            a, a_scale = quantize_rows(a, row_end=None if up_proj or pairs else starts[E:])
         n, kk = weight.shape[1], weight.shape[2]
         scale, scale_block, mode = _scale_args(weight, scales)
         common = (a.stride(0), weight.stride(0), weight.stride(1), result.stride(0), scale, scale.stride(0),

@@ -227,6 +227,20 @@ def launch_prefill() -> None:
                          torch.empty(2, K - 1, D, **bf16).transpose(1, 2), meta)
 
 
+def launch_quantize() -> None:
+    """The per-token FP8 quantizer of W8A8 products: rows of one tile (a decode step's and a
+    prefill chunk's, Nemotron-3-Nano's widths) and longer ones (two passes), a static scale, and
+    the rows in use bounded on the device."""
+    from mambastep.kernels.fp8 import quantize_rows
+
+    end = torch.tensor(1000, dtype=torch.int32)
+    for M, K in ((64, 2688), (2048, 2688), (2048, 1856), (600, 5000)):
+        x = torch.randn(M, K).to(torch.bfloat16)
+        quantize_rows.triton(x)
+        quantize_rows.triton(x, torch.tensor(0.01))
+        quantize_rows.triton(x, row_end=end)
+
+
 def launch_replay() -> None:
     """A verify step's row moves at Nemotron-H-8B's widths (bf16): the layout's gather from the
     packed rows and the record, and the outputs taken back with the drafts' rows kept."""
@@ -248,5 +262,6 @@ if __name__ == "__main__":
     launch_decode_attention()
     launch_prefill()
     launch_replay()
+    launch_quantize()
     print(f"{len(compiled)} kernel variants, {len(failed)} failed to compile for sm_90 or spilled")
     sys.exit(1 if failed or not compiled else 0)

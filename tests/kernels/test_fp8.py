@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from mambastep.kernels import fp8
 from mambastep.kernels.fp8 import (
     FP8_MAX, Fp8Weight, fp8_linear, fp8_linear_ref, quantize_fp8, quantize_rows, quantize_rows_ref,
 )
@@ -57,6 +58,35 @@ def test_quantize_rows_dynamic_and_static(device, K):
     assert (s.cpu() == 0.01).all() and rq.float().abs().amax() == FP8_MAX
     assert not exact or torch.equal(q.cpu().float(), rq.float())
 
+
+
+@pytest.mark.parametrize("M, K", [(600, 40), (600, 1856), (520, 5000)], ids=["short rows", "one tile", "two passes"])
+def test_quantize_rows_in_one_pass_or_two_and_the_rows_in_use(device, M, K, monkeypatch):
+    """A row of one tile is read once, a longer one twice; each row's scale is its own.
+    ``row_end`` (a device scalar) bounds the rows written: those before it are the reference's,
+    those past it keep what the launcher's buffers held (poisoned here)."""
+    torch.manual_seed(4)
+    x = (torch.randn(M, K) * torch.rand(M, 1) * 4).to(BF16)
+    x[7] = 0.0
+    rq, rs = quantize_rows_ref(x)
+    q, s = quantize_rows.triton(x.to(device), None)
+    assert torch.equal(s.cpu(), rs)
+    assert device.type != "cuda" or torch.equal(q.cpu().float(), rq.float())
+
+    class PoisonedEmpty:  # the fp8 module's torch, its new buffers poisoned
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def empty(*shape, dtype=None, device=None):
+            return torch.full(shape, -1.0 if dtype == torch.float32 else 3.0, device=device).to(dtype)
+
+    monkeypatch.setattr(fp8, "torch", PoisonedEmpty())
+    end = 333
+    q, s = quantize_rows.triton(x.to(device), None, torch.tensor(end, dtype=torch.int32, device=device))
+    assert torch.equal(s.cpu()[:end], rs[:end]) and (s.cpu()[end:] == -1.0).all()
+    assert (q.cpu().float()[end:] == 3.0).all()
+    assert device.type != "cuda" or torch.equal(q.cpu().float()[:end], rq.float()[:end])
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("static", [False, True])

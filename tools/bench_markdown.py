@@ -38,11 +38,15 @@ def run_command(r: dict) -> str:
 
 
 def run_table(runs: list[dict]) -> str:
-    lines = ["| command | date | TTFT p50 (ms) | inter-token p50 (ms) | inter-token p99 (ms) | output tokens/s |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    """One row a run; with a device column where the runs come from more than one device."""
+    devices = len({r["device_name"] for r in runs}) > 1
+    lines = [f"| command | date |{' device |' if devices else ''} TTFT p50 (ms) | inter-token p50 (ms) | "
+             "inter-token p99 (ms) | output tokens/s |", "| --- | --- |" + (" --- |" if devices else "")
+             + " --- | --- | --- | --- |"]
     for r in runs:
-        lines.append(f"| `{run_command(r)}` | {r['date']} | {r['ttft_ms']['p50']:.2f} | {r['itl_ms']['p50']:.3f} | "
-                     f"{r['itl_ms']['p99']:.3f} | {r['output_tokens_per_s']:.0f} |")
+        device = f" {r['device_name']} |" if devices else ""
+        lines.append(f"| `{run_command(r)}` | {r['date']} |{device} {r['ttft_ms']['p50']:.2f} | "
+                     f"{r['itl_ms']['p50']:.3f} | {r['itl_ms']['p99']:.3f} | {r['output_tokens_per_s']:.0f} |")
     return "\n".join(lines)
 
 

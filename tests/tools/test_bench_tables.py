@@ -125,6 +125,18 @@ def test_markdown_writes_every_table_under_its_command(tmp_path):
     assert "Measured 2026-12-02 (mamba2-130m steps: 2026-12-01; `mambastep run` of mamba2-130m: 2026-12-01) on" in table
 
 
+
+def test_the_run_table_names_each_runs_device_where_they_differ():
+    from mambastep.tools import bench_markdown
+
+    run = {"model": "mamba2-130m", "device_name": "H200", "date": "2026-12-01", "requests": 16, "concurrency": 1,
+           "ttft_ms": {"p50": 1.5}, "itl_ms": {"p50": 0.23, "p99": 0.25}, "output_tokens_per_s": 4000.0}
+    one = bench_markdown.run_table([run, run])
+    assert "device" not in one and one.splitlines()[2].endswith("| 2026-12-01 | 1.50 | 0.230 | 0.250 | 4000 |")
+    two = bench_markdown.run_table([run, {**run, "device_name": "H100"}]).splitlines()
+    assert two[0].startswith("| command | date | device |") and two[1].count("---") == 7
+    assert two[2].endswith("| 2026-12-01 | H200 | 1.50 | 0.230 | 0.250 | 4000 |") and "| H100 |" in two[3]
+
 def test_the_http_table_sets_each_server_run_beside_its_in_process_run(tmp_path):
     import json
 

@@ -1,11 +1,12 @@
 """Compile kernels for Hopper (sm_90) without a GPU (the MoE kernels, with their TMA tiles, the
 skinny projections' streamed path, the decode attention, a Mamba2 prefill chunk's scan and
-conv, a verify step's row moves): every launch a call makes is caught, its arguments turned
-into the signature and specialisation the JIT would give them, and the kernel compiled to a
-cubin instead of run, and ptxas asked what registers it takes. Run in a process of its own (the
-interpreter must be off): ``python tests/kernels/hopper_compile.py``; prints a line per kernel
-variant, exits 1 if any fails to compile or spills registers (a variant that spills is slow on
-the GPU, which a CPU run would never show). ``test_hopper_compile.py`` runs it."""
+conv, a verify step's row moves, the per-token FP8 quantizer): every launch a call makes is
+caught, its arguments turned into the signature and specialisation the JIT would give them, and
+the kernel compiled to a cubin instead of run, and ptxas asked what registers it takes. Run in a
+process of its own (the interpreter must be off): ``python tests/kernels/hopper_compile.py``;
+prints a line per kernel variant, exits 1 if any fails to compile or spills registers (a variant
+that spills is slow on the GPU, which a CPU run would never show). ``test_hopper_compile.py``
+runs it."""
 
 from __future__ import annotations
 

@@ -7,7 +7,9 @@ channel, attention and the Mamba layer before it kept in bf16, NVIDIA's recipe),
 same weights. Floors count the bytes each step reads: FP8 values and their scales, the bf16
 modules, the states (``bench_steps.hbm_floor_bytes``). The prefill's FLOP floor takes each
 product at its own rate: FP8 products at the FP8 tensor-core rate, the rest at bf16's, both
-sustained (``bench_kernels.matmul_rate``). A mixture-of-experts model's FP8 experts quantize their
+sustained (``bench_kernels.matmul_rate``); beside it, each product at the slower of those FLOPs
+and its weights' bytes (a mixture of experts reads every routed expert's weights in full at a
+hundred rows an expert: bound by bytes, which the FLOP floor does not count). A mixture-of-experts model's FP8 experts quantize their
 activations per row past a few pairs (W8A8, ``MoEMixer.w8a8``, the runtime's default); the same
 steps with them W8A16 (the FP8 values widened to bf16) are timed beside, at the prefill and the
 wide decode steps, with their agreement with bf16.
@@ -35,8 +37,8 @@ from ..runtime.state_pool import StatePool
 from ..runtime.step_runner import StepRunner
 from .bench_kernels import copy_bandwidth, matmul_rate, median_ms, stamp
 from .bench_steps import (
-    CONTEXT, _moe_mixers, decode_plan, fitting_batches, hbm_floor_bytes, prefill_floor_ms, prefill_plan, replay_ms,
-    routed_experts, step_ms,
+    CONTEXT, _moe_mixers, decode_plan, fitting_batches, hbm_floor_bytes, prefill_floor_ms, prefill_plan,
+    prefill_roofline_ms, replay_ms, routed_experts, step_ms,
 )
 
 PRESETS = ("nemotron-3-nano-30b-a3b", "nemotron-h-8b", "nemotron-nano-9b-v2")
@@ -98,8 +100,10 @@ def bench_model(model: Model, bandwidth: float, rates: tuple[float, float], prog
                      "floor_ms": hbm_floor_bytes(model, pool, batch, routed) / bandwidth * 1e3})
     chunk = prefill_plan(PREFILL, slots - 1)
     prefill_floor = prefill_floor_ms(model, PREFILL, *rates)
+    routed = routed_experts(eager, chunk) if moe else None
     rows.append({"kind": "prefill", "tokens": PREFILL, "graph_ms": step_ms(runner, chunk, rounds=10),
-                 "floor_ms": prefill_floor})
+                 "floor_ms": prefill_floor,
+                 "roofline_ms": prefill_roofline_ms(model, PREFILL, routed, rates[0], bandwidth, fp8_rate=rates[1])})
     logits, tokens = _agreement_steps(eager, max(batches), feed)
     w8a16_logits = None
     mixers = _moe_mixers(model) if model.cfg.quantization is not None else []
@@ -190,6 +194,9 @@ def tables(result: dict) -> str:
         for key in bf:  # the decode batches the card held, then the prefill
             a, b = bf[key], f8[key]
             out.append(_row(f"decode x{key}" if a["kind"] == "decode" else f"prefill {key} (FLOP floor)", a, b))
+            if "roofline_ms" in a and "roofline_ms" in b:  # (JSON from before it was measured has none)
+                out.append(_row(f"prefill {key} (each product's FLOPs or bytes, the slower)",
+                                {**a, "floor_ms": a["roofline_ms"]}, {**b, "floor_ms": b["roofline_ms"]}))
         for r in p["fp8"]["rows"]:  # W8A16 experts' rows beside bf16's same step (the FP8 rows above: W8A8)
             if r["kind"] == "decode-w8a16":
                 out.append(_row(f"decode x{r['batch']}, experts W8A16", bf[r["batch"]], r))

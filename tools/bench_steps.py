@@ -182,12 +182,13 @@ def prefill_floor_ms(model: Model, tokens: int, rate: float, fp8_rate: float) ->
 
 
 def prefill_roofline_ms(model: Model, tokens: int, routed: dict[int, int] | None, rate: float,
-                        bandwidth: float) -> float:
-    """A prefill chunk's matrix products, each at the slower of its FLOPs at the matrix rate and
-    its weights' bytes at copy bandwidth: above the FLOP floor where a product reads more than
-    it computes, as the routed experts at a hundred rows an expert, each read in full."""
-    return sum(max(flops / rate, nbytes / bandwidth)
-               for flops, nbytes, _ in _prefill_products(model, tokens, routed)) * 1e3
+                        bandwidth: float, fp8_rate: float | None = None) -> float:
+    """A prefill chunk's matrix products, each at the slower of its FLOPs at the matrix rate (FP8
+    products at ``fp8_rate``, where given) and its weights' bytes at copy bandwidth: above the
+    FLOP floor where a product reads more than it computes, as the routed experts at a hundred
+    rows an expert, each read in full."""
+    return sum(max(flops / (fp8_rate if fp8 and fp8_rate else rate), nbytes / bandwidth)
+               for flops, nbytes, fp8 in _prefill_products(model, tokens, routed)) * 1e3
 
 
 def named_mixer_weights(mixer, prefix: str = ""):

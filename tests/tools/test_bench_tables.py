@@ -190,7 +190,7 @@ def test_fp8_floors_count_the_bytes_read_and_each_products_rate():
     from mambastep.kernels.fp8 import Fp8Weight
     from mambastep.runtime.model import Model
     from mambastep.runtime.state_pool import StatePool
-    from mambastep.tools.bench_steps import hbm_floor_bytes, prefill_flops, prefill_floor_ms
+    from mambastep.tools.bench_steps import hbm_floor_bytes, prefill_flops, prefill_floor_ms, prefill_roofline_ms
 
     bf16 = Model.from_preset("tiny-hybrid", dtype=torch.bfloat16)
     fp8 = Model.from_preset("tiny-hybrid", dtype=torch.bfloat16, quantization="fp8")
@@ -205,6 +205,10 @@ def test_fp8_floors_count_the_bytes_read_and_each_products_rate():
     rest = prefill_floor_ms(fp8, 64, rate=1.0, fp8_rate=1e30)
     assert 0 < rest < prefill_floor_ms(bf16, 64, rate=1.0, fp8_rate=1e30)
     assert prefill_floor_ms(fp8, 64, rate=1.0, fp8_rate=1.0) == pytest.approx(prefill_flops(fp8, 64) * 1e3)
+    # the roofline: at no bandwidth limit, the FLOP floor at each product's rate; at no FLOP
+    # limit, the bytes of every weight read (the experts' FP8 values and scales)
+    assert prefill_roofline_ms(fp8, 64, None, 1.0, 1e30, fp8_rate=1e30) == pytest.approx(rest)
+    assert prefill_roofline_ms(fp8, 64, None, 1e30, 1.0, fp8_rate=1e30) < prefill_roofline_ms(bf16, 64, None, 1e30, 1.0)
 
 
 def test_fp8_tables_set_bf16_beside_fp8(capsys):
@@ -213,7 +217,7 @@ def test_fp8_tables_set_bf16_beside_fp8(capsys):
     def rows(ms):
         decode = [{"kind": "decode", "batch": b, "graph_ms": ms * b, "floor_ms": 0.5 * b, "replay_ms": ms}
                   for b in bench_fp8.DECODE_BATCHES]
-        return decode + [{"kind": "prefill", "tokens": 2048, "graph_ms": 30.0, "floor_ms": 20.0}]
+        return decode + [{"kind": "prefill", "tokens": 2048, "graph_ms": 30.0, "floor_ms": 20.0, "roofline_ms": 25.0}]
 
     w8a16 = [{"kind": "decode-w8a16", "batch": 64, "graph_ms": 40.0, "floor_ms": 32.0},
             {"kind": "prefill-w8a16", "tokens": 2048, "graph_ms": 24.0, "floor_ms": 20.0}]
@@ -228,6 +232,8 @@ def test_fp8_tables_set_bf16_beside_fp8(capsys):
     assert "| decode x1 | 1.000 | 0.500 | 2.00x | 0.800 | 0.500 | 1.60x | 1.25x |" in out
     # the W8A16 experts' steps: rows of their own beside bf16's, not in place of the FP8 ones
     assert "| prefill 2048 (FLOP floor) | 30.000 | 20.000 | 1.50x | 30.000 | 20.000 | 1.50x | 1.00x |" in out
+    assert ("| prefill 2048 (each product's FLOPs or bytes, the slower) | 30.000 | 25.000 | 1.20x | 30.000 | 25.000 | "
+            "1.20x | 1.00x |") in out
     assert "| decode x64 | 64.000 | 32.000 | 2.00x | 51.200 | 32.000 | 1.60x | 1.25x |" in out
     assert "| decode x64, experts W8A16 | 64.000 | 32.000 | 2.00x | 40.000 | 32.000 | 1.25x | 1.60x |" in out
     assert "| prefill 2048, experts W8A16 | 30.000 | 20.000 | 1.50x | 24.000 | 20.000 | 1.20x | 1.25x |" in out

@@ -9,10 +9,11 @@ modules, the states (``bench_steps.hbm_floor_bytes``). The prefill's FLOP floor 
 product at its own rate: FP8 products at the FP8 tensor-core rate, the rest at bf16's, both
 sustained (``bench_kernels.matmul_rate``); beside it, each product at the slower of those FLOPs
 and its weights' bytes (a mixture of experts reads every routed expert's weights in full at a
-hundred rows an expert: bound by bytes, which the FLOP floor does not count). A mixture-of-experts model's FP8 experts quantize their
-activations per row past a few pairs (W8A8, ``MoEMixer.w8a8``, the runtime's default); the same
-steps with them W8A16 (the FP8 values widened to bf16) are timed beside, at the prefill and the
-wide decode steps, with their agreement with bf16.
+hundred rows an expert: bound by bytes, which the FLOP floor does not count). A
+mixture-of-experts model's FP8 experts quantize their activations per row past a few pairs
+(W8A8, ``MoEMixer.w8a8``, the runtime's default); the same steps with them W8A16 (the FP8 values
+widened to bf16) are timed beside, at the prefill and the wide decode steps, with their
+agreement with bf16.
 
 A model whose state does not fit 256 rows beside it (Nemotron-3-Nano in bf16 on an 80 GB
 card) is timed at the batches that fit.

@@ -59,7 +59,6 @@ def test_quantize_rows_dynamic_and_static(device, K):
     assert not exact or torch.equal(q.cpu().float(), rq.float())
 
 
-
 @pytest.mark.parametrize("M, K", [(600, 40), (600, 1856), (520, 5000)], ids=["short rows", "one tile", "two passes"])
 def test_quantize_rows_in_one_pass_or_two_and_the_rows_in_use(device, M, K, monkeypatch):
     """A row of one tile is read once, a longer one twice; each row's scale is its own.
@@ -87,6 +86,7 @@ def test_quantize_rows_in_one_pass_or_two_and_the_rows_in_use(device, M, K, monk
     assert torch.equal(s.cpu()[:end], rs[:end]) and (s.cpu()[end:] == -1.0).all()
     assert (q.cpu().float()[end:] == 3.0).all()
     assert device.type != "cuda" or torch.equal(q.cpu().float()[:end], rq.float()[:end])
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("static", [False, True])

@@ -18,6 +18,12 @@ the probabilities are rounded to bf16 before the ``p @ V`` product, as HF's eage
   stores every token's key/value at position ``context_lens[i] + j``; then each token attends to
   its slot's positions ``[0, context_lens[i] + j]``, which includes earlier chunks of the prompt.
 
+The cache is in the queries' dtype, or FP8 (e4m3, ``FP8_KV_DTYPE``) as FP8 checkpoints ask
+(ModelOpt's ``kv_cache_quant_algo``): then each layer has a key and a value scale
+(``kv_scale``, fp32 [2]); a token is stored divided by them (rounded to nearest, saturated at
+448) and read back multiplied, as the queries' dtype, before the products. A decode row attends
+to its new token as stored, so a step sees what every later step will.
+
 Rows whose slot is ``PAD_SLOT_ID``, tokens with ``seq_idx == -1`` and unused sequences never read
 or write the cache and get zeros in ``out``. Positions are clamped to ``max_ctx`` so that bad
 lengths can never reach another slot's rows. Live rows must own distinct slots.
@@ -30,12 +36,16 @@ import triton
 import triton.language as tl
 
 from .dispatch import with_reference
+from .fp8 import FP8_MAX
 from .varlen import PAD_SLOT_ID, PrefillMetadata
 
 __all__ = [
-    "decode_attention", "decode_attention_ref", "decode_workspace", "prefill_attention", "prefill_attention_ref",
+    "FP8_KV_DTYPE", "decode_attention", "decode_attention_ref", "decode_workspace", "prefill_attention", "prefill_attention_ref",
     "write_kv", "write_kv_ref",
 ]
+
+# An FP8 KV cache's element type (its keys and values each over one scale a layer)
+FP8_KV_DTYPE = torch.float8_e4m3fn
 
 # Scores are carried in log2 units (scale * log2(e) folded into one multiply) so kernels use exp2.
 _LOG2E = 1.4426950408889634
@@ -69,8 +79,25 @@ def _split_len(kv_len, num_splits, QUANTUM: tl.constexpr):
 
 
 @triton.jit
+def _to_cache(x, scale_ptr, cache_ptr, FP8_KV: tl.constexpr):
+    """Keys or values as the cache stores them: in its dtype, or FP8 over the layer's scale
+    (``scale_ptr``: x / scale, saturated at the largest e4m3 value, rounded to nearest)."""
+    if FP8_KV:
+        x = tl.minimum(tl.maximum(tl.math.div_rn(x.to(tl.float32), tl.load(scale_ptr)), -448.0), 448.0)
+    return x.to(cache_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _from_cache(x, scale_ptr, q_ptr, FP8_KV: tl.constexpr):
+    """Cached keys or values in the queries' dtype (``q_ptr``'s): FP8 ones times the layer's scale."""
+    if FP8_KV:
+        x = (x.to(tl.float32) * tl.load(scale_ptr)).to(q_ptr.dtype.element_ty)
+    return x
+
+
+@triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, len_ptr, ws_ptr,
+    q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, len_ptr, ws_ptr, kvs_ptr,
     qk_scale, max_ctx, num_splits,
     stride_q_b, stride_q_h,
     stride_k_b, stride_k_h,
@@ -84,6 +111,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr,
+    FP8_KV: tl.constexpr,
 ):
     # One program: row b, KV head kvh with its GROUP query heads, positions
     # [split * split_len, +split_len) cut at the row's length; split_len follows the row's length.
@@ -122,16 +150,19 @@ def _decode_split_kernel(
     )
     k_new = tl.load(k_ptr + b * stride_k_b + kvh * stride_k_h + offs_d, mask=mask_d, other=0.0)
     v_new = tl.load(v_ptr + b * stride_v_b + kvh * stride_v_h + offs_d, mask=mask_d, other=0.0)
-    k_new = k_new.to(kc_ptr.dtype.element_ty)
-    v_new = v_new.to(vc_ptr.dtype.element_ty)
+    # as stored, and as attended to: what every later step reads back from the cache
+    k_store = _to_cache(k_new, kvs_ptr, kc_ptr, FP8_KV)
+    v_store = _to_cache(v_new, kvs_ptr + 1, vc_ptr, FP8_KV)
+    k_new = _from_cache(k_store, kvs_ptr, q_ptr, FP8_KV)
+    v_new = _from_cache(v_store, kvs_ptr + 1, q_ptr, FP8_KV)
 
     kc_base = kc_ptr + slot * stride_kc_s + kvh * stride_kc_h
     vc_base = vc_ptr + slot * stride_vc_s + kvh * stride_vc_h
     # Exactly one program of (b, kvh) holds the last position: it stores the new token. It never
     # loads that row (the loads below stop before `last`), so there is no read-after-write race.
     if end == kv_len:
-        tl.store(kc_base + last * stride_kc_p + offs_d, k_new, mask=mask_d)
-        tl.store(vc_base + last * stride_vc_p + offs_d, v_new, mask=mask_d)
+        tl.store(kc_base + last * stride_kc_p + offs_d, k_store, mask=mask_d)
+        tl.store(vc_base + last * stride_vc_p + offs_d, v_store, mask=mask_d)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -143,6 +174,8 @@ def _decode_split_kernel(
         is_new = (pos == last)[:, None]
         kt = tl.load(kc_base + pos[:, None] * stride_kc_p + offs_d[None, :], mask=cached, other=0.0)
         vt = tl.load(vc_base + pos[:, None] * stride_vc_p + offs_d[None, :], mask=cached, other=0.0)
+        kt = _from_cache(kt, kvs_ptr, q_ptr, FP8_KV)
+        vt = _from_cache(vt, kvs_ptr + 1, q_ptr, FP8_KV)
         kt = tl.where(is_new, k_new[None, :], kt)
         vt = tl.where(is_new, v_new[None, :], vt)
         m_i, l_i, acc = _attend_tile(q, kt, vt, (pos < end)[None, :], m_i, l_i, acc, qk_scale, True)
@@ -191,7 +224,7 @@ def _decode_combine_kernel(
 
 @triton.jit
 def _write_kv_kernel(
-    k_ptr, v_ptr, kc_ptr, vc_ptr, seq_idx_ptr, cu_ptr, slot_ptr, ctx_ptr,
+    k_ptr, v_ptr, kc_ptr, vc_ptr, seq_idx_ptr, cu_ptr, slot_ptr, ctx_ptr, kvs_ptr,
     max_ctx,
     stride_k_t, stride_k_h,
     stride_v_t, stride_v_h,
@@ -201,6 +234,7 @@ def _write_kv_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    FP8_KV: tl.constexpr,
 ):
     # One program: one packed token, all its KV heads ([KVH, Dh] is a few KiB at most).
     t = tl.program_id(0)
@@ -219,13 +253,13 @@ def _write_kv_kernel(
     v = tl.load(v_ptr + t * stride_v_t + offs_h[:, None] * stride_v_h + offs_d[None, :], mask=mask)
     kc = kc_ptr + slot * stride_kc_s + pos * stride_kc_p + offs_h[:, None] * stride_kc_h + offs_d[None, :]
     vc = vc_ptr + slot * stride_vc_s + pos * stride_vc_p + offs_h[:, None] * stride_vc_h + offs_d[None, :]
-    tl.store(kc, k.to(kc_ptr.dtype.element_ty), mask=mask)
-    tl.store(vc, v.to(vc_ptr.dtype.element_ty), mask=mask)
+    tl.store(kc, _to_cache(k, kvs_ptr, kc_ptr, FP8_KV), mask=mask)
+    tl.store(vc, _to_cache(v, kvs_ptr + 1, vc_ptr, FP8_KV), mask=mask)
 
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, kc_ptr, vc_ptr, out_ptr, cu_ptr, slot_ptr, ctx_ptr,
+    q_ptr, kc_ptr, vc_ptr, out_ptr, cu_ptr, slot_ptr, ctx_ptr, kvs_ptr,
     qk_scale, num_tokens, num_seqs, max_ctx,
     stride_q_t, stride_q_h,
     stride_kc_s, stride_kc_p, stride_kc_h,
@@ -237,6 +271,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    FP8_KV: tl.constexpr,
 ):
     # One program: query head h, one block of BLOCK_M tokens of one sequence. Blocks are aligned
     # to sequence starts (sequence i owns cdiv(len_i, BLOCK_M) consecutive block ids), so a block
@@ -304,6 +339,8 @@ def _prefill_kernel(
         pos = n0 + offs_n
         kt = tl.load(kc_base + pos[:, None] * stride_kc_p + offs_d[None, :], mask=mask_d[None, :], other=0.0)
         vt = tl.load(vc_base + pos[:, None] * stride_vc_p + offs_d[None, :], mask=mask_d[None, :], other=0.0)
+        kt = _from_cache(kt, kvs_ptr, q_ptr, FP8_KV)
+        vt = _from_cache(vt, kvs_ptr + 1, q_ptr, FP8_KV)
         m_i, l_i, acc = _attend_tile(q, kt, vt, mask_m[:, None], m_i, l_i, acc, qk_scale, False)
     # The diagonal tiles: each row sees the keys at or before its own position.
     for n0 in range(full, kv_hi, BLOCK_N):
@@ -313,6 +350,8 @@ def _prefill_kernel(
                      mask=in_kv[:, None] & mask_d[None, :], other=0.0)
         vt = tl.load(vc_base + pos[:, None] * stride_vc_p + offs_d[None, :],
                      mask=in_kv[:, None] & mask_d[None, :], other=0.0)
+        kt = _from_cache(kt, kvs_ptr, q_ptr, FP8_KV)
+        vt = _from_cache(vt, kvs_ptr + 1, q_ptr, FP8_KV)
         valid = (pos[None, :] <= q_pos[:, None]) & in_kv[None, :]
         m_i, l_i, acc = _attend_tile(q, kt, vt, valid, m_i, l_i, acc, qk_scale, True)
 
@@ -359,15 +398,32 @@ def _check_inner_contiguous(**tensors: torch.Tensor) -> None:
             raise ValueError(f"{name} must be contiguous in its last dim, got strides {tuple(t.stride())}")
 
 
-def _check_cache(q, k, v, k_cache, v_cache, out, rows) -> tuple[int, int, int, int]:
+def _check_kv_dtype(x: torch.Tensor, k_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> bool:
+    """Whether the cache is FP8 (e4m3, over ``kv_scale``); else it must be in ``x``'s dtype, and
+    no scale is taken (one passed to a full-precision cache would be ignored)."""
+    if k_cache.dtype == FP8_KV_DTYPE:
+        if kv_scale is None:
+            raise ValueError("an FP8 KV cache needs kv_scale, the layer's (key scale, value scale)")
+        _check("kv_scale", kv_scale, (2,), torch.float32)
+        if kv_scale.device != k_cache.device:
+            raise ValueError(f"kv_scale must be on the cache's device ({k_cache.device}), got {kv_scale.device}")
+        return True
+    if kv_scale is not None:
+        raise ValueError(f"kv_scale is for an FP8 KV cache; this one is {k_cache.dtype}")
+    _check("k_cache", k_cache, tuple(k_cache.shape), x.dtype)
+    return False
+
+
+def _check_cache(q, k, v, k_cache, v_cache, out, rows, kv_scale) -> tuple[int, int, int, int]:
     """Shared shape checks; returns (H, KVH, Dh, max_ctx)."""
     if k_cache.dim() != 4:
         raise ValueError(f"k_cache must be [S, max_ctx, KVH, Dh], got {list(k_cache.shape)}")
     S, max_ctx, KVH, Dh = k_cache.shape
     H = q.shape[1]
-    _check("q", q, (rows, H, Dh), k_cache.dtype)
-    _check("k", k, (rows, KVH, Dh), k_cache.dtype)
-    _check("v", v, (rows, KVH, Dh), k_cache.dtype)
+    _check_kv_dtype(q, k_cache, kv_scale)
+    _check("q", q, (rows, H, Dh))
+    _check("k", k, (rows, KVH, Dh), q.dtype)
+    _check("v", v, (rows, KVH, Dh), q.dtype)
     _check("v_cache", v_cache, (S, max_ctx, KVH, Dh), k_cache.dtype)
     if out is not None:
         _check("out", out, (rows, H, Dh), q.dtype)
@@ -386,14 +442,31 @@ def _check_meta(meta: PrefillMetadata, tokens: int) -> None:
         raise ValueError("meta.cu_seqlens must have max_seqs + 1 entries, context_lens max_seqs")
 
 
+def _to_cache_ref(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """Keys or values as ``cache`` stores them (FP8: x / scale, saturated, rounded to nearest)."""
+    if cache.dtype != FP8_KV_DTYPE:
+        return x
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_KV_DTYPE)
+
+
+def _from_cache_ref(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """Cached keys or values in fp32 (FP8 ones times their scale)."""
+    return x.float() * scale if x.dtype == FP8_KV_DTYPE else x.float()
+
+
+def _scales(kv_scale):
+    return (None, None) if kv_scale is None else (kv_scale[0], kv_scale[1])
+
+
 def decode_attention_ref(q, k, v, k_cache, v_cache, slot_idx, kv_lens, *, scale, out=None, workspace=None,
-                         pdl=False):
+                         pdl=False, kv_scale=None):
     """Plain fp32 torch reference; same contract as :func:`decode_attention` (``workspace`` unused).
 
     Loops over rows and reads lengths on the host: the CPU path and the tests' oracle.
     """
     B = q.shape[0]
-    H, KVH, Dh, max_ctx = _check_cache(q, k, v, k_cache, v_cache, out, B)
+    H, KVH, Dh, max_ctx = _check_cache(q, k, v, k_cache, v_cache, out, B, kv_scale)
+    ks, vs = _scales(kv_scale)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     out.zero_()
@@ -401,22 +474,24 @@ def decode_attention_ref(q, k, v, k_cache, v_cache, slot_idx, kv_lens, *, scale,
         n = min(n, max_ctx)
         if slot == PAD_SLOT_ID or n <= 0:
             continue
-        k_cache[slot, n - 1] = k[b]
-        v_cache[slot, n - 1] = v[b]
-        y = _attend_ref(q[b, None], k_cache[slot, :n], v_cache[slot, :n], n - 1, scale)
+        k_cache[slot, n - 1] = _to_cache_ref(k[b], k_cache, ks)
+        v_cache[slot, n - 1] = _to_cache_ref(v[b], v_cache, vs)
+        y = _attend_ref(q[b, None], _from_cache_ref(k_cache[slot, :n], ks), _from_cache_ref(v_cache[slot, :n], vs),
+                        n - 1, scale)
         out[b] = y[0].to(out.dtype)
     return out
 
 
 @with_reference(decode_attention_ref)
 def decode_attention(q, k, v, k_cache, v_cache, slot_idx, kv_lens, *, scale, out=None, workspace=None,
-                     pdl=False):
+                     pdl=False, kv_scale=None):
     """Attention of one new token per row over its slot's cached context, after caching the token.
 
     q:         [B, H, Dh] bf16 or fp32 (may be a strided view, last dim contiguous)
     k, v:      [B, KVH, Dh] the new token's key and value, q's dtype (strided views allowed)
-    k_cache, v_cache: [S, max_ctx, KVH, Dh] q's dtype, the pool; row kv_lens[b] - 1 of slot
-               slot_idx[b] is overwritten with k[b], v[b], nothing else changes
+    k_cache, v_cache: [S, max_ctx, KVH, Dh] q's dtype, or FP8 (e4m3) over ``kv_scale``; the pool;
+               row kv_lens[b] - 1 of slot slot_idx[b] is overwritten with k[b], v[b] (FP8: divided
+               by their scale, saturated), nothing else changes
     slot_idx:  [B] int32 slot of each row; PAD_SLOT_ID (-1) skips the row
     kv_lens:   [B] int32 context length including the new token (1 <= kv_lens <= max_ctx)
     scale:     softmax scale (head_dim ** -0.5 for Nemotron-H)
@@ -424,12 +499,14 @@ def decode_attention(q, k, v, k_cache, v_cache, slot_idx, kv_lens, *, scale, out
     workspace: fp32 [B, H, num_splits, Dh + 1] from :func:`decode_workspace`; allocated if None
     pdl:       both kernels launch as programmatic dependents of the previous one, as the fused
                decode projections around them (``kernels.decode_linear``; CUDA, sm_90+)
+    kv_scale:  fp32 [2], an FP8 cache's key and value scales (its values times them are the keys
+               and values attended to, the new token's too); None for a full-precision cache
 
     Query head h attends with KV head h // (H // KVH) to positions [0, kv_lens[b]). CUDA tensors
     run the Triton kernels (no host sync, capturable); CPU tensors run the reference. Returns out.
     """
     B = q.shape[0]
-    H, KVH, Dh, max_ctx = _check_cache(q, k, v, k_cache, v_cache, out, B)
+    H, KVH, Dh, max_ctx = _check_cache(q, k, v, k_cache, v_cache, out, B, kv_scale)
     _check("slot_idx", slot_idx, (B,), torch.int32)
     _check("kv_lens", kv_lens, (B,), torch.int32)
     num_splits = _decode_num_splits(max_ctx)
@@ -449,8 +526,9 @@ def decode_attention(q, k, v, k_cache, v_cache, slot_idx, kv_lens, *, scale, out
     block_d = max(16, triton.next_power_of_2(Dh))
     # 64 positions of bf16 K and V per tile; fp32 tiles are halved to keep the same bytes.
     block_n = 64 if k_cache.element_size() <= 2 else 32
+    fp8 = kv_scale is not None
     _decode_split_kernel[(B, KVH, num_splits)](
-        q, k, v, k_cache, v_cache, slot_idx, kv_lens, workspace,
+        q, k, v, k_cache, v_cache, slot_idx, kv_lens, workspace, kv_scale if fp8 else workspace,
         scale * _LOG2E, max_ctx, num_splits,
         q.stride(0), q.stride(1),
         k.stride(0), k.stride(1),
@@ -461,7 +539,7 @@ def decode_attention(q, k, v, k_cache, v_cache, slot_idx, kv_lens, *, scale, out
         GROUP=group, HEAD_DIM=Dh,
         # tl.dot needs at least 16 rows; the group (4 in Nemotron-H-8B) is padded with zero rows.
         BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=block_n, BLOCK_D=block_d, USE_PDL=pdl,
+        BLOCK_N=block_n, BLOCK_D=block_d, USE_PDL=pdl, FP8_KV=fp8,
         num_warps=4, num_stages=2, **extra,
     )
     _decode_combine_kernel[(B, H)](
@@ -484,26 +562,30 @@ def _sequences(meta: PrefillMetadata, max_ctx: int):
             yield cu[i], n, slot, ctx
 
 
-def write_kv_ref(k, v, k_cache, v_cache, meta):
+def write_kv_ref(k, v, k_cache, v_cache, meta, kv_scale=None):
     """Torch reference of :func:`write_kv` (host loop over sequences)."""
+    _check_kv_dtype(k, k_cache, kv_scale)
+    ks, vs = _scales(kv_scale)
     for t0, n, slot, ctx in _sequences(meta, k_cache.shape[1]):
-        k_cache[slot, ctx : ctx + n] = k[t0 : t0 + n]
-        v_cache[slot, ctx : ctx + n] = v[t0 : t0 + n]
+        k_cache[slot, ctx : ctx + n] = _to_cache_ref(k[t0 : t0 + n], k_cache, ks)
+        v_cache[slot, ctx : ctx + n] = _to_cache_ref(v[t0 : t0 + n], v_cache, vs)
 
 
 @with_reference(write_kv_ref)
-def write_kv(k, v, k_cache, v_cache, meta):
+def write_kv(k, v, k_cache, v_cache, meta, kv_scale=None):
     """Store packed prefill tokens' keys and values in their slots.
 
-    k, v:      [T, KVH, Dh] (strided views allowed, last dim contiguous), the caches' dtype
-    k_cache, v_cache: [S, max_ctx, KVH, Dh]; token j of sequence i goes to row
+    k, v:      [T, KVH, Dh] (strided views allowed, last dim contiguous)
+    k_cache, v_cache: [S, max_ctx, KVH, Dh], k's dtype or FP8 over ``kv_scale`` (fp32 [2], the
+               key and value scales: stored are k / scale, saturated); token j of sequence i goes to row
                meta.context_lens[i] + j of slot meta.slot_idx[i]
     meta:      PrefillMetadata on the caches' device (T = meta.max_tokens); tokens with seq_idx -1,
                sequences with slot PAD_SLOT_ID and positions >= max_ctx are skipped
     """
     T, KVH, Dh = k.shape
-    _check("k_cache", k_cache, (k_cache.shape[0], k_cache.shape[1], KVH, Dh), k.dtype)
-    _check("v_cache", v_cache, tuple(k_cache.shape), k.dtype)
+    fp8 = _check_kv_dtype(k, k_cache, kv_scale)
+    _check("k_cache", k_cache, (k_cache.shape[0], k_cache.shape[1], KVH, Dh))
+    _check("v_cache", v_cache, tuple(k_cache.shape), k_cache.dtype)
     _check("v", v, (T, KVH, Dh), k.dtype)
     _check_meta(meta, T)
     _check_inner_contiguous(k=k, v=v, k_cache=k_cache, v_cache=v_cache)
@@ -511,13 +593,13 @@ def write_kv(k, v, k_cache, v_cache, meta):
         return
     _write_kv_kernel[(T,)](
         k, v, k_cache, v_cache, meta.seq_idx, meta.cu_seqlens, meta.slot_idx, meta.context_lens,
-        k_cache.shape[1],
+        kv_scale if fp8 else meta.context_lens, k_cache.shape[1],
         k.stride(0), k.stride(1),
         v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         KV_HEADS=KVH, HEAD_DIM=Dh,
-        BLOCK_H=triton.next_power_of_2(KVH), BLOCK_D=triton.next_power_of_2(Dh),
+        BLOCK_H=triton.next_power_of_2(KVH), BLOCK_D=triton.next_power_of_2(Dh), FP8_KV=fp8,
         num_warps=max(1, min(4, KVH * Dh // 256)),
     )
 
@@ -535,27 +617,30 @@ def _attend_ref(q, keys, values, first_pos, scale):
     return torch.einsum("hmn,nhd->mhd", torch.softmax(s, dim=-1), vf)
 
 
-def prefill_attention_ref(q, k, v, k_cache, v_cache, meta, *, scale, out=None):
+def prefill_attention_ref(q, k, v, k_cache, v_cache, meta, *, scale, out=None, kv_scale=None):
     """Plain fp32 torch reference; same contract as :func:`prefill_attention` (host loops)."""
     T = q.shape[0]
-    _, _, _, max_ctx = _check_cache(q, k, v, k_cache, v_cache, out, T)
+    _, _, _, max_ctx = _check_cache(q, k, v, k_cache, v_cache, out, T, kv_scale)
+    ks, vs = _scales(kv_scale)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     out.zero_()
-    write_kv_ref(k, v, k_cache, v_cache, meta)
+    write_kv_ref(k, v, k_cache, v_cache, meta, kv_scale)
     for t0, n, slot, ctx in _sequences(meta, max_ctx):
-        y = _attend_ref(q[t0 : t0 + n], k_cache[slot, : ctx + n], v_cache[slot, : ctx + n], ctx, scale)
+        y = _attend_ref(q[t0 : t0 + n], _from_cache_ref(k_cache[slot, : ctx + n], ks),
+                        _from_cache_ref(v_cache[slot, : ctx + n], vs), ctx, scale)
         out[t0 : t0 + n] = y.to(out.dtype)
     return out
 
 
 @with_reference(prefill_attention_ref)
-def prefill_attention(q, k, v, k_cache, v_cache, meta, *, scale, out=None):
+def prefill_attention(q, k, v, k_cache, v_cache, meta, *, scale, out=None, kv_scale=None):
     """Causal attention of packed prefill tokens over their slots' context, after caching them.
 
     q:        [T, H, Dh] bf16 or fp32, T = meta.max_tokens (strided views allowed, last dim contiguous)
     k, v:     [T, KVH, Dh] the tokens' keys and values, q's dtype (strided views allowed)
-    k_cache, v_cache: [S, max_ctx, KVH, Dh] q's dtype; token j of sequence i is stored at row
+    k_cache, v_cache: [S, max_ctx, KVH, Dh] q's dtype, or FP8 over ``kv_scale`` (as
+              :func:`decode_attention`'s); token j of sequence i is stored at row
               context_lens[i] + j of slot slot_idx[i] (see :func:`write_kv`), nothing else changes
     meta:     PrefillMetadata (int32, on q's device); uses cu_seqlens, seq_idx, slot_idx, context_lens
     scale:    softmax scale (head_dim ** -0.5 for Nemotron-H)
@@ -567,11 +652,11 @@ def prefill_attention(q, k, v, k_cache, v_cache, meta, *, scale, out=None):
     tensors run the Triton kernels (no host sync, capturable); CPU tensors run the reference.
     """
     T = q.shape[0]
-    H, KVH, Dh, max_ctx = _check_cache(q, k, v, k_cache, v_cache, out, T)
+    H, KVH, Dh, max_ctx = _check_cache(q, k, v, k_cache, v_cache, out, T, kv_scale)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _check_inner_contiguous(q=q, out=out)
-    write_kv.triton(k, v, k_cache, v_cache, meta)
+    write_kv.triton(k, v, k_cache, v_cache, meta, kv_scale)
     if T == 0:
         return out
     block_m = 64
@@ -579,14 +664,14 @@ def prefill_attention(q, k, v, k_cache, v_cache, meta, *, scale, out=None):
     block_n = 64 if k_cache.element_size() <= 2 else 32
     _prefill_kernel[(H, triton.cdiv(T, block_m) + meta.max_seqs)](
         q, k_cache, v_cache, out, meta.cu_seqlens, meta.slot_idx, meta.context_lens,
-        scale * _LOG2E, T, meta.max_seqs, max_ctx,
+        kv_scale if kv_scale is not None else meta.context_lens, scale * _LOG2E, T, meta.max_seqs, max_ctx,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1),
         GROUP=H // KVH, HEAD_DIM=Dh,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(Dh)),
-        BLOCK_S=max(2, triton.next_power_of_2(meta.max_seqs)),
+        BLOCK_S=max(2, triton.next_power_of_2(meta.max_seqs)), FP8_KV=kv_scale is not None,
         num_warps=4, num_stages=2,
     )
     return out

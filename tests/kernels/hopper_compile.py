@@ -1,5 +1,5 @@
 """Compile kernels for Hopper (sm_90) without a GPU (the MoE kernels, with their TMA tiles, the
-skinny projections' streamed path, the decode attention, a Mamba2 prefill chunk's scan and
+skinny projections' streamed path, the attention over a bf16 or FP8 cache, a Mamba2 prefill chunk's scan and
 conv, a verify step's row moves, the per-token FP8 quantizer): every launch a call makes is
 caught, its arguments turned into the signature and specialisation the JIT would give them, and
 the kernel compiled to a cubin instead of run, and ptxas asked what registers it takes. Run in a
@@ -195,17 +195,23 @@ def launch_skinny() -> None:
 
 
 def launch_decode_attention() -> None:
-    """The decode attention's two kernels at Nemotron-3-Nano's heads (32 query, 2 KV, 128 wide),
-    launched as the fused decode step chains them (PDL) and plain."""
-    from mambastep.kernels.attention import decode_attention
+    """The attention kernels at Nemotron-3-Nano's heads (32 query, 2 KV, 128 wide): decode,
+    launched as the fused decode step chains them (PDL) and plain, and a packed prefill; over a
+    bf16 cache and an FP8 one."""
+    from mambastep.kernels.attention import FP8_KV_DTYPE, decode_attention, prefill_attention
+    from mambastep.kernels.varlen import PrefillMetadata
 
-    H, KVH, Dh, S, ctx = 32, 2, 128, 2, 512
+    H, KVH, Dh, S, ctx, T = 32, 2, 128, 2, 512, 128
     bf16 = dict(dtype=torch.bfloat16)
-    cache = [torch.empty(S, ctx, KVH, Dh, **bf16) for _ in range(2)]
-    for pdl in (False, True):
-        decode_attention.triton(torch.empty(1, H, Dh, **bf16), torch.empty(1, KVH, Dh, **bf16),
-                                torch.empty(1, KVH, Dh, **bf16), *cache, torch.zeros(1, dtype=torch.int32),
-                                torch.ones(1, dtype=torch.int32), scale=Dh**-0.5, pdl=pdl)
+    meta = PrefillMetadata.build([100, 28], [0, 1], [0, 3], chunk_size=128, max_tokens=T, max_seqs=2)
+    for cache_dtype, kv_scale in ((torch.bfloat16, None), (FP8_KV_DTYPE, torch.ones(2))):
+        cache = [torch.empty(S, ctx, KVH, Dh, dtype=cache_dtype) for _ in range(2)]
+        for pdl in (False, True):
+            decode_attention.triton(torch.empty(1, H, Dh, **bf16), torch.empty(1, KVH, Dh, **bf16),
+                                    torch.empty(1, KVH, Dh, **bf16), *cache, torch.zeros(1, dtype=torch.int32),
+                                    torch.ones(1, dtype=torch.int32), scale=Dh**-0.5, pdl=pdl, kv_scale=kv_scale)
+        prefill_attention.triton(torch.empty(T, H, Dh, **bf16), torch.empty(T, KVH, Dh, **bf16),
+                                 torch.empty(T, KVH, Dh, **bf16), *cache, meta, scale=Dh**-0.5, kv_scale=kv_scale)
 
 
 def launch_prefill() -> None:

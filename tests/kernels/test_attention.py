@@ -5,7 +5,8 @@ from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHAttentio
 
 from mambastep.kernels import PAD_SLOT_ID, PrefillMetadata
 from mambastep.kernels.attention import (
-    decode_attention, decode_attention_ref, decode_workspace, prefill_attention, prefill_attention_ref, write_kv,
+    FP8_KV_DTYPE, decode_attention, decode_attention_ref, decode_workspace, prefill_attention, prefill_attention_ref,
+    write_kv,
 )
 from support import assert_close, poisoned
 
@@ -340,3 +341,115 @@ def test_prefill_full_shape_gpu():
     assert_close(out, ref, torch.bfloat16)
     assert (out[2000:] == 0).all()
     assert torch.equal(kc, kr) and torch.equal(vc, vr)
+
+
+KV_SCALE = (2.0**-4, 2.0**-5)  # a key and a value scale: powers of two, so values on the e4m3 grid stay on it
+
+
+def _fp8_pool(kvh, device, **kw):
+    """An FP8 pool over KV_SCALE, and the scales as the kernels take them."""
+    scale = torch.tensor(KV_SCALE, device=device)
+    kc, vc = _pool(kvh, torch.float32, device, **kw)
+    return (kc * 8).to(FP8_KV_DTYPE), (vc * 8).to(FP8_KV_DTYPE), scale
+
+
+def _on_grid(x, scale):
+    """x moved onto the e4m3 grid times ``scale``: stored exactly, whatever the rounding. Triton's
+    interpreter rounds to float8 its own way (values next to a power of two can land a binade
+    low), so the tests that run there keep to such values; a GPU test rounds the rest."""
+    return ((x.float() / scale).to(FP8_KV_DTYPE).float() * scale).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_cache_decode_and_prefill_match_the_reference(device, dtype):
+    """An FP8 KV cache over a key and a value scale: tokens are stored divided by them
+    (saturated), attended to multiplied back, the new token's too, as the reference does; the
+    rest of the cache is left as it was."""
+    torch.manual_seed(6)
+    h, kvh = 4, 2
+    kc, vc, kv_scale = _fp8_pool(kvh, device)
+    kr, vr = kc.cpu().clone(), vc.cpu().clone()
+    meta = _prefill_meta(PREFILL_SEQS, device)
+    q, k, v = _qkv(PREFILL_TOKENS, h, kvh, dtype, device)
+    k.copy_(_on_grid(k * 4, KV_SCALE[0])), v.copy_(_on_grid(v * 2, KV_SCALE[1]))
+    k[0, 0, 0] = 1e4  # saturates at 448 x its scale
+    out = poisoned((PREFILL_TOKENS, h, DH), dtype, device)
+    prefill_attention.triton(q, k, v, kc, vc, meta, scale=DH**-0.5, out=out, kv_scale=kv_scale)
+    ref = prefill_attention_ref(q.cpu(), k.cpu(), v.cpu(), kr, vr, meta.to("cpu"), scale=DH**-0.5,
+                                kv_scale=kv_scale.cpu())
+    assert_close(out.cpu(), ref, dtype)
+    assert torch.equal(kc.cpu().float(), kr.float()) and torch.equal(vc.cpu().float(), vr.float())
+    assert kr[1, 10, 0, 0].float() == 448.0
+
+    B = len(DECODE_SLOTS)
+    q, k, v = _qkv(B, h, kvh, dtype, device)
+    k.copy_(_on_grid(k * 4, KV_SCALE[0])), v.copy_(_on_grid(v * 2, KV_SCALE[1]))
+    slots = torch.tensor(DECODE_SLOTS, dtype=torch.int32, device=device)
+    lens = torch.tensor(DECODE_LENS, dtype=torch.int32, device=device)
+    out = poisoned((B, h, DH), dtype, device)
+    decode_attention.triton(q, k, v, kc, vc, slots, lens, scale=DH**-0.5, out=out, kv_scale=kv_scale)
+    ref = decode_attention_ref(q.cpu(), k.cpu(), v.cpu(), kr, vr, slots.cpu(), lens.cpu(), scale=DH**-0.5,
+                               kv_scale=kv_scale.cpu())
+    assert_close(out.cpu(), ref, dtype)
+    assert torch.equal(kc.cpu().float(), kr.float()) and torch.equal(vc.cpu().float(), vr.float())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_cache_rounds_to_nearest_as_torch(dtype):
+    """Keys and values off the grid, over scales that are not powers of two: stored bit for bit
+    as torch rounds them (to nearest, saturated), in prefill and decode alike."""
+    torch.manual_seed(8)
+    device = torch.device("cuda")
+    kc, vc, _ = _fp8_pool(2, device)
+    kv_scale = torch.tensor([0.021, 0.033], device=device)
+    kr, vr = kc.cpu().clone(), vc.cpu().clone()
+    meta = _prefill_meta(PREFILL_SEQS, device)
+    q, k, v = _qkv(PREFILL_TOKENS, 4, 2, dtype, device)
+    prefill_attention(q, k * 5, v * 3, kc, vc, meta, scale=DH**-0.5, kv_scale=kv_scale)
+    prefill_attention_ref(q.cpu(), k.cpu() * 5, v.cpu() * 3, kr, vr, meta.to("cpu"), scale=DH**-0.5,
+                          kv_scale=kv_scale.cpu())
+    q, k, v = _qkv(len(DECODE_SLOTS), 4, 2, dtype, device)
+    slots = torch.tensor(DECODE_SLOTS, dtype=torch.int32, device=device)
+    lens = torch.tensor(DECODE_LENS, dtype=torch.int32, device=device)
+    decode_attention(q, k * 5, v * 3, kc, vc, slots, lens, scale=DH**-0.5, kv_scale=kv_scale)
+    decode_attention_ref(q.cpu(), k.cpu() * 5, v.cpu() * 3, kr, vr, slots.cpu(), lens.cpu(), scale=DH**-0.5,
+                         kv_scale=kv_scale.cpu())
+    assert torch.equal(kc.cpu().float(), kr.float()) and torch.equal(vc.cpu().float(), vr.float())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_cache_prefill_then_decode_equals_longer_prefill(device, dtype):
+    """A decode step attends to its new token as the cache will hold it, the same as a prefill
+    of the same tokens stores and reads back."""
+    torch.manual_seed(7)
+    h, kvh, L, steps = 4, 2, 66, 3
+    q, k, v = _qkv(L + steps, h, kvh, dtype, device)
+    k.copy_(_on_grid(k * 4, KV_SCALE[0])), v.copy_(_on_grid(v * 2, KV_SCALE[1]))
+    kc, vc, kv_scale = _fp8_pool(kvh, device)
+    full = prefill_attention.triton(q, k, v, kc, vc, _prefill_meta([(L + steps, 0, 0)], device, L + steps, 1),
+                                    scale=DH**-0.5, kv_scale=kv_scale)
+    prefill_attention.triton(q[:L], k[:L], v[:L], kc, vc, _prefill_meta([(L, 2, 0)], device, L, 1), scale=DH**-0.5,
+                             kv_scale=kv_scale)
+    slots = torch.tensor([2], dtype=torch.int32, device=device)
+    for i in range(steps):
+        t = L + i
+        out = decode_attention.triton(q[t : t + 1], k[t : t + 1], v[t : t + 1], kc, vc, slots,
+                                      torch.tensor([t + 1], dtype=torch.int32, device=device), scale=DH**-0.5,
+                                      kv_scale=kv_scale)
+        assert_close(out[0].cpu(), full[t].cpu(), dtype, factor=0.25)
+    assert torch.equal(kc[2, : L + steps].cpu().float(), kc[0, : L + steps].cpu().float())
+
+
+def test_fp8_cache_and_its_scales_are_asked_for_together(device):
+    q, k, v = _qkv(2, 4, 2, torch.bfloat16, device)
+    kc, vc, kv_scale = _fp8_pool(2, device)
+    slots = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    lens = torch.tensor([3, 4], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="FP8 KV cache needs kv_scale"):
+        decode_attention(q, k, v, kc, vc, slots, lens, scale=0.25)
+    bf_k, bf_v = _pool(2, torch.bfloat16, device)
+    with pytest.raises(ValueError, match="kv_scale is for an FP8 KV cache; this one is torch.bfloat16"):
+        decode_attention(q, k, v, bf_k, bf_v, slots, lens, scale=0.25, kv_scale=kv_scale)
+    with pytest.raises(ValueError, match=r"kv_scale must have shape \[2\]"):
+        write_kv(k, v, kc, vc, _prefill_meta([(2, 0, 0)], device, 2, 1), kv_scale=kv_scale[:1])

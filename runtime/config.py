@@ -198,10 +198,13 @@ class ModelConfig:
         return len(self.layer_types)
 
     def mtp_config(self) -> "ModelConfig":
-        """The MTP layers' blocks as a model of their own: these fields, the MTP's block kinds."""
+        """The MTP layers' blocks as a model of their own: these fields, the MTP's block kinds. Their
+        keys and values stay in the activations' dtype where the target's cache is FP8 (the
+        checkpoint's KV scales are the backbone's attention layers')."""
         if not self.mtp_layer_types:
             raise ConfigError("num_nextn_predict_layers: the checkpoint has no multi-token prediction layers")
-        return replace(self, layer_types=self.mtp_layer_types, mtp_layer_types=(), mtp_depths=0)
+        quant = self.quantization and replace(self.quantization, kv_cache=None)
+        return replace(self, layer_types=self.mtp_layer_types, mtp_layer_types=(), mtp_depths=0, quantization=quant)
 
     @property
     def mamba_inner(self) -> int:

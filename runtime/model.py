@@ -24,7 +24,6 @@ dtype; in bf16 that moves the products by about as much as HF's own rounding of 
 from __future__ import annotations
 
 import copy
-import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -89,11 +88,6 @@ class Model:
         (``runtime.quantization.online_fp8``). ``mtp``: its multi-token prediction layers too
         (``mtp_weights``, in the checkpoint's precision)."""
         cfg = ModelConfig.from_pretrained(path)
-        if cfg.quantization is not None and cfg.quantization.kv_cache:
-            # said, not silently ignored: the higher precision changes no result for the worse
-            warnings.warn(f"{path}: the checkpoint asks for an {cfg.quantization.kv_cache.upper()} KV cache; mambastep "
-                          f"keeps the attention layers' keys and values in {str(dtype).removeprefix('torch.')} (more "
-                          "precise, twice the memory) and does not read their k/v scales", stacklevel=2)
         weights = load_weights(path, cfg, dtype=dtype, device=device)
         mtp_weights = _mtp_source(cfg, path, mtp) and load_weights(path, cfg, dtype=dtype, device=device, mtp=True)
         cfg, weights = _quantized(cfg, weights, quantization)

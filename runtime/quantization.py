@@ -13,8 +13,9 @@ Read exactly (``parse_quantization``), all FP8 e4m3 with fp32 scales, ``W = valu
   per-tensor ``weight_scale``.
 
 Anything else (NVFP4, mixed precision, GPTQ/AWQ, compressed-tensors, ...) is refused by name.
-The KV cache stays in the activations' dtype: an FP8 KV cache asked for is kept at the higher
-precision (its k/v scales are not needed then), which changes no result for the worse.
+An FP8 KV cache asked for is kept so: the attention layers' keys and values in e4m3 over the
+checkpoint's ``k_scale`` and ``v_scale`` (``runtime.state_pool.kv_cache_dtype``,
+``kernels.attention``).
 
 Only the block linears are ever quantized (``QUANTIZABLE``): Mamba2's in/out projections,
 attention's q/k/v/o, the MLP's and the experts' up/down and MoE latent projections. Embeddings,

@@ -2,7 +2,9 @@
 
 Per Mamba2 layer: a conv state [S, conv_dim, K-1] (stored as [S, K-1, conv_dim] memory, so a
 decode row's channels are contiguous) and an SSM state [S, H, P, N]. Per attention layer: a KV
-cache [S, max_context, KVH, Dh] for K and for V. A request owns one slot index across all layers.
+cache [S, max_context, KVH, Dh] for K and for V. The KV cache is in the activations' dtype, or FP8 where the checkpoint asks for an FP8 KV cache
+(``kv_cache_dtype``; the attention layers then hold its scales). A request owns one slot index
+across all layers.
 Padded rows never touch a slot (kernels skip PAD_SLOT_ID), so no slot is reserved for padding.
 
 With speculative decoding (``drafts`` k > 0), each Mamba2 layer also keeps a record of k rows a
@@ -16,9 +18,17 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.attention import FP8_KV_DTYPE
 from .config import ModelConfig
 
-__all__ = ["StatePool"]
+__all__ = ["StatePool", "kv_cache_dtype"]
+
+
+def kv_cache_dtype(cfg: ModelConfig, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype for a model run in ``dtype``: FP8 where its checkpoint asks for an FP8
+    KV cache (ModelOpt's ``kv_cache_quant_algo``), else ``dtype``."""
+    quant = cfg.quantization
+    return FP8_KV_DTYPE if quant is not None and quant.kv_cache == "fp8" else dtype
 
 
 class StatePool:
@@ -53,10 +63,11 @@ class StatePool:
             if drafts:
                 self.record[i] = torch.zeros(S * drafts, cfg.conv_dim + cfg.mamba_num_heads, dtype=dtype,
                                              device=device)
+        kv_dtype = kv_cache_dtype(cfg, dtype)
         for i in cfg.layers_of("attention"):
             shape = (S, max_context, cfg.num_key_value_heads, cfg.attention_head_dim)
-            self.k[i] = torch.zeros(shape, dtype=dtype, device=device)
-            self.v[i] = torch.zeros(shape, dtype=dtype, device=device)
+            self.k[i] = torch.zeros(shape, dtype=kv_dtype, device=device)
+            self.v[i] = torch.zeros(shape, dtype=kv_dtype, device=device)
 
     def copy_slot(self, src: int, dsts: list[int], tokens: int, recurrent: bool = True) -> None:
         """Copy slot ``src``'s state, its first ``tokens`` KV positions, into slots ``dsts``: one
@@ -80,7 +91,8 @@ class StatePool:
     def bytes_per_slot(cfg: ModelConfig, max_context: int, dtype: torch.dtype, ssm_dtype=torch.float32,
                        drafts: int = 0) -> int:
         es, ss = torch.finfo(dtype).bits // 8, torch.finfo(ssm_dtype).bits // 8
+        kvs = torch.finfo(kv_cache_dtype(cfg, dtype)).bits // 8
         per_mamba = (cfg.conv_kernel - 1 + drafts) * cfg.conv_dim * es + drafts * cfg.mamba_num_heads * es
         per_mamba += cfg.mamba_num_heads * cfg.mamba_head_dim * cfg.ssm_state_size * ss
-        per_attn = 2 * max_context * cfg.num_key_value_heads * cfg.attention_head_dim * es
+        per_attn = 2 * max_context * cfg.num_key_value_heads * cfg.attention_head_dim * kvs
         return len(cfg.layers_of("mamba")) * per_mamba + len(cfg.layers_of("attention")) * per_attn

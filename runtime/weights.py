@@ -248,7 +248,31 @@ def load_weights(path: str | Path, cfg: ModelConfig, *, dtype: torch.dtype, devi
         pieces = [ckpt.get(p) for p in parts]
         t = torch.stack(pieces) if how == "stack" else torch.cat(pieces) if how == "cat" else pieces[0]
         out[name] = t.to(device=device, dtype=torch.float32 if _keeps_fp32(name) else dtype)
+    if quant is not None and quant.kv_cache == "fp8" and not mtp:
+        for i in cfg.layers_of("attention"):
+            scales = [_kv_scale(ckpt, found[f"layers.{i}.mixer.{proj}.weight"][0][0], what, quant)
+                      for proj, what in (("k_proj", "k_scale"), ("v_proj", "v_scale"))]
+            out[f"layers.{i}.mixer.kv_scale"] = torch.tensor(scales, dtype=torch.float32, device=device)
     return out
+
+
+def _kv_scale(ckpt: _Checkpoint, part: str, what: str, quant: Quantization) -> float:
+    """An FP8 KV cache's key or value scale (``what``) of the attention layer whose k_proj or
+    v_proj is stored as ``part``: ModelOpt's beside the projection (``...k_proj.k_scale``), or
+    on the attention module (``...k_scale``), a positive float (the cache holds k / scale)."""
+    base = part.removesuffix(".weight")
+    names = (f"{base}.{what}", f"{base.rsplit('.', 1)[0]}.{what}")
+    name = next((n for n in names if n in ckpt.files), None)
+    if name is None:
+        raise WeightError(f"{names[0]}: missing; {quant.label} asks for an FP8 KV cache (kv_cache_quant_algo), "
+                          "whose key and value scales it stores beside k_proj and v_proj")
+    stored, shape = ckpt.describe(name)
+    if stored not in _FLOATS or shape not in ((), (1,)):
+        raise WeightError(f"{name}: expected one float scale, checkpoint has {stored} of shape {list(shape)}")
+    value = float(ckpt.get(name).float().reshape(()))
+    if not (value > 0 and value < float("inf")):
+        raise WeightError(f"{name}: an FP8 KV cache scale must be positive and finite, got {value}")
+    return value
 
 
 def _locate(ckpt: _Checkpoint, name: str, shape: tuple[int, ...], cfg: ModelConfig, quant: Quantization | None,

@@ -2,7 +2,8 @@
 (NemotronH, Granite-4.0-H), or with HF's rotary embedding of the first ``rotary_dim`` dims of each
 head (Bamba: half), applied to every token's query and key in place after the projection.
 
-Keys and values live in the state pool's per-slot KV cache; prefill rows write their keys at
+Keys and values live in the state pool's per-slot KV cache (FP8 over the layer's key and value
+scales, ``kv_scale``, where the checkpoint asks for an FP8 KV cache); prefill rows write their keys at
 positions ``context_lens + j`` and attend to everything before them in the slot (so chunked
 prefill sees its earlier chunks), decode rows write one key at ``kv_len - 1``. Fused, a small
 decode step is block norm + QKV projection; the rotation; the decode attention kernels; o_proj +
@@ -39,6 +40,8 @@ class AttentionMixer(Mixer):
         if cfg.attention_bias:
             self.qkv_bias = torch.cat([w[p + n + ".bias"] for n in ("q_proj", "k_proj", "v_proj")])
         self.o_proj, self.o_bias = w[p + "o_proj.weight"], w.get(p + "o_proj.bias")
+        # an FP8 KV cache's key and value scales (fp32 [2]), where the checkpoint asks for one
+        self.kv_scale = w.get(p + "kv_scale")
         self.inv_freq = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, self.qkv.device) if cfg.rotary_dim else None
 
     def project(self, h: torch.Tensor, ctx: StepContext):
@@ -66,14 +69,15 @@ class AttentionMixer(Mixer):
         (q, k, v), out = work
         tp = ctx.inputs.num_prefill_tokens
         prefill_attention(q[:tp], k[:tp], v[:tp], ctx.pool.k[self.idx], ctx.pool.v[self.idx], ctx.inputs.prefill,
-                          scale=self.scale, out=out[:tp])
+                          scale=self.scale, out=out[:tp], kv_scale=self.kv_scale)
 
     def decode(self, work, ctx: StepContext, pdl: bool = False) -> None:
         (q, k, v), out = work
         tp = ctx.inputs.num_prefill_tokens
         rows = slice(tp, tp + ctx.inputs.num_decode)
         decode_attention(q[rows], k[rows], v[rows], ctx.pool.k[self.idx], ctx.pool.v[self.idx],
-                         ctx.inputs.decode_slots, ctx.inputs.decode_kv_lens, scale=self.scale, out=out[rows], pdl=pdl)
+                         ctx.inputs.decode_slots, ctx.inputs.decode_kv_lens, scale=self.scale, out=out[rows], pdl=pdl,
+                         kv_scale=self.kv_scale)
 
     def finish(self, work) -> torch.Tensor:
         _, out = work

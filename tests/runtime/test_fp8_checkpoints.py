@@ -71,6 +71,12 @@ FORMATS = {
 }
 
 
+# the formats that ask for an FP8 KV cache, and the key and value scales their producer stores
+# beside each attention layer's k_proj and v_proj
+FP8_KV_FORMATS = ("modelopt-fp8", "modelopt-fp8-in-config")
+KV_SCALES = {"k_proj": ("k_scale", 0.05), "v_proj": ("v_scale", 0.04)}
+
+
 def write_fp8(src, dst, deq, fmt: str) -> None:
     """The bf16/fp32 checkpoint at ``src`` quantized as ``fmt``'s producer writes it, to ``dst``;
     and its dequantized weights, as a plain checkpoint for HF, to ``deq``."""
@@ -94,6 +100,10 @@ def write_fp8(src, dst, deq, fmt: str) -> None:
         if static:
             out[f"{base}.input_scale"] = torch.tensor(0.02)
         plain[name] = dequantized
+    if fmt in FP8_KV_FORMATS:
+        for i in ATTENTION:
+            for proj, (what, value) in KV_SCALES.items():
+                out[f"backbone.layers.{i}.mixer.{proj}.{what}"] = torch.tensor(value)
     for path in (dst, deq):
         shutil.copytree(src, path, dirs_exist_ok=True)
     save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
@@ -130,9 +140,18 @@ def _engine_greedy(path, device, **kw):
     return engine.generate(_prompts(), SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
 
 
-def _hf(path):
+def _hf(path, fp8_kv: bool = False):
+    """HF's model of the checkpoint at ``path``; ``fp8_kv``: its attention layers' keys and values
+    rounded as an FP8 KV cache over KV_SCALES holds them (k / scale to e4m3, saturated, times the
+    scale), in every use, the token's own too."""
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None
+    for name, module in hf.named_modules() if fp8_kv else ():
+        m = re.search(r"layers\.\d+\.mixer\.([kv]_proj)$", name)
+        if m:
+            scale = KV_SCALES[m.group(1)][1]
+            module.register_forward_hook(
+                lambda _, __, y, s=scale: (y / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * s)
     return hf
 
 
@@ -149,26 +168,31 @@ def tiny(tmp_path_factory):
 def test_fp8_checkpoint_generates_hfs_tokens_on_the_dequantized_weights(tiny, tmp_path, fmt, device):
     write_fp8(tiny, tmp_path / "fp8", tmp_path / "deq", fmt)
     got = _engine_greedy(tmp_path / "fp8", device)
-    assert got == _hf_greedy(_hf(tmp_path / "deq"), _prompts())
+    assert got == _hf_greedy(_hf(tmp_path / "deq", fp8_kv=fmt in FP8_KV_FORMATS), _prompts())
 
 
 @torch.no_grad()
 def test_fp8_logits_match_hf_and_excluded_modules_stay_full_precision(tiny, tmp_path):
     write_fp8(tiny, tmp_path / "fp8", tmp_path / "deq", "modelopt-fp8")
-    with pytest.warns(UserWarning, match="asks for an FP8 KV cache; mambastep keeps .* in float32"):
-        model = Model.from_pretrained(tmp_path / "fp8", dtype=torch.float32)
+    model = Model.from_pretrained(tmp_path / "fp8", dtype=torch.float32)
     kinds = {i: type(getattr(b.mixer, {"mamba": "in_proj", "attention": "qkv", "mlp": "up", "moe": "up"}[k]))
              for i, (b, k) in enumerate(zip(model.blocks, model.cfg.layer_types))}
     assert kinds == {0: torch.Tensor, 1: torch.Tensor, 2: Fp8Weight, 3: torch.Tensor, 4: Fp8Weight,
                      5: torch.Tensor, 6: Fp8Weight}
     assert isinstance(model.blocks[4].mixer.shared[0], Fp8Weight)
     assert model.cfg.quantization.kv_cache == "fp8"
+    # the FP8 KV cache: its scales on the attention layers, the pool's keys and values in e4m3
+    scales = [b.mixer.kv_scale for b in model.blocks if hasattr(b.mixer, "kv_scale")]
+    assert len(scales) == 2 and all(torch.equal(s, torch.tensor([0.05, 0.04])) for s in scales)
+    runner = new_runner(model)
+    assert {t.dtype for t in (*runner.pool.k.values(), *runner.pool.v.values())} == {torch.float8_e4m3fn}
     # static input scales kept, merged across a stack's experts
     assert model.blocks[4].mixer.up.input_scale.item() == pytest.approx(0.02)
     ids = _prompts()[2]
-    ref = _hf(tmp_path / "deq")(torch.tensor([ids])).logits[0, -1]
-    logits = step(new_runner(model), [(ids, 0, 0)])[0]
-    torch.testing.assert_close(logits, ref, atol=2e-4, rtol=2e-4)
+    ref = _hf(tmp_path / "deq", fp8_kv=True)(torch.tensor([ids])).logits[0, -1]
+    logits = step(runner, [(ids, 0, 0)])[0]
+    # the same roundings on both sides (keys and values unrounded would be 1.2e-4 off)
+    torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-5)
 
 
 @torch.no_grad()
@@ -293,3 +317,25 @@ def test_load_time_quantization_lets_each_full_precision_weight_go(tiny):
     quantized = [n for n, w in out.items() if isinstance(w, Fp8Weight)]
     assert quantized and all(kept[n]() is None for n in quantized)  # the bf16 originals are gone
     assert all(kept[n]() is out[n] for n in out if n not in quantized)  # the rest untouched
+
+
+KV = "backbone.layers.1.mixer.k_proj.k_scale"
+
+
+def test_an_fp8_kv_caches_scales_are_read_beside_the_projection_or_the_module_and_checked(tiny, tmp_path):
+    def move(t):  # where vLLM's remapping puts it: on the attention module
+        t["backbone.layers.1.mixer.k_scale"] = t.pop(KV)
+
+    write_fp8(tiny, tmp_path / "fp8", tmp_path / "deq", "modelopt-fp8")
+    path = tmp_path / "fp8" / "model.safetensors"
+    tensors = load_file(path)
+    move(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+    assert torch.equal(Model.from_pretrained(tmp_path / "fp8", dtype=torch.float32).blocks[1].mixer.kv_scale,
+                       torch.tensor([0.05, 0.04]))
+    _refused(tiny, tmp_path, "modelopt-fp8", lambda t: t.pop(KV),
+             r"k_proj\.k_scale: missing; ModelOpt FP8 asks for an FP8 KV cache")
+    _refused(tiny, tmp_path, "modelopt-fp8", lambda t: t.update({KV: torch.tensor(0.0)}),
+             r"k_proj\.k_scale: an FP8 KV cache scale must be positive and finite, got 0.0")
+    _refused(tiny, tmp_path, "modelopt-fp8", lambda t: t.update({KV: torch.ones(2)}),
+             r"k_proj\.k_scale: expected one float scale, checkpoint has F32 of shape \[2\]")

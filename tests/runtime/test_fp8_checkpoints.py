@@ -339,3 +339,19 @@ def test_an_fp8_kv_caches_scales_are_read_beside_the_projection_or_the_module_an
              r"k_proj\.k_scale: an FP8 KV cache scale must be positive and finite, got 0.0")
     _refused(tiny, tmp_path, "modelopt-fp8", lambda t: t.update({KV: torch.ones(2)}),
              r"k_proj\.k_scale: expected one float scale, checkpoint has F32 of shape \[2\]")
+
+
+def test_an_fp8_kv_cache_halves_the_keys_and_values_bytes_a_slot_takes(tiny, tmp_path):
+    """The engine sizes its slots from ``bytes_per_slot``: an FP8 cache's keys and values take one
+    byte an element, the recurrent states what they took."""
+    from dataclasses import replace
+
+    from mambastep.runtime.state_pool import StatePool
+
+    write_fp8(tiny, tmp_path / "fp8", tmp_path / "deq", "modelopt-fp8")
+    cfg = Model.from_pretrained(tmp_path / "fp8", dtype=torch.bfloat16).cfg
+    plain = replace(cfg, quantization=replace(cfg.quantization, kv_cache=None))
+    kv = 2 * 64 * cfg.num_key_value_heads * cfg.attention_head_dim * len(cfg.layers_of("attention"))
+    assert StatePool.bytes_per_slot(plain, 64, torch.bfloat16) - StatePool.bytes_per_slot(cfg, 64, torch.bfloat16) == kv
+    pool = StatePool(cfg, 2, 64, dtype=torch.bfloat16)
+    assert sum(t.nbytes for t in pool.tensors()) == 2 * StatePool.bytes_per_slot(cfg, 64, torch.bfloat16)

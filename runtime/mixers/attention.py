@@ -3,9 +3,9 @@
 head (Bamba: half), applied to every token's query and key in place after the projection.
 
 Keys and values live in the state pool's per-slot KV cache (FP8 over the layer's key and value
-scales, ``kv_scale``, where the checkpoint asks for an FP8 KV cache); prefill rows write their keys at
-positions ``context_lens + j`` and attend to everything before them in the slot (so chunked
-prefill sees its earlier chunks), decode rows write one key at ``kv_len - 1``. Fused, a small
+scales, ``kv_scale``, where the checkpoint asks for an FP8 KV cache); prefill rows write their
+keys at positions ``context_lens + j`` and attend to everything before them in the slot (so
+chunked prefill sees its earlier chunks), decode rows write one key at ``kv_len - 1``. Fused, a small
 decode step is block norm + QKV projection; the rotation; the decode attention kernels; o_proj +
 residual add.
 """

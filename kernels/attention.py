@@ -40,8 +40,8 @@ from .fp8 import FP8_MAX
 from .varlen import PAD_SLOT_ID, PrefillMetadata
 
 __all__ = [
-    "FP8_KV_DTYPE", "decode_attention", "decode_attention_ref", "decode_workspace", "prefill_attention", "prefill_attention_ref",
-    "write_kv", "write_kv_ref",
+    "FP8_KV_DTYPE", "decode_attention", "decode_attention_ref", "decode_workspace", "prefill_attention",
+    "prefill_attention_ref", "write_kv", "write_kv_ref",
 ]
 
 # An FP8 KV cache's element type (its keys and values each over one scale a layer)

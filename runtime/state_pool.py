@@ -4,7 +4,8 @@ Per Mamba2 layer: a conv state [S, conv_dim, K-1] (stored as [S, K-1, conv_dim] 
 decode row's channels are contiguous) and an SSM state [S, H, P, N]. Per attention layer: a KV
 cache [S, max_context, KVH, Dh] for K and for V, in the activations' dtype, or FP8 where the
 checkpoint asks for an FP8 KV cache (``kv_cache_dtype``; the attention layers then hold its
-scales). A request owns one slot index across all layers. Padded rows never touch a slot (kernels skip PAD_SLOT_ID), so no slot is reserved for padding.
+scales). A request owns one slot index across all layers. Padded rows never touch a slot
+(kernels skip PAD_SLOT_ID), so no slot is reserved for padding.
 
 With speculative decoding (``drafts`` k > 0), each Mamba2 layer also keeps a record of k rows a
 slot, [S * k, conv_dim + H]: the in_proj columns (xBC before the conv, and dt) of a verify

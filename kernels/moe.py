@@ -7,7 +7,7 @@ Static shapes throughout, so a step is captured once per bucket and replays with
    per block of tokens, its pairs per expert (``block_counts``).
 2. ``moe_experts`` (align): the pairs per expert are counted, each expert's run padded to the
    GEMM tile height ``block_m`` and every pair given its slot, tokens in order within an expert
-   (one program for a decode step's few pairs; for a prefill chunk's, parallel programs over the
+   (one program for a narrow decode step's few pairs; for more, parallel programs over the
    routing's block counts, or a counting pass and those programs).
    Buffers are sized by the bucket: P = tokens x k pairs take at most P + min(E, P) x
    (block_m - 1) slots, whatever the routing. Up to ``PAIR_TILES_MAX`` pairs (a decode step of
@@ -170,6 +170,12 @@ def _assign_kernel(idx_ptr, block_counts_ptr, slot_of_pair_ptr, token_of_slot_pt
 
 # pairs up to which one program aligns them (a decode step's), beyond which two passes do
 ALIGN_ONE_PROGRAM = 1024
+# the same where the routing counted its blocks of tokens (``block_counts``): past it the assigning
+# pass alone makes the layout, a program a block of ROUTE_BLOCK_T tokens. One program at 1024
+# pairs took 16.8 us a layer at 64 rows; past 96, decode 64 1.3% faster (Nemotron-3-Nano FP8)
+# and 1.8% (Granite-4.0-H-Tiny bf16), 32 rows 0.6%, 4-16 rows within noise; the assigning pass
+# at every size lost 1.2-1.6% at 4-8 rows (H100, tools/bench_ab, logits equal)
+ALIGN_COUNTED_ONE_PROGRAM = 96
 # blocks the two passes split the pairs into, at most (each assigning program sums every
 # block's counts: more blocks, more programs, but more reading each)
 ALIGN_BLOCKS = 64
@@ -209,7 +215,7 @@ def _align(idx, E: int, bm: int, S: int, pdl: bool = False, block_counts=None):
     counts = torch.empty(E, dtype=torch.int32, device=dev)
     block_e = max(16, triton.next_power_of_2(E))
     block_p = max(16, min(256, 8192 // block_e))
-    if P <= ALIGN_ONE_PROGRAM:
+    if P <= (ALIGN_ONE_PROGRAM if block_counts is None else ALIGN_COUNTED_ONE_PROGRAM):
         _align_kernel[(1,)](idx, slot_of_pair, token_of_slot, starts, counts, P, E, TOP_K=k, BM=bm,
                             BLOCK_P=block_p, BLOCK_E=block_e, USE_PDL=pdl, num_warps=8,
                             **({"launch_pdl": True} if pdl else {}))

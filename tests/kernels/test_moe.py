@@ -199,8 +199,10 @@ def test_grouped_gemms_without_the_tma_unit(device, case, monkeypatch):
     assert_close(out.cpu(), ref, torch.bfloat16)
 
 
-@pytest.mark.parametrize("T,routed_counts", [(5, False), (600, False), (9000, False), (600, True), (9000, True)],
-                         ids=["one program", "two passes", "two passes, long blocks", "the routing's counts",
+@pytest.mark.parametrize("T,routed_counts", [(5, False), (600, False), (9000, False), (5, True), (60, True), (600, True),
+                                             (9000, True)],
+                         ids=["one program", "two passes", "two passes, long blocks", "the routing's counts, few pairs",
+                              "the routing's counts, a decode step's blocks", "the routing's counts",
                               "the routing's counts, many blocks"])
 def test_pairs_take_their_expert_run_in_token_order(device, T, routed_counts):
     """The layout is a function of the routing: expert runs in expert order, each padded to the

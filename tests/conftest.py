@@ -36,6 +36,19 @@ def _fix_interpreter_bf16_dot():
     interpreter.InterpreterBuilder.create_dot = create_dot
 
 
+def _narrow_with(convert):
+    """Route the interpreter's float casts through ``convert(src, dst_type)``: its handle where
+    it returns one, else the interpreter's own conversion."""
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    for name in ("cast_impl", "create_fp_to_fp", "create_fp_trunc"):
+        def cast(self, src, dst_type, *args, _original=getattr(builder, name)):
+            converted = convert(src, dst_type)
+            return converted if converted is not None else _original(self, src, dst_type, *args)
+        setattr(builder, name, cast)
+
+
 def _fix_interpreter_bf16_rounding():
     """The interpreter narrows fp32 to bf16 by truncation; GPUs round to nearest even. Round
     here too, so kernels that round intermediates (as the unfused ops they replace do) agree
@@ -44,51 +57,36 @@ def _fix_interpreter_bf16_rounding():
     import triton.language as tl
     from triton.runtime import interpreter
 
-    def to_bf16(src):
+    def to_bf16(src, dst_type):
+        if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
+            return None
         bits = src.data.astype(np.float32).view(np.uint32)
         rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
         rounded = np.where(np.isnan(src.data), np.uint16(0x7FC0), rounded)
         return interpreter.TensorHandle(rounded, tl.bfloat16)
 
-    def narrowing(original):
-        def cast(self, src, dst_type, *args):
-            if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-                return to_bf16(src)
-            return original(self, src, dst_type, *args)
-        return cast
-
-    builder = interpreter.InterpreterBuilder
-    builder.cast_impl = narrowing(builder.cast_impl)
-    builder.create_fp_to_fp = narrowing(builder.create_fp_to_fp)
-    builder.create_fp_trunc = narrowing(builder.create_fp_trunc)
+    _narrow_with(to_bf16)
 
 
 def _fix_interpreter_fp8_rounding():
     """The interpreter narrows to float8 (e4m3) bit by bit, and a value that rounds up past its
     binade's largest mantissa (127.3 -> 128) loses the carry: it lands a binade low (64). GPUs
-    round to nearest even as torch does (``test_attention``'s GPU test checks); convert with
-    torch here, so kernels that store FP8 values agree with their references on CPU too."""
+    round to nearest even as torch does (``test_attention``'s rounding test checks there too);
+    convert with torch here, so kernels that store FP8 values agree with their references on CPU."""
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter
 
-    def to_e4m3(src):
+    def to_e4m3(src, dst_type):
+        if dst_type.scalar != tl.float8e4nv or src.dtype.scalar not in (tl.float32, tl.float16, tl.bfloat16):
+            return None
         data = src.data
         if src.dtype.scalar == tl.bfloat16:
             data = (data.astype(np.uint32) << 16).view(np.float32)
         values = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
         return interpreter.TensorHandle(values.to(torch.float8_e4m3fn).view(torch.uint8).numpy(), tl.float8e4nv)
 
-    def narrowing(original):
-        def cast(self, src, dst_type, *args):
-            if dst_type.scalar == tl.float8e4nv and src.dtype.scalar in (tl.float32, tl.float16, tl.bfloat16):
-                return to_e4m3(src)
-            return original(self, src, dst_type, *args)
-        return cast
-
-    builder = interpreter.InterpreterBuilder
-    builder.cast_impl = narrowing(builder.cast_impl)
-    builder.create_fp_to_fp = narrowing(builder.create_fp_to_fp)
+    _narrow_with(to_e4m3)
 
 
 if os.environ.get("TRITON_INTERPRET") == "1":

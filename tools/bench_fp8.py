@@ -1,6 +1,7 @@
 """FP8 beside bf16 on the same weights, in one run: decode steps (CUDA graphs) beside each
-precision's HBM floor, a 2048-token prefill beside its FLOP floor, and how closely the FP8 model
-follows the bf16 one.
+precision's HBM floor, a 2048-token prefill beside its FLOP floor, the main job's typical mixed
+step (64 decode rows beside a 223-token prompt chunk, the chat workload's mean), and how closely
+the FP8 model follows the bf16 one.
 
 The FP8 model is the bf16 preset quantized at load time (``--quantization fp8``: per output
 channel, attention and the Mamba layer before it kept in bf16, NVIDIA's recipe), so both run the
@@ -12,8 +13,8 @@ and its weights' bytes (a mixture of experts reads every routed expert's weights
 hundred rows an expert: bound by bytes, which the FLOP floor does not count). A
 mixture-of-experts model's FP8 experts quantize their activations per row past a few pairs
 (W8A8, ``MoEMixer.w8a8``, the runtime's default); the same steps with them W8A16 (the FP8 values
-widened to bf16) are timed beside, at the prefill and the wide decode steps, with their
-agreement with bf16.
+widened to bf16) are timed beside, at the prefill, the wide decode steps and the mixed step,
+with their agreement with bf16.
 
 A model whose state does not fit 256 rows beside it (Nemotron-3-Nano in bf16 on an 80 GB
 card) is timed at the batches that fit.
@@ -30,7 +31,7 @@ from __future__ import annotations
 import torch
 from tqdm import tqdm
 
-from ..graphs import BucketSet
+from ..graphs import Bucket, BucketSet
 from ..kernels.fp8 import FP8_MAX
 from ..runtime.model import Model
 from ..runtime.plan import StepPlan
@@ -38,7 +39,7 @@ from ..runtime.state_pool import StatePool
 from ..runtime.step_runner import StepRunner
 from .bench_kernels import copy_bandwidth, matmul_rate, median_ms, stamp
 from .bench_steps import (
-    CONTEXT, _moe_mixers, decode_plan, fitting_batches, hbm_floor_bytes, prefill_floor_ms, prefill_plan,
+    CONTEXT, _moe_mixers, decode_plan, fitting_batches, hbm_floor_bytes, mixed_plan, prefill_floor_ms, prefill_plan,
     prefill_roofline_ms, replay_ms, routed_experts, step_ms,
 )
 
@@ -49,6 +50,9 @@ AGREE_ROWS, AGREE_PROMPT, AGREE_STEPS = 64, 16, 32
 # the wide decode steps W8A16 experts are timed at beside W8A8's (past a few pairs: the sorted
 # layout W8A8 changes)
 W8A16_DECODE = (64, 256)
+# the mixed step timed in both precisions: `mambastep run`'s at concurrency 64 (its decode rows
+# beside a chat prompt's chunk), in a graph of the smallest bucket that holds it
+MIXED_DECODE, MIXED_PREFILL, MIXED_BUCKET = 64, 223, 256
 MAX_CONTEXT = CONTEXT + PREFILL + 2
 
 
@@ -87,9 +91,10 @@ def bench_model(model: Model, bandwidth: float, rates: tuple[float, float], prog
     pool = StatePool(model.cfg, slots, max_context=MAX_CONTEXT, dtype=torch.bfloat16, device="cuda")
     for t in pool.tensors():
         t.normal_(0, 0.1)
-    buckets = BucketSet(decode=batches, mixed_decode=(0,), prefill=(PREFILL,), max_prefill_seqs=1)
+    mixed = MIXED_DECODE in batches
+    buckets = _buckets(batches, mixed)
     runner = StepRunner(model, pool, buckets, overlap=True)
-    report = str(runner.capture(progress=progress))
+    report = str(runner.capture(_captured(buckets), progress=progress))
     eager = StepRunner(model, pool, buckets, overlap=False)  # never captured: eager steps
     moe = bool(_moe_mixers(model))
     rows = []
@@ -105,6 +110,10 @@ def bench_model(model: Model, bandwidth: float, rates: tuple[float, float], prog
     rows.append({"kind": "prefill", "tokens": PREFILL, "graph_ms": step_ms(runner, chunk, rounds=10),
                  "floor_ms": prefill_floor,
                  "roofline_ms": prefill_roofline_ms(model, PREFILL, routed, rates[0], bandwidth, fp8_rate=rates[1])})
+    step = mixed_plan(MIXED_DECODE, prefill_plan(MIXED_PREFILL, slots - 1)) if mixed else None
+    if mixed:
+        rows.append({"kind": "mixed", "decode": MIXED_DECODE, "tokens": MIXED_PREFILL,
+                     "graph_ms": step_ms(runner, step, rounds=20)})
     logits, tokens = _agreement_steps(eager, max(batches), feed)
     w8a16_logits = None
     mixers = _moe_mixers(model) if model.cfg.quantization is not None else []
@@ -115,20 +124,35 @@ def bench_model(model: Model, bandwidth: float, rates: tuple[float, float], prog
             m.w8a8 = False
         try:
             wide = tuple(b for b in W8A16_DECODE if b in batches)
-            at = BucketSet(decode=wide or batches[:1], mixed_decode=(0,), prefill=(PREFILL,), max_prefill_seqs=1)
+            at = _buckets(wide or batches[:1], mixed)
             w8a16 = StepRunner(model, pool, at, overlap=True)
-            w8a16.capture(progress=False)
+            w8a16.capture(_captured(at), progress=False)
             floors = {r["batch"]: r["floor_ms"] for r in rows if r["kind"] == "decode"}
             rows += [{"kind": "decode-w8a16", "batch": b, "graph_ms": step_ms(w8a16, decode_plan(b), rounds=20),
                       "floor_ms": floors[b]} for b in wide]
             rows.append({"kind": "prefill-w8a16", "tokens": PREFILL, "graph_ms": step_ms(w8a16, chunk, rounds=10),
                          "floor_ms": prefill_floor})
+            if mixed:
+                rows.append({"kind": "mixed-w8a16", "decode": MIXED_DECODE, "tokens": MIXED_PREFILL,
+                             "graph_ms": step_ms(w8a16, step, rounds=20)})
             del w8a16
             w8a16_logits, _ = _agreement_steps(eager, max(batches), feed)
         finally:
             for m, w in zip(mixers, was):
                 m.w8a8 = w
     return {"capture": report, "rows": rows}, logits, tokens, w8a16_logits
+
+
+def _buckets(batches: tuple[int, ...], mixed: bool) -> BucketSet:
+    """The decode batches' buckets, the prefill's, and (``mixed``) the mixed step's."""
+    return BucketSet(decode=batches, mixed_decode=(0, MIXED_DECODE) if mixed else (0,),
+                     prefill=(MIXED_BUCKET, PREFILL) if mixed else (PREFILL,), max_prefill_seqs=1)
+
+
+def _captured(buckets: BucketSet) -> list[Bucket]:
+    """What the bench steps run in: every bucket but the mixed ones it does not time."""
+    timed = {Bucket(0, PREFILL), Bucket(MIXED_DECODE, MIXED_BUCKET)}
+    return [b for b in buckets.all() if not b.prefill or b in timed]
 
 
 def _agreement(ref: torch.Tensor, got: torch.Tensor) -> dict:
@@ -198,11 +222,16 @@ def tables(result: dict) -> str:
             if "roofline_ms" in a and "roofline_ms" in b:  # (JSON from before it was measured has none)
                 out.append(_row(f"prefill {key} (each product's FLOPs or bytes, the slower)",
                                 {**a, "floor_ms": a["roofline_ms"]}, {**b, "floor_ms": b["roofline_ms"]}))
+        mixed = [next((r for r in p[k]["rows"] if r["kind"] == "mixed"), None) for k in ("bf16", "fp8")]
+        if all(mixed):  # (JSON from before it was measured has none)
+            out.append(_unfloored_row(f"mixed {mixed[0]['decode']} + {mixed[0]['tokens']}", *mixed))
         for r in p["fp8"]["rows"]:  # W8A16 experts' rows beside bf16's same step (the FP8 rows above: W8A8)
             if r["kind"] == "decode-w8a16":
                 out.append(_row(f"decode x{r['batch']}, experts W8A16", bf[r["batch"]], r))
             elif r["kind"] == "prefill-w8a16":
                 out.append(_row(f"prefill {PREFILL}, experts W8A16", bf[PREFILL], r))
+            elif r["kind"] == "mixed-w8a16" and mixed[0]:
+                out.append(_unfloored_row(f"mixed {r['decode']} + {r['tokens']}, experts W8A16", mixed[0], r))
     return "\n".join(out)
 
 
@@ -211,6 +240,12 @@ def _row(what: str, a: dict, b: dict) -> str:
     return (f"| {what} | {a['graph_ms']:.3f} | {a['floor_ms']:.3f} | {a['graph_ms'] / a['floor_ms']:.2f}x | "
             f"{b['graph_ms']:.3f} | {b['floor_ms']:.3f} | {b['graph_ms'] / b['floor_ms']:.2f}x | "
             f"{a['graph_ms'] / b['graph_ms']:.2f}x |")
+
+
+def _unfloored_row(what: str, a: dict, b: dict) -> str:
+    """A row of a step with no floor of its own (a mixed step's parts overlap): bf16's ``a``
+    beside FP8's ``b``."""
+    return f"| {what} | {a['graph_ms']:.3f} | | | {b['graph_ms']:.3f} | | | {a['graph_ms'] / b['graph_ms']:.2f}x |"
 
 
 def print_table(result: dict) -> None:

@@ -89,6 +89,13 @@ def decode_plan(batch: int, first_slot: int = 0) -> StepPlan:
     return StepPlan.make(decode=decode_rows(batch, first_slot))
 
 
+def mixed_plan(decode: int, chunk: StepPlan) -> StepPlan:
+    """``decode`` rows in slots 0 onwards, CONTEXT tokens seen each, beside the prompt chunk of
+    ``chunk`` (a ``prefill_plan``'s)."""
+    return StepPlan.make([(chunk.prefill_tokens.tolist(), int(chunk.prefill_slots[0]), 0)],
+                         [(1 + i, i, CONTEXT) for i in range(decode)])
+
+
 def prefill_plan(tokens: int, slot: int, vocab: int = 1000) -> StepPlan:
     """A prompt chunk of ``tokens`` random ids below ``vocab`` (and 1000) into ``slot``."""
     ids = torch.randint(1, min(vocab, 1000), (tokens,)).tolist()
@@ -299,10 +306,7 @@ def bench_preset(name: str, bandwidth: float, rate: float, progress: bool) -> di
     for d in tqdm(MIXED_DECODE, desc=f"{name} mixed", disable=not progress):
         for c in PREFILL_CHUNKS:
             pre = prefill_plan(c, prefill_slot)
-            mixed = StepPlan.make(
-                [(pre.prefill_tokens.tolist(), prefill_slot, 0)],
-                [(1 + i, i, CONTEXT) for i in range(d)],
-            )
+            mixed = mixed_plan(d, pre)
             rows.append({
                 "kind": "mixed", "decode": d, "prefill": c,
                 "forked_ms": step_ms(forked, mixed), "unforked_ms": step_ms(unforked, mixed),

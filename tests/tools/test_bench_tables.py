@@ -217,10 +217,12 @@ def test_fp8_tables_set_bf16_beside_fp8(capsys):
     def rows(ms):
         decode = [{"kind": "decode", "batch": b, "graph_ms": ms * b, "floor_ms": 0.5 * b, "replay_ms": ms}
                   for b in bench_fp8.DECODE_BATCHES]
-        return decode + [{"kind": "prefill", "tokens": 2048, "graph_ms": 30.0, "floor_ms": 20.0, "roofline_ms": 25.0}]
+        return decode + [{"kind": "prefill", "tokens": 2048, "graph_ms": 30.0, "floor_ms": 20.0, "roofline_ms": 25.0},
+                         {"kind": "mixed", "decode": 64, "tokens": 223, "graph_ms": 40 * ms}]
 
     w8a16 = [{"kind": "decode-w8a16", "batch": 64, "graph_ms": 40.0, "floor_ms": 32.0},
-            {"kind": "prefill-w8a16", "tokens": 2048, "graph_ms": 24.0, "floor_ms": 20.0}]
+            {"kind": "prefill-w8a16", "tokens": 2048, "graph_ms": 24.0, "floor_ms": 20.0},
+            {"kind": "mixed-w8a16", "decode": 64, "tokens": 223, "graph_ms": 25.0}]
 
     bench_fp8.print_table({"device": "GPU", "date": "2026-12-04", "torch": "2", "copy_GB/s": 4274.0,
                            "matmul_TFLOP/s": 676.0, "fp8_matmul_TFLOP/s": 1240.0,
@@ -237,6 +239,9 @@ def test_fp8_tables_set_bf16_beside_fp8(capsys):
     assert "| decode x64 | 64.000 | 32.000 | 2.00x | 51.200 | 32.000 | 1.60x | 1.25x |" in out
     assert "| decode x64, experts W8A16 | 64.000 | 32.000 | 2.00x | 40.000 | 32.000 | 1.25x | 1.60x |" in out
     assert "| prefill 2048, experts W8A16 | 30.000 | 20.000 | 1.50x | 24.000 | 20.000 | 1.20x | 1.25x |" in out
+    # the mixed step has no floor of its own
+    assert "| mixed 64 + 223 | 40.000 | | | 32.000 | | | 1.25x |" in out
+    assert "| mixed 64 + 223, experts W8A16 | 40.000 | | | 25.000 | | | 1.60x |" in out
     assert "top-1 agreement 0.900" in out and "Note: a note" in out and "FP8 1240 TFLOP/s" in out
     assert "(experts W8A16: top-1 agreement 0.850, mean KL 0.0200 nats)" in out
     assert "left out" not in out
@@ -244,12 +249,33 @@ def test_fp8_tables_set_bf16_beside_fp8(capsys):
     # a card that held only the batches to 128: the tables follow them and say what was left out
     small = {"device": "GPU", "date": "2026-12-05", "torch": "2", "copy_GB/s": 3000.0, "matmul_TFLOP/s": 600.0,
              "fp8_matmul_TFLOP/s": 1200.0,
-             "presets": [{"preset": "nemotron-3-nano-30b-a3b", "bf16": {"rows": rows(1.0)[:-2] + rows(1.0)[-1:]},
-                          "fp8": {"rows": rows(0.8)[:-2] + rows(0.8)[-1:]}, "top1_agreement": 0.9, "mean_kl": 0.01,
+             "presets": [{"preset": "nemotron-3-nano-30b-a3b", "bf16": {"rows": rows(1.0)[:-3] + rows(1.0)[-2:]},
+                          "fp8": {"rows": rows(0.8)[:-3] + rows(0.8)[-2:]}, "top1_agreement": 0.9, "mean_kl": 0.01,
                           "positions": 2048}]}
     out = bench_fp8.tables(small)
     assert "| decode x128 |" in out and "| decode x256 |" not in out and "| prefill 2048 (FLOP floor) |" in out
     assert "(decode x256 left out: their slots do not fit beside the bf16 model on this card)" in out
+    # JSON from before the mixed step was timed: no such row
+    old = {**small, "presets": [{**small["presets"][0], **{k: {"rows": [r for r in small["presets"][0][k]["rows"]
+                                                                        if r["kind"] != "mixed"]}
+                                                           for k in ("bf16", "fp8")}}]}
+    assert "| mixed" not in bench_fp8.tables(old)
+
+
+def test_fp8_bench_captures_the_steps_it_times():
+    """The decode batches, the prefill chunk and the mixed step of 64 rows beside a 223-token chunk
+    (in its 256-token bucket), not the mixed buckets it never runs."""
+    from mambastep.graphs import Bucket
+    from mambastep.tools import bench_fp8
+    from mambastep.tools.bench_steps import CONTEXT, mixed_plan, prefill_plan
+
+    buckets = bench_fp8._buckets((1, 64), mixed=True)
+    assert sorted(bench_fp8._captured(buckets)) == [Bucket(0, 2048), Bucket(1), Bucket(64), Bucket(64, 256)]
+    step = mixed_plan(64, prefill_plan(223, 70))
+    assert buckets.choose(step.num_decode, step.num_prefill_tokens, step.num_prefill) == Bucket(64, 256)
+    assert step.decode_slots.tolist() == list(range(64)) and (step.decode_context == CONTEXT).all()
+    assert step.prefill_slots.tolist() == [70] and step.num_prefill_tokens == 223
+    assert bench_fp8._captured(bench_fp8._buckets((1, 8), mixed=False)) == [Bucket(0, 2048), Bucket(8), Bucket(1)]
 
 
 def test_the_prefix_bench_sets_the_cache_beside_none_on_the_cpu(tmp_path):

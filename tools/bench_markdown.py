@@ -17,7 +17,12 @@ __all__ = ["readme_table", "render", "run_command", "run_table", "serve_table", 
 
 def run_command(r: dict) -> str:
     """The `mambastep run` command line that wrote the result ``r``."""
-    flags = [f"--preset {r['model']}", f"--concurrency {r['concurrency']}", f"--requests {r['requests']}"]
+    flags = [f"--preset {r['model']}"]
+    if r.get("rate"):  # arrivals at a rate, in flight without a limit unless one was set
+        flags.append(f"--rate {r['rate']:g}")
+    if r["concurrency"] is not None:
+        flags.append(f"--concurrency {r['concurrency']}")
+    flags.append(f"--requests {r['requests']}")
     if r.get("quantization"):
         flags.append(f"--quantization {r['quantization']}")
     if r.get("workload", "chat") != "chat":

@@ -9,7 +9,11 @@ Workloads (``--workload``):
               which 90% is one of four shared prefixes (an agent's instructions and tools)
 
 Requests arrive as earlier ones finish, keeping ``--concurrency`` in flight (a conversation's
-next turn as soon as its last ends). Reported per request: time to first token (TTFT),
+next turn as soon as its last ends): a closed loop, whose offered load follows the engine's
+speed. With ``--rate`` they arrive at that many a second instead (a Poisson process, seeded),
+each when due, at most ``--concurrency`` in flight if given: the same load for any engine, so
+two runs' latencies compare; a request's TTFT then counts from its arrival, any wait for a
+place in flight included. Reported per request: time to first token (TTFT),
 inter-token latency (ITL, the mean gap between its tokens) and request latency, and for
 conversations the TTFT of their later turns apart; over the run: output tokens/s and
 requests/s. ``--prefix-cache-gib`` runs the engine with a prefix cache of that size.
@@ -78,21 +82,31 @@ def conversations(kind: str, n: int, vocab: int, seed: int, max_context: int, tu
     return convs
 
 
-def serve(engine: Engine, convs, concurrency: int, sampling: dict, progress: bool) -> dict:
+def arrival_times(n: int, rate: float, seed: int) -> list[float]:
+    """``n`` arrivals of a Poisson process of ``rate`` a second: seconds from the start, rising."""
+    return np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate, n)).tolist()
+
+
+def serve(engine: Engine, convs, concurrency: int, sampling: dict, progress: bool,
+          arrivals: list[float] | None = None) -> dict:
     """Run every conversation (a list of turns, each the tokens it adds and its output length;
     an independent request is a conversation of one turn), each turn after the last and resending
     the conversation so far, with at most ``concurrency`` requests in flight, each sampling with
     the ``SamplingParams`` fields in ``sampling``; per-request timings in seconds. A turn that
-    would pass the engine's max_context ends its conversation."""
-    pending = deque((c, 0, []) for c in range(len(convs)))  # (conversation, turn, its history)
+    would pass the engine's max_context ends its conversation. ``arrivals``: each conversation's
+    first turn arrives that many seconds after the start (rising), and its timings count from
+    then; else each request arrives as it is sent."""
+    start = time.perf_counter()
+    # (conversation, turn, its history, when it arrives: None, as it is sent)
+    pending = deque((c, 0, [], None if arrivals is None else start + arrivals[c]) for c in range(len(convs)))
     started, first, last, gaps, tokens = {}, {}, {}, {}, {}
     job = {}  # request id -> (conversation, turn, prompt)
     done, total = 0, sum(len(c) for c in convs)
     bar = tqdm(total=total, desc="requests", disable=not progress, file=sys.stderr)
-    t0 = time.perf_counter()
     while done < total:
-        while pending and len(started) - done < concurrency:
-            c, turn, history = pending.popleft()
+        while (pending and len(started) - done < concurrency
+               and (pending[0][3] is None or pending[0][3] <= time.perf_counter())):
+            c, turn, history, due = pending.popleft()
             added, n_out = convs[c][turn]
             prompt = history + added
             if len(prompt) + n_out > engine.max_context:  # the conversation is as long as it gets
@@ -101,9 +115,13 @@ def serve(engine: Engine, convs, concurrency: int, sampling: dict, progress: boo
                 continue
             params = SamplingParams(**sampling, max_tokens=n_out, ignore_eos=True)
             rid = engine.add_request(prompt, params)
-            started[rid], tokens[rid], job[rid] = time.perf_counter(), [], (c, turn, prompt)
+            started[rid] = due if due is not None else time.perf_counter()
+            tokens[rid], job[rid] = [], (c, turn, prompt)
         if done >= total:
             break
+        if not engine.has_unfinished() and pending and pending[0][3] is not None:  # idle until the next arrival
+            time.sleep(max(0.0, pending[0][3] - time.perf_counter()))
+            continue
         for out in engine.step():
             now = time.perf_counter()
             if out.id not in first:
@@ -117,8 +135,8 @@ def serve(engine: Engine, convs, concurrency: int, sampling: dict, progress: boo
                 bar.update()
                 c, turn, prompt = job[out.id]
                 if turn + 1 < len(convs[c]):
-                    pending.appendleft((c, turn + 1, prompt + tokens[out.id]))
-    wall = time.perf_counter() - t0
+                    pending.appendleft((c, turn + 1, prompt + tokens[out.id], None))
+    wall = time.perf_counter() - start
     bar.close()
     ids = sorted(started)
     return {
@@ -170,7 +188,10 @@ def main(argv=None) -> int:
                         help="built-in shape with random weights (default: mamba2-130m on a GPU, tiny-hybrid on CPU)")
     parser.add_argument("--requests", type=int, default=None, help="requests to serve (default: 256 on GPU, 16 on CPU)")
     parser.add_argument("--concurrency", type=int, default=None,
-                        help="requests in flight (default: 64 on GPU, 8 on CPU)")
+                        help="requests in flight (default: 64 on GPU, 8 on CPU; with --rate, no limit)")
+    parser.add_argument("--rate", type=float, default=None, metavar="R",
+                        help="requests (conversations) arriving R a second, a Poisson process, rather than each as "
+                             "another finishes (see above)")
     parser.add_argument("--eager", action="store_true", help="run without CUDA graphs (for comparison)")
     parser.add_argument("--pipelined", action="store_true", help="launch step N+1 before reading step N's tokens")
     parser.add_argument("--buckets", metavar="PATH", help="graph buckets from `mambastep tune` (default: built in)")
@@ -200,9 +221,13 @@ def main(argv=None) -> int:
     gpu = device.startswith("cuda")
     requests = args.requests if args.requests is not None else (256 if gpu else 16)
     concurrency = args.concurrency if args.concurrency is not None else (64 if gpu else 8)
+    if args.rate is not None and args.concurrency is None:
+        concurrency = requests * args.turns  # no limit: more than the run ever has in flight
     for flag, value in (("--requests", requests), ("--concurrency", concurrency)):
         if value < 1:
             parser.error(f"{flag}: must be at least 1, got {value}")
+    if args.rate is not None and not args.rate > 0:
+        parser.error(f"--rate: must be above 0 requests a second, got {args.rate}")
     if args.max_context < MIN_CONTEXT:
         parser.error(f"--max-context: must be at least {MIN_CONTEXT} (the workload's shortest prompt and "
                      f"output), got {args.max_context}")
@@ -239,7 +264,8 @@ def main(argv=None) -> int:
 
     convs = conversations(args.workload, requests, engine.cfg.vocab_size, args.seed, args.max_context, args.turns,
                           args.prompt_tokens)
-    timings = serve(engine, convs, concurrency, sampling, progress=not args.quiet)
+    arrivals = None if args.rate is None else arrival_times(len(convs), args.rate, args.seed)
+    timings = serve(engine, convs, concurrency, sampling, progress=not args.quiet, arrivals=arrivals)
     if args.trace:
         engine.write_trace(args.trace)
     requests = timings["requests"]
@@ -249,8 +275,10 @@ def main(argv=None) -> int:
     if engine.speculative is not None:
         stats["speculative"] = dict(engine.speculative_stats)
     mode = "eager" if (args.eager or not gpu) else "CUDA graphs"
+    load = f"concurrency {concurrency}" if args.rate is None else (
+        f"{args.rate:g} a second" + (f", concurrency {concurrency}" if args.concurrency is not None else ""))
     print_table(stats, f"\n{name} on {torch.cuda.get_device_name() if gpu else 'CPU'} ({mode}), {args.workload}, "
-                       f"{requests} requests, concurrency {concurrency}")
+                       f"{requests} requests, {load}")
     if engine.prefix_cache is not None:
         c = stats["prefix_cache"]
         print(f"prefix cache: {c['snapshots']} snapshots, {c['hits']} hits of {c['lookups']} lookups, "
@@ -264,8 +292,10 @@ def main(argv=None) -> int:
                        "date": datetime.date.today().isoformat(), "mode": mode, "pipelined": args.pipelined,
                        "quantization": args.quantization, "workload": args.workload,
                        "prefix_cache_gib": args.prefix_cache_gib, "num_drafts": args.speculative,
-                       "draft_model": args.draft_model, "mtp": args.mtp,
-                       "requests": requests, "concurrency": concurrency, "sampling": sampling, **stats}, f, indent=1)
+                       "draft_model": args.draft_model, "mtp": args.mtp, "requests": requests,
+                       # (a run at a --rate with no --concurrency: no limit)
+                       "concurrency": concurrency if args.rate is None or args.concurrency else None,
+                       "rate": args.rate, "sampling": sampling, **stats}, f, indent=1)
     return 0
 
 

@@ -68,6 +68,7 @@ def _fails_in_one_line(capsys, argv, match):
     (["--device", "tpu"], "expected cpu or cuda"),
     (["--requests", "x"], "invalid int value"),
     (["--turns", "0"], "--turns must be at least 1"),
+    (["--rate", "0"], "--rate: must be above 0 requests a second, got 0"),
     (["--prompt-tokens", "5"], "--prompt-tokens: expected 10 to --max-context - 8"),
     (["--prefix-cache-gib", "1e-9"], "--prefix-cache-gib: 1e-09 GiB holds no snapshot"),
     (["--speculative", "-1"], "--speculative: expected drafts >= 0"),
@@ -80,6 +81,37 @@ def _fails_in_one_line(capsys, argv, match):
 ])
 def test_run_checks_its_arguments_first(capsys, argv, match):
     _fails_in_one_line(capsys, ["run", "--device", "cpu", "--quiet", *argv], match)
+
+
+def test_run_at_a_rate_sends_each_request_when_it_arrives(capsys, tmp_path):
+    """--rate: Poisson arrivals (seeded, rising), no limit in flight unless asked; the result says
+    so, and its command line too."""
+    assert run.arrival_times(5, 10.0, 0) == run.arrival_times(5, 10.0, 0)
+    times = run.arrival_times(5, 10.0, 0)
+    assert all(0 < a < b for a, b in zip(times, times[1:]))
+    assert run.main(["--device", "cpu", "--quiet", "--requests", "4", "--rate", "20", "--json",
+                     str(tmp_path / "r.json")]) == 0
+    assert "4 requests, 20 a second" in capsys.readouterr().out
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["rate"] == 20 and r["concurrency"] is None and r["requests"] == 4
+    assert r["wall_s"] >= run.arrival_times(4, 20.0, 0)[-1]
+    command = bench_markdown.run_command(r)
+    assert "--rate 20 --requests 4" in command and "--concurrency" not in command
+
+
+def test_a_request_arriving_while_the_run_is_full_counts_its_wait():
+    """At a rate, a request's TTFT counts from its arrival: one that arrives while the one place in
+    flight is taken waits, and its TTFT shows it; sent as another finishes (the closed loop), it
+    does not."""
+    from mambastep.runtime.engine import Engine
+
+    engine = Engine.from_preset("tiny-hybrid", device="cpu", progress=False)
+    convs = [[(list(range(1, 9)), 6)], [(list(range(1, 9)), 6)]]
+    greedy = {"temperature": 0.0}
+    at_once = run.serve(engine, convs, 1, greedy, progress=False, arrivals=[0.0, 0.0])
+    assert at_once["ttft"][1] >= at_once["latency"][0]
+    closed = run.serve(engine, convs, 1, greedy, progress=False)
+    assert closed["ttft"][1] < closed["latency"][0]
 
 
 def test_run_refuses_a_bad_bucket_file(capsys, tmp_path):

@@ -101,8 +101,9 @@ def test_run_at_a_rate_sends_each_request_when_it_arrives(capsys, tmp_path):
 
 def test_a_request_arriving_while_the_run_is_full_counts_its_wait():
     """At a rate, a request's TTFT counts from its arrival: one that arrives while the one place in
-    flight is taken waits, and its TTFT shows it; sent as another finishes (the closed loop), it
-    does not."""
+    flight is taken waits, and its TTFT holds the whole of the first's run; sent as another
+    finishes (the closed loop), it counts from then, within what is left of the run after the
+    first's (both bounds follow from the order of events, whatever the steps take)."""
     from mambastep.runtime.engine import Engine
 
     engine = Engine.from_preset("tiny-hybrid", device="cpu", progress=False)
@@ -111,7 +112,7 @@ def test_a_request_arriving_while_the_run_is_full_counts_its_wait():
     at_once = run.serve(engine, convs, 1, greedy, progress=False, arrivals=[0.0, 0.0])
     assert at_once["ttft"][1] >= at_once["latency"][0]
     closed = run.serve(engine, convs, 1, greedy, progress=False)
-    assert closed["ttft"][1] < closed["latency"][0]
+    assert closed["ttft"][1] <= closed["wall"] - closed["latency"][0]
 
 
 def test_run_refuses_a_bad_bucket_file(capsys, tmp_path):

@@ -38,6 +38,10 @@
     mambastep bench api [--concurrency C] [--requests N] [--step-ms MS]
                                             the server's own cost over a stand-in engine: the
                                             API process's CPU a streamed token (no GPU, no model)
+    mambastep bench ab --preset P --variant NAME[:MODULE.ATTR=VALUE,...] ... --plan decode:B ...
+                                            variants of a preset's steps side by side (module
+                                            constants set per variant), logits compared
+                                            (`mambastep bench ab --help`)
     mambastep bench markdown [--steps S.json ...] [--kernels K.json] [--run R.json ...]
                              [--serve H.json ...] [--out PATH]
                                             docs/BENCHMARKS.md from those commands' --json
@@ -75,12 +79,16 @@ def main(argv=None) -> int:
         from . import bench_serve
 
         return bench_serve.main(argv[1:])
+    if argv[:1] == ["ab"]:  # its own options
+        from . import bench_ab
+
+        return bench_ab.main(argv[1:])
     if argv[:1] == ["api"]:  # its own options: no GPU, no model
         from . import bench_api
 
         return bench_api.main(argv[1:])
     parser = Parser(prog="mambastep bench", description=__doc__)
-    parser.add_argument("what", choices=sorted(SUITES) + ["profile", "markdown", "serve", "api"],
+    parser.add_argument("what", choices=sorted(SUITES) + ["profile", "markdown", "serve", "api", "ab"],
                         help="which benchmark to run")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument("--preset", action="append",

@@ -1,5 +1,5 @@
 """Variants of a step side by side on one model in one process: the A/B method of
-docs/experiments.md as code.
+docs/experiments.md as code; ``mambastep bench ab`` from the command line (``--help``).
 
 A variant is a factory of context managers whose patches (a module constant, a kernel wrapper, a
 mixer's method) are in force while its runner captures its graphs, and around each of its steps
@@ -15,25 +15,60 @@ power cap heating up) falls on every variant alike.
     rows = compare("nemotron-3-nano-30b-a3b", {"main": contextlib.nullcontext, "new": my_patch},
                    {"decode 1": decode_plan(1)})
     print(table(rows))
+
+Most variants set module constants (a threshold, a switch): ``patched((moe, {"H_BLOCK": 64}))``.
 """
 
 from __future__ import annotations
 
+import ast
+import contextlib
+import importlib
+import json
 import statistics
-from typing import Callable, ContextManager, Mapping
+import sys
+from types import ModuleType
+from typing import Any, Callable, ContextManager, Mapping
 
 import torch
 
 from ..graphs import BucketSet
 from ..runtime.model import Model
 from ..runtime.plan import StepPlan
+from ..runtime.presets import preset_config
 from ..runtime.state_pool import StatePool
 from ..runtime.step_runner import StepRunner
-from .bench_steps import step_ms
+from .args import Parser, add_quantization, writable_path
+from .bench_steps import decode_plan, mixed_plan, prefill_plan, step_ms
 
-__all__ = ["compare", "table"]
+__all__ = ["compare", "main", "parse_plan", "parse_variant", "patched", "table"]
 
 Variant = Callable[[], ContextManager]
+
+
+def patched(*targets: tuple[ModuleType, Mapping[str, Any]]) -> Variant:
+    """A variant that sets each (module, {name: value}) target's module attributes while in force,
+    and puts them back after; a name the module does not have is refused (a typo would time the
+    baseline twice)."""
+    for module, values in targets:
+        missing = [name for name in values if not hasattr(module, name)]
+        if missing:
+            raise AttributeError(f"patched: {module.__name__} has no {', '.join(missing)}")
+
+    @contextlib.contextmanager
+    def variant():
+        old = [(module, {name: getattr(module, name) for name in values}) for module, values in targets]
+        try:
+            for module, values in targets:
+                for name, value in values.items():
+                    setattr(module, name, value)
+            yield
+        finally:
+            for module, values in old:
+                for name, value in values.items():
+                    setattr(module, name, value)
+
+    return variant
 
 
 def _buckets(plans: Mapping[str, StepPlan]) -> BucketSet:
@@ -133,3 +168,99 @@ def table(rows: list[dict]) -> str:
         out.append(f"| {r['plan']} | {r['variant']} | {' '.join(f'{t:.3f}' for t in r['sync_ms'])} | "
                    f"{r['median_ms']:.3f} | {r['median_ms'] / base - 1:+.1%} | {b2b} | {same} |")
     return "\n".join(out)
+
+
+def parse_variant(text: str) -> tuple[str, Variant]:
+    """``NAME`` (as the code stands) or ``NAME:MODULE.ATTR=VALUE[,MODULE.ATTR=VALUE...]``: the
+    module under ``mambastep`` (``kernels.linear``), the value a Python literal."""
+    name, _, patches = text.partition(":")
+    if not name:
+        raise ValueError(f"a variant needs a name: {text!r}")
+    targets: dict[str, dict[str, Any]] = {}
+    for patch in filter(None, patches.split(",")):
+        where, eq, value = patch.partition("=")
+        module, dot, attr = where.strip().rpartition(".")
+        if not (eq and dot and module and attr):
+            raise ValueError(f"variant {name!r}: expected MODULE.ATTR=VALUE, got {patch!r}")
+        try:
+            literal = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            raise ValueError(f"variant {name!r}: {value.strip()!r} is not a Python literal") from None
+        targets.setdefault(module, {})[attr] = literal
+    try:
+        modules = {m: importlib.import_module(f"mambastep.{m}") for m in targets}
+    except ModuleNotFoundError as e:
+        raise ValueError(f"variant {name!r}: no module {e.name}") from None
+    return name, patched(*((modules[m], values) for m, values in targets.items()))
+
+
+def parse_plan(text: str, vocab: int = 1000) -> tuple[str, StepPlan]:
+    """``decode:B`` (B decode rows), ``prefill:T`` (one T-token prompt chunk, ids below
+    ``vocab``) or ``mixed:B+T`` (both in one step), as ``bench steps`` builds them."""
+    kind, _, size = text.partition(":")
+    try:
+        if kind == "decode":
+            return f"decode {int(size)}", decode_plan(int(size))
+        if kind == "prefill":
+            return f"prefill {int(size)}", prefill_plan(int(size), 0, vocab)
+        if kind == "mixed":
+            rows, _, tokens = size.partition("+")
+            chunk = prefill_plan(int(tokens), int(rows), vocab)
+            return f"decode {int(rows)} + {int(tokens)}", mixed_plan(int(rows), chunk)
+    except ValueError:
+        pass
+    raise ValueError(f"a plan is decode:B, prefill:T or mixed:B+T, got {text!r}")
+
+
+def main(argv=None) -> int:
+    parser = Parser(prog="mambastep bench ab", description="""\
+Variants of a preset's steps side by side in one process, each plan's states the same before
+every variant's step, timings alternating variant by variant; a variant sets module constants
+(the switches and thresholds kernels and mixers read) while its graphs are captured and its
+steps run. Prints each plan's variants beside the first, and whether their logits equal its.
+
+  mambastep bench ab --preset nemotron-3-nano-30b-a3b --quantization fp8 --variant main \\
+      --variant "align in one program:kernels.moe.ALIGN_COUNTED_ONE_PROGRAM=1024" \\
+      --plan decode:64 --plan mixed:64+223""")
+    parser.add_argument("--preset", required=True, help="the model shape (random weights)")
+    parser.add_argument("--variant", action="append", required=True, metavar="NAME[:MODULE.ATTR=VALUE,...]",
+                        help="a variant (the first is the baseline): its name, and the module constants it sets "
+                             "(modules under mambastep, values Python literals); repeat for each")
+    parser.add_argument("--plan", action="append", required=True, metavar="decode:B|prefill:T|mixed:B+T",
+                        help="a step to time: B decode rows, a T-token prompt chunk, or both; repeat for each")
+    parser.add_argument("--rounds", type=int, default=3, help="timing rounds (default 3)")
+    parser.add_argument("--max-context", type=int, default=None,
+                        help="the state pool's length (default: what the plans need)")
+    add_quantization(parser)
+    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
+    args = parser.parse_args(argv)
+    writable_path(parser, "--json", args.json)
+    try:
+        vocab = preset_config(args.preset).vocab_size
+        variants = dict(parse_variant(v) for v in args.variant)
+        plans = dict(parse_plan(p, vocab) for p in args.plan)
+    except KeyError as e:  # an unknown preset
+        parser.error(str(e).strip("'\""))
+    except (ValueError, AttributeError) as e:
+        parser.error(str(e))
+    if len(variants) != len(args.variant) or len(plans) != len(args.plan):
+        parser.error("variants and plans must be named apart")
+    if args.rounds < 1:
+        parser.error(f"--rounds: at least 1, got {args.rounds}")
+    try:
+        rows = compare(args.preset, variants, plans, rounds=args.rounds, max_context=args.max_context,
+                       quantization=args.quantization)
+    except ValueError as e:  # a pool too short for the plans
+        parser.error(str(e))
+    print(f"{args.preset}{' (' + args.quantization + ')' if args.quantization else ''} on "
+          f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}")
+    print(table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"preset": args.preset, "quantization": args.quantization, "variants": args.variant,
+                       "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

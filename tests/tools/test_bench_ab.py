@@ -9,7 +9,7 @@ import torch
 
 from mambastep.runtime.mixers.base import Norm
 from mambastep.runtime.plan import StepPlan
-from mambastep.tools.bench_ab import compare, table
+from mambastep.tools.bench_ab import compare, patched, table
 from mambastep.tools.bench_steps import decode_plan
 
 
@@ -49,3 +49,50 @@ def test_a_pool_too_short_for_the_plans_is_refused():
     with pytest.raises(ValueError, match="max_context 8: the plans need 24 positions"):
         compare("tiny-hybrid", {"main": contextlib.nullcontext}, {"p": StepPlan.make([(list(range(3, 27)), 0, 0)])},
                 max_context=8)
+
+
+def test_a_patched_variant_sets_module_constants_while_in_force_and_refuses_unknown_names():
+    from mambastep.kernels import linear, moe
+
+    variant = patched((moe, {"PAIR_TILES_MAX": 0, "ALIGN_COUNTED_ONE_PROGRAM": 1}), (linear, {"FEW_ROWS_FP8_MAX": 2}))
+    before = (moe.PAIR_TILES_MAX, moe.ALIGN_COUNTED_ONE_PROGRAM, linear.FEW_ROWS_FP8_MAX)
+    with pytest.raises(RuntimeError, match="inside"):
+        with variant():
+            assert (moe.PAIR_TILES_MAX, moe.ALIGN_COUNTED_ONE_PROGRAM, linear.FEW_ROWS_FP8_MAX) == (0, 1, 2)
+            raise RuntimeError("inside")
+    assert (moe.PAIR_TILES_MAX, moe.ALIGN_COUNTED_ONE_PROGRAM, linear.FEW_ROWS_FP8_MAX) == before
+    with pytest.raises(AttributeError, match="mambastep.kernels.moe has no PAIR_TILES"):
+        patched((moe, {"PAIR_TILES": 64}))
+
+
+def test_the_command_line_times_named_variants_and_refuses_what_it_cannot_set(capsys, tmp_path):
+    """``mambastep bench ab``: variants by name and the module constants they set, plans by kind
+    and size; a table of each plan's variants, written as JSON too. A module, a constant or a
+    value it cannot take is one line naming it, before any model is built."""
+    from mambastep.tools.bench_ab import main
+
+    out = tmp_path / "ab.json"
+    assert main(["--preset", "tiny-hybrid", "--variant", "main", "--variant",
+                 "in turn:runtime.mixers.moe.SHARED_BESIDE_MAX_TOKENS=0,kernels.moe.ALIGN_COUNTED_ONE_PROGRAM=0",
+                 "--plan", "decode:2", "--plan", "mixed:2+20", "--rounds", "1", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "tiny-hybrid on CPU" in text and "| decode 2 | in turn |" in text and "| decode 2 + 20 | main |" in text
+    rows = __import__("json").loads(out.read_text())["rows"]
+    # (the CPU runs its MoE layers' shared expert in turn either way: equal logits)
+    assert len(rows) == 4 and all(r["equal"] for r in rows)
+    for argv, match in (
+            (["--variant", "x:kernels.nowhere.A=1"], "variant 'x': no module mambastep.kernels.nowhere"),
+            (["--variant", "x:kernels.linear.NOPE=1"], "mambastep.kernels.linear has no NOPE"),
+            (["--variant", "x:kernels.linear.FEW_ROWS_FP8_MAX=maybe"], "'maybe' is not a Python literal"),
+            (["--variant", "x:FEW_ROWS_FP8_MAX=1"], "expected MODULE.ATTR=VALUE"),
+            (["--variant", "main", "--plan", "decode:two"], "a plan is decode:B, prefill:T or mixed:B\\+T"),
+            (["--variant", "a", "--variant", "a"], "variants and plans must be named apart"),
+            (["--variant", "a", "--max-context", "4"], "max_context 4: the plans need"),
+            (["--variant", "a", "--preset", "nano-9000"], "unknown preset 'nano-9000'")):
+        argv = ["--preset", "tiny-hybrid", *argv]
+        if "--plan" not in argv:
+            argv += ["--plan", "decode:1"]
+        with pytest.raises(SystemExit):
+            main(argv)
+        err = capsys.readouterr().err
+        assert err.startswith("mambastep bench ab: error:") and __import__("re").search(match, err), err

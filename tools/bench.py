@@ -51,6 +51,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 
@@ -60,6 +61,10 @@ from ..runtime.presets import PRESETS
 from . import (bench_fp8, bench_kernels, bench_markdown, bench_prefix, bench_profile, bench_sampling, bench_spec,
                bench_steps, bench_tiles)
 from .args import Parser, add_quantization, writable_path
+
+# the benchmarks that parse their own options, dispatched before the shared parser: serve (no
+# GPU, only a server), api (no GPU, no model), ab; by module, imported when asked for
+OWN_OPTIONS = {"serve": "bench_serve", "api": "bench_api", "ab": "bench_ab"}
 
 SUITES = {"kernels": bench_kernels, "steps": bench_steps, "fp8": bench_fp8, "sampling": bench_sampling,
           "prefix": bench_prefix, "spec": bench_spec, "tiles": bench_tiles}
@@ -75,20 +80,10 @@ def _window(text: str) -> tuple[int, int]:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["serve"]:  # its own options: it needs no GPU, only a server
-        from . import bench_serve
-
-        return bench_serve.main(argv[1:])
-    if argv[:1] == ["ab"]:  # its own options
-        from . import bench_ab
-
-        return bench_ab.main(argv[1:])
-    if argv[:1] == ["api"]:  # its own options: no GPU, no model
-        from . import bench_api
-
-        return bench_api.main(argv[1:])
+    if argv[:1] and argv[0] in OWN_OPTIONS:
+        return importlib.import_module(f"{__package__}.{OWN_OPTIONS[argv[0]]}").main(argv[1:])
     parser = Parser(prog="mambastep bench", description=__doc__)
-    parser.add_argument("what", choices=sorted(SUITES) + ["profile", "markdown", "serve", "api", "ab"],
+    parser.add_argument("what", choices=sorted(SUITES) + ["profile", "markdown", *OWN_OPTIONS],
                         help="which benchmark to run")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument("--preset", action="append",
@@ -118,6 +113,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", metavar="PATH", help="markdown: write here instead of standard output")
     parser.add_argument("--readme", action="store_true", help="markdown: the README's summary table instead")
     args = parser.parse_args(argv)
+    if args.what in OWN_OPTIONS:  # reached only with options before it, which are not its own
+        parser.error(f"{args.what} takes its own options, after it: mambastep bench {args.what} --help")
     writable_path(parser, "--json", args.json)
     writable_path(parser, "--out", args.out)
     if args.quantization and args.what not in ("profile", "tiles"):

@@ -96,3 +96,17 @@ def test_the_command_line_times_named_variants_and_refuses_what_it_cannot_set(ca
             main(argv)
         err = capsys.readouterr().err
         assert err.startswith("mambastep bench ab: error:") and __import__("re").search(match, err), err
+
+
+def test_a_benchmark_with_its_own_options_is_dispatched_by_name_and_named_when_misplaced(capsys):
+    """``mambastep bench ab`` parses its own options; put after the shared ones, it is one line
+    naming where its options go (not another benchmark's run)."""
+    from mambastep.tools import bench
+
+    with pytest.raises(SystemExit):
+        bench.main(["ab", "--help"])
+    assert "mambastep bench ab" in capsys.readouterr().out
+    for what in bench.OWN_OPTIONS:
+        with pytest.raises(SystemExit):
+            bench.main(["--json", "x.json", what])
+        assert f"error: {what} takes its own options, after it" in capsys.readouterr().err

@@ -103,7 +103,8 @@ def _pool(model: Model, plans: Mapping[str, StepPlan], max_context: int | None, 
 
 def compare(preset: str, variants: Mapping[str, Variant], plans: Mapping[str, StepPlan], *, rounds: int = 3,
             back_to_back: int = 50, max_context: int | None = None, dtype: torch.dtype = torch.bfloat16,
-            device: str | None = None, seed: int = 0, quantization: str | None = None) -> list[dict]:
+            device: str | None = None, seed: int = 0, quantization: str | None = None,
+            on_plan: Callable[[list[dict]], None] | None = None) -> list[dict]:
     """One row a (plan, variant): its synchronised step times (ms, one median a round), steps
     launched back to back (ms a step, the median over the first two rounds; CUDA only), and
     whether its logits equal the first variant's (else the largest difference, the first's standard
@@ -144,6 +145,7 @@ def compare(preset: str, variants: Mapping[str, Variant], plans: Mapping[str, St
                     if runner.cuda and i < 2:
                         streamed[name].append(step_ms(runner, plan, steps=back_to_back, rounds=5))
         base = logits[next(iter(variants))]
+        done = len(rows)
         for name in runners:
             row = {"plan": plan_name, "variant": name, "sync_ms": times[name],
                    "median_ms": statistics.median(times[name]), "equal": torch.equal(logits[name], base),
@@ -152,13 +154,19 @@ def compare(preset: str, variants: Mapping[str, Variant], plans: Mapping[str, St
             if streamed[name]:
                 row["back_to_back_ms"] = statistics.median(streamed[name])
             rows.append(row)
+        if on_plan is not None:
+            on_plan(rows[done:])
     return rows
 
 
-def table(rows: list[dict]) -> str:
-    """The rows in markdown, each plan's variants beside its first."""
-    out = ["| plan | variant | synchronised (ms) | median | vs first | back to back (ms) | logits |",
-           "| --- | --- | --- | --- | --- | --- | --- |"]
+TABLE_HEADER = ("| plan | variant | synchronised (ms) | median | vs first | back to back (ms) | logits |\n"
+                "| --- | --- | --- | --- | --- | --- | --- |")
+
+
+def table(rows: list[dict], header: bool = True) -> str:
+    """The rows in markdown, each plan's variants beside its first (``header``: with the table's
+    header; without, the lines of one plan to print under it)."""
+    out = [TABLE_HEADER] if header else []
     first: dict[str, float] = {}
     for r in rows:
         base = first.setdefault(r["plan"], r["median_ms"])
@@ -247,14 +255,14 @@ steps run. Prints each plan's variants beside the first, and whether their logit
         parser.error("variants and plans must be named apart")
     if args.rounds < 1:
         parser.error(f"--rounds: at least 1, got {args.rounds}")
-    try:
-        rows = compare(args.preset, variants, plans, rounds=args.rounds, max_context=args.max_context,
-                       quantization=args.quantization)
-    except ValueError as e:  # a pool too short for the plans
-        parser.error(str(e))
     print(f"{args.preset}{' (' + args.quantization + ')' if args.quantization else ''} on "
           f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}")
-    print(table(rows))
+    print(TABLE_HEADER, flush=True)
+    try:  # each plan's lines as it is measured: a run cut short keeps what it finished
+        rows = compare(args.preset, variants, plans, rounds=args.rounds, max_context=args.max_context,
+                       quantization=args.quantization, on_plan=lambda r: print(table(r, header=False), flush=True))
+    except ValueError as e:  # a pool too short for the plans
+        parser.error(str(e))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"preset": args.preset, "quantization": args.quantization, "variants": args.variant,

@@ -31,8 +31,10 @@ def scaled_norms():
 def test_variants_start_from_the_same_states_and_are_told_apart():
     plans = {"decode 2": decode_plan(2), "prefill 24": StepPlan.make([(list(range(3, 27)), 2, 0)])}
     variants = {"main": contextlib.nullcontext, "again": contextlib.nullcontext, "scaled": scaled_norms}
-    rows = compare("tiny-hybrid", variants, plans, rounds=2, max_context=300)
+    reported = []
+    rows = compare("tiny-hybrid", variants, plans, rounds=2, max_context=300, on_plan=reported.append)
     assert [(r["plan"], r["variant"]) for r in rows] == [(p, v) for p in plans for v in variants]
+    assert reported == [rows[:3], rows[3:]]  # each plan's rows as soon as measured
     by = {(r["plan"], r["variant"]): r for r in rows}
     for p in plans:
         # the same code from the same states: equal, though "main" ran first and moved the states
@@ -43,6 +45,7 @@ def test_variants_start_from_the_same_states_and_are_told_apart():
     assert Norm.__call__.__name__ == "__call__"  # the patch is undone
     text = table(rows)
     assert text.count("\n") == 1 + len(rows) and "| prefill 24 | scaled |" in text and "max diff" in text
+    assert table(rows[3:], header=False) == "\n".join(text.splitlines()[5:])
 
 
 def test_a_pool_too_short_for_the_plans_is_refused():
@@ -76,6 +79,7 @@ def test_the_command_line_times_named_variants_and_refuses_what_it_cannot_set(ca
                  "in turn:runtime.mixers.moe.SHARED_BESIDE_MAX_TOKENS=0,kernels.moe.ALIGN_COUNTED_ONE_PROGRAM=0",
                  "--plan", "decode:2", "--plan", "mixed:2+20", "--rounds", "1", "--json", str(out)]) == 0
     text = capsys.readouterr().out
+    assert text.count("| plan | variant |") == 1 and text.index("| decode 2 | main |") < text.index("| decode 2 + 20 |")
     assert "tiny-hybrid on CPU" in text and "| decode 2 | in turn |" in text and "| decode 2 + 20 | main |" in text
     rows = __import__("json").loads(out.read_text())["rows"]
     # (the CPU runs its MoE layers' shared expert in turn either way: equal logits)

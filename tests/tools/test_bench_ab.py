@@ -80,7 +80,8 @@ def test_the_command_line_times_named_variants_and_refuses_what_it_cannot_set(ca
                  "--plan", "decode:2", "--plan", "mixed:2+20", "--rounds", "1", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert text.count("| plan | variant |") == 1 and text.index("| decode 2 | main |") < text.index("| decode 2 + 20 |")
-    assert "tiny-hybrid on CPU" in text and "| decode 2 | in turn |" in text and "| decode 2 + 20 | main |" in text
+    card = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    assert f"tiny-hybrid on {card}" in text and "| decode 2 | in turn |" in text and "| decode 2 + 20 | main |" in text
     rows = __import__("json").loads(out.read_text())["rows"]
     # (the CPU runs its MoE layers' shared expert in turn either way: equal logits)
     assert len(rows) == 4 and all(r["equal"] for r in rows)

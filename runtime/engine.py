@@ -40,7 +40,7 @@ from .request import Request, RequestOutput, SamplingParams, TokenLogprobs
 from .scheduler import Scheduler
 from .slot_tokens_seen import SlotTokensSeen
 from .speculative import Speculative, accepted
-from .state_pool import StatePool
+from .state_pool import StatePool, free_device_bytes
 from .step_runner import PendingTokens, StepRunner
 
 __all__ = ["Engine", "SamplingParams", "RequestOutput", "StepShape"]
@@ -104,7 +104,7 @@ class Engine:
         if num_slots is None:
             num_slots = self.buckets.max_decode
             if cuda:
-                free = torch.cuda.mem_get_info(model.device)[0]
+                free = free_device_bytes(model.device)
                 # a slot is its state and what its request has seen (the logits processors' tables)
                 per_slot = (StatePool.bytes_per_slot(self.cfg, max_context, model.dtype, drafts=self.buckets.drafts)
                             + SlotTokensSeen.bytes_per_slot(self.cfg.vocab_size))

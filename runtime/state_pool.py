@@ -21,7 +21,17 @@ import torch
 from ..kernels.attention import FP8_KV_DTYPE
 from .config import ModelConfig
 
-__all__ = ["StatePool", "kv_cache_dtype"]
+__all__ = ["StatePool", "free_device_bytes", "kv_cache_dtype"]
+
+
+def free_device_bytes(device: torch.device) -> int:
+    """Bytes a pool allocated now can have on a CUDA device: what the driver has free, plus what
+    torch's caching allocator holds but no tensor uses (and hands out first). Loading leaves
+    such memory behind: an FP8 model quantized at load frees its full-precision weights into
+    the allocator, not the driver (sized by the driver's count alone, Nemotron-3-Nano in FP8 on
+    an H100 took one slot fewer than in bf16: docs/experiments.md)."""
+    return (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
+            - torch.cuda.memory_allocated(device))
 
 
 def kv_cache_dtype(cfg: ModelConfig, dtype: torch.dtype) -> torch.dtype:

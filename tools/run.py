@@ -16,7 +16,9 @@ two runs' latencies compare; a request's TTFT then counts from its arrival, any 
 place in flight included. Reported per request: time to first token (TTFT),
 inter-token latency (ITL, the mean gap between its tokens) and request latency, and for
 conversations the TTFT of their later turns apart; over the run: output tokens/s and
-requests/s. ``--prefix-cache-gib`` runs the engine with a prefix cache of that size.
+requests/s. ``--prefix-cache-gib`` runs the engine with a prefix cache of that size. An engine
+whose state slots hold fewer requests than are in flight queues the rest, in their TTFT; the
+run says so when it starts.
 """
 
 from __future__ import annotations
@@ -261,6 +263,12 @@ def main(argv=None) -> int:
                                                                                         "--draft-model:", 1))
     if engine.capture_report is not None and not args.quiet:
         print(engine.capture_report, file=sys.stderr)
+    bounded = args.rate is None or args.concurrency is not None
+    if bounded and engine.num_slots < concurrency:
+        # the engine queues what its state slots cannot hold; that wait is part of each TTFT
+        print(f"mambastep run: the engine holds {engine.num_slots} requests at a time (its state slots: the "
+              f"largest decode bucket, or what a share of free device memory holds); {concurrency - engine.num_slots} "
+              f"of the {concurrency} in flight wait for a slot, in their TTFT", file=sys.stderr)
 
     convs = conversations(args.workload, requests, engine.cfg.vocab_size, args.seed, args.max_context, args.turns,
                           args.prompt_tokens)
@@ -277,6 +285,8 @@ def main(argv=None) -> int:
     mode = "eager" if (args.eager or not gpu) else "CUDA graphs"
     load = f"concurrency {concurrency}" if args.rate is None else (
         f"{args.rate:g} a second" + (f", concurrency {concurrency}" if args.concurrency is not None else ""))
+    if bounded and engine.num_slots < concurrency:
+        load += f" ({engine.num_slots} at a time)"
     print_table(stats, f"\n{name} on {torch.cuda.get_device_name() if gpu else 'CPU'} ({mode}), {args.workload}, "
                        f"{requests} requests, {load}")
     if engine.prefix_cache is not None:
@@ -295,6 +305,7 @@ def main(argv=None) -> int:
                        "draft_model": args.draft_model, "mtp": args.mtp, "requests": requests,
                        # (a run at a --rate with no --concurrency: no limit)
                        "concurrency": concurrency if args.rate is None or args.concurrency else None,
+                       "slots": engine.num_slots,
                        "rate": args.rate, "sampling": sampling, **stats}, f, indent=1)
     return 0
 

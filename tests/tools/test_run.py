@@ -115,6 +115,19 @@ def test_a_request_arriving_while_the_run_is_full_counts_its_wait():
     assert closed["ttft"][1] <= closed["wall"] - closed["latency"][0]
 
 
+def test_run_says_when_the_engine_holds_fewer_requests_than_are_in_flight(capsys, tmp_path):
+    """More in flight than the engine's slots (on the CPU, its largest decode bucket, 16): the rest
+    queue, in their TTFT; the run names the slots, and its JSON holds them."""
+    assert run.main(["--device", "cpu", "--quiet", "--requests", "20", "--concurrency", "18",
+                     "--json", str(tmp_path / "r.json")]) == 0
+    captured = capsys.readouterr()
+    assert "holds 16 requests at a time" in captured.err and "2 of the 18 in flight wait" in captured.err
+    assert "concurrency 18 (16 at a time)" in captured.out
+    assert json.loads((tmp_path / "r.json").read_text())["slots"] == 16
+    assert run.main(["--device", "cpu", "--quiet", "--requests", "3", "--concurrency", "2"]) == 0
+    assert "at a time" not in capsys.readouterr().err
+
+
 def test_run_refuses_a_bad_bucket_file(capsys, tmp_path):
     (tmp_path / "b.json").write_text("{ not json")
     _fails_in_one_line(capsys, ["run", "--device", "cpu", "--buckets", str(tmp_path / "b.json")], "not valid JSON")

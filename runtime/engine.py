@@ -49,13 +49,16 @@ __all__ = ["Engine", "SamplingParams", "RequestOutput", "StepShape"]
 @dataclass(frozen=True)
 class StepShape:
     """One launched step: its decode rows, prefill tokens and sequences, the most drafts a
-    sequence carried, and the bucket it ran in."""
+    sequence carried, the bucket it ran in, and ``ms``: its time on the host, from scheduling it to
+    its tokens in hand (None in a pipelined engine, whose steps' tokens are read while the next
+    one runs)."""
 
     decode: int
     prefill_tokens: int
     prefill_seqs: int
     bucket: Bucket
     drafts: int = 0
+    ms: float | None = None
 
 
 class Engine:
@@ -317,15 +320,18 @@ class Engine:
         return [outputs[i] for i in ids]
 
     def write_trace(self, path: str | Path) -> None:
-        """The recorded steps as JSON lines: decode rows, prefill tokens and sequences, and the
-        bucket's decode rows and prefill tokens (``Engine(trace=True)``)."""
+        """The recorded steps as JSON lines: decode rows, prefill tokens and sequences, the
+        bucket's decode rows and prefill tokens, and the step's milliseconds where known
+        (``Engine(trace=True)``, ``StepShape``)."""
         if self.trace is None:
             raise ValueError("no trace: build the engine with trace=True")
         with open(path, "w") as f:
             for s in self.trace:
-                f.write(json.dumps({"decode": s.decode, "prefill_tokens": s.prefill_tokens,
-                                    "prefill_seqs": s.prefill_seqs, "bucket": [s.bucket.decode, s.bucket.prefill]})
-                        + "\n")
+                line = {"decode": s.decode, "prefill_tokens": s.prefill_tokens, "prefill_seqs": s.prefill_seqs,
+                        "bucket": [s.bucket.decode, s.bucket.prefill]}
+                if s.ms is not None:
+                    line["ms"] = round(s.ms, 3)
+                f.write(json.dumps(line) + "\n")
 
     def _step(self) -> list[RequestOutput]:
         launched = None
@@ -362,8 +368,11 @@ class Engine:
                 self.mtp.follow(plan, launched[0].bucket, by_slot)
                 for slot, snapshot, tokens in self.scheduler.snapshots:
                     self.mtp.snapshot(slot, snapshot, tokens, by_slot.get(slot))
+            seconds = time.perf_counter() - start
             if gate is not None:
-                self._time(plan, outcomes, time.perf_counter() - start)
+                self._time(plan, outcomes, seconds)
+            if self.trace is not None:
+                self.trace[-1] = dataclasses.replace(self.trace[-1], ms=seconds * 1e3)
             return outputs
         done, self._in_flight = self._in_flight, launched
         return self._collect(done) if done else []

@@ -203,8 +203,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--seed", type=int, default=0, help="workload and weight seed")
     parser.add_argument("--json", metavar="PATH", help="also write the statistics as JSON to PATH")
-    parser.add_argument("--trace", metavar="PATH", help="write every step's shape and bucket as JSON lines to PATH "
-                        "(`mambastep tune` reads such traces)")
+    parser.add_argument("--trace", metavar="PATH", help="write every step's shape, bucket and time (ms; not with "
+                        "--pipelined) as JSON lines to PATH (`mambastep tune` reads such traces)")
     parser.add_argument("--workload", choices=WORKLOADS, default="chat",
                         help="chat (independent requests), multi-turn (conversations resent whole each turn) or "
                              "agentic (long prompts sharing 90%% of their tokens); see above")

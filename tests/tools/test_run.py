@@ -148,7 +148,8 @@ def test_run_at_a_short_max_context(capsys, tmp_path):
 
 
 def test_run_writes_the_step_trace(tmp_path):
-    """Every step the engine ran, one JSON line each, each in the smallest bucket that holds it."""
+    """Every step the engine ran, one JSON line each, each in the smallest bucket that holds it,
+    with its time; a pipelined engine's steps without one (their tokens read during the next)."""
     from mambastep.graphs import BucketSet
 
     trace = tmp_path / "trace.jsonl"
@@ -159,6 +160,10 @@ def test_run_writes_the_step_trace(tmp_path):
     for s in steps:
         b = buckets.choose(s["decode"], s["prefill_tokens"], s["prefill_seqs"])
         assert s["bucket"] == [b.decode, b.prefill]
+        assert s["ms"] > 0
+    assert run.main(["--device", "cpu", "--quiet", "--requests", "4", "--concurrency", "2", "--pipelined",
+                     "--trace", str(trace)]) == 0
+    assert not any("ms" in json.loads(line) for line in trace.read_text().splitlines())
 
 
 @pytest.mark.parametrize("workload", ["multi-turn", "agentic"])

@@ -246,7 +246,7 @@ def fitting_batches(model: Model, batches: tuple[int, ...], max_context: int, ex
     """The decode batches whose slots, ``extra_slots`` more beside them, fit half the memory the
     loaded ``model`` leaves on the device (the rest: graphs and activations); bf16 states."""
     per_slot = StatePool.bytes_per_slot(model.cfg, max_context, torch.bfloat16)
-    free = free_device_bytes(torch.device("cuda", torch.cuda.current_device())) // 2
+    free = free_device_bytes(model.device) // 2
     return tuple(b for b in batches if (b + extra_slots) * per_slot <= free)
 
 

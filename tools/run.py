@@ -263,12 +263,13 @@ def main(argv=None) -> int:
                                                                                         "--draft-model:", 1))
     if engine.capture_report is not None and not args.quiet:
         print(engine.capture_report, file=sys.stderr)
-    bounded = args.rate is None or args.concurrency is not None
-    if bounded and engine.num_slots < concurrency:
-        # the engine queues what its state slots cannot hold; that wait is part of each TTFT
+    bounded = args.rate is None or args.concurrency is not None  # else no limit on requests in flight
+    # the engine queues what its state slots cannot hold; that wait is part of each TTFT
+    queued = concurrency - engine.num_slots if bounded else 0
+    if queued > 0:
         print(f"mambastep run: the engine holds {engine.num_slots} requests at a time (its state slots: the "
-              f"largest decode bucket, or what a share of free device memory holds); {concurrency - engine.num_slots} "
-              f"of the {concurrency} in flight wait for a slot, in their TTFT", file=sys.stderr)
+              f"largest decode bucket, or what a share of free device memory holds); {queued} of the "
+              f"{concurrency} in flight wait for a slot, in their TTFT", file=sys.stderr)
 
     convs = conversations(args.workload, requests, engine.cfg.vocab_size, args.seed, args.max_context, args.turns,
                           args.prompt_tokens)
@@ -285,7 +286,7 @@ def main(argv=None) -> int:
     mode = "eager" if (args.eager or not gpu) else "CUDA graphs"
     load = f"concurrency {concurrency}" if args.rate is None else (
         f"{args.rate:g} a second" + (f", concurrency {concurrency}" if args.concurrency is not None else ""))
-    if bounded and engine.num_slots < concurrency:
+    if queued > 0:
         load += f" ({engine.num_slots} at a time)"
     print_table(stats, f"\n{name} on {torch.cuda.get_device_name() if gpu else 'CPU'} ({mode}), {args.workload}, "
                        f"{requests} requests, {load}")
@@ -303,8 +304,7 @@ def main(argv=None) -> int:
                        "quantization": args.quantization, "workload": args.workload,
                        "prefix_cache_gib": args.prefix_cache_gib, "num_drafts": args.speculative,
                        "draft_model": args.draft_model, "mtp": args.mtp, "requests": requests,
-                       # (a run at a --rate with no --concurrency: no limit)
-                       "concurrency": concurrency if args.rate is None or args.concurrency else None,
+                       "concurrency": concurrency if bounded else None,
                        "slots": engine.num_slots,
                        "rate": args.rate, "sampling": sampling, **stats}, f, indent=1)
     return 0

@@ -24,10 +24,11 @@
                                             B decode rows (default 1) through each of a preset's
                                             projection shapes: the skinny tile table's choice
                                             beside a sweep of others
-    mambastep bench profile --preset P --batch B [--prefill T] [--quantization fp8] [--mtp]
-                            [--timeline [--window LO:HI]]
+    mambastep bench profile --preset P --batch B [--prefill T | --verify K] [--quantization fp8]
+                            [--mtp] [--timeline [--window LO:HI]]
                                             per-kernel time of one eager step: B decode rows
-                                            (and a prefill chunk of T tokens); --mtp: a step of
+                                            (and a prefill chunk of T tokens); --verify: B verify
+                                            sequences of 1 + K tokens instead; --mtp: a step of
                                             the preset's MTP layers; --timeline: what each
                                             kernel adds to the captured step's span, beside the
                                             whole step's time; --window: kernels LO..HI-1 with
@@ -90,6 +91,8 @@ def main(argv=None) -> int:
                         help="steps, fp8, sampling, prefix, spec, tiles: preset(s) to run (default: the suite's)")
     parser.add_argument("--batch", type=int, help="profile: decode batch; tiles: the decode rows (1-8); default 1")
     parser.add_argument("--prefill", type=int, help="profile: tokens of one prefill chunk (default 0: none)")
+    parser.add_argument("--verify", type=int, metavar="K",
+                        help="profile: a verify step of B sequences of 1 + K tokens (speculative decoding's)")
     parser.add_argument("--timeline", action="store_true",
                         help="profile: the captured graph's replays, each kernel charged what it adds to the step")
     parser.add_argument("--window", metavar="LO:HI", type=_window,
@@ -127,6 +130,9 @@ def main(argv=None) -> int:
     args.prefill = args.prefill or 0
     if args.what == "tiles" and not 1 <= args.batch <= bench_tiles.MAX_ROWS:
         parser.error(f"--batch: bench tiles takes 1 to {bench_tiles.MAX_ROWS} decode rows, got {args.batch}")
+    if args.verify is not None and (args.what != "profile" or args.verify < 1 or args.prefill or args.mtp):
+        parser.error("--verify K (K >= 1) is profile's, without --prefill or --mtp")
+    args.verify = args.verify or 0
     if args.mtp and args.what != "profile":
         parser.error("--mtp is profile's")
     preset = (args.preset or ["mamba2-130m"])[0]  # profile's
@@ -151,10 +157,10 @@ def main(argv=None) -> int:
     if args.what == "profile":
         if args.timeline:
             print(bench_profile.timeline(preset, args.batch, args.prefill, window=args.window,
-                                         quantization=args.quantization, mtp=args.mtp))
+                                         quantization=args.quantization, mtp=args.mtp, verify=args.verify))
         else:
             print(bench_profile.profile(preset, args.batch, args.prefill, quantization=args.quantization,
-                                        mtp=args.mtp))
+                                        mtp=args.mtp, verify=args.verify))
         return 0
     suite = SUITES[args.what]
     takes_presets = args.what in ("steps", "fp8", "sampling", "prefix", "spec", "tiles")

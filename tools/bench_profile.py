@@ -24,20 +24,29 @@ from ..runtime.mtp import MTPModel
 from ..runtime.plan import StepPlan
 from ..runtime.state_pool import StatePool
 from ..runtime.step_runner import StepRunner
+from .bench_spec import verify_plan
 from .bench_steps import CONTEXT, decode_rows, prefill_plan, step_ms
 
 
 def _step(preset: str, batch: int, prefill: int, overlap: bool, quantization: str | None = None,
-          mtp: bool = False) -> tuple[StepRunner, StepPlan]:
+          mtp: bool = False, verify: int = 0) -> tuple[StepRunner, StepPlan]:
     """A runner over ``preset`` (random bf16 weights, quantized as ``quantization`` says), or
     with ``mtp`` over its MTP layers as the drafter runs them (decode rows: chained drafts; a
     prefill chunk: a catch-up), and the plan of a step of ``batch`` decode rows plus one prefill
-    chunk of ``prefill`` tokens (none at 0)."""
+    chunk of ``prefill`` tokens (none at 0); with ``verify`` k, a verify step of ``batch``
+    sequences of 1 + k tokens instead (``bench_spec.verify_plan``)."""
     torch.manual_seed(0)
     model = Model.from_preset(preset, dtype=torch.bfloat16, device="cuda", quantization=quantization, mtp=mtp)
     if mtp:
         model = MTPModel(model, model.mtp_weights, num_slots=batch + 1, max_tokens=max(prefill, 16) + batch)
-    pool = StatePool(model.cfg, batch + 1, max_context=CONTEXT + prefill + 2, dtype=torch.bfloat16, device="cuda")
+    pool = StatePool(model.cfg, batch + 1, max_context=CONTEXT + max(prefill, verify + 1) + 2, dtype=torch.bfloat16,
+                     device="cuda")
+    if verify:
+        tokens = batch * (1 + verify)
+        buckets = BucketSet(decode=(1,), mixed_decode=(0,), prefill=(tokens,), max_prefill_seqs=batch, drafts=verify,
+                            verify=(tokens,))
+        plan = verify_plan(batch, verify, model.cfg.vocab_size, CONTEXT)
+        return StepRunner(model, pool, buckets, overlap=overlap), plan
     buckets = BucketSet(decode=(max(batch, 1),), mixed_decode=tuple(sorted({0, batch})), prefill=(max(prefill, 16),),
                         max_prefill_seqs=1)
     chunk = [(prefill_plan(prefill, batch, model.cfg.vocab_size).prefill_tokens.tolist(), batch, 0)] if prefill else []
@@ -51,11 +60,12 @@ def _kernels(prof) -> list[tuple[float, float, str]]:
 
 
 def profile(preset: str, batch: int, prefill: int = 0, top: int = 25, quantization: str | None = None,
-            mtp: bool = False) -> str:
+            mtp: bool = False, verify: int = 0) -> str:
     """Per-kernel device time of a step: ``batch`` decode rows, plus one prefill chunk of
     ``prefill`` tokens if nonzero (run eagerly and unforked: the same kernels as the graph);
-    ``mtp``: a step of the preset's MTP layers."""
-    runner, plan = _step(preset, batch, prefill, overlap=False, quantization=quantization, mtp=mtp)
+    ``mtp``: a step of the preset's MTP layers; ``verify`` k: a verify step of ``batch``
+    sequences of 1 + k tokens."""
+    runner, plan = _step(preset, batch, prefill, overlap=False, quantization=quantization, mtp=mtp, verify=verify)
     runner.logits(plan)
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -116,13 +126,14 @@ def kernel_window(replay: list[tuple[float, float, str]], lo: int, hi: int) -> l
 
 
 def timeline(preset: str, batch: int, prefill: int = 0, replays: int = 5, top: int = 30,
-             window: tuple[int, int] | None = None, quantization: str | None = None, mtp: bool = False) -> str:
+             window: tuple[int, int] | None = None, quantization: str | None = None, mtp: bool = False,
+             verify: int = 0) -> str:
     """The step's graph replayed ``replays`` times under the profiler: each kernel's charge of
     the step (see the module doc), the largest ``top``; with ``window`` (lo, hi), also kernels lo
     to hi - 1 of the middle replay, each with its start and end. Beside the replay's span, the
     whole step as the engine runs it (refill, replay, draw; synchronised): what the host adds.
-    ``mtp``: a step of the preset's MTP layers."""
-    runner, plan = _step(preset, batch, prefill, overlap=True, quantization=quantization, mtp=mtp)
+    ``mtp``: a step of the preset's MTP layers; ``verify``: as ``profile``'s."""
+    runner, plan = _step(preset, batch, prefill, overlap=True, quantization=quantization, mtp=mtp, verify=verify)
     bucket = runner.bucket_for(plan)
     runner.capture([bucket], progress=False)
     whole_ms = step_ms(runner, plan)
@@ -138,7 +149,8 @@ def timeline(preset: str, batch: int, prefill: int = 0, replays: int = 5, top: i
     split = split_replays(_kernels(prof))
     span, rows = kernel_shares(split)
     out = [f"{preset}" + (" MTP layers" if mtp else "") + (f" ({quantization})" if quantization else "")
-           + f", {batch} decode rows" + (f" + a {prefill}-token chunk" if prefill else "")
+           + (f", {batch} verify sequences of {1 + verify} tokens" if verify else f", {batch} decode rows")
+           + (f" + a {prefill}-token chunk" if prefill else "")
            + f": graph replay span {span:.1f} us (mean of {replays}); the whole step, refilled, replayed and "
            f"drawn, synchronised: {1e3 * whole_ms:.1f} us (median)", "",
            "| charge a step (us) | a call (us) | own duration (us) | calls a step | prev > KERNEL > next |",

@@ -61,6 +61,9 @@ def test_a_window_lists_kernels_in_start_order_from_the_replays_start():
     (["tiles", "--prefill", "64"], "--prefill is profile's"),
     (["steps", "--mtp"], "--mtp is profile's"),
     (["profile", "--mtp", "--preset", "nemotron-h-8b"], "--mtp: preset 'nemotron-h-8b' has no MTP layers"),
+    (["steps", "--verify", "2"], "--verify K (K >= 1) is profile's"),
+    (["profile", "--verify", "0"], "--verify K (K >= 1) is profile's"),
+    (["profile", "--verify", "2", "--prefill", "8"], "without --prefill or --mtp"),
 ])
 def test_a_bad_option_is_a_one_line_error(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -84,3 +87,12 @@ def test_a_step_is_profiled_and_its_replays_charged_on_the_gpu(mtp):
     span, whole = (float(x) for x in re.findall(r"([0-9.]+) us \(me", header))
     assert 0 < span and 0 < whole
     assert text.count("| **") == 0 and text.count("> **") >= 3
+
+
+@pytest.mark.gpu
+def test_a_verify_step_is_profiled_on_the_gpu():
+    """``--verify``: two sequences of 1 + 3 tokens in the verify bucket's graph, its replays charged."""
+    assert "Self CUDA" in profile("tiny-hybrid", 2, verify=3)
+    text = timeline("tiny-hybrid", 2, verify=3)
+    assert text.splitlines()[0].startswith("tiny-hybrid, 2 verify sequences of 4 tokens:")
+    assert text.count("> **") >= 3

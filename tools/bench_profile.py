@@ -40,7 +40,7 @@ def _step(preset: str, batch: int, prefill: int, overlap: bool, quantization: st
     if mtp:
         model = MTPModel(model, model.mtp_weights, num_slots=batch + 1, max_tokens=max(prefill, 16) + batch)
     pool = StatePool(model.cfg, batch + 1, max_context=CONTEXT + max(prefill, verify + 1) + 2, dtype=torch.bfloat16,
-                     device="cuda")
+                     device="cuda", drafts=verify)
     if verify:
         tokens = batch * (1 + verify)
         buckets = BucketSet(decode=(1,), mixed_decode=(0,), prefill=(tokens,), max_prefill_seqs=batch, drafts=verify,

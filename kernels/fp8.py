@@ -38,7 +38,8 @@ import triton.language as tl
 
 from .dispatch import with_reference
 
-__all__ = ["FP8_MAX", "Fp8Weight", "quantize_fp8", "fp8_linear", "fp8_linear_ref", "quantize_rows", "quantize_rows_ref"]
+__all__ = ["FP8_MAX", "Fp8Rows", "Fp8Weight", "quantize_fp8", "fp8_linear", "fp8_linear_ref", "quantize_rows",
+           "quantize_rows_ref", "takes_rows"]
 
 # the largest finite float8_e4m3fn
 FP8_MAX = 448.0
@@ -105,6 +106,20 @@ class Fp8Weight(NamedTuple):
                          None if self.input_scale is None else self.input_scale.to(device))
 
 
+class Fp8Rows(NamedTuple):
+    """Activation rows quantized per row (W8A8's left side): values [M, K] float8_e4m3fn and
+    scale [M, 1] fp32, the row being values * scale; as ``quantize_rows`` makes them, or the
+    kernel that made the rows (``kernels.norm.rms_norm``'s ``rows``), to the bit the same."""
+
+    values: torch.Tensor
+    scale: torch.Tensor
+
+    @staticmethod
+    def empty(M: int, K: int, device) -> "Fp8Rows":
+        return Fp8Rows(torch.empty(M, K, dtype=torch.float8_e4m3fn, device=device),
+                       torch.empty(M, 1, dtype=torch.float32, device=device))
+
+
 def _blocks_to_elements(scale: torch.Tensor, block: int, N: int, K: int) -> torch.Tensor:
     """Block scales [..., nb, kb] as one scale per element, [..., N, K]."""
     s = scale.repeat_interleave(block, dim=-2).repeat_interleave(block, dim=-1)
@@ -153,10 +168,9 @@ def _quantize_rows_kernel(x_ptr, s_in_ptr, q_ptr, s_ptr, end_ptr, K, stride_x, s
             if STATIC:
                 scale = tl.load(s_in_ptr)
             else:
-                # correctly rounded divisions (not the fast approximate one), as torch's
-                scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(v), axis=0), 448.0), 1e-12)
+                scale = row_scale(v)
             tl.store(s_ptr + row, scale)
-            _store_quantized(q_row + ks, v, scale, ks < K)
+            store_quantized(q_row + ks, v, scale, ks < K)
         else:
             if STATIC:
                 scale = tl.load(s_in_ptr)
@@ -165,30 +179,40 @@ def _quantize_rows_kernel(x_ptr, s_in_ptr, q_ptr, s_ptr, end_ptr, K, stride_x, s
                 for k in range(0, K, BLOCK_K):
                     v = tl.load(x_row + k + ks, mask=k + ks < K, other=0.0).to(tl.float32)
                     amax = tl.maximum(amax, tl.abs(v))
-                scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), 448.0), 1e-12)
+                scale = row_scale(amax)
             tl.store(s_ptr + row, scale)
             for k in range(0, K, BLOCK_K):
                 v = tl.load(x_row + k + ks, mask=k + ks < K, other=0.0).to(tl.float32)
-                _store_quantized(q_row + k + ks, v, scale, k + ks < K)
+                store_quantized(q_row + k + ks, v, scale, k + ks < K)
 
 
 @triton.jit
-def _store_quantized(q_ptrs, v, scale, mask):
+def row_scale(v):
+    """A row's dynamic FP8 scale from its values v [K] in fp32 (zeros past its end): its
+    absolute maximum over 448 (correctly rounded, as torch divides), at least 1e-12."""
+    return tl.maximum(tl.math.div_rn(tl.max(tl.abs(v), axis=0), 448.0), 1e-12)
+
+
+@triton.jit
+def store_quantized(q_ptrs, v, scale, mask):
+    """v / scale (correctly rounded, as torch divides), saturated at +-448, stored as FP8."""
     q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -448.0), 448.0)
     tl.store(q_ptrs, q.to(q_ptrs.dtype.element_ty), mask=mask)
 
 
-def quantize_rows_ref(x: torch.Tensor, input_scale: torch.Tensor | None = None, row_end: torch.Tensor | None = None):
+def quantize_rows_ref(x: torch.Tensor, input_scale: torch.Tensor | None = None,
+                      row_end: torch.Tensor | None = None) -> Fp8Rows:
     x32 = x.float()
     if input_scale is None:
         scale = (x32.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=_MIN_SCALE)
     else:
         scale = input_scale.float().reshape(1, 1).expand(x.shape[0], 1).contiguous()
-    return (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+    return Fp8Rows((x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale)
 
 
 @with_reference(quantize_rows_ref)
-def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None, row_end: torch.Tensor | None = None):
+def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None,
+                  row_end: torch.Tensor | None = None) -> Fp8Rows:
     """x [M, K] (rows contiguous) as FP8 values [M, K] and fp32 row scales [M, 1]: each row's
     absolute maximum over FP8_MAX (per token, dynamic), or the static ``input_scale`` (an fp32
     scalar tensor) for every row, values saturated there. One kernel, one pass over x where a
@@ -206,31 +230,42 @@ def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None, row_
                                     row_end if row_end is not None else scale, K, x.stride(0), q.stride(0),
                                     STATIC=input_scale is not None, HAS_END=row_end is not None,
                                     ONE_TILE=K <= block, BLOCK_K=block, num_warps=8 if block >= 2048 else 4)
-    return q, scale
+    return Fp8Rows(q, scale)
 
 
-def fp8_linear_ref(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ dequantize(w).T + bias in fp32, rounded to x's dtype."""
+def fp8_linear_ref(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
+                   rows: Fp8Rows | None = None) -> torch.Tensor:
+    """x @ dequantize(w).T + bias in fp32, rounded to x's dtype (``rows``, which only spare the
+    kernel a launch, unread)."""
     b = None if bias is None else bias.float()
     return F.linear(x.float(), w.dequantize(), b).to(x.dtype)
 
 
-def _scaled_mm_fits(x: torch.Tensor, w: Fp8Weight) -> bool:
+def _scaled_mm_fits(x_dtype: torch.dtype, w: Fp8Weight) -> bool:
     N, K = w.shape
-    return not w.block and x.dtype in (torch.bfloat16, torch.float16) and N % 16 == 0 and K % 16 == 0
+    return not w.block and x_dtype in (torch.bfloat16, torch.float16) and N % 16 == 0 and K % 16 == 0
+
+
+def takes_rows(x_dtype: torch.dtype, w: Fp8Weight) -> bool:
+    """Whether ``fp8_linear`` over x of ``x_dtype`` on CUDA quantizes x per row (dynamic scales:
+    then it takes them made already, its ``rows``)."""
+    return _scaled_mm_fits(x_dtype, w) and w.input_scale is None
 
 
 @with_reference(fp8_linear_ref)
-def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
+               rows: Fp8Rows | None = None) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32) @ dequantize(w [N, K]).T + bias [N] -> [M, N] in x's dtype.
 
     Column-scaled weights with bf16/fp16 activations run on FP8 tensor cores (activations
     quantized per token, or with ``w.input_scale``); otherwise the weight is dequantized into a
-    temporary first. Capturable: no host sync.
+    temporary first. ``rows``: x quantized per row already (``quantize_rows(x)``, made by x's
+    producer), used where the product quantizes per token (``takes_rows``), else unread.
+    Capturable: no host sync.
     """
-    if not _scaled_mm_fits(x, w):
+    if not _scaled_mm_fits(x.dtype, w):
         return F.linear(x, w.dequantize(x.dtype), bias)
-    q, row_scale = quantize_rows(x, w.input_scale)
-    y = torch._scaled_mm(q, w.values.t(), scale_a=row_scale, scale_b=w.scale.view(1, -1).float(),
+    q, q_scale = rows if rows is not None and w.input_scale is None else quantize_rows(x, w.input_scale)
+    y = torch._scaled_mm(q, w.values.t(), scale_a=q_scale, scale_b=w.scale.view(1, -1).float(),
                          out_dtype=x.dtype)
     return y if bias is None else y.add_(bias)

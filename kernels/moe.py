@@ -45,7 +45,8 @@ from .dispatch import with_reference
 from .fp8 import Fp8Weight, quantize_rows, quantize_rows_ref
 from .moe_route import ROUTE_BLOCK_T, _check_block_counts
 
-__all__ = ["ACTIVATIONS", "W8A8_MIN_BLOCK", "block_m", "moe_experts", "moe_experts_ref", "slot_count", "takes_w8a8"]
+__all__ = ["ACTIVATIONS", "W8A8_MIN_BLOCK", "block_m", "moe_experts", "moe_experts_ref", "quantizes_rows", "slot_count",
+           "takes_w8a8"]
 
 
 def block_m(tokens: int, top_k: int, n_experts: int) -> int:
@@ -522,7 +523,7 @@ ACTIVATIONS = ("relu2", "swiglu")
 
 
 def moe_experts_ref(x, idx, w, up, down, *, shared=None, residual=None, out=None, shared_ready=None,
-                    block_counts=None, pdl=False, act="relu2", w8a8=False):
+                    block_counts=None, pdl=False, act="relu2", w8a8=False, x_rows=None):
     """The dense math: every expert over every token, weighted by its routing weight (zero where
     the token did not choose it), summed in fp32 in expert order. ``w8a8`` (FP8 experts): past a
     few pairs the token rows, and each pair's activations, rounded to FP8 per row first, as the
@@ -546,7 +547,7 @@ def moe_experts_ref(x, idx, w, up, down, *, shared=None, residual=None, out=None
 
 @with_reference(moe_experts_ref)
 def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, shared_ready=None, block_counts=None,
-                pdl=False, act="relu2", w8a8=False):
+                pdl=False, act="relu2", w8a8=False, x_rows=None):
     """sum_j w[t, j] * down_e(act(up_e(x[t]))) over each token's experts e = idx[t, j], over the
     routed pairs only.
 
@@ -571,7 +572,8 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
     row (``quantize_rows``, a launch each) and enter the FP8 tensor cores as the weights do,
     rather than the weights being widened to x's dtype inside the K loop
     (``moe_experts_ref(..., w8a8=True)`` rounds as it does). Off unless asked for; the model
-    asks (``MoEMixer.w8a8``).
+    asks (``MoEMixer.w8a8``). x_rows: x quantized per row (``quantize_rows(x)``, ``Fp8Rows``)
+    by the kernel that made x, read in place of quantizing x again where w8a8 runs, else unread.
     """
     T, K = x.shape
     w8a8 = _quantizes_rows(w8a8, x, up, down, idx.shape[1])
@@ -596,6 +598,8 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
     if target.shape != (T, D) or target.stride(1) != 1 or (shared is not None and shared.shape != (T, D)):
         raise ValueError(f"moe_experts: out, residual and shared must be [{T}, {D}]")
     _check_block_counts("moe_experts", block_counts, T, E)
+    if x_rows is not None and (x_rows.values.shape != (T, K) or x_rows.scale.shape != (T, 1)):
+        raise ValueError(f"moe_experts: x_rows must be FP8 values [{T}, {K}] and scales [{T}, 1]")
     dev = x.device
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     extra = {"launch_pdl": True} if pdl else {}
@@ -624,7 +628,10 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
         a_scale = None
         if w8a8:  # the rows as FP8 values and a scale each (the padding slots' zero rows: zeros;
             # the down projection's input past the last run, which no tile reads, left alone)
-            a, a_scale = quantize_rows(a, row_end=None if up_proj or pairs else starts[E:])
+            if up_proj and x_rows is not None:
+                a, a_scale = x_rows
+            else:
+                a, a_scale = quantize_rows(a, row_end=None if up_proj or pairs else starts[E:])
         n, kk = weight.shape[1], weight.shape[2]
         scale, scale_block, mode = _scale_args(weight, scales)
         common = (a.stride(0), weight.stride(0), weight.stride(1), result.stride(0), scale, scale.stride(0),
@@ -714,6 +721,12 @@ def takes_w8a8(x_dtype: torch.dtype, up, down) -> bool:
             and x_dtype in (torch.bfloat16, torch.float16))
 
 
+def quantizes_rows(w8a8: bool, tokens: int, k: int) -> bool:
+    """Whether ``moe_experts`` asked for ``w8a8`` (and taking it: ``takes_w8a8``) over ``tokens``
+    tokens of ``k`` experts each quantizes its input rows: past the pairs."""
+    return w8a8 and tokens * k > PAIR_TILES_MAX
+
+
 def _quantizes_rows(w8a8: bool, x: torch.Tensor, up, down, k: int) -> bool:
     """Whether ``moe_experts`` quantizes the activations per row (W8A8): where asked, past the
     pairs (``PAIR_TILES_MAX``: a decode step of a few streams the weights as without). Asked where
@@ -726,7 +739,7 @@ def _quantizes_rows(w8a8: bool, x: torch.Tensor, up, down, k: int) -> bool:
         raise ValueError(f"moe_experts: w8a8 needs FP8 experts (per column or in blocks of at least "
                          f"{W8A8_MIN_BLOCK}) and bf16 or fp16 activations, got {named(up)} up, {named(down)} down, "
                          f"{x.dtype} x")
-    return x.shape[0] * k > PAIR_TILES_MAX
+    return quantizes_rows(True, x.shape[0], k)
 
 
 def _values_and_scales(weight):

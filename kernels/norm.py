@@ -1,7 +1,10 @@
 """RMSNorm with a fused residual add, and Mamba2's gated, grouped RMSNorm.
 
 Both are row-wise: one program normalises one row (or one group of a row), so rows never mix
-and padded rows can hold anything without reaching a live row.
+and padded rows can hold anything without reaching a live row. The RMSNorm may also write its
+output quantized per row (``rows``, ``kernels.fp8.Fp8Rows``) for an FP8 product that reads it
+(``kernels.linear.takes_rows``), bit for bit what ``quantize_rows`` would make of it a launch
+later.
 """
 
 from __future__ import annotations
@@ -12,19 +15,21 @@ import triton
 import triton.language as tl
 
 from .dispatch import with_reference
+from .fp8 import Fp8Rows, quantize_rows_ref, row_scale, store_quantized
 
 __all__ = ["rms_norm", "rms_norm_ref", "gated_rms_norm", "gated_rms_norm_ref"]
 
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr,
+    x_ptr, res_ptr, w_ptr, out_ptr, q_ptr, s_ptr,
     D, eps,
-    stride_x, stride_res, stride_out,
+    stride_x, stride_res, stride_out, stride_q,
     HAS_RESIDUAL: tl.constexpr,
     ROUND_FIRST: tl.constexpr,
     BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
@@ -44,7 +49,13 @@ def _rms_norm_kernel(
         # HF's Mamba2 rounds the normalised row to the input dtype before scaling by the weight
         y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
+    out = (y * w).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
+    if QUANT:  # the rounded output row, quantized as quantize_rows does (past D: zeros)
+        v = out.to(tl.float32)
+        scale = row_scale(v)
+        tl.store(s_ptr + row, scale)
+        store_quantized(q_ptr + row * stride_q + cols, v, scale, mask)
 
 
 @triton.jit
@@ -84,7 +95,7 @@ def _num_warps(block: int) -> int:
     return max(1, min(16, block // 256))
 
 
-def rms_norm_ref(x, weight, eps, *, residual=None, out=None, round_first=True, pdl=False):
+def rms_norm_ref(x, weight, eps, *, residual=None, out=None, round_first=True, pdl=False, rows=None):
     if residual is not None:
         residual.copy_((residual.float() + x.float()).to(residual.dtype))
         x = residual
@@ -92,13 +103,15 @@ def rms_norm_ref(x, weight, eps, *, residual=None, out=None, round_first=True, p
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     dtype = out.dtype if out is not None else x.dtype
     y = weight.float() * (y.to(dtype).float() if round_first else y)
-    if out is None:
-        return y.to(dtype)
-    return out.copy_(y)
+    out = y.to(dtype) if out is None else out.copy_(y)
+    if rows is not None:
+        for dst, src in zip(rows, quantize_rows_ref(out)):
+            dst.copy_(src)
+    return out
 
 
 @with_reference(rms_norm_ref)
-def rms_norm(x, weight, eps, *, residual=None, out=None, round_first=True, pdl=False):
+def rms_norm(x, weight, eps, *, residual=None, out=None, round_first=True, pdl=False, rows: Fp8Rows | None = None):
     """RMSNorm of each row, optionally after adding ``x`` into ``residual`` in place.
 
     x: [T, D] any float dtype; weight: [D]; residual: [T, D] or None (fp32 or x's dtype), updated
@@ -107,6 +120,8 @@ def rms_norm(x, weight, eps, *, residual=None, out=None, round_first=True, pdl=F
     to out's dtype before the weight (HF's Mamba2) rather than only the product (NemotronH).
     pdl: launch as a programmatic dependent of the previous kernel (CUDA, sm_90+), as in
     ``kernels.decode_linear``; it signals its own dependents right after its wait.
+    rows: FP8 values [T, D] and fp32 scales [T, 1] (``Fp8Rows``) where out is also written
+    quantized per row, as ``quantize_rows(out)`` would make it.
     """
     T, D = x.shape
     out = torch.empty_like(x) if out is None else out
@@ -114,13 +129,20 @@ def rms_norm(x, weight, eps, *, residual=None, out=None, round_first=True, pdl=F
     _check_rows("out", out, T, D)
     if residual is not None:
         _check_rows("residual", residual, T, D)
+    if rows is not None:
+        _check_rows("rows.values", rows.values, T, D)
+        if (rows.values.dtype != torch.float8_e4m3fn or rows.scale.shape != (T, 1) or rows.scale.stride(0) != 1
+                or rows.scale.dtype != torch.float32):
+            raise ValueError(f"rows: expected float8_e4m3fn values [{T}, {D}] and float32 scales [{T}, 1], got "
+                             f"{rows.values.dtype} and {rows.scale.dtype} {list(rows.scale.shape)}")
     block = triton.next_power_of_2(D)
     res = residual if residual is not None else x
+    q, scale = rows if rows is not None else (out, out)
     _rms_norm_kernel[(T,)](
-        x, res, weight, out, D, eps,
-        x.stride(0), res.stride(0), out.stride(0),
+        x, res, weight, out, q, scale, D, eps,
+        x.stride(0), res.stride(0), out.stride(0), q.stride(0),
         HAS_RESIDUAL=residual is not None, ROUND_FIRST=round_first, BLOCK_D=block, USE_PDL=pdl,
-        num_warps=_num_warps(block), **({"launch_pdl": True} if pdl else {}),
+        QUANT=rows is not None, num_warps=_num_warps(block), **({"launch_pdl": True} if pdl else {}),
     )
     return out
 

@@ -19,6 +19,11 @@ model is built, and keeps a unit weight. By default where the fused decode strea
 Nemotron sizes): there the norm weight was a third input stream in every K tile, about 0.8 us a
 projection at one row (docs/experiments.md). The folded weight is rounded once to the weights'
 dtype; in bf16 that moves the products by about as much as HF's own rounding of the normed row.
+
+Layer by layer, a block norm whose mixer's FP8 products would quantize its output per row
+(``Mixer.takes_rows``: W8A8 with dynamic scales, past a few rows) writes it quantized too
+(``NORM_ROWS``), so those products skip the quantizer's launch; the values are the quantizer's
+to the bit.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.decode_linear import norm_linear
+from ..kernels.fp8 import Fp8Rows
 from ..kernels.embedding import embed_rows
 from .config import ModelConfig
 from .decode_options import DecodeOptions, one_tile
@@ -44,6 +50,9 @@ from .weights import load_weights, quantize_online, random_weights
 
 # what ``quantization=`` takes: None (weights as stored), or "fp8" (FP8 at load where not stored so)
 QUANTIZATIONS = (None, "fp8")
+# block norms write their output quantized per row where the mixer's FP8 products take it (see
+# the module doc); off, those products quantize it themselves (the same values, a launch more)
+NORM_ROWS = True
 
 __all__ = ["Model"]
 
@@ -148,15 +157,29 @@ class Model:
     def _layered(self, residual: torch.Tensor, ctx: StepContext, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """The blocks layer by layer, then the logit rows; ``hidden`` [T, D]: where the final
         norm writes every row (the hidden states a drafter reads), else a buffer of its own."""
-        h = self.blocks[0].norm(residual, out=torch.empty(residual.shape, dtype=self.dtype, device=residual.device))
-        norms = [block.norm for block in self.blocks[1:]] + [self.final_norm]
-        for block, next_norm in zip(self.blocks, norms):
-            out = block.mixer.forward(h, ctx)
-            # residual <- residual + out; h <- next_norm(residual)
-            h = hidden if next_norm is self.final_norm and hidden is not None else torch.empty_like(out)
-            next_norm(out, residual=residual, out=h)
+        rows = self._rows(self.blocks[0].mixer, residual)
+        h = self.blocks[0].norm(residual, out=torch.empty(residual.shape, dtype=self.dtype, device=residual.device),
+                                rows=rows)
+        for i, block in enumerate(self.blocks):
+            out = block.mixer.forward(h, ctx, rows)
+            # residual <- residual + out; h <- the next block's norm(residual), or the final norm's
+            if i + 1 < len(self.blocks):
+                next_norm, rows = self.blocks[i + 1].norm, self._rows(self.blocks[i + 1].mixer, residual)
+                h = torch.empty_like(out)
+            else:
+                next_norm, rows = self.final_norm, None
+                h = hidden if hidden is not None else torch.empty_like(out)
+            next_norm(out, residual=residual, out=h, rows=rows)
         rows = h.index_select(0, ctx.inputs.logit_rows)
         return F.linear(rows, self.lm_head).float()
+
+    def _rows(self, mixer, residual: torch.Tensor) -> Fp8Rows | None:
+        """Where the block norm before ``mixer`` writes its output quantized per row (see the
+        module doc), or None."""
+        T, D = residual.shape
+        if NORM_ROWS and mixer.takes_rows(T, self.dtype, residual.device):
+            return Fp8Rows.empty(T, D, residual.device)
+        return None
 
     def _fused_decode(self, residual: torch.Tensor, ctx: StepContext,
                       hidden: torch.Tensor | None = None) -> torch.Tensor:

@@ -44,7 +44,7 @@ class AttentionMixer(Mixer):
         self.kv_scale = w.get(p + "kv_scale")
         self.inv_freq = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, self.qkv.device) if cfg.rotary_dim else None
 
-    def project(self, h: torch.Tensor, ctx: StepContext):
+    def project(self, h: torch.Tensor, ctx: StepContext, rows=None):
         work = self._split(linear(h, self.qkv, self.qkv_bias))
         self._rotate(work, ctx)
         return work

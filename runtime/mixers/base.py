@@ -5,7 +5,9 @@ Ownership is one rule on both execution paths: the block's norm and the residual
 to the model; a mixer maps a normed input to its output and owns its layer's state slots.
 
 - Layer by layer (any step): the model computes ``h = norm(residual)``, the mixer returns
-  ``mixer.forward(h, ctx)``, and the model folds the residual add into the next block's norm.
+  ``mixer.forward(h, ctx, rows)``, and the model folds the residual add into the next block's
+  norm. ``rows``: h quantized per row (``kernels.fp8.Fp8Rows``), which the norm writes beside h
+  where the mixer's FP8 products would quantize it (``takes_rows``), else None.
 - Fused (small decode-only steps, mixers with ``fuses_decode``): the model hands the mixer its
   block's norm and the residual stream, ``mixer.fused_decode(residual, norm, ctx)``; the mixer's
   first kernel applies that norm in its prologue and its last adds into the residual in its
@@ -25,6 +27,7 @@ from typing import Callable
 
 import torch
 
+from ...kernels.fp8 import Fp8Rows
 from ...kernels.norm import rms_norm
 from ..decode_options import DecodeOptions
 from ..state_pool import StatePool
@@ -46,8 +49,9 @@ class Norm:
     unit: bool = False
 
     def __call__(self, x: torch.Tensor, *, residual: torch.Tensor | None = None,
-                 out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, residual=residual, out=out, round_first=self.round_first, pdl=pdl)
+                 out: torch.Tensor | None = None, pdl: bool = False, rows: Fp8Rows | None = None) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps, residual=residual, out=out, round_first=self.round_first, pdl=pdl,
+                        rows=rows)
 
 
 def norm_args(norm: Norm | None) -> dict:
@@ -88,9 +92,16 @@ class Mixer:
     staggered = False
     norm_reader: str | None = None
 
-    def forward(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """The mixer over the step's packed tokens: h [T, D] normed input -> out [T, D]."""
-        work = self.project(h, ctx)
+    def takes_rows(self, tokens: int, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether the mixer's products over a step of ``tokens`` normed rows of ``dtype`` on
+        ``device`` would quantize them per row (FP8 tensor cores, dynamic scales), so that the
+        norm writes them quantized beside (``forward``'s ``rows``)."""
+        return False
+
+    def forward(self, h: torch.Tensor, ctx: StepContext, rows: Fp8Rows | None = None) -> torch.Tensor:
+        """The mixer over the step's packed tokens: h [T, D] normed input -> out [T, D]; rows: h
+        quantized per row, where ``takes_rows``."""
+        work = self.project(h, ctx, rows)
         tp, b = ctx.inputs.num_prefill_tokens, ctx.inputs.num_decode
         forked = ctx.aux_stream is not None and tp and b
         passed = torch.cuda.Event() if forked and self.staggered else None
@@ -101,7 +112,7 @@ class Mixer:
         )
         return self.finish(work)
 
-    def project(self, h: torch.Tensor, ctx: StepContext):
+    def project(self, h: torch.Tensor, ctx: StepContext, rows: Fp8Rows | None = None):
         """The work both branches share (one GEMM over all tokens, and the buffers they write)."""
         raise NotImplementedError
 

@@ -18,7 +18,7 @@ import torch
 from ...kernels.activation import gate_silu
 from ...kernels.conv1d import conv1d_update, conv1d_varlen
 from ...kernels.decode_linear import ConvTail, gated_norm_linear, norm_linear
-from ...kernels.linear import linear
+from ...kernels.linear import linear, takes_rows
 from ...kernels.norm import gated_rms_norm
 from ...kernels.replay import gather_rows, take_rows
 from ...kernels.ssd import ssd_scan
@@ -73,9 +73,12 @@ class Mamba2Mixer(Mixer):
         C = xbc[:, self.inner + GN :].view(T, self.G, self.N)
         return x, B, C
 
-    def project(self, h: torch.Tensor, ctx: StepContext):
+    def takes_rows(self, tokens: int, dtype: torch.dtype, device: torch.device) -> bool:
+        return takes_rows(tokens, dtype, device, self.in_proj)
+
+    def project(self, h: torch.Tensor, ctx: StepContext, rows=None):
         """in_proj over all tokens, and the empty buffers both branches write into."""
-        proj = linear(h, self.in_proj, self.in_proj_bias)  # [T, inner + conv_dim + H]
+        proj = linear(h, self.in_proj, self.in_proj_bias, rows)  # [T, inner + conv_dim + H]
         T = h.shape[0]
         xbc = torch.empty(T, self.conv_dim, dtype=h.dtype, device=h.device)
         y = torch.empty(T, self.H, self.P, dtype=h.dtype, device=h.device)

@@ -10,16 +10,16 @@ import torch
 
 from ...kernels.activation import relu2, silu_mul
 from ...kernels.decode_linear import norm_linear
-from ...kernels.linear import linear
+from ...kernels.linear import linear, takes_rows
 from ..config import ModelConfig
 from .base import Mixer, Norm, StepContext, norm_args
 
 __all__ = ["MLPMixer", "mlp", "mlp_fused"]
 
 
-def mlp(x, up, down, up_bias=None, down_bias=None, act="relu2"):
-    """down(act(up(x))) layer by layer."""
-    h = linear(x, up, up_bias)
+def mlp(x, up, down, up_bias=None, down_bias=None, act="relu2", rows=None):
+    """down(act(up(x))) layer by layer; rows: x quantized per row (``kernels.linear``'s)."""
+    h = linear(x, up, up_bias, rows)
     return linear(relu2(h, out=h) if act == "relu2" else silu_mul(h), down, down_bias)
 
 
@@ -47,8 +47,11 @@ class MLPMixer(Mixer):
         self.up_bias, self.down_bias = w.get(p + "up_proj.bias"), w.get(p + "down_proj.bias")
         self.act = cfg.mlp_activation
 
-    def forward(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        return mlp(h, self.up, self.down, self.up_bias, self.down_bias, self.act)
+    def takes_rows(self, tokens: int, dtype: torch.dtype, device: torch.device) -> bool:
+        return takes_rows(tokens, dtype, device, self.up)
+
+    def forward(self, h: torch.Tensor, ctx: StepContext, rows=None) -> torch.Tensor:
+        return mlp(h, self.up, self.down, self.up_bias, self.down_bias, self.act, rows)
 
     def fused_decode(self, residual: torch.Tensor, norm: Norm, ctx: StepContext) -> None:
         mlp_fused(residual, norm, self.up, self.down, self.up_bias, self.down_bias, self.act, ctx, residual=residual)

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from ...kernels.linear import linear
-from ...kernels.moe import moe_experts, takes_w8a8
+from ...kernels.linear import linear, takes_rows
+from ...kernels.moe import moe_experts, quantizes_rows, takes_w8a8
 from ...kernels.moe_route import block_counts_buffer, moe_route, router_terms
 from ..config import ModelConfig
 from .base import Mixer, Norm, StepContext
@@ -63,17 +63,25 @@ class MoEMixer(Mixer):
         self.route = dict(top_k=cfg.num_experts_per_tok, n_group=cfg.n_group, topk_group=cfg.topk_group,
                           norm_topk=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor, scoring=cfg.moe_scoring)
 
-    def forward(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        return self._moe(h, ctx, lambda: mlp(h, *self.shared, act=self.act))
+    def takes_rows(self, tokens: int, dtype: torch.dtype, device: torch.device) -> bool:
+        """The routed experts (over h itself, not a latent projection of it) or the shared
+        expert's up projection quantize h per row: one quantization serves both."""
+        routed = self.latent is None and device.type == "cuda" and quantizes_rows(
+            self.w8a8 and takes_w8a8(dtype, self.up, self.down), tokens, self.route["top_k"])
+        return routed or (self.shared is not None and takes_rows(tokens, dtype, device, self.shared[0]))
+
+    def forward(self, h: torch.Tensor, ctx: StepContext, rows=None) -> torch.Tensor:
+        return self._moe(h, ctx, lambda: mlp(h, *self.shared, act=self.act, rows=rows), rows=rows)
 
     def fused_decode(self, residual: torch.Tensor, norm: Norm, ctx: StepContext) -> None:
         h = norm(residual, out=torch.empty(residual.shape, dtype=norm.weight.dtype, device=residual.device),
                  pdl=ctx.options.pdl)
         self._moe(h, ctx, lambda: self._shared_fused(h, ctx), residual=residual)
 
-    def _moe(self, h: torch.Tensor, ctx: StepContext, shared_expert, residual: torch.Tensor | None = None):
+    def _moe(self, h: torch.Tensor, ctx: StepContext, shared_expert, residual: torch.Tensor | None = None,
+             rows=None):
         """The routed experts' weighted sum plus ``shared_expert()``'s output (the shared expert
-        over h): returned, or added into ``residual``."""
+        over h): returned, or added into ``residual``. rows: h quantized per row, or None."""
         shared = ready = None
         if self.shared is not None:
             side = ctx.side_stream if h.shape[0] <= SHARED_BESIDE_MAX_TOKENS else None
@@ -96,7 +104,7 @@ class MoEMixer(Mixer):
             ctx.observe(self.layer, idx)
         if self.latent is None:
             return moe_experts(h, idx, w, self.up, self.down, shared=shared, residual=residual, shared_ready=ready,
-                               block_counts=counts, pdl=pdl, act=self.act, w8a8=w8a8)
+                               block_counts=counts, pdl=pdl, act=self.act, w8a8=w8a8, x_rows=rows)
         down_w, down_b, up_w, up_b = self.latent
         routed = linear(moe_experts(linear(h, down_w, down_b), idx, w, self.up, self.down, block_counts=counts,
                                     act=self.act, w8a8=w8a8), up_w, up_b)

@@ -36,7 +36,7 @@ class ParallelMixer(Mixer):
     def _side(self, ctx: StepContext) -> torch.cuda.Stream | None:
         return ctx.side_stream if ctx.inputs.prefill is None else None
 
-    def forward(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, ctx: StepContext, rows=None) -> torch.Tensor:
         side = self._side(ctx)
         if side is None:
             return self.mamba.forward(h, ctx).add_(self.attention.forward(h, ctx))

@@ -108,6 +108,23 @@ def test_fp8_tensor_core_product_against_the_reference(M, static):
 
 
 @pytest.mark.gpu
+def test_fp8_product_takes_its_rows_quantized_already_where_its_scales_are_dynamic():
+    """``rows`` (x quantized by its producer) give the product it would have made itself, to the
+    bit; rows that are not x's show that they are read. With a static input scale they are not."""
+    torch.manual_seed(6)
+    dev = torch.device("cuda")
+    x = torch.randn(40, 256, device=dev).to(BF16)
+    w = quantize_fp8(torch.randn(336, 256, device=dev) / 16)
+    assert fp8.takes_rows(BF16, w) and not fp8.takes_rows(torch.float32, w)
+    assert torch.equal(fp8_linear(x, w, rows=quantize_rows(x)), fp8_linear(x, w))
+    other = quantize_rows(2 * x)
+    assert not torch.equal(fp8_linear(x, w, rows=other), fp8_linear(x, w))
+    static = w._replace(input_scale=x.float().abs().amax() / FP8_MAX)
+    assert not fp8.takes_rows(BF16, static)
+    assert torch.equal(fp8_linear(x, static, rows=other), fp8_linear(x, static))
+
+
+@pytest.mark.gpu
 def test_fp8_block_scaled_wide_product_is_exact_to_the_dequantized_weight():
     torch.manual_seed(4)
     dev = torch.device("cuda")

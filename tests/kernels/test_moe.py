@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from mambastep.kernels import moe
-from mambastep.kernels.fp8 import quantize_fp8
+from mambastep.kernels.fp8 import quantize_fp8, quantize_rows
 from mambastep.kernels.moe import block_m, moe_experts, moe_experts_ref, slot_count
 from mambastep.kernels.moe_route import block_counts_ref, moe_route, moe_route_ref
 from support import assert_close, poisoned
@@ -157,6 +157,11 @@ def test_w8a8_experts_equal_the_reference_rounding_their_rows(device, case, bloc
                            moe_experts_ref(x, idx, w, up, down, act=act))
         return
     assert_close(got, moe_experts_ref(x, idx, w, up, down, act=act, w8a8=True), torch.bfloat16)
+    # the token rows quantized already (by the norm that made them): the same, to the bit; rows
+    # that are not x's show they are read
+    assert torch.equal(moe_experts.triton(*dev, act=act, w8a8=True, x_rows=quantize_rows.triton(dev[0])).cpu(), got)
+    assert not torch.equal(moe_experts.triton(*dev, act=act, w8a8=True, x_rows=quantize_rows.triton(2 * dev[0])).cpu(),
+                           got)
     w8a16 = moe_experts_ref(x, idx, w, up, down, act=act).float()
     assert ((got.float() - w8a16).norm() / w8a16.norm()).item() < 0.1
 

@@ -6,6 +6,7 @@ from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHRMSNorm
 
 from hf_models import HF_5_23
 
+from mambastep.kernels.fp8 import Fp8Rows, quantize_rows, quantize_rows_ref
 from mambastep.kernels.norm import gated_rms_norm_ref, gated_rms_norm, rms_norm_ref, rms_norm
 from support import assert_close, poisoned
 
@@ -35,6 +36,35 @@ def test_rms_norm_matches_reference(device, dtype, D, res_dtype):
     if res is not None:
         # the residual now holds residual + x, rounded to its dtype
         assert_close(res.cpu(), res_ref, res.dtype)
+
+
+@pytest.mark.parametrize("D", [24, 2688])
+def test_rms_norm_writes_its_output_quantized_per_row_as_the_quantizer_would(device, D):
+    """``rows``: beside out, its rows as FP8 values and scales, bit for bit what ``quantize_rows``
+    makes of out (a zero row included); the buffers poisoned first. The reference the same."""
+    torch.manual_seed(5)
+    T = 6
+    x = (torch.randn(T, D) * torch.tensor([[1.0], [30.0], [0.01], [0.0], [2.0], [1.0]])).to(torch.bfloat16)
+    res = torch.randn(T, D).to(torch.float32)
+    res[3] = -x[3].float()  # this row's sum is zero: a zero row, scale at its floor
+    w = torch.randn(D).to(torch.bfloat16)
+    for norm in (rms_norm.triton, rms_norm_ref):
+        r = res.clone().to(device)
+        out = poisoned((T, D), torch.bfloat16, device)
+        rows = Fp8Rows(torch.full((T, D), 3.0, device=device).to(torch.float8_e4m3fn),
+                       torch.full((T, 1), -1.0, device=device))
+        norm(x.to(device), w.to(device), 1e-5, residual=r, out=out, rows=rows)
+        q, s = (quantize_rows.triton if norm is rms_norm.triton else quantize_rows_ref)(out)
+        assert torch.equal(rows.scale.cpu(), s.cpu()) and torch.equal(rows.values.cpu().float(), q.cpu().float())
+        assert (rows.values[3].cpu().float() == 0).all()
+
+
+def test_rms_norm_refuses_rows_of_the_wrong_shape_or_dtype():
+    x, w = torch.randn(4, 16), torch.randn(16)
+    for rows, what in ((Fp8Rows.empty(4, 8, "cpu"), "rows.values"),
+                       (Fp8Rows(torch.empty(4, 16, dtype=torch.float8_e4m3fn), torch.empty(4, 2)), "float32 scales")):
+        with pytest.raises(ValueError, match=what):
+            rms_norm.triton(x, w, 1e-5, rows=rows)
 
 
 def test_round_first_chooses_the_hf_variant(device):

@@ -237,6 +237,54 @@ def test_a_bf16_models_fp8_experts_quantize_their_rows_past_the_pairs_by_default
     assert (w8a8 - w8a16).norm() / w8a16.norm() < 0.1
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_gpu)])
+@torch.no_grad()
+def test_block_norms_hand_their_fp8_mixers_the_rows_quantized_as_the_products_would(tiny, device, monkeypatch):
+    """Layer by layer past a few rows, a block norm whose mixer's FP8 products quantize its output
+    per row writes it quantized too (``Mixer.takes_rows``, ``model.NORM_ROWS``): each such mixer
+    is handed rows equal to ``quantize_rows`` of its input, the others none, and the logits are
+    those of the products quantizing the rows themselves, to the bit. On the CPU, where no product
+    quantizes, the rule is told the products would (the wiring is what is checked)."""
+    from mambastep.kernels import fp8 as fp8_kernels, moe as moe_kernels
+    from mambastep.kernels.fp8 import quantize_rows
+    from mambastep.runtime import model as model_mod
+    from mambastep.runtime.mixers import mamba2, mlp, moe
+
+    if device == "cpu":
+        def would(M, dtype, dev, weight):
+            return isinstance(weight, Fp8Weight) and M > 8
+        for mod in (mamba2, mlp, moe):
+            monkeypatch.setattr(mod, "takes_rows", would)
+    model = Model.from_pretrained(tiny, dtype=torch.bfloat16, device=device, quantization="fp8")
+    ids = _prompts()[2]
+    handed = {}
+    for i, block in enumerate(model.blocks):
+        def spy(h, ctx, rows=None, _forward=block.mixer.forward, _i=i):
+            handed[_i] = (h.clone(), rows and [t.clone() for t in rows])
+            return _forward(h, ctx, rows)
+        monkeypatch.setattr(block.mixer, "forward", spy)
+    calls = []
+    for mod in (fp8_kernels, moe_kernels):
+        monkeypatch.setattr(mod, "quantize_rows", lambda *a, _q=mod.quantize_rows, **k: calls.append(1) or _q(*a, **k))
+    with_rows = step(new_runner(model), [(ids, 0, 0)])[0]
+    quantized_here = len(calls)
+    took = sorted(i for i, (_, rows) in handed.items() if rows is not None)
+    # the FP8 mixers whose products quantize: on the GPU not the Mamba2 layer's in_proj, whose N
+    # (200) is no multiple of 16 (its weight is dequantized for the product instead)
+    assert took == ([2, 4, 6] if device == "cpu" else [2, 4])
+    assert took == [i for i, b in enumerate(model.blocks) if b.mixer.takes_rows(len(ids), model.dtype, model.device)]
+    for h, rows in handed.values():
+        if rows is not None:  # what the quantizer makes of h on the same device
+            q, scale = quantize_rows(h)
+            assert torch.equal(rows[1], scale) and torch.equal(rows[0].float(), q.float())
+    monkeypatch.setattr(model_mod, "NORM_ROWS", False)
+    calls.clear()
+    assert torch.equal(step(new_runner(model), [(ids, 0, 0)])[0], with_rows)
+    if device == "cuda":  # the MLP's up and the MoE's routed experts quantize h themselves (its
+        # shared expert's up, N = 24, is dequantized as the in_proj is)
+        assert len(calls) == quantized_here + 2
+
+
 def _quantize_hf_in_place(hf, excluded_layers):
     """HF's linears as mambastep's load-time quantization leaves them: per output channel, the
     attention layers and the Mamba layer before each kept (the test's own quantizer)."""

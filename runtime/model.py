@@ -36,8 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.decode_linear import norm_linear
-from ..kernels.fp8 import Fp8Rows
 from ..kernels.embedding import embed_rows
+from ..kernels.fp8 import Fp8Rows
 from .config import ModelConfig
 from .decode_options import DecodeOptions, one_tile
 from .mixers import MIXERS, Block, Norm, StepContext
@@ -170,8 +170,7 @@ class Model:
                 next_norm, rows = self.final_norm, None
                 h = hidden if hidden is not None else torch.empty_like(out)
             next_norm(out, residual=residual, out=h, rows=rows)
-        rows = h.index_select(0, ctx.inputs.logit_rows)
-        return F.linear(rows, self.lm_head).float()
+        return F.linear(h.index_select(0, ctx.inputs.logit_rows), self.lm_head).float()
 
     def _rows(self, mixer, residual: torch.Tensor) -> Fp8Rows | None:
         """Where the block norm before ``mixer`` writes its output quantized per row (see the

@@ -64,10 +64,14 @@ class MoEMixer(Mixer):
                           norm_topk=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor, scoring=cfg.moe_scoring)
 
     def takes_rows(self, tokens: int, dtype: torch.dtype, device: torch.device) -> bool:
-        """The routed experts (over h itself, not a latent projection of it) or the shared
-        expert's up projection quantize h per row: one quantization serves both."""
-        routed = self.latent is None and device.type == "cuda" and quantizes_rows(
-            self.w8a8 and takes_w8a8(dtype, self.up, self.down), tokens, self.route["top_k"])
+        """Any of h's readers quantizes it per row: the routed experts (or, with a latent space,
+        the projection down into it) and the shared expert's up projection; one quantization
+        serves them all."""
+        if self.latent is None:
+            routed = device.type == "cuda" and quantizes_rows(self.w8a8 and takes_w8a8(dtype, self.up, self.down),
+                                                              tokens, self.route["top_k"])
+        else:
+            routed = takes_rows(tokens, dtype, device, self.latent[0])
         return routed or (self.shared is not None and takes_rows(tokens, dtype, device, self.shared[0]))
 
     def forward(self, h: torch.Tensor, ctx: StepContext, rows=None) -> torch.Tensor:
@@ -106,7 +110,7 @@ class MoEMixer(Mixer):
             return moe_experts(h, idx, w, self.up, self.down, shared=shared, residual=residual, shared_ready=ready,
                                block_counts=counts, pdl=pdl, act=self.act, w8a8=w8a8, x_rows=rows)
         down_w, down_b, up_w, up_b = self.latent
-        routed = linear(moe_experts(linear(h, down_w, down_b), idx, w, self.up, self.down, block_counts=counts,
+        routed = linear(moe_experts(linear(h, down_w, down_b, rows), idx, w, self.up, self.down, block_counts=counts,
                                     act=self.act, w8a8=w8a8), up_w, up_b)
         if ready is not None:
             torch.cuda.current_stream(h.device).wait_event(ready)

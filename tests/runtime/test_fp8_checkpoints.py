@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from hf_models import save_tiny
+from hf_models import HF_LATENT_MOE, save_tiny
 from test_model import new_runner, step
 
 from mambastep import Engine, SamplingParams
@@ -283,6 +283,31 @@ def test_block_norms_hand_their_fp8_mixers_the_rows_quantized_as_the_products_wo
     if device == "cuda":  # the MLP's up and the MoE's routed experts quantize h themselves (its
         # shared expert's up, N = 24, is dequantized as the in_proj is)
         assert len(calls) == quantized_here + 2
+
+
+@pytest.mark.skipif(not HF_LATENT_MOE, reason="the installed transformers has no latent MoE")
+@torch.no_grad()
+def test_a_latent_moe_hands_the_rows_to_its_projection_into_the_latent_space(tmp_path, monkeypatch):
+    """With a latent space (Nemotron 3 Super's), h's readers that quantize are the projection into
+    it and the shared expert's up: both take the norm's rows (CPU: the rule told they would)."""
+    from mambastep.runtime.mixers import moe
+
+    monkeypatch.setattr(moe, "takes_rows", lambda M, dtype, dev, weight: isinstance(weight, Fp8Weight) and M > 8)
+    save_tiny("nemotron_h", tmp_path, layers_block_type=["mamba", "moe", "attention", "moe"], n_routed_experts=16,
+              num_experts_per_tok=3, moe_latent_size=16)
+    model = Model.from_pretrained(tmp_path, dtype=torch.bfloat16, quantization="fp8")
+    latent = [b.mixer for b in model.blocks if isinstance(b.mixer, moe.MoEMixer)]
+    assert latent and all(m.latent is not None and isinstance(m.latent[0], Fp8Weight) for m in latent)
+    seen = []
+    monkeypatch.setattr(moe, "linear", lambda x, w, b=None, rows=None, _linear=moe.linear: (
+        seen.append((w, rows)), _linear(x, w, b, rows))[1])
+    monkeypatch.setattr(moe, "mlp", lambda *a, rows=None, _mlp=moe.mlp, **k: (seen.append(("shared", rows)),
+                                                                             _mlp(*a, rows=rows, **k))[1])
+    step(new_runner(model), [(_prompts()[2], 0, 0)])
+    for m in latent:
+        into = [rows for w, rows in seen if w is m.latent[0]]
+        assert len(into) == 1 and into[0] is not None
+    assert [rows is not None for w, rows in seen if isinstance(w, str)] == [True] * len(latent)
 
 
 def _quantize_hf_in_place(hf, excluded_layers):

@@ -17,7 +17,7 @@ import torch
 from ...kernels.attention import decode_attention, prefill_attention
 from ...kernels.decode_linear import norm_linear
 from ...kernels.fp8 import Fp8Weight
-from ...kernels.linear import linear
+from ...kernels.linear import linear, takes_rows
 from ...kernels.rope import rope, rope_inv_freq
 from ..config import ModelConfig
 from .base import Mixer, Norm, StepContext, norm_args
@@ -44,8 +44,11 @@ class AttentionMixer(Mixer):
         self.kv_scale = w.get(p + "kv_scale")
         self.inv_freq = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, self.qkv.device) if cfg.rotary_dim else None
 
+    def takes_rows(self, tokens: int, dtype: torch.dtype, device: torch.device) -> bool:
+        return takes_rows(tokens, dtype, device, self.qkv)
+
     def project(self, h: torch.Tensor, ctx: StepContext, rows=None):
-        work = self._split(linear(h, self.qkv, self.qkv_bias))
+        work = self._split(linear(h, self.qkv, self.qkv_bias, rows))
         self._rotate(work, ctx)
         return work
 

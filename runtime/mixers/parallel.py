@@ -36,12 +36,16 @@ class ParallelMixer(Mixer):
     def _side(self, ctx: StepContext) -> torch.cuda.Stream | None:
         return ctx.side_stream if ctx.inputs.prefill is None else None
 
+    def takes_rows(self, tokens: int, dtype: torch.dtype, device: torch.device) -> bool:
+        """Either branch's first projection quantizes h per row: the one quantization serves both."""
+        return self.mamba.takes_rows(tokens, dtype, device) or self.attention.takes_rows(tokens, dtype, device)
+
     def forward(self, h: torch.Tensor, ctx: StepContext, rows=None) -> torch.Tensor:
         side = self._side(ctx)
         if side is None:
-            return self.mamba.forward(h, ctx).add_(self.attention.forward(h, ctx))
-        attended = self._beside(side, lambda: self.attention.forward(h, ctx))
-        out = self.mamba.forward(h, ctx)
+            return self.mamba.forward(h, ctx, rows).add_(self.attention.forward(h, ctx, rows))
+        attended = self._beside(side, lambda: self.attention.forward(h, ctx, rows))
+        out = self.mamba.forward(h, ctx, rows)
         torch.cuda.current_stream(h.device).wait_stream(side)
         return out.add_(attended)
 

@@ -310,6 +310,41 @@ def test_a_latent_moe_hands_the_rows_to_its_projection_into_the_latent_space(tmp
     assert [rows is not None for w, rows in seen if isinstance(w, str)] == [True] * len(latent)
 
 
+@pytest.mark.parametrize("kind", ["nemotron_h", "falcon_h1"])
+@torch.no_grad()
+def test_attention_and_parallel_blocks_hand_the_rows_to_their_fp8_projections(kind, tmp_path, monkeypatch):
+    """An attention layer whose qkv is FP8 (a checkpoint that quantizes it; NVIDIA's recipe keeps it
+    in bf16) takes the norm's rows into qkv; a parallel block (Falcon-H1) into both branches'
+    first projections (CPU: the rule told the products would quantize)."""
+    from mambastep.kernels.fp8 import quantize_fp8
+    from mambastep.runtime.mixers import attention, mamba2
+    from mambastep.runtime.mixers.parallel import ParallelMixer
+
+    def would(M, dtype, dev, weight):
+        return isinstance(weight, Fp8Weight) and M > 8
+    seen = []
+    for mod in (attention, mamba2):
+        monkeypatch.setattr(mod, "takes_rows", would)
+        monkeypatch.setattr(mod, "linear", lambda x, w, b=None, rows=None, _linear=mod.linear: (
+            seen.append((w, rows)), _linear(x, w, b, rows))[1])
+    save_tiny(kind, tmp_path)
+    model = Model.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    firsts = []  # each attention layer's qkv, each parallel block's qkv and in_proj, quantized
+    for block in model.blocks:
+        m = block.mixer
+        if isinstance(m, ParallelMixer):
+            m.mamba.in_proj, m.attention.qkv = quantize_fp8(m.mamba.in_proj), quantize_fp8(m.attention.qkv)
+            firsts += [m.mamba.in_proj, m.attention.qkv]
+        elif isinstance(m, attention.AttentionMixer):
+            m.qkv = quantize_fp8(m.qkv)
+            firsts.append(m.qkv)
+    assert len(firsts) >= 2
+    step(new_runner(model), [(_prompts()[2], 0, 0)])
+    for w in firsts:
+        handed = [rows for v, rows in seen if v is w]
+        assert len(handed) == 1 and handed[0] is not None
+
+
 def _quantize_hf_in_place(hf, excluded_layers):
     """HF's linears as mambastep's load-time quantization leaves them: per output channel, the
     attention layers and the Mamba layer before each kept (the test's own quantizer)."""

@@ -126,19 +126,26 @@ def _blocks_to_elements(scale: torch.Tensor, block: int, N: int, K: int) -> torc
     return s[..., :N, :K]
 
 
+def _over_fp8_max(amax: torch.Tensor) -> torch.Tensor:
+    """amax / FP8_MAX, correctly rounded on every device: torch on CUDA divides by a Python
+    number as a product with its reciprocal, which may differ in the last bit (a divisor made
+    where amax is, without a copy from the host, divides)."""
+    return amax / torch.full_like(amax, FP8_MAX)
+
+
 def quantize_fp8(w: torch.Tensor, block: int = 0) -> Fp8Weight:
     """Quantize w [..., N, K] to FP8: a scale per output column (block 0), or per block x block
     tile, each its slice's absolute maximum over FP8_MAX (1 where the slice is all zeros)."""
     w32 = w.float()
     if not block:
-        scale = w32.abs().amax(dim=-1) / FP8_MAX
+        scale = _over_fp8_max(w32.abs().amax(dim=-1))
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         return Fp8Weight((w32 / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale)
     *lead, N, K = w32.shape
     nb, kb = -(-N // block), -(-K // block)
     padded = F.pad(w32, (0, kb * block - K, 0, nb * block - N))
     tiles = padded.reshape(*lead, nb, block, kb, block)
-    scale = tiles.abs().amax(dim=(-3, -1)) / FP8_MAX
+    scale = _over_fp8_max(tiles.abs().amax(dim=(-3, -1)))
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     full = _blocks_to_elements(scale, block, N, K)
     return Fp8Weight((w32 / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale, block)
@@ -204,7 +211,7 @@ def quantize_rows_ref(x: torch.Tensor, input_scale: torch.Tensor | None = None,
                       row_end: torch.Tensor | None = None) -> Fp8Rows:
     x32 = x.float()
     if input_scale is None:
-        scale = (x32.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=_MIN_SCALE)
+        scale = _over_fp8_max(x32.abs().amax(dim=1, keepdim=True)).clamp(min=_MIN_SCALE)
     else:
         scale = input_scale.float().reshape(1, 1).expand(x.shape[0], 1).contiguous()
     return Fp8Rows((x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale)

@@ -60,8 +60,9 @@ def test_quantize_rows_dynamic_and_static(device, K):
 def test_quantize_rows_equals_its_reference_over_normed_rows(device):
     """Rows as a block norm hands them on (Nemotron-3-Nano's width, a weight spreading the
     columns' scales): the kernel's FP8 values are the reference's, each one, and so are the
-    reference's own run on the device. On an H100 one of the two once differed from the CPU's
-    reference over such rows (docs/experiments.md); the message names the elements that differ."""
+    reference's own run on the device (torch on CUDA divides by a Python number through its
+    reciprocal: the reference divides by a tensor, docs/experiments.md); the message names the
+    elements that differ."""
     from mambastep.kernels.norm import rms_norm_ref
 
     torch.manual_seed(5)

@@ -6,6 +6,12 @@ the step before, from the rows its in_proj wrote for them then (``StatePool.reco
 the record and the packed rows; after the scan, ``take_rows`` takes the own rows' outputs back
 out of the layout and keeps this step's drafts' rows in the record for the next (the record's
 rows were read by then). Plain copies, bit for bit, so the references are exact.
+
+Where a step's sequences are short (the token-by-token scan's steps), ``replay_conv`` does in
+one launch what the gather, the conv's two launches and the record's keep do: a program a
+sequence and block of columns reads the sequence's rows where they are (the record or the
+packed rows), convolves them, writes the conv states and keeps the drafts' rows; the scan then
+writes its outputs straight to the packed rows (``ssd_short_scan(..., out_rows=)``).
 """
 
 from __future__ import annotations
@@ -14,9 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .conv1d import conv1d_varlen_ref
 from .dispatch import with_reference
+from .varlen import PrefillMetadata
 
-__all__ = ["gather_rows", "gather_rows_ref", "take_rows", "take_rows_ref"]
+__all__ = ["gather_rows", "gather_rows_ref", "replay_conv", "replay_conv_ref", "take_rows", "take_rows_ref"]
 
 _BLOCK = 1024
 
@@ -113,4 +121,184 @@ def take_rows(y: torch.Tensor, own: torch.Tensor, out: torch.Tensor, x: torch.Te
         _take_rows_kernel[(R, triton.cdiv(max(Wy, Wx), _BLOCK))](
             y, own, out, x, keep, record, Wy, Wx, y.stride(0), out.stride(0), x.stride(0), record.stride(0),
             BLOCK=_BLOCK, num_warps=4)
+    return out
+
+
+@triton.jit
+def _replay_conv_kernel(
+    a_ptr, rec_ptr, src_ptr, keep_ptr, own_ptr, w_ptr, b_ptr, state_ptr, out_ptr, y_ptr,
+    cu_ptr, seq_idx_ptr, slot_ptr, init_ptr, final_ptr, snap_ptr, snap_row_ptr,
+    n_seqs, Tp, D, W, Wy,
+    s_a, s_rec, s_out, s_y, ss_s, ss_d, ss_k, sw_d, sw_k, sb_d,
+    K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+):
+    # grid: (max_seqs + 1, column blocks of W); the last row of programs zeroes y's dead rows
+    i = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    if i == n_seqs:
+        # packed rows whose layout row no live sequence holds: the scan writes nothing there
+        for p0 in range(0, Tp, BLOCK_R):
+            p = p0 + tl.arange(0, BLOCK_R)
+            lr = tl.load(own_ptr + p, mask=p < Tp, other=0)
+            sq = tl.load(seq_idx_ptr + lr, mask=p < Tp, other=-1)
+            sl = tl.load(slot_ptr + tl.maximum(sq, 0), mask=p < Tp, other=-1)
+            dead = (p < Tp) & ((sq < 0) | (sl < 0))
+            tl.store(y_ptr + p.to(tl.int64)[:, None] * s_y + c[None, :], tl.zeros((BLOCK_R, BLOCK_D), y_ptr.dtype.element_ty),
+                     mask=dead[:, None] & (c < Wy)[None, :])
+        return
+    slot = tl.load(slot_ptr + i).to(tl.int64)
+    start = tl.load(cu_ptr + i)
+    end = tl.load(cu_ptr + i + 1)
+    if (slot < 0) | (end <= start):
+        return
+    conv_col = c < D
+    in_w = c < W
+    has_init = tl.load(init_ptr + i) != 0
+    s_col = state_ptr + slot * ss_s + c * ss_d  # [BLOCK_D] the slot's window, column 0
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + c * sb_d, mask=conv_col, other=0.0).to(tl.float32)
+    else:
+        bias = tl.zeros((BLOCK_D,), tl.float32)
+
+    # each row's K taps: layout rows from the sequence's start (each from the record or the packed
+    # rows, as src says), the initial window's columns before it, else zeros
+    for r0 in range(start, end, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        r_ok = r < end
+        acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
+        for j in tl.static_range(K):
+            p = r - (K - 1) + j
+            from_rows = r_ok & (p >= start)
+            sp = tl.load(src_ptr + tl.maximum(p, 0), mask=from_rows, other=0).to(tl.int64)
+            m = from_rows[:, None] & in_w[None, :]  # (tap K - 1, the row itself, carries dt on)
+            v = tl.load(a_ptr + sp[:, None] * s_a + c[None, :], mask=m & (sp >= 0)[:, None], other=0.0)
+            v = tl.where((sp < 0)[:, None],
+                         tl.load(rec_ptr + (-1 - sp)[:, None] * s_rec + c[None, :], mask=m & (sp < 0)[:, None],
+                                 other=0.0), v)
+            old_ok = tl.where(has_init, r_ok & (p < start), False)
+            old = tl.load(s_col[None, :] + tl.maximum(p - start + K - 1, 0)[:, None] * ss_k,
+                          mask=old_ok[:, None] & conv_col[None, :], other=0.0)
+            tap = tl.where(old_ok[:, None], old.to(tl.float32), v.to(tl.float32))
+            w = tl.load(w_ptr + c * sw_d + j * sw_k, mask=conv_col, other=0.0).to(tl.float32)
+            acc += tap * w[None, :]
+        acc += bias[None, :]
+        if SILU:
+            acc = acc * tl.sigmoid(acc)
+        out = tl.where(conv_col[None, :], acc, v.to(tl.float32))
+        tl.store(out_ptr + r.to(tl.int64)[:, None] * s_out + c[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=r_ok[:, None] & in_w[None, :])
+
+    # the windows before the sequence's end and before its snapshot's row, read before any write
+    # (either may go to the slot the initial window came from)
+    final = tl.load(final_ptr + i).to(tl.int64)
+    snap = tl.load(snap_ptr + i).to(tl.int64)
+    jk = tl.arange(0, BLOCK_K)
+    last = _replay_window(a_ptr, rec_ptr, src_ptr, s_col, c, conv_col, start, end, has_init, s_a, s_rec, ss_k,
+                          K, BLOCK_K)
+    at = _replay_window(a_ptr, rec_ptr, src_ptr, s_col, c, conv_col, start, tl.load(snap_row_ptr + i), has_init,
+                        s_a, s_rec, ss_k, K, BLOCK_K)
+    tl.debug_barrier()
+    j_ok = (jk < K - 1)[:, None]
+    tl.store(state_ptr + tl.maximum(final, 0) * ss_s + jk[:, None] * ss_k + c[None, :] * ss_d, last,
+             mask=j_ok & (c < tl.where(final >= 0, D, 0))[None, :])
+    tl.store(state_ptr + tl.maximum(snap, 0) * ss_s + jk[:, None] * ss_k + c[None, :] * ss_d, at,
+             mask=j_ok & (c < tl.where(snap >= 0, D, 0))[None, :])
+    # this step's drafts' rows kept in the record, once every record row was read
+    for r0 in range(start, end, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        sp = tl.load(src_ptr + r, mask=r < end, other=-1).to(tl.int64)
+        kp = tl.load(keep_ptr + tl.maximum(sp, 0), mask=sp >= 0, other=-1).to(tl.int64)
+        m = (kp >= 0)[:, None] & in_w[None, :]
+        v = tl.load(a_ptr + tl.maximum(sp, 0)[:, None] * s_a + c[None, :], mask=m)
+        tl.store(rec_ptr + kp[:, None] * s_rec + c[None, :], v, mask=m)
+
+
+@triton.jit
+def _replay_window(a_ptr, rec_ptr, src_ptr, s_col, c, conv_col, start, end, has_init, s_a, s_rec, ss_k,
+                   K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_K, BLOCK_D]: the K - 1 inputs before layout row ``end``, oldest first (row j holds
+    position end - (K - 1) + j: a layout row from the sequence's ``start``, else the initial
+    window's column, else zero), in the state's dtype."""
+    jk = tl.arange(0, BLOCK_K)
+    p = end - (K - 1) + jk
+    from_rows = (jk < K - 1) & (p >= start)
+    from_state = tl.where(has_init, (jk < K - 1) & (p < start), False)
+    sp = tl.load(src_ptr + tl.maximum(p, 0), mask=from_rows, other=0).to(tl.int64)
+    m = from_rows[:, None] & conv_col[None, :]
+    v = tl.load(a_ptr + sp[:, None] * s_a + c[None, :], mask=m & (sp >= 0)[:, None], other=0.0)
+    v = tl.where((sp < 0)[:, None],
+                 tl.load(rec_ptr + (-1 - sp)[:, None] * s_rec + c[None, :], mask=m & (sp < 0)[:, None], other=0.0), v)
+    old = tl.load(s_col[None, :] + tl.maximum(p - start + K - 1, 0)[:, None] * ss_k,
+                  mask=from_state[:, None] & conv_col[None, :], other=0.0)
+    return tl.where(from_state[:, None], old, v.to(old.dtype))
+
+
+def replay_conv_ref(a: torch.Tensor, record: torch.Tensor, src: torch.Tensor, keep: torch.Tensor, own: torch.Tensor,
+                    weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor, meta: PrefillMetadata,
+                    y: torch.Tensor, *, out: torch.Tensor | None = None, activation: str | None = "silu") -> torch.Tensor:
+    """The gather, the conv (``conv1d_varlen_ref``) and the keep, one after the other."""
+    D = weight.shape[0]
+    rows = gather_rows_ref(a, record, src)
+    conv = conv1d_varlen_ref(rows[:, :D], weight, bias, conv_state, meta, activation=activation)
+    if out is None:
+        out = torch.empty(rows.shape, dtype=a.dtype, device=a.device)
+    seq = meta.seq_idx[: rows.shape[0]].long()
+    live = (seq >= 0) & (meta.slot_idx.long()[seq.clamp(min=0)] >= 0)
+    out[live, :D], out[live, D:] = conv[live], rows[live, D:]
+    kept = keep.long() >= 0
+    record[keep.long()[kept]] = a[kept]
+    y[~live[own.long()]] = 0
+    return out
+
+
+@with_reference(replay_conv_ref)
+def replay_conv(a: torch.Tensor, record: torch.Tensor, src: torch.Tensor, keep: torch.Tensor, own: torch.Tensor,
+                weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor, meta: PrefillMetadata,
+                y: torch.Tensor, *, out: torch.Tensor | None = None, activation: str | None = "silu") -> torch.Tensor:
+    """A verify step's Mamba2 rows laid out and convolved, in one launch: ``gather_rows``, then
+    ``conv1d_varlen`` over the xBC columns, then ``take_rows``' keep.
+
+    a:       [Tp, W] the packed rows' in_proj columns past z, [xBC (D) | dt]
+    record:  [Rr, W] the slots' kept rows (``StatePool.record``), a's dtype
+    src:     [E] each layout row's source (``gather_rows``); keep: [Tp] the record row each
+             packed row is kept in, or -1; own: [Tp] each packed row's layout row
+    weight, bias, conv_state: the conv's (``conv1d_varlen``); meta: its metadata over the layout
+    y:       [Tp, Wy] the scan's outputs: the rows whose layout row no live sequence holds are
+             zeroed here (the scan writes the others, ``ssd_short_scan(..., out_rows=src)``)
+    out:     [E, W] a's dtype, allocated when None: a live layout row's conv output (D columns)
+             and its dt as read; other rows unwritten
+
+    Every read of the record and of the conv states comes before this launch's writes to them,
+    as in the three launches it replaces. Each program walks a sequence's rows, so this is for
+    steps of short sequences. Returns out."""
+    Tp, W = a.shape
+    D, K = weight.shape
+    E = src.shape[0]
+    if out is None:
+        out = torch.empty(E, W, dtype=a.dtype, device=a.device)
+    for name, t, shape in (("record", record, (record.shape[0], W)), ("out", out, (E, W)),
+                           ("conv_state", conv_state, (conv_state.shape[0], D, K - 1))):
+        if tuple(t.shape) != shape or (name != "conv_state" and t.stride(1) != 1) or t.device != a.device:
+            raise ValueError(f"replay_conv: {name} must be {list(shape)} on {a.device}, last dim contiguous; "
+                             f"got {tuple(t.shape)} with strides {t.stride()} on {t.device}")
+    if a.stride(1) != 1 or y.stride(1) != 1 or D > W or y.shape[0] != Tp:
+        raise ValueError(f"replay_conv: a [{Tp}, {W}] and y [{Tp}, Wy] with contiguous rows and {D} conv "
+                         f"channels at most W; got a {tuple(a.shape)}, y {tuple(y.shape)}")
+    if not (keep.shape[0] == own.shape[0] == Tp) or meta.seq_idx.shape[0] < E:
+        raise ValueError(f"replay_conv: keep and own need {Tp} entries and meta {E} rows; got {keep.shape[0]}, "
+                         f"{own.shape[0]} and {meta.seq_idx.shape[0]}")
+    if activation not in ("silu", None):
+        raise ValueError(f"replay_conv: activation must be 'silu' or None, got {activation!r}")
+    block_d = 256
+    n_seqs = meta.slot_idx.shape[0]
+    _replay_conv_kernel[(n_seqs + 1, triton.cdiv(W, block_d))](
+        a, record, src, keep, own, weight, weight if bias is None else bias, conv_state, out, y,
+        meta.cu_seqlens, meta.seq_idx, meta.slot_idx, meta.has_initial_state, meta.final_slot, meta.snapshot_slot,
+        meta.snapshot_row, n_seqs, Tp, D, W, y.shape[1],
+        a.stride(0), record.stride(0), out.stride(0), y.stride(0), *conv_state.stride(), *weight.stride(),
+        0 if bias is None else bias.stride(0),
+        K=K, BLOCK_K=triton.next_power_of_2(K), BLOCK_R=8, BLOCK_D=block_d,
+        HAS_BIAS=bias is not None, SILU=activation == "silu", num_warps=4,
+    )
     return out

@@ -39,7 +39,8 @@ from ..runtime.presets import preset_config
 from ..runtime.state_pool import StatePool
 from ..runtime.step_runner import StepRunner
 from .args import Parser, add_quantization, writable_path
-from .bench_steps import decode_plan, mixed_plan, prefill_plan, step_ms
+from .bench_spec import verify_plan
+from .bench_steps import CONTEXT, decode_plan, mixed_plan, prefill_plan, step_ms
 
 __all__ = ["compare", "main", "parse_plan", "parse_variant", "patched", "table"]
 
@@ -204,7 +205,8 @@ def parse_variant(text: str) -> tuple[str, Variant]:
 
 def parse_plan(text: str, vocab: int = 1000) -> tuple[str, StepPlan]:
     """``decode:B`` (B decode rows), ``prefill:T`` (one T-token prompt chunk, ids below
-    ``vocab``) or ``mixed:B+T`` (both in one step), as ``bench steps`` builds them."""
+    ``vocab``), ``mixed:B+T`` (both in one step), as ``bench steps`` builds them, or
+    ``verify:B+K`` (B sequences of a token and K drafts, as ``bench spec`` times them)."""
     kind, _, size = text.partition(":")
     try:
         if kind == "decode":
@@ -215,9 +217,13 @@ def parse_plan(text: str, vocab: int = 1000) -> tuple[str, StepPlan]:
             rows, _, tokens = size.partition("+")
             chunk = prefill_plan(int(tokens), int(rows), vocab)
             return f"decode {int(rows)} + {int(tokens)}", mixed_plan(int(rows), chunk)
+        if kind == "verify":
+            rows, _, drafts = size.partition("+")
+            if int(drafts) > 0:
+                return f"verify {int(rows)} x (1 + {int(drafts)})", verify_plan(int(rows), int(drafts), vocab, CONTEXT)
     except ValueError:
         pass
-    raise ValueError(f"a plan is decode:B, prefill:T or mixed:B+T, got {text!r}")
+    raise ValueError(f"a plan is decode:B, prefill:T, mixed:B+T or verify:B+K (K > 0), got {text!r}")
 
 
 def main(argv=None) -> int:
@@ -234,8 +240,9 @@ steps run. Prints each plan's variants beside the first, and whether their logit
     parser.add_argument("--variant", action="append", required=True, metavar="NAME[:MODULE.ATTR=VALUE,...]",
                         help="a variant (the first is the baseline): its name, and the module constants it sets "
                              "(modules under mambastep, values Python literals); repeat for each")
-    parser.add_argument("--plan", action="append", required=True, metavar="decode:B|prefill:T|mixed:B+T",
-                        help="a step to time: B decode rows, a T-token prompt chunk, or both; repeat for each")
+    parser.add_argument("--plan", action="append", required=True, metavar="decode:B|prefill:T|mixed:B+T|verify:B+K",
+                        help="a step to time: B decode rows, a T-token prompt chunk, or both; or a verify step of "
+                             "B sequences of a token and K drafts each; repeat for each")
     parser.add_argument("--rounds", type=int, default=3, help="timing rounds (default 3)")
     parser.add_argument("--max-context", type=int, default=None,
                         help="the state pool's length (default: what the plans need)")

@@ -20,7 +20,7 @@ from ...kernels.conv1d import conv1d_update, conv1d_varlen
 from ...kernels.decode_linear import ConvTail, gated_norm_linear, norm_linear
 from ...kernels.linear import linear, takes_rows
 from ...kernels.norm import gated_rms_norm
-from ...kernels.replay import gather_rows, take_rows
+from ...kernels.replay import gather_rows, replay_conv, take_rows
 from ...kernels.ssd import ssd_scan
 from ...kernels.ssd_short import SHORT_TOKENS, ssd_short_scan
 from ...kernels.state_update import selective_state_update
@@ -28,6 +28,10 @@ from ..config import ModelConfig
 from .base import Mixer, Norm, StepContext, norm_args
 
 __all__ = ["Mamba2Mixer"]
+
+# a short verify step's layout, conv, conv states and record in one launch (``replay_conv``);
+# False: the gather, the conv's two launches and the take, as longer steps run
+FUSED_VERIFY = True
 
 
 class Mamba2Mixer(Mixer):
@@ -100,16 +104,25 @@ class Mamba2Mixer(Mixer):
         """A verify step's prefill rows (``runtime.replay``): the conv and the scan over the
         layout of each sequence's replayed rows (from the record) and its own; then the own
         rows' outputs taken back, and the sequences' drafts' rows kept in the record for the
-        next verify step (two launches more than a prefill's)."""
+        next verify step. Short steps in two launches (``replay_conv``, then the scan writing
+        the own rows' outputs in place), longer ones in the gather, the prefill's conv and
+        scan, and the take."""
         replay, record = ctx.inputs.replay, ctx.pool.record[self.idx]
         tp = y.shape[0]
+        conv_state, ssm_state = ctx.pool.conv[self.idx], ctx.pool.ssm[self.idx]
+        scan_args = dict(dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit, passed=passed)
+        if FUSED_VERIFY and tp <= SHORT_TOKENS:
+            rows = replay_conv(proj[:tp, self.inner :], record, replay.src, replay.record, replay.own, self.conv_w,
+                               self.conv_b, conv_state, replay.meta, y.view(tp, self.inner))
+            x, B, C = self._ssm_operands(rows[:, : self.conv_dim])
+            ssd_short_scan(x, rows[:, self.conv_dim :], self.A, B, C, self.D, ssm_state, replay.meta, out=y,
+                           out_rows=replay.src, **scan_args)
+            return
         rows = gather_rows(proj[:tp, self.inner :], record, replay.src)  # [layout rows, conv_dim + H]
-        xbc = conv1d_varlen(rows[:, : self.conv_dim], self.conv_w, self.conv_b, ctx.pool.conv[self.idx], replay.meta)
+        xbc = conv1d_varlen(rows[:, : self.conv_dim], self.conv_w, self.conv_b, conv_state, replay.meta)
         x, B, C = self._ssm_operands(xbc)
-        # verify sequences, of a few tokens each, scan token by token
         scan = ssd_short_scan if tp <= SHORT_TOKENS else ssd_scan
-        out = scan(x, rows[:, self.conv_dim :], self.A, B, C, self.D, ctx.pool.ssm[self.idx], replay.meta,
-                   dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit, passed=passed)
+        out = scan(x, rows[:, self.conv_dim :], self.A, B, C, self.D, ssm_state, replay.meta, **scan_args)
         take_rows(out.view(-1, self.inner), replay.own, y.view(tp, self.inner), proj[:tp, self.inner :], replay.record,
                   record)
 

@@ -250,16 +250,27 @@ def launch_quantize() -> None:
 
 def launch_replay() -> None:
     """A verify step's row moves at Nemotron-H-8B's widths (bf16): the layout's gather from the
-    packed rows and the record, and the outputs taken back with the drafts' rows kept."""
-    from mambastep.kernels.replay import gather_rows, take_rows
+    packed rows and the record, and the outputs taken back with the drafts' rows kept; a short
+    step's fused conv over the layout and the scan writing straight to the packed rows."""
+    from mambastep.kernels.replay import gather_rows, replay_conv, take_rows
+    from mambastep.kernels.ssd_short import ssd_short_scan
+    from mambastep.kernels.varlen import PrefillMetadata
 
-    inner, W, T, E = 8192, 10368, 16, 24
+    inner, W, T, E, H, P, N, G, K = 8192, 10368, 16, 24, 128, 64, 128, 8, 4
+    D = W - H
     bf16 = dict(dtype=torch.bfloat16)
     src, own = torch.zeros(E, dtype=torch.int32), torch.zeros(T, dtype=torch.int32)
     proj = torch.empty(T, inner + W, **bf16)[:, inner:]
     gather_rows.triton(proj, torch.empty(8, W, **bf16), src, out=torch.empty(E, W, **bf16))
     take_rows.triton(torch.empty(E, inner, **bf16), own, torch.empty(T, inner, **bf16), proj, own,
                      torch.empty(8, W, **bf16))
+    meta = PrefillMetadata.build([3, 3], [0, 1], [1, 1], chunk_size=128, max_tokens=E, max_seqs=8)
+    rows = replay_conv.triton(proj, torch.empty(8, W, **bf16), src, own, own, torch.empty(D, K, **bf16),
+                              torch.empty(D, **bf16), torch.empty(2, K - 1, D, **bf16).transpose(1, 2), meta,
+                              torch.empty(T, inner, **bf16))
+    x, B, C = rows[:, :inner].view(E, H, P), rows[:, inner : D - G * N].view(E, G, N), rows[:, D - G * N : D].view(E, G, N)
+    ssd_short_scan.triton(x, rows[:, D:], torch.empty(H), B, C, torch.empty(H), torch.empty(2, H, P, N), meta,
+                          dt_bias=torch.empty(H), out=torch.empty(T, H, P, **bf16), out_rows=src)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,10 @@
 import pytest
 import torch
 
-from mambastep.kernels.replay import gather_rows, gather_rows_ref, take_rows, take_rows_ref
-from support import poisoned
+from mambastep.kernels.replay import (gather_rows, gather_rows_ref, replay_conv, replay_conv_ref, take_rows,
+                                      take_rows_ref)
+from mambastep.kernels.varlen import PrefillMetadata
+from support import assert_close, poisoned
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -48,3 +50,39 @@ def test_row_moves_refuse_mismatched_rows():
     with pytest.raises(ValueError, match="2 destinations and 3 rows for 3 rows of out"):
         take_rows.triton(x, torch.zeros(3, dtype=torch.int32), torch.zeros(3, 4), x, torch.zeros(2, dtype=torch.int32),
                          torch.zeros(4, 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("K, D, bias", [(4, 300, True), (2, 40, False)])
+def test_replay_conv_is_the_gather_the_conv_and_the_keep(device, dtype, K, D, bias):
+    """One launch against the three it replaces (the reference): a verify layout (slot 3 replays
+    its record rows 9, 10 and keeps its drafts there again, slot 1 replays row 3, slot 0 starts
+    without a window, a skipped sequence, padding), the conv states' snapshot and final windows,
+    the record's keep after its reads, y's rows that no live sequence holds zeroed, nothing
+    else written (poisoned)."""
+    H, Wy, S, stride = 5, 24, 5, 3
+    W = D + H
+    meta = PrefillMetadata.build([5, 2, 2, 1], [3, 1, 0, -1], [1, 1, 0, 0], snapshots=([3, -1, 0, -1], [3, 0, 1, 0]),
+                                 final_slots=[-1, 1, -1, -1], chunk_size=4, max_tokens=16, max_seqs=5, device=device)
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
+    src = i32([-10, -11, 0, 1, 2, -4, 3, 4, 5, 6] + [0] * 6)
+    own, keep = i32([2, 3, 4, 6, 7, 8, 9, 10]), i32([-1, 9, 10, -1, -1, 0, -1, -1])
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(8, W + 6, generator=g).to(dtype).to(device)[:, 3 : 3 + W]
+    record = torch.randn(S * stride, W, generator=g).to(dtype).to(device)
+    state = torch.randn(S, K - 1, D, generator=g).to(dtype).to(device).transpose(1, 2)
+    w = (torch.randn(D, K, generator=g) / K**0.5).to(dtype).to(device)
+    b = torch.randn(D, generator=g).to(dtype).to(device) if bias else None
+    y = poisoned((8, Wy), dtype, device)
+    before = record.clone()
+    ref_record, ref_state, ref_y = record.cpu().clone(), state.cpu().clone(), y.cpu().clone()
+    ref = replay_conv_ref(a.cpu(), ref_record, src.cpu(), keep.cpu(), own.cpu(), w.cpu(), None if b is None else b.cpu(),
+                          ref_state, meta.to("cpu"), ref_y, out=poisoned((16, W), dtype))
+    out = replay_conv.triton(a, record, src, keep, own, w, b, state, meta, y, out=poisoned((16, W), dtype, device))
+    live = 9  # layout rows of live sequences; the skipped one's and padding rows are left
+    assert_close(out[:live, :D].cpu(), ref[:live, :D], dtype)
+    assert torch.equal(out[:live, D:].cpu(), ref[:live, D:]) and torch.isnan(out[live:]).all()
+    assert torch.equal(record.cpu(), ref_record) and torch.equal(state.cpu(), ref_state)
+    assert (y[6:] == 0).all() and torch.isnan(y[:6]).all() and torch.equal(y.cpu().isnan(), ref_y.isnan())
+    # slot 3's replayed rows were read before its drafts' rows took their place in the record
+    assert torch.equal(out[:2, D:], before[[9, 10], D:]) and torch.equal(record[[9, 10]], a[[1, 2]])

@@ -393,3 +393,26 @@ def test_gpu_graph_replay_allocates_nothing_and_never_syncs():
     pool.copy_(inp["ssm_state"])
     step()
     assert torch.equal(replay_out, out) and torch.equal(replay_pool, pool)
+
+
+def test_short_scan_writes_rows_where_out_rows_says(device):
+    """``out_rows``: a live sequence's row t to out's row out_rows[t] (< 0: nowhere), the skipped
+    sequence's and padding rows nowhere, nothing zeroed (poisoned rows stay), states as without."""
+    lens, slots = [4, 3, 2], [2, PAD_SLOT_ID, 6]
+    T = sum(lens) + 2
+    inp = make_inputs(T, G=2, device=device)
+    meta = PrefillMetadata.build(lens, slots, [1, 0, 1], chunk_size=CHUNK, max_tokens=T, max_seqs=4, device=device)
+    rows = torch.tensor([-1, 0, 1, 2, 3, 4, 5, -1, 6, 7, 8], dtype=torch.int32, device=device)
+    out = poisoned((10, H, 16), device=device)
+    pool = inp["ssm_state"].clone()
+    res = ssd_short_scan.triton(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"], pool, meta,
+                                dt_bias=inp["dt_bias"], out=out, out_rows=rows)
+    ref_out, ref_pool = scan(ssd_scan_ref, inp, meta, use_z=False)
+    assert res is out
+    written = [(1, 0), (2, 1), (3, 2), (8, 6)]  # (layout row, out row) of the live sequences' rows
+    for t, o in written:
+        assert_close(out[o], ref_out[t])
+    assert torch.isnan(out[[3, 4, 5, 7, 8, 9]]).all()
+    assert_close(pool[[2, 6]], ref_pool[[2, 6]])
+    with pytest.raises(ValueError, match="out_rows needs out"):
+        ssd_short_scan.triton(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"], pool, meta, out_rows=rows)

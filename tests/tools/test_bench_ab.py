@@ -90,7 +90,8 @@ def test_the_command_line_times_named_variants_and_refuses_what_it_cannot_set(ca
             (["--variant", "x:kernels.linear.NOPE=1"], "mambastep.kernels.linear has no NOPE"),
             (["--variant", "x:kernels.linear.FEW_ROWS_FP8_MAX=maybe"], "'maybe' is not a Python literal"),
             (["--variant", "x:FEW_ROWS_FP8_MAX=1"], "expected MODULE.ATTR=VALUE"),
-            (["--variant", "main", "--plan", "decode:two"], "a plan is decode:B, prefill:T or mixed:B\\+T"),
+            (["--variant", "main", "--plan", "decode:two"], "a plan is decode:B, prefill:T, mixed:B\\+T or verify:B\\+K"),
+            (["--variant", "main", "--plan", "verify:2+0"], "verify:B\\+K \\(K > 0\\), got 'verify:2\\+0'"),
             (["--variant", "a", "--variant", "a"], "variants and plans must be named apart"),
             (["--variant", "a", "--max-context", "4"], "max_context 4: the plans need"),
             (["--variant", "a", "--preset", "nano-9000"], "unknown preset 'nano-9000'")):
@@ -101,6 +102,18 @@ def test_the_command_line_times_named_variants_and_refuses_what_it_cannot_set(ca
             main(argv)
         err = capsys.readouterr().err
         assert err.startswith("mambastep bench ab: error:") and __import__("re").search(match, err), err
+
+
+def test_a_verify_plan_times_a_verify_step_and_both_tails_give_its_logits(capsys):
+    """``verify:B+K``: B sequences of a token and K drafts in a verify bucket; the Mamba2 tail
+    fused (``replay_conv``) or in its separate launches gives the same logits."""
+    from mambastep.tools.bench_ab import main
+
+    assert main(["--preset", "tiny-hybrid", "--variant", "fused", "--variant",
+                 "apart:runtime.mixers.mamba2.FUSED_VERIFY=False", "--plan", "verify:2+3", "--rounds", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "| verify 2 x (1 + 3) | fused |" in text and "| verify 2 x (1 + 3) | apart |" in text
+    assert "differ" not in text and "max diff" not in text
 
 
 def test_a_benchmark_with_its_own_options_is_dispatched_by_name_and_named_when_misplaced(capsys):

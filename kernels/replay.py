@@ -171,11 +171,8 @@ def _replay_conv_kernel(
             p = r - (K - 1) + j
             from_rows = r_ok & (p >= start)
             sp = tl.load(src_ptr + tl.maximum(p, 0), mask=from_rows, other=0).to(tl.int64)
-            m = from_rows[:, None] & in_w[None, :]  # (tap K - 1, the row itself, carries dt on)
-            v = tl.load(a_ptr + sp[:, None] * s_a + c[None, :], mask=m & (sp >= 0)[:, None], other=0.0)
-            v = tl.where((sp < 0)[:, None],
-                         tl.load(rec_ptr + (-1 - sp)[:, None] * s_rec + c[None, :], mask=m & (sp < 0)[:, None],
-                                 other=0.0), v)
+            # (tap K - 1, the row itself, carries dt on)
+            v = _source_rows(a_ptr, rec_ptr, sp, c, from_rows[:, None] & in_w[None, :], s_a, s_rec)
             old_ok = tl.where(has_init, r_ok & (p < start), False)
             old = tl.load(s_col[None, :] + tl.maximum(p - start + K - 1, 0)[:, None] * ss_k,
                           mask=old_ok[:, None] & conv_col[None, :], other=0.0)
@@ -215,6 +212,15 @@ def _replay_conv_kernel(
 
 
 @triton.jit
+def _source_rows(a_ptr, rec_ptr, sp, c, m, s_a, s_rec):
+    """Columns ``c`` of the rows ``sp`` names (``gather_rows``' src: a's row, or the record's as
+    -1 - row), zero where ``m`` [rows, columns] is off."""
+    v = tl.load(a_ptr + sp[:, None] * s_a + c[None, :], mask=m & (sp >= 0)[:, None], other=0.0)
+    kept = tl.load(rec_ptr + (-1 - sp)[:, None] * s_rec + c[None, :], mask=m & (sp < 0)[:, None], other=0.0)
+    return tl.where((sp < 0)[:, None], kept, v)
+
+
+@triton.jit
 def _replay_window(a_ptr, rec_ptr, src_ptr, s_col, c, conv_col, start, end, has_init, s_a, s_rec, ss_k,
                    K: tl.constexpr, BLOCK_K: tl.constexpr):
     """[BLOCK_K, BLOCK_D]: the K - 1 inputs before layout row ``end``, oldest first (row j holds
@@ -225,10 +231,7 @@ def _replay_window(a_ptr, rec_ptr, src_ptr, s_col, c, conv_col, start, end, has_
     from_rows = (jk < K - 1) & (p >= start)
     from_state = tl.where(has_init, (jk < K - 1) & (p < start), False)
     sp = tl.load(src_ptr + tl.maximum(p, 0), mask=from_rows, other=0).to(tl.int64)
-    m = from_rows[:, None] & conv_col[None, :]
-    v = tl.load(a_ptr + sp[:, None] * s_a + c[None, :], mask=m & (sp >= 0)[:, None], other=0.0)
-    v = tl.where((sp < 0)[:, None],
-                 tl.load(rec_ptr + (-1 - sp)[:, None] * s_rec + c[None, :], mask=m & (sp < 0)[:, None], other=0.0), v)
+    v = _source_rows(a_ptr, rec_ptr, sp, c, from_rows[:, None] & conv_col[None, :], s_a, s_rec)
     old = tl.load(s_col[None, :] + tl.maximum(p - start + K - 1, 0)[:, None] * ss_k,
                   mask=from_state[:, None] & conv_col[None, :], other=0.0)
     return tl.where(from_state[:, None], old, v.to(old.dtype))
@@ -264,7 +267,7 @@ def replay_conv(a: torch.Tensor, record: torch.Tensor, src: torch.Tensor, keep: 
     src:     [E] each layout row's source (``gather_rows``); keep: [Tp] the record row each
              packed row is kept in, or -1; own: [Tp] each packed row's layout row
     weight, bias, conv_state: the conv's (``conv1d_varlen``); meta: its metadata over the layout
-    y:       [Tp, Wy] the scan's outputs: the rows whose layout row no live sequence holds are
+    y:       [Tp, Wy <= W] the scan's outputs: the rows whose layout row no live sequence holds are
              zeroed here (the scan writes the others, ``ssd_short_scan(..., out_rows=src)``)
     out:     [E, W] a's dtype, allocated when None: a live layout row's conv output (D columns)
              and its dt as read; other rows unwritten
@@ -282,8 +285,8 @@ def replay_conv(a: torch.Tensor, record: torch.Tensor, src: torch.Tensor, keep: 
         if tuple(t.shape) != shape or (name != "conv_state" and t.stride(1) != 1) or t.device != a.device:
             raise ValueError(f"replay_conv: {name} must be {list(shape)} on {a.device}, last dim contiguous; "
                              f"got {tuple(t.shape)} with strides {t.stride()} on {t.device}")
-    if a.stride(1) != 1 or y.stride(1) != 1 or D > W or y.shape[0] != Tp:
-        raise ValueError(f"replay_conv: a [{Tp}, {W}] and y [{Tp}, Wy] with contiguous rows and {D} conv "
+    if a.stride(1) != 1 or y.stride(1) != 1 or D > W or y.shape[0] != Tp or y.shape[1] > W:
+        raise ValueError(f"replay_conv: a [{Tp}, {W}] and y [{Tp}, at most {W}] with contiguous rows and {D} conv "
                          f"channels at most W; got a {tuple(a.shape)}, y {tuple(y.shape)}")
     if not (keep.shape[0] == own.shape[0] == Tp) or meta.seq_idx.shape[0] < E:
         raise ValueError(f"replay_conv: keep and own need {Tp} entries and meta {E} rows; got {keep.shape[0]}, "

@@ -50,6 +50,13 @@ def test_row_moves_refuse_mismatched_rows():
     with pytest.raises(ValueError, match="2 destinations and 3 rows for 3 rows of out"):
         take_rows.triton(x, torch.zeros(3, dtype=torch.int32), torch.zeros(3, 4), x, torch.zeros(2, dtype=torch.int32),
                          torch.zeros(4, 4))
+    meta = PrefillMetadata.build([3], [0], chunk_size=4)
+    i = torch.zeros(3, dtype=torch.int32)
+    conv = dict(weight=torch.zeros(3, 4), bias=None, conv_state=torch.zeros(1, 3, 3), meta=meta)
+    with pytest.raises(ValueError, match="replay_conv: record must be \\[2, 4\\]"):
+        replay_conv.triton(x, torch.zeros(2, 5), i, i, i, y=torch.zeros(3, 4), **conv)
+    with pytest.raises(ValueError, match="y \\[3, at most 4\\]"):
+        replay_conv.triton(x, torch.zeros(2, 4), i, i, i, y=torch.zeros(3, 6), **conv)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -144,8 +144,8 @@ def _replay_conv_kernel(
             sq = tl.load(seq_idx_ptr + lr, mask=p < Tp, other=-1)
             sl = tl.load(slot_ptr + tl.maximum(sq, 0), mask=p < Tp, other=-1)
             dead = (p < Tp) & ((sq < 0) | (sl < 0))
-            tl.store(y_ptr + p.to(tl.int64)[:, None] * s_y + c[None, :], tl.zeros((BLOCK_R, BLOCK_D), y_ptr.dtype.element_ty),
-                     mask=dead[:, None] & (c < Wy)[None, :])
+            zeros = tl.zeros((BLOCK_R, BLOCK_D), y_ptr.dtype.element_ty)
+            tl.store(y_ptr + p.to(tl.int64)[:, None] * s_y + c[None, :], zeros, mask=dead[:, None] & (c < Wy)[None, :])
         return
     slot = tl.load(slot_ptr + i).to(tl.int64)
     start = tl.load(cu_ptr + i)
@@ -239,7 +239,8 @@ def _replay_window(a_ptr, rec_ptr, src_ptr, s_col, c, conv_col, start, end, has_
 
 def replay_conv_ref(a: torch.Tensor, record: torch.Tensor, src: torch.Tensor, keep: torch.Tensor, own: torch.Tensor,
                     weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor, meta: PrefillMetadata,
-                    y: torch.Tensor, *, out: torch.Tensor | None = None, activation: str | None = "silu") -> torch.Tensor:
+                    y: torch.Tensor, *, out: torch.Tensor | None = None,
+                    activation: str | None = "silu") -> torch.Tensor:
     """The gather, the conv (``conv1d_varlen_ref``) and the keep, one after the other."""
     D = weight.shape[0]
     rows = gather_rows_ref(a, record, src)

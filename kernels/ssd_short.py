@@ -136,7 +136,8 @@ def ssd_short_scan(x, dt, A, B, C, D, ssm_state, meta: PrefillMetadata, *, z=Non
     _short_scan_kernel[(meta.max_seqs, H, triton.cdiv(P, block_p))](
         x, dt, A, B, C, D if D is not None else A, z if z is not None else x, dt_bias if dt_bias is not None else A,
         out, ssm_state, meta.cu_seqlens, meta.slot_idx, meta.has_initial_state, meta.final_slot, meta.snapshot_slot,
-        meta.snapshot_row, out_rows if out_rows is not None else meta.slot_idx, P, N, H // G, float(dt_limit[0]), float(dt_limit[1]),
+        meta.snapshot_row, out_rows if out_rows is not None else meta.slot_idx, P, N, H // G, float(dt_limit[0]),
+        float(dt_limit[1]),
         *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *zs, *out.stride(), *ssm_state.stride(),
         BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(N), HAS_D=D is not None, HAS_Z=z is not None,
         HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus), OUT_ROWS=out_rows is not None, num_warps=4,

@@ -268,7 +268,8 @@ def launch_replay() -> None:
     rows = replay_conv.triton(proj, torch.empty(8, W, **bf16), src, own, own, torch.empty(D, K, **bf16),
                               torch.empty(D, **bf16), torch.empty(2, K - 1, D, **bf16).transpose(1, 2), meta,
                               torch.empty(T, inner, **bf16))
-    x, B, C = rows[:, :inner].view(E, H, P), rows[:, inner : D - G * N].view(E, G, N), rows[:, D - G * N : D].view(E, G, N)
+    x = rows[:, :inner].view(E, H, P)
+    B, C = rows[:, inner : D - G * N].view(E, G, N), rows[:, D - G * N : D].view(E, G, N)
     ssd_short_scan.triton(x, rows[:, D:], torch.empty(H), B, C, torch.empty(H), torch.empty(2, H, P, N), meta,
                           dt_bias=torch.empty(H), out=torch.empty(T, H, P, **bf16), out_rows=src)
 

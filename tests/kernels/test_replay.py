@@ -83,8 +83,9 @@ def test_replay_conv_is_the_gather_the_conv_and_the_keep(device, dtype, K, D, bi
     y = poisoned((8, Wy), dtype, device)
     before = record.clone()
     ref_record, ref_state, ref_y = record.cpu().clone(), state.cpu().clone(), y.cpu().clone()
-    ref = replay_conv_ref(a.cpu(), ref_record, src.cpu(), keep.cpu(), own.cpu(), w.cpu(), None if b is None else b.cpu(),
-                          ref_state, meta.to("cpu"), ref_y, out=poisoned((16, W), dtype))
+    cpu_b = None if b is None else b.cpu()
+    ref = replay_conv_ref(a.cpu(), ref_record, src.cpu(), keep.cpu(), own.cpu(), w.cpu(), cpu_b, ref_state,
+                          meta.to("cpu"), ref_y, out=poisoned((16, W), dtype))
     out = replay_conv.triton(a, record, src, keep, own, w, b, state, meta, y, out=poisoned((16, W), dtype, device))
     live = 9  # layout rows of live sequences; the skipped one's and padding rows are left
     assert_close(out[:live, :D].cpu(), ref[:live, :D], dtype)

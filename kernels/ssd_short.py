@@ -97,9 +97,17 @@ def _short_scan_kernel(
              mask=mask & (offs_p[:, None] < tl.where(final >= 0, P, 0)))
 
 
+def _check_out_rows(x, out, out_rows) -> None:
+    T, H, P = x.shape
+    if out_rows is not None and (out is None or out.shape[1:] != (H, P) or out_rows.shape[0] < T):
+        raise ValueError(f"ssd_short_scan: out_rows needs out [rows, {H}, {P}] and {T} entries; got out "
+                         f"{None if out is None else tuple(out.shape)} and {out_rows.shape[0]}")
+
+
 def ssd_short_scan_ref(x, dt, A, B, C, D, ssm_state, meta, *, z=None, dt_bias=None, dt_softplus=True,
                        dt_limit=(0.0, float("inf")), out=None, workspace=None, passed=None, out_rows=None):
     """The per-token oracle (``ssd.ssd_scan_ref``); ``workspace`` and ``passed`` have no use here."""
+    _check_out_rows(x, out, out_rows)
     if out_rows is None:
         return ssd_scan_ref(x, dt, A, B, C, D, ssm_state, meta, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
                             dt_limit=dt_limit, out=out)
@@ -125,9 +133,7 @@ def ssd_short_scan(x, dt, A, B, C, D, ssm_state, meta: PrefillMetadata, *, z=Non
     written straight back to the packed rows (``replay.replay_conv`` zeroes the rest)."""
     T, H, P = x.shape
     _check(x, dt, A, B, C, D, z, dt_bias, ssm_state, meta, out if out_rows is None else None, None)
-    if out_rows is not None and (out is None or out.shape[1:] != (H, P) or out_rows.shape[0] < T):
-        raise ValueError(f"ssd_short_scan: out_rows needs out [rows, {H}, {P}] and {T} entries; got out "
-                         f"{None if out is None else tuple(out.shape)} and {out_rows.shape[0]}")
+    _check_out_rows(x, out, out_rows)
     _, G, N = B.shape
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)

@@ -94,3 +94,44 @@ def test_replay_conv_is_the_gather_the_conv_and_the_keep(device, dtype, K, D, bi
     assert (y[6:] == 0).all() and torch.isnan(y[:6]).all() and torch.equal(y.cpu().isnan(), ref_y.isnan())
     # slot 3's replayed rows were read before its drafts' rows took their place in the record
     assert torch.equal(out[:2, D:], before[[9, 10], D:]) and torch.equal(record[[9, 10]], a[[1, 2]])
+
+
+@pytest.mark.parametrize("K", [4, 3])
+def test_replay_conv_over_a_layout_the_runtime_fills_with_long_sequences(device, K):
+    """Sequences longer than a program's block of rows (``runtime.replay``'s layout: slot 2
+    replays 6 kept rows before its 1 + 8 own, slot 0 replays 8 before 1 + 4), the checkpoint
+    after the replayed rows and the last token, padding past them: as the reference."""
+    import numpy as np
+
+    from mambastep.graphs import Bucket
+    from mambastep.runtime.plan import StepPlan
+    from mambastep.runtime.step_buffers import StepBuffers
+
+    buffers = StepBuffers(max_decode=4, max_prefill_tokens=32, max_prefill_seqs=4, chunk_size=4, max_drafts=8,
+                          record_stride=8)
+    bucket = Bucket(0, 32, 8)
+    i32 = lambda v: np.asarray(v, dtype=np.int32)  # noqa: E731
+    plan = StepPlan(prefill_tokens=np.arange(1, 15), prefill_lens=i32([9, 5]), prefill_slots=i32([2, 0]),
+                    prefill_context=i32([40, 60]), snapshot_slots=i32([2, 0]), snapshot_tokens=i32([1, 1]),
+                    final_slots=i32([-1, -1]), prefill_logits=i32([9, 5]), replay_lens=i32([6, 8]))
+    buffers.fill(plan, bucket)
+    host = buffers._replay(buffers.arena.np, bucket)
+    meta = host.meta.to(device)
+    src, own, keep = (torch.as_tensor(v).to(device) for v in (host.src, host.own, host.record))
+    D, H, Wy, Tp, E = 70, 3, 33, 32, src.shape[0]
+    W = D + H
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(Tp, W, generator=g).to(device)
+    record = torch.randn(3 * 8, W, generator=g).to(device)
+    state = torch.randn(3, D, K - 1, generator=g).to(device)
+    w, b = torch.randn(D, K, generator=g).to(device), torch.randn(D, generator=g).to(device)
+    y = poisoned((Tp, Wy), device=device)
+    refs = [t.cpu().clone() for t in (record, state, y)]
+    ref = replay_conv_ref(a.cpu(), refs[0], src.cpu(), keep.cpu(), own.cpu(), w.cpu(), b.cpu(), refs[1],
+                          meta.to("cpu"), refs[2], out=poisoned((E, W)))
+    out = replay_conv.triton(a, record, src, keep, own, w, b, state, meta, y, out=poisoned((E, W), device=device))
+    live = 6 + 9 + 8 + 5
+    assert_close(out[:live].cpu(), ref[:live])
+    assert torch.isnan(out[live:]).all()
+    assert torch.equal(record.cpu(), refs[0]) and torch.equal(state.cpu(), refs[1])
+    assert (y[14:] == 0).all() and torch.isnan(y[:14]).all() and torch.equal(y.cpu().isnan(), refs[2].isnan())

@@ -17,6 +17,8 @@ the processed sampling stage issues: a step without processors neither fills nor
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import numpy as np
 import torch
 
@@ -27,7 +29,10 @@ from .plan import StepPlan
 from .replay import Replay, fill_replay, layout_rows
 from .step_inputs import StepInputs
 
-__all__ = ["StepBuffers"]
+__all__ = ["METADATA_SHAPES", "StepBuffers"]
+
+# the prefill metadata of this many step shapes kept for refills of the same shape (0: none)
+METADATA_SHAPES = 64
 
 _ALIGN = 64
 # padding values where they are not zero: padding rows have no slot and keep every token (top-p 1)
@@ -126,6 +131,8 @@ class StepBuffers:
         }, self.device)
         self._processors_padding = self.processors.bytes.copy()
         self._rows = np.arange(T + max_decode, dtype=np.int32)  # packed row numbers
+        self._metadata: OrderedDict[tuple, list[np.ndarray]] = OrderedDict()  # by shape (``_fill_metadata``)
+        self._host_views: dict[Bucket, tuple] = {}
         self._inputs: dict[Bucket, StepInputs] = {}
 
     def _meta_sizes(self, tokens: int) -> dict[str, int]:
@@ -213,14 +220,9 @@ class StepBuffers:
         rows[n_pre : n_pre + n_dec] = self._rows[Tp : Tp + n_dec]
         if Tp:
             ids[: len(plan.prefill_tokens)] = plan.prefill_tokens
-            fill_prefill_metadata(self._prefill_meta(h, Tp), plan.prefill_lens, plan.prefill_slots,
-                                  plan.prefill_context > 0, plan.prefill_context,
-                                  (plan.snapshot_slots, plan.snapshot_tokens) if len(plan.snapshot_slots) else None,
-                                  plan.final_slots if len(plan.final_slots) else None)
-            if bucket.drafts:
-                fill_replay(self._replay(h, bucket), plan, self.record_stride)
-            elif len(plan.replay_lens) and plan.replay_lens.any():
+            if not bucket.drafts and len(plan.replay_lens) and plan.replay_lens.any():
                 raise ValueError(f"plan replays drafts from the record outside a verify bucket ({bucket})")
+            self._fill_metadata(plan, bucket)
             ends = np.cumsum(plan.prefill_lens)
             if len(plan.prefill_logits):  # each sequence's last tokens: ends - n .. ends - 1
                 n = plan.prefill_logits
@@ -232,6 +234,44 @@ class StepBuffers:
                 h[name][: plan.num_rows] = getattr(plan, name)
         if plan.processed:
             self._fill_processors(plan)
+
+    def _fill_metadata(self, plan: StepPlan, bucket: Bucket) -> None:
+        """The prefill sequences' metadata (and a verify bucket's Mamba2 layout) in the host
+        arena: computed, or, for a shape refilled before (a speculating request's verify steps
+        repeat a few), copied back as it was computed then, with the one thing that moves, the
+        sequences' context, written anew (``METADATA_SHAPES``)."""
+        if bucket not in self._host_views:  # the bucket's views of the host arena, which never move
+            h = self.arena.np
+            meta = self._prefill_meta(h, bucket.prefill)
+            replay = self._replay(h, bucket) if bucket.drafts else None
+            views = [*meta.arrays().values()]
+            if replay is not None:
+                views += [*replay.meta.arrays().values(), replay.src, replay.own, replay.record]
+            self._host_views[bucket] = meta, replay, views
+        meta, replay, views = self._host_views[bucket]
+        # everything but the context the metadata is made of (the context only as "has one")
+        key = (bucket, *(tuple(a.tolist()) for a in (
+            plan.prefill_lens, plan.prefill_slots, plan.prefill_context > 0, plan.snapshot_slots,
+            plan.snapshot_tokens, plan.final_slots, plan.prefill_logits, plan.replay_lens)))
+        saved = self._metadata.get(key)
+        if saved is None:
+            fill_prefill_metadata(meta, plan.prefill_lens, plan.prefill_slots, plan.prefill_context > 0,
+                                  plan.prefill_context,
+                                  (plan.snapshot_slots, plan.snapshot_tokens) if len(plan.snapshot_slots) else None,
+                                  plan.final_slots if len(plan.final_slots) else None)
+            if replay is not None:
+                fill_replay(replay, plan, self.record_stride)
+            self._metadata[key] = [v.copy() for v in views]
+            if len(self._metadata) > METADATA_SHAPES:
+                self._metadata.popitem(last=False)
+            return
+        self._metadata.move_to_end(key)
+        for view, values in zip(views, saved):
+            view[:] = values
+        n = plan.num_prefill
+        meta.context_lens[:n] = plan.prefill_context
+        if replay is not None:
+            replay.meta.context_lens[:n] = plan.prefill_context
 
     def _fill_processors(self, plan: StepPlan) -> None:
         """The processors' arena: each row's penalties, and the bias entries of each prefill

@@ -116,3 +116,58 @@ def test_padded_step_equals_unpadded(tiny, plan):
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     for x, y in zip(pool_a, pool_b):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+
+def _inputs_arrays(buffers: StepBuffers, bucket: Bucket) -> dict[str, np.ndarray]:
+    """Every array a step of ``bucket`` reads from the host arena, by name."""
+    inputs = buffers.inputs(bucket)
+    out = {k: getattr(inputs, k).numpy().copy() for k in ("input_ids", "decode_slots", "decode_kv_lens", "logit_rows",
+                                                           "row_slots", "route_as")}
+    for prefix, meta in (("prefill.", inputs.prefill), ("replay.", inputs.replay and inputs.replay.meta)):
+        if meta is not None:
+            out.update({prefix + k: v.numpy().copy() for k, v in meta.arrays().items()})
+    if inputs.replay is not None:
+        out.update({f"replay.{k}": getattr(inputs.replay, k).numpy().copy() for k in ("src", "own", "record")})
+    return out
+
+
+@st.composite
+def verify_steps(draw):
+    """A speculating batch's verify plans: up to 3 sequences of a token and up to 4 drafts, each
+    replaying up to 4 kept rows, after a context that grows; shapes drawn from a few, so they
+    repeat; now and then a prompt chunk instead."""
+    shapes = draw(st.lists(st.tuples(st.lists(st.tuples(st.integers(0, 4), st.integers(0, 4)), min_size=1, max_size=3),
+                                     st.booleans()), min_size=1, max_size=3))
+    steps = []
+    for i in range(draw(st.integers(2, 10))):
+        seqs, with_context = shapes[draw(st.integers(0, len(shapes) - 1))]
+        if draw(st.integers(0, 5)) == 0:
+            steps.append((StepPlan.make([(list(range(1, 1 + draw(st.integers(1, 30)))), 5, 10 * i)]), Bucket(0, 32)))
+            continue
+        lens = np.asarray([1 + d for d, _ in seqs], np.int32)
+        context = np.asarray([10 * i + 7 * j if with_context else 0 for j in range(len(seqs))], np.int32)
+        plan = StepPlan(prefill_tokens=np.arange(1, 1 + lens.sum()), prefill_lens=lens,
+                        prefill_slots=np.arange(len(seqs), dtype=np.int32), prefill_context=context,
+                        snapshot_slots=np.arange(len(seqs), dtype=np.int32), snapshot_tokens=np.ones(len(seqs), np.int32),
+                        final_slots=np.full(len(seqs), -1, np.int32), prefill_logits=lens,
+                        replay_lens=np.asarray([r for _, r in seqs], np.int32))
+        steps.append((plan, Bucket(0, 16, 4)))
+    return steps
+
+
+@settings(max_examples=60, deadline=None)
+@given(steps=verify_steps())
+def test_a_refilled_shape_writes_what_a_first_fill_writes(steps):
+    """Refills whose shape came before copy its metadata back (``METADATA_SHAPES``), the context
+    written anew: every array a step reads equals a fresh buffer's fill of the same plan, step
+    after step, shapes repeating, prompt chunks between."""
+    kept = StepBuffers(MAX_DECODE, MAX_TOKENS, MAX_SEQS, CHUNK, max_drafts=4, record_stride=4)
+    for plan, bucket in steps:
+        fresh = StepBuffers(MAX_DECODE, MAX_TOKENS, MAX_SEQS, CHUNK, max_drafts=4, record_stride=4)
+        kept.fill(plan, bucket)
+        fresh.fill(plan, bucket)
+        got, want = _inputs_arrays(kept, bucket), _inputs_arrays(fresh, bucket)
+        for name in want:
+            assert np.array_equal(got[name], want[name]), name
+    assert len(kept._metadata) <= len({(b, p.prefill_lens.tobytes(), p.replay_lens.tobytes(),
+                                         (p.prefill_context > 0).tobytes()) for p, b in steps})

@@ -262,6 +262,10 @@ def tables(result: dict) -> str:
         return f"{ms:.3f} ({', '.join(notes)})" if notes else f"{ms:.3f}"
 
     for p in result["presets"]:
+        # k as a number whether the result was made here or read from its JSON (keys as strings)
+        by_k = ("verify_ms", "verify_floor_bytes")
+        p = dict(p, steps=[dict(s, **{f: {int(k): v for k, v in s[f].items()} for f in by_k if f in s})
+                           for s in p["steps"]])
         ks = list(p["steps"][0]["verify_ms"]) if p["steps"] else []
         context = p["steps"][0]["context"] if p["steps"] else 0
         floored = rate and any("decode_floor_bytes" in s for s in p["steps"])
@@ -280,7 +284,8 @@ def tables(result: dict) -> str:
                         f"{floor_bound(one, p['num_drafts'], 3.0):.2f}x with k = {p['num_drafts']}."]
         out += ["", f"{p['preset']}: one request alone, a {p['prompt_tokens']}-token prompt, {p['max_tokens']} greedy "
                     f"tokens, k = {p['num_drafts']}", "",
-                "| drafts | kept | acceptance length | tokens/s | speed-up |", "| --- | --- | --- | --- | --- |"]
+                "| drafts | kept | acceptance length | tokens/s | speed-up | a step (ms) |",
+                "| --- | --- | --- | --- | --- | --- |"]
         plain = p["alone"][0]["tokens_per_s"]
         for r in p["alone"]:
             label = {"none": "none (plain decoding)", "set": "set acceptance",
@@ -290,7 +295,8 @@ def tables(result: dict) -> str:
             kept = "checked" if r["keep"] is None else f"{r['keep']:.0%} each"
             kept = "-" if r["drafter"] == "none" else kept
             out.append(f"| {label} | {kept} | {r['acceptance_length']:.2f} | {r['tokens_per_s']:.0f} | "
-                       f"{r['tokens_per_s'] / r.get('plain_tokens_per_s', plain):.2f}x |")
+                       f"{r['tokens_per_s'] / r.get('plain_tokens_per_s', plain):.2f}x | {_cycle_ms(r):.3f} |")
+        out += _beside_the_steps(p)
         ngram = next((r for r in p["alone"] if r["drafter"] == "ngram"), None)
         if ngram:
             out += ["", "Prompt lookup beside plain decoding of the repeating prompt "
@@ -311,6 +317,29 @@ def tables(result: dict) -> str:
                         f"({w['mtp_tokens_per_s'] / w['plain_tokens_per_s'] - 1:+.1%} against none); "
                         f"{w['mtp_requests_equal']} of {w['concurrency']} requests' tokens equal."]
     return "\n".join(out)
+
+
+def _cycle_ms(run: dict) -> float:
+    """The engine's time a step of a run alone (a verify cycle, or a plain decode step): its
+    acceptance length (tokens a step) over its tokens/s."""
+    return 1e3 * run["acceptance_length"] / run["tokens_per_s"]
+
+
+def _beside_the_steps(p: dict) -> list[str]:
+    """What a step of the engine alone took beyond the same step timed in an exact graph: the
+    host's refill, scheduling and read-back, and the engine's bucket padding. Plain decoding
+    beside the decode step of one row; no draft kept beside the verify step of 1 + k (every
+    verify sequence then 1 + k tokens, nothing replayed)."""
+    one = next((s for s in p["steps"] if s["batch"] == 1), None)
+    plain = next((r for r in p["alone"] if r["drafter"] == "none"), None)
+    none_kept = next((r for r in p["alone"] if r["drafter"] == "set" and r["keep"] == 0), None)
+    if one is None or plain is None or none_kept is None or p["num_drafts"] not in one["verify_ms"]:
+        return []
+    decode, verify = one["decode_ms"], one["verify_ms"][p["num_drafts"]]
+    return ["", f"A step alone beyond the same step in an exact graph (the host's refill, scheduling and read-back, "
+                f"and the engine's bucket padding): plain decoding {_cycle_ms(plain) - decode:+.3f} ms "
+                f"({_cycle_ms(plain):.3f} against {decode:.3f}); a verify step of 1 + {p['num_drafts']} with no draft "
+                f"kept {_cycle_ms(none_kept) - verify:+.3f} ms ({_cycle_ms(none_kept):.3f} against {verify:.3f})."]
 
 
 def print_table(result: dict) -> None:

@@ -332,6 +332,14 @@ def test_the_spec_bench_sets_speculation_beside_plain_on_the_cpu(tmp_path):
     page = bench_markdown.render(spec=str(path))
     assert "mambastep bench spec" in page and "| set acceptance | 75% each |" in page
     assert "| set acceptance, the gate choosing up to 8 (" in page
+    # each run's step: a verify cycle's time (its tokens over its rate), beside the exact graph's step
+    plain = runs[0]
+    assert f"| none (plain decoding) | - | 1.00 | {plain['tokens_per_s']:.0f} | 1.00x | " \
+           f"{1e3 / plain['tokens_per_s']:.3f} |" in page
+    assert "A step alone beyond the same step in an exact graph" in page
+    assert "a verify step of 1 + 4 with no draft kept" in page
+    # what the table says of k, read back from the JSON as from the run (whose keys are numbers)
+    assert "At the HBM floors, one sequence" in page
     assert "| the MTP layers, set acceptance | 75% each |" in page and "with the MTP layers drafting" in page
 
 

@@ -219,11 +219,11 @@ def parse_plan(text: str, vocab: int = 1000) -> tuple[str, StepPlan]:
             return f"decode {int(rows)} + {int(tokens)}", mixed_plan(int(rows), chunk)
         if kind == "verify":
             rows, _, drafts = size.partition("+")
-            if int(drafts) > 0:
+            if int(rows) > 0 and int(drafts) > 0:
                 return f"verify {int(rows)} x (1 + {int(drafts)})", verify_plan(int(rows), int(drafts), vocab, CONTEXT)
     except ValueError:
         pass
-    raise ValueError(f"a plan is decode:B, prefill:T, mixed:B+T or verify:B+K (K > 0), got {text!r}")
+    raise ValueError(f"a plan is decode:B, prefill:T, mixed:B+T or verify:B+K (B, K > 0), got {text!r}")
 
 
 def main(argv=None) -> int:

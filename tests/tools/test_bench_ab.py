@@ -92,7 +92,8 @@ def test_the_command_line_times_named_variants_and_refuses_what_it_cannot_set(ca
             (["--variant", "x:FEW_ROWS_FP8_MAX=1"], "expected MODULE.ATTR=VALUE"),
             (["--variant", "main", "--plan", "decode:two"],
              "a plan is decode:B, prefill:T, mixed:B\\+T or verify:B\\+K"),
-            (["--variant", "main", "--plan", "verify:2+0"], "verify:B\\+K \\(K > 0\\), got 'verify:2\\+0'"),
+            (["--variant", "main", "--plan", "verify:2+0"], "verify:B\\+K \\(B, K > 0\\), got 'verify:2\\+0'"),
+            (["--variant", "main", "--plan", "verify:0+2"], "got 'verify:0\\+2'"),
             (["--variant", "a", "--variant", "a"], "variants and plans must be named apart"),
             (["--variant", "a", "--max-context", "4"], "max_context 4: the plans need"),
             (["--variant", "a", "--preset", "nano-9000"], "unknown preset 'nano-9000'")):

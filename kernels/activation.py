@@ -1,7 +1,8 @@
 """The MLP activations, each one pass in fp32: relu(x)^2 (NemotronH's, in place when ``out`` is
-``x``) and silu(gate) * up (SwiGLU: Granite, Bamba, Falcon-H1), whose input is one projection's
-output with the gate columns first, as those checkpoints store it; and the same product over two
-tensors, ``y * silu(z)`` (Falcon-H1's Mamba2 output gate, where no gated norm follows)."""
+``x``; its rows quantized beside it for an FP8 down projection where asked) and silu(gate) * up
+(SwiGLU: Granite, Bamba, Falcon-H1), whose input is one projection's output with the gate
+columns first, as those checkpoints store it; and the same product over two tensors,
+``y * silu(z)`` (Falcon-H1's Mamba2 output gate, where no gated norm follows)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import with_reference
+from .fp8 import Fp8Rows, quantize_rows_ref, row_scale, store_quantized
 
 __all__ = ["gate_silu", "gate_silu_ref", "relu2", "relu2_ref", "silu_mul", "silu_mul_ref"]
 
@@ -23,17 +25,49 @@ def _relu2_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, (x * x).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def relu2_ref(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+@triton.jit
+def _relu2_rows_kernel(x_ptr, out_ptr, q_ptr, s_ptr, I, BLOCK: tl.constexpr):
+    # grid: (rows,): a row's relu2, and the rounded row quantized as quantize_rows does
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < I
+    x = tl.maximum(tl.load(x_ptr + row * I + cols, mask=mask, other=0.0).to(tl.float32), 0.0)
+    y = (x * x).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * I + cols, y, mask=mask)
+    v = y.to(tl.float32)
+    scale = row_scale(v)
+    tl.store(s_ptr + row, scale)
+    store_quantized(q_ptr + row * I + cols, v, scale, mask)
+
+
+def relu2_ref(x: torch.Tensor, out: torch.Tensor | None = None, rows: Fp8Rows | None = None) -> torch.Tensor:
     y = torch.relu(x.float()).square().to(x.dtype)
-    return y if out is None else out.copy_(y)
+    out = y if out is None else out.copy_(y)
+    if rows is not None:
+        for dst, src in zip(rows, quantize_rows_ref(out)):
+            dst.copy_(src)
+    return out
 
 
 @with_reference(relu2_ref)
-def relu2(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """relu(x)**2 computed in fp32. x: any shape, contiguous; out: like x (may be x)."""
+def relu2(x: torch.Tensor, out: torch.Tensor | None = None, rows: Fp8Rows | None = None) -> torch.Tensor:
+    """relu(x)**2 computed in fp32. x: any shape, contiguous; out: like x (may be x). rows: x
+    [M, I] written quantized per row too (``Fp8Rows`` [M, I]), as ``quantize_rows(out)`` would
+    make it, for an FP8 product that takes them (``kernels.linear.takes_rows``)."""
     out = torch.empty_like(x) if out is None else out
     if not (x.is_contiguous() and out.is_contiguous() and out.shape == x.shape):
         raise ValueError("relu2: x and out must be contiguous and of one shape")
+    if rows is not None:
+        if (x.dim() != 2 or rows.values.shape != x.shape or rows.values.dtype != torch.float8_e4m3fn
+                or not rows.values.is_contiguous() or rows.scale.shape != (x.shape[0], 1)):
+            raise ValueError(f"relu2: rows must be float8_e4m3fn values {list(x.shape)} (contiguous) and scales "
+                             f"[{x.shape[0]}, 1] over 2-D x; got {rows.values.dtype} {list(rows.values.shape)} and "
+                             f"{list(rows.scale.shape)}")
+        M, I = x.shape
+        block = triton.next_power_of_2(I)
+        _relu2_rows_kernel[(M,)](x, out, rows.values, rows.scale, I, BLOCK=block,
+                                 num_warps=max(1, min(16, block // 256)))
+        return out
     n, block = x.numel(), 2048
     _relu2_kernel[(triton.cdiv(n, block),)](x, out, n, BLOCK=block, num_warps=4)
     return out

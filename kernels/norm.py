@@ -1,7 +1,7 @@
 """RMSNorm with a fused residual add, and Mamba2's gated, grouped RMSNorm.
 
 Both are row-wise: one program normalises one row (or one group of a row), so rows never mix
-and padded rows can hold anything without reaching a live row. The RMSNorm may also write its
+and padded rows can hold anything without reaching a live row. Either may also write its
 output quantized per row (``rows``, ``kernels.fp8.Fp8Rows``) for an FP8 product that reads it
 (``kernels.linear.takes_rows``), bit for bit what ``quantize_rows`` would make of it a launch
 later.
@@ -60,16 +60,21 @@ def _rms_norm_kernel(
 
 @triton.jit
 def _gated_rms_norm_kernel(
-    x_ptr, z_ptr, w_ptr, out_ptr,
-    group_size, eps,
-    stride_x, stride_z, stride_out,
+    x_ptr, z_ptr, w_ptr, out_ptr, q_ptr, s_ptr,
+    n_groups, group_size, eps,
+    stride_x, stride_z, stride_out, stride_q,
     BLOCK: tl.constexpr,
+    GROUPS: tl.constexpr,
     USE_PDL: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
+    # grid: (rows, cdiv(n_groups, GROUPS)): GROUPS groups of a row a program (all of them where
+    # the row is quantized too)
     row = tl.program_id(0).to(tl.int64)
-    group = tl.program_id(1)
-    cols = group * group_size + tl.arange(0, BLOCK)
-    mask = tl.arange(0, BLOCK) < group_size
+    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    k = tl.arange(0, BLOCK)
+    cols = g[:, None] * group_size + k[None, :]
+    mask = (g < n_groups)[:, None] & (k < group_size)[None, :]
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if USE_PDL:
         # x and z come from earlier kernels in the stream; only the weight is read before the wait
@@ -79,9 +84,15 @@ def _gated_rms_norm_kernel(
     z = tl.load(z_ptr + row * stride_z + cols, mask=mask, other=0.0).to(tl.float32)
     # norm(x * silu(z)), the gate applied before the norm (Mamba2's norm_before_gate=False)
     x = x * z * tl.sigmoid(z)
-    var = tl.sum(x * x, axis=0) / group_size
-    y = (x * tl.rsqrt(var + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
+    var = tl.sum(x * x, axis=1) / group_size
+    y = (x * tl.rsqrt(var + eps)[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)
+    out = (y * w).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
+    if QUANT:  # the rounded output row, quantized as quantize_rows does
+        v = out.to(tl.float32)
+        scale = row_scale(tl.max(tl.abs(v), axis=1))
+        tl.store(s_ptr + row, scale)
+        store_quantized(q_ptr + row * stride_q + cols, v, scale, mask)
 
 
 def _check_rows(name: str, t: torch.Tensor, rows: int, cols: int) -> None:
@@ -89,6 +100,15 @@ def _check_rows(name: str, t: torch.Tensor, rows: int, cols: int) -> None:
         raise ValueError(f"{name}: expected shape [{rows}, {cols}], got {list(t.shape)}")
     if t.stride(1) != 1:
         raise ValueError(f"{name}: the last dimension must be contiguous")
+
+
+def _check_fp8_rows(rows: Fp8Rows | None, T: int, D: int) -> None:
+    if rows is not None:
+        _check_rows("rows.values", rows.values, T, D)
+        if (rows.values.dtype != torch.float8_e4m3fn or rows.scale.shape != (T, 1) or rows.scale.stride(0) != 1
+                or rows.scale.dtype != torch.float32):
+            raise ValueError(f"rows: expected float8_e4m3fn values [{T}, {D}] and float32 scales [{T}, 1], got "
+                             f"{rows.values.dtype} and {rows.scale.dtype} {list(rows.scale.shape)}")
 
 
 def _num_warps(block: int) -> int:
@@ -129,12 +149,7 @@ def rms_norm(x, weight, eps, *, residual=None, out=None, round_first=True, pdl=F
     _check_rows("out", out, T, D)
     if residual is not None:
         _check_rows("residual", residual, T, D)
-    if rows is not None:
-        _check_rows("rows.values", rows.values, T, D)
-        if (rows.values.dtype != torch.float8_e4m3fn or rows.scale.shape != (T, 1) or rows.scale.stride(0) != 1
-                or rows.scale.dtype != torch.float32):
-            raise ValueError(f"rows: expected float8_e4m3fn values [{T}, {D}] and float32 scales [{T}, 1], got "
-                             f"{rows.values.dtype} and {rows.scale.dtype} {list(rows.scale.shape)}")
+    _check_fp8_rows(rows, T, D)
     block = triton.next_power_of_2(D)
     res = residual if residual is not None else x
     q, scale = rows if rows is not None else (out, out)
@@ -147,23 +162,26 @@ def rms_norm(x, weight, eps, *, residual=None, out=None, round_first=True, pdl=F
     return out
 
 
-def gated_rms_norm_ref(x, z, weight, group_size, eps, *, out=None, pdl=False):
+def gated_rms_norm_ref(x, z, weight, group_size, eps, *, out=None, pdl=False, rows=None):
     T, D = x.shape
     h = (x.float() * F.silu(z.float())).view(T, D // group_size, group_size)
     h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).view(T, D)
     y = weight.float() * h.to(x.dtype).float()
-    if out is None:
-        return y.to(x.dtype)
-    return out.copy_(y)
+    out = y.to(x.dtype) if out is None else out.copy_(y)
+    if rows is not None:
+        for dst, src in zip(rows, quantize_rows_ref(out)):
+            dst.copy_(src)
+    return out
 
 
 @with_reference(gated_rms_norm_ref)
-def gated_rms_norm(x, z, weight, group_size, eps, *, out=None, pdl=False):
+def gated_rms_norm(x, z, weight, group_size, eps, *, out=None, pdl=False, rows: Fp8Rows | None = None):
     """Mamba2's gated norm: RMSNorm over groups of ``group_size`` of ``x * silu(z)``.
 
     x, z: [T, D] (row-strided views allowed); weight: [D]; out: [T, D] in x's dtype.
     pdl: launch as a programmatic dependent of the previous kernel (CUDA, sm_90+), as in
     ``kernels.decode_linear``; it signals its own dependents right after its wait.
+    rows: as ``rms_norm``'s, out also written quantized per row (a program a row, not a group).
     """
     T, D = x.shape
     out = torch.empty_like(x) if out is None else out
@@ -171,10 +189,14 @@ def gated_rms_norm(x, z, weight, group_size, eps, *, out=None, pdl=False):
         _check_rows(name, t, T, D)
     if D % group_size:
         raise ValueError(f"group_size {group_size} does not divide {D}")
-    block = triton.next_power_of_2(group_size)
-    _gated_rms_norm_kernel[(T, D // group_size)](
-        x, z, weight, out, group_size, eps,
-        x.stride(0), z.stride(0), out.stride(0),
-        BLOCK=block, USE_PDL=pdl, num_warps=_num_warps(block), **({"launch_pdl": True} if pdl else {}),
+    _check_fp8_rows(rows, T, D)
+    block, n_groups = triton.next_power_of_2(group_size), D // group_size
+    groups = triton.next_power_of_2(n_groups) if rows is not None else 1
+    q, scale = rows if rows is not None else (out, out)
+    _gated_rms_norm_kernel[(T, triton.cdiv(n_groups, groups))](
+        x, z, weight, out, q, scale, n_groups, group_size, eps,
+        x.stride(0), z.stride(0), out.stride(0), q.stride(0),
+        BLOCK=block, GROUPS=groups, USE_PDL=pdl, QUANT=rows is not None, num_warps=_num_warps(block * groups),
+        **({"launch_pdl": True} if pdl else {}),
     )
     return out

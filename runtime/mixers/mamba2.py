@@ -18,6 +18,7 @@ import torch
 from ...kernels.activation import gate_silu
 from ...kernels.conv1d import conv1d_update, conv1d_varlen
 from ...kernels.decode_linear import ConvTail, gated_norm_linear, norm_linear
+from ...kernels.fp8 import Fp8Rows
 from ...kernels.linear import linear, takes_rows
 from ...kernels.norm import gated_rms_norm
 from ...kernels.replay import gather_rows, replay_conv, take_rows
@@ -32,6 +33,8 @@ __all__ = ["Mamba2Mixer"]
 # a short verify step's layout, conv, conv states and record in one launch (``replay_conv``);
 # False: the gather, the conv's two launches and the take, as longer steps run
 FUSED_VERIFY = True
+# where out_proj's FP8 product would quantize the gated norm's rows, the norm writes them so
+GATED_ROWS = True
 
 
 class Mamba2Mixer(Mixer):
@@ -142,8 +145,11 @@ class Mamba2Mixer(Mixer):
         y = y.view(y.shape[0], self.inner)
         if self.norm_w is None:
             return linear(gate_silu(y, self._z(proj)), self.out_proj, self.out_proj_bias)
-        normed = gated_rms_norm(y, self._z(proj), self.norm_w, self.inner // self.G, self.eps)
-        return linear(normed, self.out_proj, self.out_proj_bias)
+        rows = None
+        if GATED_ROWS and takes_rows(y.shape[0], y.dtype, y.device, self.out_proj):
+            rows = Fp8Rows.empty(y.shape[0], self.inner, y.device)  # out_proj's rows, made by the norm
+        normed = gated_rms_norm(y, self._z(proj), self.norm_w, self.inner // self.G, self.eps, rows=rows)
+        return linear(normed, self.out_proj, self.out_proj_bias, rows)
 
     def fused_decode(self, residual: torch.Tensor, norm: Norm, ctx: StepContext) -> None:
         self.fused(residual, norm, ctx, residual=residual)

@@ -10,6 +10,7 @@ import torch
 
 from ...kernels.activation import relu2, silu_mul
 from ...kernels.decode_linear import norm_linear
+from ...kernels.fp8 import Fp8Rows
 from ...kernels.linear import linear, takes_rows
 from ..config import ModelConfig
 from .base import Mixer, Norm, StepContext, norm_args
@@ -17,10 +18,17 @@ from .base import Mixer, Norm, StepContext, norm_args
 __all__ = ["MLPMixer", "mlp", "mlp_fused"]
 
 
+# where the down projection's FP8 product would quantize relu2's rows, relu2 writes them so
+ACT_ROWS = True
+
+
 def mlp(x, up, down, up_bias=None, down_bias=None, act="relu2", rows=None):
     """down(act(up(x))) layer by layer; rows: x quantized per row (``kernels.linear``'s)."""
     h = linear(x, up, up_bias, rows)
-    return linear(relu2(h, out=h) if act == "relu2" else silu_mul(h), down, down_bias)
+    if act != "relu2":
+        return linear(silu_mul(h), down, down_bias)
+    h_rows = Fp8Rows.empty(*h.shape, h.device) if ACT_ROWS and takes_rows(h.shape[0], h.dtype, h.device, down) else None
+    return linear(relu2(h, out=h, rows=h_rows), down, down_bias, h_rows)
 
 
 def mlp_fused(x, norm: Norm | None, up, down, up_bias, down_bias, act, ctx: StepContext, *,

@@ -1,12 +1,12 @@
 """Compile kernels for Hopper (sm_90) without a GPU (the MoE kernels, with their TMA tiles, the
-skinny projections' streamed path, the attention over a bf16 or FP8 cache, a Mamba2 prefill chunk's scan and
-conv, a verify step's row moves, the per-token FP8 quantizer): every launch a call makes is
-caught, its arguments turned into the signature and specialisation the JIT would give them, and
-the kernel compiled to a cubin instead of run, and ptxas asked what registers it takes. Run in a
-process of its own (the interpreter must be off): ``python tests/kernels/hopper_compile.py``;
-prints a line per kernel variant, exits 1 if any fails to compile or spills registers (a variant
-that spills is slow on the GPU, which a CPU run would never show). ``test_hopper_compile.py``
-runs it."""
+skinny projections' streamed path, the attention over a bf16 or FP8 cache, a Mamba2 prefill
+chunk's scan and conv, a verify step's row moves, the per-token FP8 quantizer and the kernels
+that quantize what they write): every launch a call makes is caught, its arguments turned into
+the signature and specialisation the JIT would give them, and the kernel compiled to a cubin
+instead of run, and ptxas asked what registers it takes. Run in a process of its own (the
+interpreter must be off): ``python tests/kernels/hopper_compile.py``; prints a line per kernel
+variant, exits 1 if any fails to compile or spills registers (a variant that spills is slow on
+the GPU, which a CPU run would never show). ``test_hopper_compile.py`` runs it."""
 
 from __future__ import annotations
 
@@ -246,6 +246,16 @@ def launch_quantize() -> None:
         quantize_rows.triton(x)
         quantize_rows.triton(x, torch.tensor(0.01))
         quantize_rows.triton(x, row_end=end)
+    # the kernels that write their outputs quantized: the gated norm (Nano's 8 groups of 512) and
+    # relu2 (its shared expert's 3712 columns)
+    from mambastep.kernels.activation import relu2
+    from mambastep.kernels.fp8 import Fp8Rows
+    from mambastep.kernels.norm import gated_rms_norm
+
+    bf16 = dict(dtype=torch.bfloat16)
+    gated_rms_norm.triton(torch.empty(64, 4096, **bf16), torch.empty(64, 4096, **bf16), torch.empty(4096, **bf16), 512,
+                          1e-5, rows=Fp8Rows.empty(64, 4096, "cpu"))
+    relu2.triton(torch.empty(64, 3712, **bf16), rows=Fp8Rows.empty(64, 3712, "cpu"))
 
 
 def launch_replay() -> None:

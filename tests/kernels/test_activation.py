@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from mambastep.kernels.activation import relu2, relu2_ref, silu_mul, silu_mul_ref
+from mambastep.kernels.fp8 import Fp8Rows, quantize_rows, quantize_rows_ref
 from support import assert_close, poisoned
 
 
@@ -14,6 +15,26 @@ def test_relu2_matches_reference(device, dtype, n):
     assert_close(out.cpu(), relu2_ref(x.cpu()), dtype)
     relu2.triton(x, x)  # in place
     assert torch.equal(x, out)
+
+
+@pytest.mark.parametrize("M, I", [(3, 40), (6, 1856)])
+def test_relu2_writes_its_rows_quantized_as_the_quantizer_would(device, M, I):
+    """``rows``: relu2 as without them (in place too) and each row quantized bit for bit as
+    ``quantize_rows`` makes it of the output (a row all below zero: zeros); poisoned buffers."""
+    torch.manual_seed(7)
+    x = (torch.randn(M, I) * torch.linspace(0.01, 30.0, M)[:, None]).to(torch.bfloat16)
+    x[1] = -x[1].abs()
+    for act in (relu2.triton, relu2_ref):
+        h = x.clone().to(device)
+        rows = Fp8Rows(torch.full((M, I), 3.0, device=device).to(torch.float8_e4m3fn),
+                       torch.full((M, 1), -1.0, device=device))
+        act(h, out=h, rows=rows)
+        assert torch.equal(h.cpu(), relu2_ref(x))
+        q, s = (quantize_rows.triton if act is relu2.triton else quantize_rows_ref)(h)
+        assert torch.equal(rows.scale.cpu(), s.cpu()) and torch.equal(rows.values.cpu().float(), q.cpu().float())
+        assert (rows.values[1].cpu().float() == 0).all()
+    with pytest.raises(ValueError, match="relu2: rows must be"):
+        relu2.triton(x, rows=Fp8Rows.empty(M, I + 1, "cpu"))
 
 
 def test_op_dispatches_on_the_device():

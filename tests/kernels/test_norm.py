@@ -99,6 +99,29 @@ def test_gated_rms_norm_matches_reference(device, dtype, D, groups):
     assert_close(out.cpu(), ref, dtype)
 
 
+@pytest.mark.parametrize("D, groups", [(48, 3), (4096, 8)])
+def test_gated_rms_norm_writes_its_output_quantized_per_row_as_the_quantizer_would(device, D, groups):
+    """``rows``: a program a row (all its groups) writes out as without rows and, beside it, the
+    row quantized bit for bit as ``quantize_rows`` makes it of out (a zero row included; the
+    buffers poisoned); the reference the same. Groups not a power of two included."""
+    torch.manual_seed(6)
+    T = 5
+    x = (torch.randn(T, D) * torch.tensor([[1.0], [30.0], [0.01], [0.0], [2.0]])).to(torch.bfloat16)
+    z, w = torch.randn(T, D).to(torch.bfloat16), torch.randn(D).to(torch.bfloat16)
+    for norm in (gated_rms_norm.triton, gated_rms_norm_ref):
+        plain = norm(x.to(device), z.to(device), w.to(device), D // groups, 1e-5)
+        out = poisoned((T, D), torch.bfloat16, device)
+        rows = Fp8Rows(torch.full((T, D), 3.0, device=device).to(torch.float8_e4m3fn),
+                       torch.full((T, 1), -1.0, device=device))
+        norm(x.to(device), z.to(device), w.to(device), D // groups, 1e-5, out=out, rows=rows)
+        assert torch.equal(out, plain)
+        q, s = (quantize_rows.triton if norm is gated_rms_norm.triton else quantize_rows_ref)(out)
+        assert torch.equal(rows.scale.cpu(), s.cpu()) and torch.equal(rows.values.cpu().float(), q.cpu().float())
+        assert (rows.values[3].cpu().float() == 0).all()
+    with pytest.raises(ValueError, match="rows.values"):
+        gated_rms_norm.triton(x, z, w, D // groups, 1e-5, rows=Fp8Rows.empty(T, 8, "cpu"))
+
+
 @pytest.mark.parametrize("groups", [1, 4])
 def test_references_match_hf(groups):
     torch.manual_seed(2)

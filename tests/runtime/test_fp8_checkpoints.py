@@ -285,6 +285,48 @@ def test_block_norms_hand_their_fp8_mixers_the_rows_quantized_as_the_products_wo
         assert len(calls) == quantized_here + 2
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_gpu)])
+@torch.no_grad()
+def test_the_gated_norm_and_relu2_hand_their_fp8_products_the_rows_quantized_as_the_products_would(
+        tiny, device, monkeypatch):
+    """Past a few rows, where out_proj's and a down projection's FP8 products would quantize their
+    input per row, the gated norm and relu2 write it quantized too (``mamba2.GATED_ROWS``,
+    ``mlp.ACT_ROWS``): each such product is handed rows equal to ``quantize_rows`` of its input,
+    and the logits are those of the products quantizing the rows themselves, to the bit (CPU: the
+    rule told the products would)."""
+    from mambastep.kernels.fp8 import quantize_rows
+    from mambastep.runtime.mixers import mamba2, mlp
+
+    if device == "cpu":
+        def would(M, dtype, dev, weight):
+            return isinstance(weight, Fp8Weight) and M > 8
+        for mod in (mamba2, mlp):
+            monkeypatch.setattr(mod, "takes_rows", would)
+    model = Model.from_pretrained(tiny, dtype=torch.bfloat16, device=device, quantization="fp8")
+    ids = _prompts()[2]
+    # out_proj, the MLP's down and the shared expert's: FP8 where the load quantized them
+    weights = [b.mixer.out_proj for b in model.blocks if isinstance(b.mixer, mamba2.Mamba2Mixer)]
+    weights += [b.mixer.down for b in model.blocks if isinstance(b.mixer, mlp.MLPMixer)]
+    weights += [b.mixer.shared[1] for b in model.blocks if getattr(b.mixer, "shared", None) is not None]
+    weights = {id(w): w for w in weights if isinstance(w, Fp8Weight)}
+    expected = {i for i, w in weights.items() if mamba2.takes_rows(len(ids), model.dtype, model.device, w)}
+    assert weights and (expected or device == "cuda")
+    seen = []
+    for mod in (mamba2, mlp):
+        monkeypatch.setattr(mod, "linear", lambda x, w, b=None, rows=None, _linear=mod.linear: (
+            id(w) in weights and seen.append((id(w), x.clone(), rows and [t.clone() for t in rows])),
+            _linear(x, w, b, rows))[1])
+    with_rows = step(new_runner(model), [(ids, 0, 0)])[0]
+    assert {i for i, _, rows in seen if rows is not None} == expected
+    for _, x, rows in seen:
+        if rows is not None:  # what the quantizer makes of the product's input on the same device
+            q, scale = quantize_rows(x)
+            assert torch.equal(rows[1], scale) and torch.equal(rows[0].float(), q.float())
+    monkeypatch.setattr(mamba2, "GATED_ROWS", False)
+    monkeypatch.setattr(mlp, "ACT_ROWS", False)
+    assert torch.equal(step(new_runner(model), [(ids, 0, 0)])[0], with_rows)
+
+
 @pytest.mark.skipif(not HF_LATENT_MOE, reason="the installed transformers has no latent MoE")
 @torch.no_grad()
 def test_a_latent_moe_hands_the_rows_to_its_projection_into_the_latent_space(tmp_path, monkeypatch):

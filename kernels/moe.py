@@ -11,10 +11,10 @@ Static shapes throughout, so a step is captured once per bucket and replays with
    routing's block counts, or a counting pass and those programs).
    Buffers are sized by the bucket: P = tokens x k pairs take at most P + min(E, P) x
    (block_m - 1) slots, whatever the routing. Up to ``PAIR_TILES_MAX`` pairs (a decode step of
-   a row or two) nothing is aligned: each pair is a tile of its own, or, for FP8 experts, a
-   matrix-vector product streaming K on CUDA cores (a tile's 16 rows would be mostly padding,
-   and with half the bytes the tiles' latency, not the weight read, set their time; SwiGLU's
-   activation then rides in the up projection's kernel).
+   a few rows) nothing is aligned: each pair is a tile of its own, or, for FP8 experts (up to
+   ``PAIR_STREAM_MAX``), a matrix-vector product streaming K on CUDA cores (a tile's 16 rows
+   would be mostly padding, and with half the bytes the tiles' latency, not the weight read, set
+   their time; SwiGLU's activation then rides in the up projection's kernel).
 3. Grouped GEMMs: a program per (block of columns, tile of slots), columns fastest, finds its
    tile's expert from the device counts and exits when the tile lies past the last expert's
    run, so the grid is fixed by the bucket and only routed experts' weights are read; on Hopper
@@ -184,17 +184,21 @@ ALIGN_BLOCKS = 64
 # block's, so its loop is a chain of L2 round trips; at 128 blocks of 128 experts, 8192 a load
 # (two loads) took 9.4 us alone, 4096 (four) 11.0, 16384 over 8 warps 11.3
 ASSIGN_COUNT_TILE = 8192
-# pairs up to which each is a GEMM tile of its own and nothing is aligned (a decode step of one or
-# two rows: its pairs have distinct experts or nearly, so the sorted layout would save no weight
-# read, and its alignment pass is a launch on the step's critical path)
-PAIR_TILES_MAX = 12
-# FP8 experts' pairs (up to PAIR_TILES_MAX) stream K as matrix-vector products on CUDA cores:
+# pairs up to which each is a GEMM tile of its own and nothing is aligned (a decode step of a few
+# rows: its pairs have distinct experts or nearly, so the sorted layout would save few weight
+# reads, and its alignment pass is a launch on the step's critical path). 48 against 12 (bf16,
+# H100, bench ab): Nano decode 4 -3.1%, decode 8 -1.4%, verify 1 x (1 + 4) -1.6%;
+# Granite-4.0-H-Tiny decode 4 -7.4%, decode 8 -5.2%; 96 ties at decode 16
+PAIR_TILES_MAX = 48
+# FP8 experts' pairs (up to PAIR_STREAM_MAX; past it, the sorted layout, W8A8 where asked) stream
+# K as matrix-vector products on CUDA cores:
 # the up projections (``_pair_up_kernel``) in tiles of 16 columns x 256, 4 stages (Nemotron-3-
 # Nano's six experts at one token 27.6 us against 37.7 in pair tiles, at two tokens 47.7 against
 # 55.1, up, down and combine each streamed so; H200, swept over 8-64 columns x 128-1024). bf16
 # relu2 experts keep the pair tiles: the stream's best there, 36.6 against 35.6 us
 # (docs/experiments.md), and so do bf16 SwiGLU ones (Granite-4.0-H-Tiny's decode step 1.3% slower
 # streamed at one row, 9.2% at two, for all the two launches it saves).
+PAIR_STREAM_MAX = 12
 PAIR_UP_BLOCK_N, PAIR_UP_BLOCK_K, PAIR_UP_STAGES = 16, 256, 4
 # and the down projections with the combine (``_pair_down_kernel``), (columns a program, K
 # tile, stages) for one token and for more: Nano's at one token 14.4 us against 15.4 for a down
@@ -603,7 +607,7 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
     dev = x.device
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     extra = {"launch_pdl": True} if pdl else {}
-    pairs = T * k <= PAIR_TILES_MAX
+    pairs = T * k <= (PAIR_STREAM_MAX if up_scale is not None else PAIR_TILES_MAX)
     if pairs and up_scale is not None:  # FP8 experts' pairs stream
         return _stream_pairs(x, idx, w, (up, up_scale), (down, down_scale), target, swiglu=swiglu, shared=shared,
                              shared_ready=shared_ready, accumulate=residual is not None, pdl=pdl)
@@ -681,7 +685,7 @@ def _join(shared_ready, device) -> None:
 
 
 def _stream_pairs(x, idx, w, up, down, target, *, swiglu: bool, shared, shared_ready, accumulate: bool, pdl: bool):
-    """A token or two's pairs (up to ``PAIR_TILES_MAX``) as matrix-vector products streaming K
+    """A token or two's pairs (up to ``PAIR_STREAM_MAX``) as matrix-vector products streaming K
     on CUDA cores: the up projections, relu2 or SwiGLU in their epilogue, into rows of h a pair
     each; then a token's down projections with the combine in one kernel, into target (added
     when ``accumulate``). up, down: (values, scales or None) as ``_values_and_scales`` gives them."""
@@ -724,12 +728,12 @@ def takes_w8a8(x_dtype: torch.dtype, up, down) -> bool:
 def quantizes_rows(w8a8: bool, tokens: int, k: int) -> bool:
     """Whether ``moe_experts`` asked for ``w8a8`` (and taking it: ``takes_w8a8``) over ``tokens``
     tokens of ``k`` experts each quantizes its input rows: past the pairs."""
-    return w8a8 and tokens * k > PAIR_TILES_MAX
+    return w8a8 and tokens * k > PAIR_STREAM_MAX
 
 
 def _quantizes_rows(w8a8: bool, x: torch.Tensor, up, down, k: int) -> bool:
     """Whether ``moe_experts`` quantizes the activations per row (W8A8): where asked, past the
-    pairs (``PAIR_TILES_MAX``: a decode step of a few streams the weights as without). Asked where
+    pairs (``PAIR_STREAM_MAX``: a decode step of a few streams the weights as without). Asked where
     it does not run (``takes_w8a8``), it is refused by name."""
     if not w8a8:
         return False

@@ -28,7 +28,8 @@ def routing(T, E, k, seed=0, experts_used=None):
     return idx.to(torch.int32), torch.rand(T, k, generator=g) + 0.1
 
 
-# up to kernels.moe.PAIR_TILES_MAX (12) pairs a tile each, past it the sorted layout
+# up to kernels.moe.PAIR_TILES_MAX (48) pairs a tile each (FP8 ones up to PAIR_STREAM_MAX, 12, streamed),
+# past it the sorted layout; the grouped test runs the few-pair cases in the sorted layout too
 CASES = {
     "spread": dict(T=9, E=8, k=2),
     "every token to the same experts": dict(T=12, E=8, k=2, experts_used=[5, 2]),
@@ -49,10 +50,17 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+FEW_PAIRS = [name for name, c in CASES.items() if c["T"] * c["k"] <= moe.PAIR_TILES_MAX]
+
+
+@pytest.mark.parametrize("case,layout",
+                         [(name, "as chosen") for name in CASES] + [(name, "sorted") for name in FEW_PAIRS],
+                         ids=[*CASES, *(f"{name}, sorted" for name in FEW_PAIRS)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grouped_experts_equal_the_dense_reference(device, case, dtype):
+def test_grouped_experts_equal_the_dense_reference(device, case, layout, dtype, monkeypatch):
     c = CASES[case]
+    if layout == "sorted":  # a step of few pairs aligned as a wider step's are
+        monkeypatch.setattr(moe, "PAIR_TILES_MAX", 0)
     T, E, k = c["T"], c["E"], c["k"]
     K, I, D = c.get("K", 32), c.get("I", 24), c.get("D", 32)
     idx, w = routing(T, E, k, experts_used=c.get("experts_used"))
@@ -151,7 +159,7 @@ def test_w8a8_experts_equal_the_reference_rounding_their_rows(device, case, bloc
     dev = [t.to(device) for t in (x, idx, w, up, down)]
     got = moe_experts.triton(*dev, act=act, w8a8=True).cpu()
     plain = moe_experts.triton(*dev, act=act).cpu()
-    if T * k <= moe.PAIR_TILES_MAX:
+    if T * k <= moe.PAIR_STREAM_MAX:
         assert torch.equal(got, plain)
         assert torch.equal(moe_experts_ref(x, idx, w, up, down, act=act, w8a8=True),
                            moe_experts_ref(x, idx, w, up, down, act=act))

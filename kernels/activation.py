@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import with_reference
-from .fp8 import Fp8Rows, quantize_rows_ref, row_scale, store_quantized
+from .fp8 import Fp8Rows, row_scale, store_quantized, write_rows_ref
 
 __all__ = ["gate_silu", "gate_silu_ref", "relu2", "relu2_ref", "silu_mul", "silu_mul_ref"]
 
@@ -43,9 +43,7 @@ def _relu2_rows_kernel(x_ptr, out_ptr, q_ptr, s_ptr, I, BLOCK: tl.constexpr):
 def relu2_ref(x: torch.Tensor, out: torch.Tensor | None = None, rows: Fp8Rows | None = None) -> torch.Tensor:
     y = torch.relu(x.float()).square().to(x.dtype)
     out = y if out is None else out.copy_(y)
-    if rows is not None:
-        for dst, src in zip(rows, quantize_rows_ref(out)):
-            dst.copy_(src)
+    write_rows_ref(rows, out)
     return out
 
 

@@ -39,7 +39,7 @@ import triton.language as tl
 from .dispatch import with_reference
 
 __all__ = ["FP8_MAX", "Fp8Rows", "Fp8Weight", "quantize_fp8", "fp8_linear", "fp8_linear_ref", "quantize_rows",
-           "quantize_rows_ref", "takes_rows"]
+           "quantize_rows_ref", "takes_rows", "write_rows_ref"]
 
 # the largest finite float8_e4m3fn
 FP8_MAX = 448.0
@@ -215,6 +215,14 @@ def quantize_rows_ref(x: torch.Tensor, input_scale: torch.Tensor | None = None,
     else:
         scale = input_scale.float().reshape(1, 1).expand(x.shape[0], 1).contiguous()
     return Fp8Rows((x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale)
+
+
+def write_rows_ref(rows: Fp8Rows | None, x: torch.Tensor) -> None:
+    """The references of the kernels that write their output quantized beside it: x [M, K]
+    quantized per row into ``rows`` as ``quantize_rows_ref`` makes it (None: nothing asked)."""
+    if rows is not None:
+        for dst, src in zip(rows, quantize_rows_ref(x)):
+            dst.copy_(src)
 
 
 @with_reference(quantize_rows_ref)

@@ -531,7 +531,7 @@ def moe_experts_ref(x, idx, w, up, down, *, shared=None, residual=None, out=None
     """The dense math: every expert over every token, weighted by its routing weight (zero where
     the token did not choose it), summed in fp32 in expert order. ``w8a8`` (FP8 experts): past a
     few pairs the token rows, and each pair's activations, rounded to FP8 per row first, as the
-    kernels do."""
+    kernels do (``x_rows``, x so quantized already, which only spares the kernels a launch, unread)."""
     T, E = x.shape[0], up.shape[0]
     activation = relu2_ref if act == "relu2" else silu_mul_ref
     dense = torch.zeros(T, E, dtype=torch.float32, device=x.device).scatter_(1, idx.long(), w.float())

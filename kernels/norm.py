@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import with_reference
-from .fp8 import Fp8Rows, quantize_rows_ref, row_scale, store_quantized
+from .fp8 import Fp8Rows, row_scale, store_quantized, write_rows_ref
 
 __all__ = ["rms_norm", "rms_norm_ref", "gated_rms_norm", "gated_rms_norm_ref"]
 
@@ -124,9 +124,7 @@ def rms_norm_ref(x, weight, eps, *, residual=None, out=None, round_first=True, p
     dtype = out.dtype if out is not None else x.dtype
     y = weight.float() * (y.to(dtype).float() if round_first else y)
     out = y.to(dtype) if out is None else out.copy_(y)
-    if rows is not None:
-        for dst, src in zip(rows, quantize_rows_ref(out)):
-            dst.copy_(src)
+    write_rows_ref(rows, out)
     return out
 
 
@@ -168,9 +166,7 @@ def gated_rms_norm_ref(x, z, weight, group_size, eps, *, out=None, pdl=False, ro
     h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).view(T, D)
     y = weight.float() * h.to(x.dtype).float()
     out = y.to(x.dtype) if out is None else out.copy_(y)
-    if rows is not None:
-        for dst, src in zip(rows, quantize_rows_ref(out)):
-            dst.copy_(src)
+    write_rows_ref(rows, out)
     return out
 
 

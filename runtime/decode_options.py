@@ -11,6 +11,10 @@ from .config import ModelConfig
 
 __all__ = ["DecodeOptions", "one_tile"]
 
+# the largest fused decode batch where the projections stream K (``DecodeOptions.max_rows``; a
+# module constant, so that ``bench ab`` variants can set it)
+STREAMED_MAX_ROWS = 2
+
 
 def one_tile(cfg: ModelConfig) -> bool:
     """Whether every fused decode projection holds its whole K in registers (Mamba2-130M), as
@@ -36,7 +40,8 @@ class DecodeOptions:
               Triton support it)
     max_rows: the largest decode batch that takes the fused path (None: 4 where every
               projection's K fits one register tile, where the fused step beats the layered one
-              up to 4 rows and loses at 8; else 2, where it wins at 1 and 2 and ties at 4:
+              up to 4 rows and loses at 8; else ``STREAMED_MAX_ROWS``, 2, where it wins at 1
+              and 2 and ties at 4:
               Nemotron-H-8B on an H100 at 2 rows 5.89 ms against 6.36 layer by layer, at 4
               rows 6.61 against 6.56)
     tile_k:   stream K through every fused projection in tiles of this many columns, the way the
@@ -61,7 +66,7 @@ class DecodeOptions:
         every one of its mixers offers a fused decode."""
         rows = self.max_rows
         if rows is None:
-            rows = 4 if one_tile(cfg) and self.tile_k is None else 2
+            rows = 4 if one_tile(cfg) and self.tile_k is None else STREAMED_MAX_ROWS
         fused = device.type == "cuda" if self.fused is None else self.fused
         if not (fused and mixers_fuse):
             rows = 0

@@ -3,8 +3,9 @@ docs/experiments.md as code; ``mambastep bench ab`` from the command line (``--h
 
 A variant is a factory of context managers whose patches (a module constant, a kernel wrapper, a
 mixer's method) are in force while its runner captures its graphs, and around each of its steps
-(so that an eager step, a CPU's or one past the captured buckets, runs them too). One model and
-one state pool serve every variant. Before a variant's first step of a plan the states are put
+(so that an eager step, a CPU's or one past the captured buckets, runs them too), and while the
+model's decode options are resolved for its runner (``runtime.decode_options``' constants). One
+model's weights and one state pool serve every variant. Before a variant's first step of a plan the states are put
 back as they were, so its logits are compared with the first variant's from the same start.
 Timings alternate variant by variant, round after round, so drift over the run (a GPU at its
 power cap heating up) falls on every variant alike.
@@ -33,6 +34,7 @@ from typing import Any, Callable, ContextManager, Mapping
 import torch
 
 from ..graphs import BucketSet
+from ..runtime.decode_options import DecodeOptions
 from ..runtime.model import Model
 from ..runtime.plan import StepPlan
 from ..runtime.presets import preset_config
@@ -123,9 +125,9 @@ def compare(preset: str, variants: Mapping[str, Variant], plans: Mapping[str, St
     pool = _pool(model, plans, max_context, buckets.drafts)
     runners = {}
     for name, variant in variants.items():
-        runner = StepRunner(model, pool, buckets, overlap=True)
-        if runner.cuda:
-            with variant():
+        with variant():  # the decode options resolved under the variant's patches too
+            runner = StepRunner(model.with_options(DecodeOptions()), pool, buckets, overlap=True)
+            if runner.cuda:
                 runner.capture(sorted({runner.bucket_for(p) for p in plans.values()}, reverse=True), progress=False)
         runners[name] = runner
     start = [t.clone() for t in pool.tensors()]

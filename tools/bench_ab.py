@@ -5,8 +5,9 @@ A variant is a factory of context managers whose patches (a module constant, a k
 mixer's method) are in force while its runner captures its graphs, and around each of its steps
 (so that an eager step, a CPU's or one past the captured buckets, runs them too), and while the
 model's decode options are resolved for its runner (``runtime.decode_options``' constants). One
-model's weights and one state pool serve every variant. Before a variant's first step of a plan the states are put
-back as they were, so its logits are compared with the first variant's from the same start.
+model's weights and one state pool serve every variant. Before a variant's first step of a plan
+the states are put back as they were, so its logits are compared with the first variant's from
+the same start.
 Timings alternate variant by variant, round after round, so drift over the run (a GPU at its
 power cap heating up) falls on every variant alike.
 

@@ -63,12 +63,17 @@ class Model:
     mtp_weights: dict[str, torch.Tensor] | None = None
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], options: DecodeOptions | None = None,
-                 fold_norms: bool | None = None):
-        """weights: the checkpoint's tensors by name (``runtime.weights``, not modified); options:
-        how small decode steps run (default: ``DecodeOptions()``, resolved for the model and
-        device); fold_norms: see the module doc (None: where the fused decode streams K)."""
+                 fold_norms: bool | None = None, *, consume: bool = False):
+        """weights: the checkpoint's tensors by name (``runtime.weights``; not modified, nor the dict
+        unless ``consume``); options: how small decode steps run (default: ``DecodeOptions()``,
+        resolved for the model and device); fold_norms: see the module doc (None: where the fused
+        decode streams K); consume: the dict is the model's to take apart (``from_pretrained``,
+        ``from_preset``): it is emptied, and each tensor the model replaces (a multiplier or a norm
+        folded in) is let go as its replacement is made, so building the model needs its own
+        memory and one tensor's more, where a dict held to the end kept the replaced tensors too
+        (Falcon-H1-34B's in_proj and up_proj are 36 of its 63 GiB)."""
         self.cfg = cfg
-        weights = fold_multipliers(cfg, weights)
+        weights = fold_multipliers(cfg, weights, in_place=consume)
         self.embed = weights["embeddings.weight"]
         self.embed_scale = cfg.embedding_multiplier
         self.dtype, self.device = self.embed.dtype, self.embed.device
@@ -76,11 +81,13 @@ class Model:
         round_first = cfg.architecture != "nemotron_h"
         self.blocks = [Block(Norm(weights[f"layers.{i}.norm.weight"], cfg.norm_eps, round_first),
                              MIXERS[kind](cfg, i, weights)) for i, kind in enumerate(cfg.layer_types)]
+        self.final_norm = Norm(weights["norm_f.weight"], cfg.norm_eps, round_first)
+        if consume:
+            weights.clear()  # the blocks hold what they took; a norm folded below frees its reader's original
         if fold_norms is None:
             fold_norms = not one_tile(cfg)
         if fold_norms:
             self.blocks = [_folded(block) for block in self.blocks]
-        self.final_norm = Norm(weights["norm_f.weight"], cfg.norm_eps, round_first)
         self.residual_dtype = torch.float32 if cfg.residual_in_fp32 else self.dtype
         self.options = self._resolve(options or DecodeOptions())
 
@@ -100,7 +107,7 @@ class Model:
         weights = load_weights(path, cfg, dtype=dtype, device=device)
         mtp_weights = _mtp_source(cfg, path, mtp) and load_weights(path, cfg, dtype=dtype, device=device, mtp=True)
         cfg, weights = _quantized(cfg, weights, quantization)
-        return cls(cfg, weights, options, fold_norms)._with_mtp(mtp_weights)
+        return cls(cfg, weights, options, fold_norms, consume=True)._with_mtp(mtp_weights)
 
     @classmethod
     def from_preset(cls, name: str, *, dtype=torch.bfloat16, device="cpu", seed: int = 0,
@@ -112,7 +119,7 @@ class Model:
         mtp_weights = _mtp_source(cfg, name, mtp) and random_weights(cfg, dtype=dtype, device=device,
                                                                      seed=seed + 1, mtp=True)
         cfg, weights = _quantized(cfg, random_weights(cfg, dtype=dtype, device=device, seed=seed), quantization)
-        return cls(cfg, weights, options, fold_norms)._with_mtp(mtp_weights)
+        return cls(cfg, weights, options, fold_norms, consume=True)._with_mtp(mtp_weights)
 
     def _with_mtp(self, weights: dict[str, torch.Tensor] | None) -> "Model":
         self.mtp_weights = weights or None

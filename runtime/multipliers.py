@@ -93,18 +93,19 @@ def _scaled(w, factor):
     return (w.float() * factor).to(w.dtype)
 
 
-def fold_multipliers(cfg: ModelConfig, weights: dict) -> dict:
+def fold_multipliers(cfg: ModelConfig, weights: dict, *, in_place: bool = False) -> dict:
     """The weights with ``cfg``'s multipliers folded in (see the module doc): a new dict, whose
-    tensors it does not scale are the same."""
-    out = dict(weights)
-    for name, w in weights.items():
+    tensors it does not scale are the same; ``in_place``: ``weights`` itself, each scaled tensor
+    taking its original's place as it is made (the original let go there, not kept to the end)."""
+    out = weights if in_place else dict(weights)
+    for name in list(weights):  # the names only: no reference to a replaced tensor outlives its turn
         match = _TENSOR.fullmatch(name)
         if match is None:
             continue
         factor = _factor(cfg, cfg.layer_types[int(match[1])], match[2])
         if isinstance(factor, torch.Tensor) or factor != 1.0:
             try:
-                out[name] = _scaled(w, factor)
+                out[name] = _scaled(weights[name], factor)
             except ValueError as e:
                 raise ValueError(f"{name}: {e}") from None
     if cfg.logits_scaling != 1.0:

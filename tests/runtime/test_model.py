@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import weakref
 
 import pytest
 import torch
@@ -10,13 +11,15 @@ from safetensors.torch import load_file, save_file
 from hf_models import HF_LATENT_MOE, VOCAB, save_tiny
 from mambastep.graphs import Bucket, BucketSet
 from mambastep.runtime.config import ConfigError, ModelConfig
+from mambastep.runtime import multipliers
 from mambastep.runtime.decode_options import DecodeOptions
+from mambastep.runtime.mixers import Mixer
 from mambastep.runtime.model import Model
 from mambastep.runtime.plan import StepPlan
 from mambastep.runtime.presets import preset_config
 from mambastep.runtime.state_pool import StatePool
 from mambastep.runtime.step_runner import StepRunner
-from mambastep.runtime.weights import WeightError, load_weights
+from mambastep.runtime.weights import WeightError, load_weights, random_weights
 from support import assert_close
 
 KINDS = ["mamba2", "nemotron_h", "granite", "bamba", "falcon_h1"]
@@ -219,6 +222,59 @@ def test_folded_norms_give_the_checkpoints_logits(kind, tmp_path):
     hf.generation_config.eos_token_id = None
     for p, tokens in zip(ps, greedy(folded, ps, 12)):
         assert tokens == hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0, len(p):].tolist()
+
+
+def _tensors(model):
+    """Every tensor a model holds, by where: its embeddings, norms and mixers' attributes."""
+    out = {"embed": model.embed, "lm_head": model.lm_head, "norm_f": model.final_norm.weight}
+    for i, block in enumerate(model.blocks):
+        out[f"{i}.norm"] = block.norm.weight
+        out.update({f"{i}.{k}": v for k, v in vars(block.mixer).items() if isinstance(v, torch.Tensor)})
+    return out
+
+
+@pytest.mark.parametrize("preset", ["tiny-falcon-h1", "tiny-granite"])
+@torch.no_grad()
+def test_a_consumed_dict_lets_each_replaced_tensor_go_as_it_is_replaced(preset, monkeypatch):
+    """Built from a dict it may take apart (``from_pretrained``, ``from_preset``), the model lets
+    each tensor it replaces (a multiplier or a norm folded in) go before it makes the next
+    replacement, so loading peaks one tensor over the model, not at the replaced tensors twice
+    (Falcon-H1-34B did not fit an 80 GB card); a dict it may not consume keeps every tensor; both
+    build the same model."""
+    cfg = preset_config(preset)
+    replaced, held = [], []  # weak references to the tensors replaced so far; at each replacement, any still held?
+    scaled, absorb = multipliers._scaled, Mixer.absorb_norm
+
+    def note(w):
+        held.append(any(r() is not None for r in replaced))
+        replaced.append(weakref.ref(w))
+
+    def noted_scaled(w, factor):
+        note(w)
+        return scaled(w, factor)
+
+    def noted_absorb(mixer, weight):
+        if isinstance(getattr(mixer, mixer.norm_reader or "", None), torch.Tensor):
+            note(getattr(mixer, mixer.norm_reader))
+        return absorb(mixer, weight)
+
+    monkeypatch.setattr(multipliers, "_scaled", noted_scaled)
+    monkeypatch.setattr(Mixer, "absorb_norm", noted_absorb)
+    models = {}
+    for consume in (False, True):
+        replaced.clear(), held.clear()
+        weights = random_weights(cfg, dtype=torch.bfloat16, seed=3)
+        models[consume] = Model(cfg, weights, fold_norms=True, consume=consume)
+        assert len(replaced) > 10
+        if consume:
+            assert not any(held) and weights == {}
+            assert all(r() is None for r in replaced)
+        else:
+            assert all(held[1:]) and len(weights) == len(random_weights(cfg, dtype=torch.bfloat16))
+    kept, consumed = _tensors(models[False]), _tensors(models[True])
+    assert kept.keys() == consumed.keys()
+    for name, t in kept.items():
+        assert torch.equal(t, consumed[name]), name
 
 
 def test_fused_rows_follow_the_projection_shapes():

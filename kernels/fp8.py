@@ -119,6 +119,16 @@ class Fp8Rows(NamedTuple):
         return Fp8Rows(torch.empty(M, K, dtype=torch.float8_e4m3fn, device=device),
                        torch.empty(M, 1, dtype=torch.float32, device=device))
 
+    def check(self, name: str, M: int, K: int) -> None:
+        """A ValueError naming ``name`` unless these are rows of an [M, K] input as the kernels read
+        them: float8_e4m3fn values [M, K] (the last dimension contiguous), fp32 scales [M, 1]."""
+        v, s = self
+        if (v.dtype != torch.float8_e4m3fn or tuple(v.shape) != (M, K) or v.stride(1) != 1
+                or s.dtype != torch.float32 or tuple(s.shape) != (M, 1) or s.stride(0) != 1):
+            raise ValueError(f"{name} must be float8_e4m3fn values [{M}, {K}] (the last dimension contiguous) and "
+                             f"float32 scales [{M}, 1]; got {v.dtype} {list(v.shape)} (strides {list(v.stride())}) "
+                             f"and {s.dtype} {list(s.shape)}")
+
 
 def _blocks_to_elements(scale: torch.Tensor, block: int, N: int, K: int) -> torch.Tensor:
     """Block scales [..., nb, kb] as one scale per element, [..., N, K]."""
@@ -280,6 +290,8 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
     """
     if not _scaled_mm_fits(x.dtype, w):
         return F.linear(x, w.dequantize(x.dtype), bias)
+    if rows is not None:
+        rows.check("fp8_linear: rows", *x.shape)
     q, q_scale = rows if rows is not None and w.input_scale is None else quantize_rows(x, w.input_scale)
     y = torch._scaled_mm(q, w.values.t(), scale_a=q_scale, scale_b=w.scale.view(1, -1).float(),
                          out_dtype=x.dtype)

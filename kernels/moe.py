@@ -602,8 +602,8 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
     if target.shape != (T, D) or target.stride(1) != 1 or (shared is not None and shared.shape != (T, D)):
         raise ValueError(f"moe_experts: out, residual and shared must be [{T}, {D}]")
     _check_block_counts("moe_experts", block_counts, T, E)
-    if x_rows is not None and (x_rows.values.shape != (T, K) or x_rows.scale.shape != (T, 1)):
-        raise ValueError(f"moe_experts: x_rows must be FP8 values [{T}, {K}] and scales [{T}, 1]")
+    if x_rows is not None:
+        x_rows.check("moe_experts: x_rows", T, K)
     dev = x.device
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     extra = {"launch_pdl": True} if pdl else {}

@@ -102,15 +102,6 @@ def _check_rows(name: str, t: torch.Tensor, rows: int, cols: int) -> None:
         raise ValueError(f"{name}: the last dimension must be contiguous")
 
 
-def _check_fp8_rows(rows: Fp8Rows | None, T: int, D: int) -> None:
-    if rows is not None:
-        _check_rows("rows.values", rows.values, T, D)
-        if (rows.values.dtype != torch.float8_e4m3fn or rows.scale.shape != (T, 1) or rows.scale.stride(0) != 1
-                or rows.scale.dtype != torch.float32):
-            raise ValueError(f"rows: expected float8_e4m3fn values [{T}, {D}] and float32 scales [{T}, 1], got "
-                             f"{rows.values.dtype} and {rows.scale.dtype} {list(rows.scale.shape)}")
-
-
 def _num_warps(block: int) -> int:
     return max(1, min(16, block // 256))
 
@@ -147,7 +138,8 @@ def rms_norm(x, weight, eps, *, residual=None, out=None, round_first=True, pdl=F
     _check_rows("out", out, T, D)
     if residual is not None:
         _check_rows("residual", residual, T, D)
-    _check_fp8_rows(rows, T, D)
+    if rows is not None:
+        rows.check("rms_norm: rows", T, D)
     block = triton.next_power_of_2(D)
     res = residual if residual is not None else x
     q, scale = rows if rows is not None else (out, out)
@@ -185,7 +177,8 @@ def gated_rms_norm(x, z, weight, group_size, eps, *, out=None, pdl=False, rows: 
         _check_rows(name, t, T, D)
     if D % group_size:
         raise ValueError(f"group_size {group_size} does not divide {D}")
-    _check_fp8_rows(rows, T, D)
+    if rows is not None:
+        rows.check("gated_rms_norm: rows", T, D)
     block, n_groups = triton.next_power_of_2(group_size), D // group_size
     groups = triton.next_power_of_2(n_groups) if rows is not None else 1
     q, scale = rows if rows is not None else (out, out)

@@ -5,7 +5,7 @@ import torch
 
 from mambastep.kernels import fp8
 from mambastep.kernels.fp8 import (
-    FP8_MAX, Fp8Weight, fp8_linear, fp8_linear_ref, quantize_fp8, quantize_rows, quantize_rows_ref,
+    FP8_MAX, Fp8Rows, Fp8Weight, fp8_linear, fp8_linear_ref, quantize_fp8, quantize_rows, quantize_rows_ref,
 )
 from support import assert_close, rel_err
 
@@ -128,6 +128,24 @@ def test_fp8_tensor_core_product_against_the_reference(M, static):
     ref = fp8_linear_ref(x.cpu(), w.to("cpu"), b.cpu())
     assert out.dtype == BF16 and out.shape == (M, N)
     assert rel_err(out.cpu(), ref) < 0.06  # e4m3 rounds each activation by up to 2^-4
+
+
+def test_rows_are_checked_once_for_every_kernel_that_reads_or_writes_them():
+    """``Fp8Rows.check``, which the norms, relu2, the FP8 product and the experts call: row-strided
+    values pass; a wrong dtype, shape or layout of either tensor is named in one line."""
+    e4m3 = torch.float8_e4m3fn
+    Fp8Rows(torch.empty(4, 24, dtype=e4m3)[:, :16], torch.empty(4, 1)).check("op: rows", 4, 16)
+    bad = {
+        "values float32": Fp8Rows(torch.empty(4, 16), torch.empty(4, 1)),
+        "values [4, 8]": Fp8Rows(torch.empty(4, 8, dtype=e4m3), torch.empty(4, 1)),
+        "values column-strided": Fp8Rows(torch.empty(16, 4, dtype=e4m3).t(), torch.empty(4, 1)),
+        "scales bf16": Fp8Rows(torch.empty(4, 16, dtype=e4m3), torch.empty(4, 1, dtype=BF16)),
+        "scales [1, 4]": Fp8Rows(torch.empty(4, 16, dtype=e4m3), torch.empty(1, 4)),
+        "scales strided": Fp8Rows(torch.empty(4, 16, dtype=e4m3), torch.empty(4, 2)[:, :1]),
+    }
+    for what, rows in bad.items():
+        with pytest.raises(ValueError, match=r"^op: rows must be float8_e4m3fn values \[4, 16\]"):
+            rows.check("op: rows", 4, 16)
 
 
 @pytest.mark.gpu

@@ -16,6 +16,11 @@ def _i32(values=()) -> np.ndarray:
     return np.asarray(values, dtype=np.int32)
 
 
+# the fields that name state slots: those whose every entry names one, those where -1 names none
+_SLOTS = ("prefill_slots", "decode_slots")
+_SLOTS_OR_NONE = ("snapshot_slots", "final_slots", "sample_slots", "processor_slots")
+
+
 @dataclass
 class StepPlan:
     """prefill_tokens: [sum(prefill_lens)] the prefill chunks' token ids, packed
@@ -117,6 +122,21 @@ class StepPlan:
     @property
     def processed(self) -> bool:
         return self.sampled and len(self.repetition) == self.num_rows
+
+    def check_slots(self, num_slots: int) -> None:
+        """A ValueError naming the field unless every slot the plan names is one of the pool's
+        ``num_slots`` (or -1 where the field allows none) and no two of its sequences and rows
+        share one: the kernels would write past the pool, or race on one state."""
+        for name in _SLOTS + _SLOTS_OR_NONE:
+            slots, low = getattr(self, name), 0 if name in _SLOTS else -1
+            if len(slots) and (slots.min() < low or slots.max() >= num_slots):
+                outside = slots[(slots < low) | (slots >= num_slots)][0]
+                raise ValueError(f"plan: {name} names slot {outside}, outside the pool's {num_slots} slots"
+                                 + (" (-1: none)" if low else ""))
+        owned = self.prefill_slots.tolist() + self.decode_slots.tolist()
+        if len(set(owned)) < len(owned):
+            twice = next(s for i, s in enumerate(owned) if s in owned[:i])
+            raise ValueError(f"plan: slot {twice} holds two of the step's sequences or decode rows")
 
     @classmethod
     def make(cls, prefill=(), decode=()) -> "StepPlan":

@@ -164,12 +164,14 @@ class StepRunner:
         choice. The tensor is the forward's output buffer, which the next step overwrites: copy
         what you keep."""
         bucket = bucket or self.bucket_for(plan)
+        plan.check_slots(self.pool.num_slots)
         self.buffers.fill(plan, bucket)
         return self.graphs.forward(bucket)[: plan.num_rows]
 
     def launch(self, plan: StepPlan) -> PendingTokens:
         """Run the step and draw a token per row; returns without waiting for the device."""
         bucket = self.bucket_for(plan)
+        plan.check_slots(self.pool.num_slots)
         self.buffers.fill(plan, bucket)
         logits = self.graphs.forward(bucket)
         mode = sampling_mode(plan.temperature, plan.top_k, plan.top_p, self.model.cfg.vocab_size) \

@@ -85,6 +85,26 @@ def test_plans_above_every_bucket_run_eagerly(cpu_model):
     assert runner.logits(big).shape == (1, cpu_model.cfg.vocab_size)
 
 
+def test_plans_naming_slots_outside_the_pool_or_one_slot_twice_are_refused(cpu_model):
+    """A slot past the pool (the kernels would write past its states) or held by two of a step's
+    sequences and rows (they would race on one state) is a one-line error naming the field, before
+    any buffer is touched; -1 stays "none" where a field allows it."""
+    runner = make_runner(cpu_model)
+    refused = {
+        "decode_slots names slot 8, outside the pool's 8 slots": StepPlan.make(decode=[(3, 0, 4), (3, SLOTS, 4)]),
+        "prefill_slots names slot -1": StepPlan.make([(tokens(5, 1), -1, 0)]),
+        "slot 2 holds two": StepPlan.make([(tokens(5, 1), 2, 0)], [(3, 2, 4)]),
+        "final_slots names slot 9": dataclasses.replace(StepPlan.make([(tokens(5, 1), 2, 0)]),
+                                                        final_slots=np.array([9], np.int32)),
+    }
+    for message, plan in refused.items():
+        for run in (runner.logits, runner.launch):
+            with pytest.raises(ValueError, match=f"^plan: {message}"):
+                run(plan)
+    none = dataclasses.replace(StepPlan.make([(tokens(5, 1), 2, 0)]), final_slots=np.array([-1], np.int32))
+    assert runner.logits(none).shape == (1, cpu_model.cfg.vocab_size)
+
+
 def check_drawn_tokens_feed_the_next_step(runner):
     """Decode rows whose token is -1 take the tokens their slots drew in the last step (kept on
     the device): the same logits as rows fed those tokens from the host."""

@@ -158,21 +158,25 @@ class StepRunner:
         with torch.inference_mode():
             self.pool.copy_slot(src, dsts, tokens, recurrent)
 
+    def refill(self, plan: StepPlan, bucket: Bucket) -> None:
+        """The step buffers refilled for ``plan`` in ``bucket``, its slots checked against the
+        pool first (``StepPlan.check_slots``)."""
+        plan.check_slots(self.pool.num_slots)
+        self.buffers.fill(plan, bucket)
+
     def logits(self, plan: StepPlan, bucket: Bucket | None = None) -> torch.Tensor:
         """Run the plan's forward without drawing: logits [n_rows, vocab] fp32 for its rows (the
         last tokens of each prefill sequence, then each decode row); ``bucket`` overrides the
         choice. The tensor is the forward's output buffer, which the next step overwrites: copy
         what you keep."""
         bucket = bucket or self.bucket_for(plan)
-        plan.check_slots(self.pool.num_slots)
-        self.buffers.fill(plan, bucket)
+        self.refill(plan, bucket)
         return self.graphs.forward(bucket)[: plan.num_rows]
 
     def launch(self, plan: StepPlan) -> PendingTokens:
         """Run the step and draw a token per row; returns without waiting for the device."""
         bucket = self.bucket_for(plan)
-        plan.check_slots(self.pool.num_slots)
-        self.buffers.fill(plan, bucket)
+        self.refill(plan, bucket)
         logits = self.graphs.forward(bucket)
         mode = sampling_mode(plan.temperature, plan.top_k, plan.top_p, self.model.cfg.vocab_size) \
             if plan.sampled else "greedy"

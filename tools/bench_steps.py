@@ -114,7 +114,7 @@ def _moe_mixers(model: Model):
 def routed_experts(runner: StepRunner, plan: StepPlan) -> dict[int, int]:
     """Distinct experts each MoE layer routes the step's rows to (an eager run of the step)."""
     bucket = runner.bucket_for(plan)
-    runner.buffers.fill(plan, bucket)
+    runner.refill(plan, bucket)
     runner.buffers.upload()
     seen: dict[int, int] = {}
     runner.model.forward(runner.buffers.inputs(bucket), runner.pool,
@@ -257,7 +257,8 @@ def bench_preset(name: str, bandwidth: float, rate: float, progress: bool) -> di
     max_context = CONTEXT + 2 * max(PREFILL_CHUNKS)
     batches = fitting_batches(model, DECODE_BATCHES, max_context, extra_slots=1)
     slots = max(batches) + 1  # decode rows take slots from 0, a prefill chunk the last
-    mixed_decode = tuple(d for d in MIXED_DECODE if d < slots)  # beside the chunk's slot, in the pool
+    prefill_slot = slots - 1
+    mixed_decode = tuple(d for d in MIXED_DECODE if d <= prefill_slot)  # decode rows below the chunk's slot
     pool = StatePool(model.cfg, slots, max_context=max_context, dtype=torch.bfloat16, device="cuda")
     for t in pool.tensors():
         t.normal_(0, 0.1)
@@ -296,7 +297,6 @@ def bench_preset(name: str, bandwidth: float, rate: float, progress: bool) -> di
         if batch <= opts.max_rows:
             row.update({k: step_ms(r, plan) for k, r in variants.items()})
         rows.append(row)
-    prefill_slot = slots - 1
     tokens = max(PREFILL_CHUNKS)
     chunk = prefill_plan(tokens, prefill_slot)
     rows.append({"kind": "prefill", "tokens": tokens, "graph_ms": step_ms(forked, chunk),

@@ -43,14 +43,17 @@ def run_command(r: dict) -> str:
 
 
 def run_table(runs: list[dict]) -> str:
-    """One row a run; with a device column where the runs come from more than one device."""
+    """One row a run; with a device column where the runs come from more than one device, and the engine's slots
+    beside the TTFT where they held fewer requests than were in flight."""
     devices = len({r["device_name"] for r in runs}) > 1
     lines = [f"| command | date |{' device |' if devices else ''} TTFT p50 (ms) | inter-token p50 (ms) | "
              "inter-token p99 (ms) | output tokens/s |", "| --- | --- |" + (" --- |" if devices else "")
              + " --- | --- | --- | --- |"]
     for r in runs:
         device = f" {r['device_name']} |" if devices else ""
-        lines.append(f"| `{run_command(r)}` | {r['date']} |{device} {r['ttft_ms']['p50']:.2f} | "
+        slots = r.get("slots")  # fewer state slots than requests in flight: the rest wait, in their TTFT
+        queued = f" ({slots} at a time)" if slots is not None and slots < (r["concurrency"] or 0) else ""
+        lines.append(f"| `{run_command(r)}` | {r['date']} |{device} {r['ttft_ms']['p50']:.2f}{queued} | "
                      f"{r['itl_ms']['p50']:.3f} | {r['itl_ms']['p99']:.3f} | {r['output_tokens_per_s']:.0f} |")
     return "\n".join(lines)
 

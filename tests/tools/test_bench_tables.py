@@ -136,6 +136,9 @@ def test_the_run_table_names_each_runs_device_where_they_differ():
     two = bench_markdown.run_table([run, {**run, "device_name": "H100"}]).splitlines()
     assert two[0].startswith("| command | date | device |") and two[1].count("---") == 7
     assert two[2].endswith("| 2026-12-01 | H200 | 1.50 | 0.230 | 0.250 | 4000 |") and "| H100 |" in two[3]
+    # an engine that held fewer requests than were in flight: its TTFT includes the wait for a slot
+    queued = bench_markdown.run_table([{**run, "concurrency": 64, "slots": 7}, {**run, "slots": 7}]).splitlines()
+    assert "| 1.50 (7 at a time) | 0.230 |" in queued[2] and "| 1.50 | 0.230 |" in queued[3]
 
 def test_the_http_table_sets_each_server_run_beside_its_in_process_run(tmp_path):
     import json

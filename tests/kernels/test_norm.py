@@ -99,11 +99,17 @@ def test_gated_rms_norm_matches_reference(device, dtype, D, groups):
     assert_close(out.cpu(), ref, dtype)
 
 
+@pytest.mark.parametrize("walk", [False, True], ids=["whole-row", "walked"])
 @pytest.mark.parametrize("D, groups", [(48, 3), (4096, 8)])
-def test_gated_rms_norm_writes_its_output_quantized_per_row_as_the_quantizer_would(device, D, groups):
+def test_gated_rms_norm_writes_its_output_quantized_per_row_as_the_quantizer_would(device, D, groups, walk,
+                                                                                    monkeypatch):
     """``rows``: a program a row (all its groups) writes out as without rows and, beside it, the
     row quantized bit for bit as ``quantize_rows`` makes it of out (a zero row included; the
-    buffers poisoned); the reference the same. Groups not a power of two included."""
+    buffers poisoned); the reference the same. Groups not a power of two included; the row held
+    whole, or walked a group at a time (past ``WHOLE_ROW_MAX_ROWS`` rows, here all)."""
+    from mambastep.kernels import fp8
+
+    monkeypatch.setattr(fp8, "WHOLE_ROW_MAX_ROWS", 0 if walk else 256)
     torch.manual_seed(6)
     T = 5
     x = (torch.randn(T, D) * torch.tensor([[1.0], [30.0], [0.01], [0.0], [2.0]])).to(torch.bfloat16)

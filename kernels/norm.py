@@ -30,6 +30,8 @@ def _rms_norm_kernel(
     BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr,
     QUANT: tl.constexpr,
+    WALK: tl.constexpr,
+    QBLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
@@ -55,7 +57,15 @@ def _rms_norm_kernel(
         v = out.to(tl.float32)
         scale = row_scale(v)
         tl.store(s_ptr + row, scale)
-        store_quantized(q_ptr + row * stride_q + cols, v, scale, mask)
+        if WALK:  # read back from out QBLOCK columns at a time: fewer registers live at once
+            tl.debug_barrier()
+            qcols = tl.arange(0, QBLOCK)
+            for c in range(0, D, QBLOCK):
+                ok = c + qcols < D
+                u = tl.load(out_ptr + row * stride_out + c + qcols, mask=ok, other=0.0).to(tl.float32)
+                store_quantized(q_ptr + row * stride_q + c + qcols, u, scale, ok)
+        else:
+            store_quantized(q_ptr + row * stride_q + cols, v, scale, mask)
 
 
 @triton.jit
@@ -162,7 +172,9 @@ def rms_norm(x, weight, eps, *, residual=None, out=None, round_first=True, pdl=F
     pdl: launch as a programmatic dependent of the previous kernel (CUDA, sm_90+), as in
     ``kernels.decode_linear``; it signals its own dependents right after its wait.
     rows: FP8 values [T, D] and fp32 scales [T, 1] (``Fp8Rows``) where out is also written
-    quantized per row, as ``quantize_rows(out)`` would make it.
+    quantized per row, as ``quantize_rows(out)`` would make it: from the row in registers, or past
+    ``fp8.WHOLE_ROW_MAX_ROWS`` rows read back from out in tiles (fewer registers, more programs
+    an SM).
     """
     T, D = x.shape
     out = torch.empty_like(x) if out is None else out
@@ -179,7 +191,8 @@ def rms_norm(x, weight, eps, *, residual=None, out=None, round_first=True, pdl=F
         x, res, weight, out, q, scale, D, eps,
         x.stride(0), res.stride(0), out.stride(0), q.stride(0),
         HAS_RESIDUAL=residual is not None, ROUND_FIRST=round_first, BLOCK_D=block, USE_PDL=pdl,
-        QUANT=rows is not None, num_warps=_num_warps(block), **({"launch_pdl": True} if pdl else {}),
+        QUANT=rows is not None, WALK=rows is not None and walks_rows(T), QBLOCK=min(block, 1024),
+        num_warps=_num_warps(block), **({"launch_pdl": True} if pdl else {}),
     )
     return out
 

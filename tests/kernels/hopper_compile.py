@@ -246,16 +246,23 @@ def launch_quantize() -> None:
         quantize_rows.triton(x)
         quantize_rows.triton(x, torch.tensor(0.01))
         quantize_rows.triton(x, row_end=end)
-    # the kernels that write their outputs quantized: the gated norm (Nano's 8 groups of 512) and
-    # relu2 (its shared expert's 3712 columns)
+    # the kernels that write their outputs quantized, a decode step's rows each held whole: the gated
+    # norm (Nano's 8 groups of 512) and relu2 (its shared expert's 3712 columns)
     from mambastep.kernels.activation import relu2
     from mambastep.kernels.fp8 import Fp8Rows
-    from mambastep.kernels.norm import gated_rms_norm
+    from mambastep.kernels.norm import gated_rms_norm, rms_norm
 
     bf16 = dict(dtype=torch.bfloat16)
     gated_rms_norm.triton(torch.empty(64, 4096, **bf16), torch.empty(64, 4096, **bf16), torch.empty(4096, **bf16), 512,
                           1e-5, rows=Fp8Rows.empty(64, 4096, "cpu"))
     relu2.triton(torch.empty(64, 3712, **bf16), rows=Fp8Rows.empty(64, 3712, "cpu"))
+    # a prefill chunk's rows, each walked: Nemotron-Nano-9B-v2's 8 groups of 1280, its 15680 columns and
+    # its block norm's 4480
+    gated_rms_norm.triton(torch.empty(512, 10240, **bf16), torch.empty(512, 10240, **bf16),
+                          torch.empty(10240, **bf16), 1280, 1e-5, rows=Fp8Rows.empty(512, 10240, "cpu"))
+    relu2.triton(torch.empty(512, 15680, **bf16), rows=Fp8Rows.empty(512, 15680, "cpu"))
+    rms_norm.triton(torch.empty(512, 4480, **bf16), torch.empty(4480, **bf16), 1e-5, residual=torch.empty(512, 4480),
+                    rows=Fp8Rows.empty(512, 4480, "cpu"))
 
 
 def launch_replay() -> None:

@@ -1,7 +1,8 @@
 """A block projection's one entry, ``linear(x, weight, bias)``: the product chosen by the weight's
 kind (a tensor, or an ``Fp8Weight``) and the number of rows.
 
-- plain weights: ``F.linear`` (cuBLAS);
+- plain weights: ``F.linear`` (cuBLAS); on CUDA up to ``FEW_ROWS_PLAIN_MAX`` rows (0 today), the
+  few-row product with the weight's rows as the tensor cores' 64-row side;
 - FP8 weights beside bf16/fp16 activations on CUDA, by rows (swept on Nemotron-H-8B's
   projections on an H200, docs/experiments.md; at 32 rows the W8A16 few-row product lost to
   cuBLAS's FP8 tensor cores): up to ``SKINNY_MAX_ROWS`` the skinny decode
@@ -37,6 +38,10 @@ FEW_ROWS_FP8_MAX = 8
 # few rows read no faster than bf16 (docs/experiments.md)
 FEW_ROWS_W8A8 = True
 FEW_ROWS_W8A8_MAX = 64
+# plain bf16/fp16 weights: up to this many rows the few-row product with the weight's rows as the
+# tensor cores' 64-row side (``few_rows_linear(weight_rows=True)``), else cuBLAS; 0 (cuBLAS
+# always) until timed in a step (docs/experiments.md)
+FEW_ROWS_PLAIN_MAX = 0
 
 
 def takes_rows(M: int, dtype: torch.dtype, device: torch.device, weight) -> bool:
@@ -51,9 +56,12 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None, rows: Fp8R
     """x [M, K] @ weight [N, K].T + bias [N] -> [M, N] in x's dtype (see the module doc). rows:
     x quantized per row (``quantize_rows(x)``), read where the product would make them
     (``takes_rows``), else unread."""
-    if not isinstance(weight, Fp8Weight):
-        return F.linear(x, weight, bias)
     M = x.shape[0]
+    if not isinstance(weight, Fp8Weight):
+        if M > FEW_ROWS_PLAIN_MAX or not x.is_cuda or x.dtype != weight.dtype or x.dtype == torch.float32:
+            return F.linear(x, weight, bias)
+        y = few_rows_linear(x if x.stride(1) == 1 else x.contiguous(), weight, weight_rows=True)
+        return y if bias is None else y.add_(bias)
     w8a8 = FEW_ROWS_W8A8 and _fp8_takes_rows(x.dtype, weight)
     if not x.is_cuda or x.dtype == torch.float32 or M > (FEW_ROWS_W8A8_MAX if w8a8 else FEW_ROWS_FP8_MAX):
         return fp8_linear(x, weight, bias, rows)

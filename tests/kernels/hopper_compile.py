@@ -260,8 +260,8 @@ def launch_quantize() -> None:
 
 def launch_few_rows() -> None:
     """The few-row products at Nemotron-H-8B's in_proj width: bf16 weights, FP8 ones widened
-    (W8A16, scaled per column and in 128 x 128 blocks), and FP8 ones beside quantized rows (W8A8),
-    at 3, 8 and 64 rows."""
+    (W8A16, scaled per column and in 128 x 128 blocks), and with the weight's rows as the tensor
+    cores' 64-row side FP8 ones beside quantized rows (W8A8) and bf16 ones; at 3, 8 and 64 rows."""
     from mambastep.kernels.few_rows import few_rows_linear
     from mambastep.kernels.fp8 import quantize_fp8, quantize_rows_ref
 
@@ -274,6 +274,7 @@ def launch_few_rows() -> None:
         few_rows_linear.triton(x, fp8)
         few_rows_linear.triton(x, fp8_block)
         few_rows_linear.triton(x, fp8, rows=quantize_rows_ref(x))
+        few_rows_linear.triton(x, w, weight_rows=True)
 
 
 def launch_replay() -> None:

@@ -11,16 +11,19 @@ from support import assert_close, poisoned
 BF16 = torch.bfloat16
 
 
-@pytest.mark.parametrize("weights", ["bf16", "fp8-column", "fp8-block16"])
+@pytest.mark.parametrize("weights", ["bf16", "bf16-weight-rows", "fp8-column", "fp8-block16"])
 @pytest.mark.parametrize("M", [1, 2, 17, FEW_ROWS_MAX])
 def test_few_rows_match_the_reference(device, M, weights):
+    """Each weight kind's tiles, and bf16 weights with their rows as the tensor cores' 64-row side
+    (``weight_rows``)."""
     torch.manual_seed(M)
     N, K = 70, 200  # a ragged last column block and K tile
     x = torch.randn(M, K + 8, device=device).to(BF16)[:, 4:4 + K]  # row-strided
     w = torch.randn(N, K, device=device) / K**0.5
-    w = w.to(BF16) if weights == "bf16" else quantize_fp8(w, 16 if weights.endswith("block16") else 0)
+    w = w.to(BF16) if weights.startswith("bf16") else quantize_fp8(w, 16 if weights.endswith("block16") else 0)
     out = poisoned((M, N), BF16, device)
-    few_rows_linear.triton(x, w, out=out, config=(32, 64, 4, 2))
+    weight_rows = weights == "bf16-weight-rows"
+    few_rows_linear.triton(x, w, out=out, config=(64 if weight_rows else 32, 64, 4, 2), weight_rows=weight_rows)
     assert_close(out.cpu(), few_rows_linear_ref(x.cpu(), w.to("cpu")), BF16, factor=0.25)
 
 
@@ -43,6 +46,13 @@ def test_quantized_rows_meet_fp8_weights_in_the_fp8_tensor_cores(device, M):
     assert (out[1].cpu() == 0).all()
     # the rows' rounding is the reference's: it differs from the unquantized rows' product
     assert not torch.equal(ref, few_rows_linear_ref(x, w))
+
+
+def test_weight_rows_need_plain_weights_of_the_rows_dtype():
+    x = torch.randn(4, 64).to(BF16)
+    for w, a in ((quantize_fp8(torch.randn(32, 64)), x), (torch.randn(32, 64), x), (torch.randn(32, 64), x.float())):
+        with pytest.raises(ValueError, match="weight_rows needs plain weights of x's dtype"):
+            few_rows_linear.triton(a, w, weight_rows=True)
 
 
 def test_quantized_rows_need_column_scaled_fp8_weights_and_their_shape():

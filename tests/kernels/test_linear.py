@@ -34,6 +34,23 @@ def test_fp8_products_take_quantized_rows_past_the_skinny_rows(monkeypatch):
 
 
 @pytest.mark.gpu
+def test_plain_weights_take_the_few_row_product_up_to_its_rows(monkeypatch):
+    """With ``FEW_ROWS_PLAIN_MAX`` set, bf16 weights of up to that many rows take the few-row
+    product with the weight's rows as the 64-row side, its bias added; more rows take cuBLAS."""
+    from mambastep.kernels import linear as lin
+    from mambastep.kernels.few_rows import few_rows_linear
+
+    monkeypatch.setattr(lin, "FEW_ROWS_PLAIN_MAX", 8)
+    dev = torch.device("cuda")
+    w, b = torch.randn(320, 256, device=dev).to(BF16), torch.randn(320, device=dev).to(BF16)
+    for M in (1, 8, 9):
+        x = torch.randn(M, 256, device=dev).to(BF16)
+        want = few_rows_linear(x, w, weight_rows=True).add_(b) if M <= 8 else torch.nn.functional.linear(x, w, b)
+        assert torch.equal(linear(x, w, b), want)
+        assert_close(linear(x, w, b).cpu(), torch.nn.functional.linear(x.float(), w.float(), b.float()).cpu(), BF16)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("M", [3, 8, 64])
 def test_few_fp8_rows_are_quantized_once_whoever_quantizes_them(M):
     """At 3-64 rows the product is the few-row W8A8 one whether x's maker handed it the rows or it

@@ -265,6 +265,25 @@ def launch_quantize() -> None:
                     rows=Fp8Rows.empty(512, 4480, "cpu"))
 
 
+def launch_few_rows() -> None:
+    """The few-row products at Nemotron-H-8B's in_proj width: bf16 weights, FP8 ones widened
+    (W8A16, scaled per column and in 128 x 128 blocks), and with the weight's rows as the tensor
+    cores' 64-row side FP8 ones beside quantized rows (W8A8) and bf16 ones; at 3, 8 and 64 rows."""
+    from mambastep.kernels.few_rows import few_rows_linear
+    from mambastep.kernels.fp8 import quantize_fp8, quantize_rows_ref
+
+    N, K = 18560, 4096
+    w = torch.empty(N, K, dtype=torch.bfloat16)
+    fp8, fp8_block = quantize_fp8(torch.randn(N, K) * 0.02), quantize_fp8(torch.randn(N, K) * 0.02, 128)
+    for M in (3, 8, 64):
+        x = torch.randn(M, K).to(torch.bfloat16)
+        few_rows_linear.triton(x, w)
+        few_rows_linear.triton(x, fp8)
+        few_rows_linear.triton(x, fp8_block)
+        few_rows_linear.triton(x, fp8, rows=quantize_rows_ref(x))
+        few_rows_linear.triton(x, w, weight_rows=True)
+
+
 def launch_replay() -> None:
     """A verify step's row moves at Nemotron-H-8B's widths (bf16): the layout's gather from the
     packed rows and the record, and the outputs taken back with the drafts' rows kept; a short
@@ -299,5 +318,6 @@ if __name__ == "__main__":
     launch_prefill()
     launch_replay()
     launch_quantize()
+    launch_few_rows()
     print(f"{len(compiled)} kernel variants, {len(failed)} failed to compile for sm_90 or spilled")
     sys.exit(1 if failed or not compiled else 0)

@@ -7,7 +7,9 @@
   the charges add up to the step's span and kernels that overlap (programmatic dependents, a
   forked stream) are charged only what they add. A kernel is named with its neighbours in that
   order (``prev > KERNEL > next``), which tells apart the projections that share one kernel.
-  With a window, also a stretch of one replay kernel by kernel, each with its start and end, so
+  Above the table, the kernels a replay and how long the device sat idle between them (the span
+  less the union of their runs): what launches cost that no kernel's own time shows. With a
+  window, also a stretch of one replay kernel by kernel, each with its start and end, so
   what ran beside what (a forked stream, a programmatic dependent's early start) shows.
 """
 
@@ -116,6 +118,25 @@ def kernel_shares(replays: list[list[tuple[float, float, str]]]) -> tuple[float,
     return sum(r["share_us"] for r in rows), rows
 
 
+def busy_us(replays: list[list[tuple[float, float, str]]]) -> tuple[float, float]:
+    """(mean kernels a replay, mean time a replay some kernel runs): the union of its kernels'
+    intervals, kernels side by side on two streams counted once; the span less it is the device
+    idle between kernels (launch gaps, a dependent waiting on a drained grid)."""
+    if not replays:
+        return 0.0, 0.0
+    total = 0.0
+    for replay in replays:
+        end = None
+        for start, stop, _ in sorted(replay):
+            if end is None or start > end:
+                total += stop - start
+                end = stop
+            elif stop > end:
+                total += stop - end
+                end = stop
+    return sum(len(r) for r in replays) / len(replays), total / len(replays)
+
+
 def kernel_window(replay: list[tuple[float, float, str]], lo: int, hi: int) -> list[str]:
     """Kernels ``lo`` to ``hi - 1`` of one replay in start order, as markdown table rows: index,
     start and end (us from the replay's first kernel's start), own duration, short name."""
@@ -148,11 +169,14 @@ def timeline(preset: str, batch: int, prefill: int = 0, replays: int = 5, top: i
             time.sleep(0.002)  # idle between replays, so they split apart
     split = split_replays(_kernels(prof))
     span, rows = kernel_shares(split)
+    count, busy = busy_us(split)
     out = [f"{preset}" + (" MTP layers" if mtp else "") + (f" ({quantization})" if quantization else "")
            + (f", {batch} verify sequences of {1 + verify} tokens" if verify else f", {batch} decode rows")
            + (f" + a {prefill}-token chunk" if prefill else "")
            + f": graph replay span {span:.1f} us (mean of {replays}); the whole step, refilled, replayed and "
-           f"drawn, synchronised: {1e3 * whole_ms:.1f} us (median)", "",
+           f"drawn, synchronised: {1e3 * whole_ms:.1f} us (median)",
+           f"{count:g} kernels a replay; some kernel running {busy:.1f} us of its span, the device idle between "
+           f"them {span - busy:.1f} us ({(span - busy) / span if span else 0:.1%})", "",
            "| charge a step (us) | a call (us) | own duration (us) | calls a step | prev > KERNEL > next |",
            "| --- | --- | --- | --- | --- |"]
     for r in rows[:top]:

@@ -6,7 +6,8 @@ import re
 import pytest
 
 from mambastep.tools import bench
-from mambastep.tools.bench_profile import kernel_shares, kernel_window, profile, short_name, split_replays, timeline
+from mambastep.tools.bench_profile import (busy_us, kernel_shares, kernel_window, profile, short_name,
+                                           split_replays, timeline)
 
 
 def test_each_kernel_is_charged_what_it_adds_and_the_charges_sum_to_the_span():
@@ -32,6 +33,17 @@ def test_a_kernel_run_twice_a_step_counts_both_calls():
     by_key = {(r["prev"], r["kernel"], r["next"]): r for r in rows}
     assert by_key[("-", "k", "k")]["share_us"] == 4.0 and by_key[("k", "k", "m")]["share_us"] == 5.0
     assert by_key[("k", "m", "-")]["calls"] == 1.0
+
+
+def test_the_device_idle_between_kernels_is_the_span_less_the_union_of_their_runs():
+    """Kernels overlapping (a dependent started early, a second stream) count once; a gap counts as
+    idle; the means are per replay."""
+    overlapping = [(0.0, 10.0, "a"), (8.0, 20.0, "b"), (15.0, 25.0, "c")]
+    gapped = [(0.0, 4.0, "k"), (4.5, 9.0, "k"), (9.0, 10.0, "m"), (2.0, 3.0, "inside k")]
+    assert busy_us([overlapping]) == (3.0, 25.0)
+    assert busy_us([gapped]) == (4.0, 9.5)
+    assert busy_us([overlapping, gapped]) == (3.5, 17.25)
+    assert busy_us([]) == (0.0, 0.0)
 
 
 def test_kernel_names_lose_their_template_arguments_and_signature():
@@ -86,6 +98,8 @@ def test_a_step_is_profiled_and_its_replays_charged_on_the_gpu(mtp):
     assert header.startswith("tiny-hybrid" + (" MTP layers" if mtp else "") + ", 2 decode rows + a 5-token chunk")
     span, whole = (float(x) for x in re.findall(r"([0-9.]+) us \(me", header))
     assert 0 < span and 0 < whole
+    count, busy, idle = (float(x) for x in re.findall(r"([0-9.]+) (?:kernels|us)", text.splitlines()[1]))
+    assert count >= 3 and 0 < busy <= span and abs(busy + idle - span) < 0.2
     assert text.count("| **") == 0 and text.count("> **") >= 3
 
 

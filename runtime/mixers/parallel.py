@@ -7,12 +7,13 @@ Where the four projections are plain tensors (not FP8), the block runs them as t
 in_proj and attention's QKV read the same input, so they are one projection of their rows
 stacked, ``[proj | qkv] = h @ [in_proj; qkv].T``; and the block's output is
 ``out_proj @ g + o_proj @ a``, one projection of their columns side by side over ``[g | a]``,
-where the gate (or gated norm) writes g and attention a, into one buffer. At one row a
-projection costs a few microseconds beyond its bytes, and a parallel block's are small (Falcon-
-H1-7B's four read 82 MB beside its MLP's 226), so two fewer a block, with the block norm in the
-first one's prologue and the residual add in the second one's epilogue, is about a fifth of the
-block's kernels. FP8 weights (their scales per output row) run the four apart, each mixer's own,
-as does any block built while ``JOINT`` is off.
+where the gate (or gated norm) writes g and attention a, into one buffer. Fused, the block norm
+rides in the first one's prologue and the residual add in the second one's epilogue: four
+kernels fewer a block. On Falcon-H1-7B (H100, docs/experiments.md) that made a step of 8 decode
+rows and a 256-token chunk 3.8% faster, and tied the decode steps: at one row the kernels that
+went had run beside the Mamba2 chain, and QKV's bytes joined its critical path. FP8 weights
+(their scales per output row) run the four apart, each mixer's own, as does any block built
+while ``JOINT`` is off.
 
 The middle is independent, so in a decode-only step with a side stream (``StepContext``'s
 ``side_stream``; the CUDA graphs capture the fork and the join) attention runs there beside the

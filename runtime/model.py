@@ -79,11 +79,16 @@ class Model:
         self.dtype, self.device = self.embed.dtype, self.embed.device
         self.lm_head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
         round_first = cfg.architecture != "nemotron_h"
-        self.blocks = [Block(Norm(weights[f"layers.{i}.norm.weight"], cfg.norm_eps, round_first),
-                             MIXERS[kind](cfg, i, weights)) for i, kind in enumerate(cfg.layer_types)]
+        self.blocks = []
+        for i, kind in enumerate(cfg.layer_types):
+            self.blocks.append(Block(Norm(weights[f"layers.{i}.norm.weight"], cfg.norm_eps, round_first),
+                                     MIXERS[kind](cfg, i, weights)))
+            if consume:  # the block holds what it took: a tensor it replaced (stacked, joined) goes now
+                for name in [n for n in weights if n.startswith(f"layers.{i}.")]:
+                    del weights[name]
         self.final_norm = Norm(weights["norm_f.weight"], cfg.norm_eps, round_first)
         if consume:
-            weights.clear()  # the blocks hold what they took; a norm folded below frees its reader's original
+            weights.clear()  # a norm folded below frees its reader's original
         if fold_norms is None:
             fold_norms = not one_tile(cfg)
         if fold_norms:

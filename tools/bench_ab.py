@@ -5,7 +5,9 @@ A variant is a factory of context managers whose patches (a module constant, a k
 mixer's method) are in force while its runner captures its graphs, and around each of its steps
 (so that an eager step, a CPU's or one past the captured buckets, runs them too), and while the
 model's decode options are resolved for its runner (``runtime.decode_options``' constants). One
-model's weights and one state pool serve every variant. Before a variant's first step of a plan
+model's weights and one state pool serve every variant; or, for switches read when the model is
+built (``model_per_variant``), each variant builds its own from the same seed, under its patches,
+and they share the pool. Before a variant's first step of a plan
 the states are put back as they were, so its logits are compared with the first variant's from
 the same start.
 Timings alternate variant by variant, round after round, so drift over the run (a GPU at its
@@ -108,7 +110,7 @@ def _pool(model: Model, plans: Mapping[str, StepPlan], max_context: int | None, 
 def compare(preset: str, variants: Mapping[str, Variant], plans: Mapping[str, StepPlan], *, rounds: int = 3,
             back_to_back: int = 50, max_context: int | None = None, dtype: torch.dtype = torch.bfloat16,
             device: str | None = None, seed: int = 0, quantization: str | None = None,
-            on_plan: Callable[[list[dict]], None] | None = None) -> list[dict]:
+            on_plan: Callable[[list[dict]], None] | None = None, model_per_variant: bool = False) -> list[dict]:
     """One row a (plan, variant): its synchronised step times (ms, one median a round), steps
     launched back to back (ms a step, the median over the first two rounds; CUDA only), and
     whether its logits equal the first variant's (else the largest difference, the first's standard
@@ -116,18 +118,23 @@ def compare(preset: str, variants: Mapping[str, Variant], plans: Mapping[str, St
     random weights of that shape; ``variants``: name -> context manager factory, the first the
     baseline; ``max_context``: the pool's length (what a decode attention's split sizes follow;
     ``bench steps`` pools ``CONTEXT + 2 * 2048``); ``quantization``: as ``Model.from_preset``'s
-    (``"fp8"``: the weights quantized at load)."""
+    (``"fp8"``: the weights quantized at load); ``model_per_variant``: each variant's model built
+    under its patches (the same random weights), where one model serves them all otherwise."""
     if not variants or not plans:
         raise ValueError("compare needs at least one variant and one plan")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    torch.manual_seed(seed)
-    model = Model.from_preset(preset, dtype=dtype, device=device, seed=seed, quantization=quantization)
-    buckets = _buckets(plans)
-    pool = _pool(model, plans, max_context, buckets.drafts)
+    def build():
+        torch.manual_seed(seed)
+        return Model.from_preset(preset, dtype=dtype, device=device, seed=seed, quantization=quantization)
+
+    model = None if model_per_variant else build()
+    buckets, pool = _buckets(plans), None
     runners = {}
     for name, variant in variants.items():
         with variant():  # the decode options resolved under the variant's patches too
-            runner = StepRunner(model.with_options(DecodeOptions()), pool, buckets, overlap=True)
+            own = build() if model_per_variant else model
+            pool = pool or _pool(own, plans, max_context, buckets.drafts)
+            runner = StepRunner(own.with_options(DecodeOptions()), pool, buckets, overlap=True)
             if runner.cuda:
                 runner.capture(sorted({runner.bucket_for(p) for p in plans.values()}, reverse=True), progress=False)
         runners[name] = runner
@@ -246,6 +253,9 @@ steps run. Prints each plan's variants beside the first, and whether their logit
     parser.add_argument("--plan", action="append", required=True, metavar="decode:B|prefill:T|mixed:B+T|verify:B+K",
                         help="a step to time: B decode rows, a T-token prompt chunk, or both; or a verify step of "
                              "B sequences of a token and K drafts each; repeat for each")
+    parser.add_argument("--model-per-variant", action="store_true",
+                        help="build each variant's own model under its constants (the same random weights), for "
+                             "switches read when the model is built; it takes a model's memory a variant")
     parser.add_argument("--rounds", type=int, default=3, help="timing rounds (default 3)")
     parser.add_argument("--max-context", type=int, default=None,
                         help="the state pool's length (default: what the plans need)")
@@ -270,7 +280,8 @@ steps run. Prints each plan's variants beside the first, and whether their logit
     print(TABLE_HEADER, flush=True)
     try:  # each plan's lines as it is measured: a run cut short keeps what it finished
         rows = compare(args.preset, variants, plans, rounds=args.rounds, max_context=args.max_context,
-                       quantization=args.quantization, on_plan=lambda r: print(table(r, header=False), flush=True))
+                       quantization=args.quantization, on_plan=lambda r: print(table(r, header=False), flush=True),
+                       model_per_variant=args.model_per_variant)
     except ValueError as e:  # a pool too short for the plans
         parser.error(str(e))
     if args.json:

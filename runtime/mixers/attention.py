@@ -48,8 +48,14 @@ class AttentionMixer(Mixer):
         return takes_rows(tokens, dtype, device, self.qkv)
 
     def project(self, h: torch.Tensor, ctx: StepContext, rows=None):
-        work = self._split(linear(h, self.qkv, self.qkv_bias, rows))
-        self._rotate(work, ctx)
+        return self.prepare(linear(h, self.qkv, self.qkv_bias, rows), ctx)
+
+    def prepare(self, qkv: torch.Tensor, ctx: StepContext, out: torch.Tensor | None = None, pdl: bool = False):
+        """The work of the QKV projection's output ``qkv`` (a row-strided view allowed): its q, k
+        and v rotated in place, and the output buffer ([T, H, Dh]: ``out``, a view whose head
+        dim is contiguous allowed, or a new tensor)."""
+        work = self._split(qkv, out)
+        self._rotate(work, ctx, pdl)
         return work
 
     def _rotate(self, work, ctx: StepContext, pdl: bool = False) -> None:
@@ -58,14 +64,15 @@ class AttentionMixer(Mixer):
             (q, k, _), _ = work
             rope(q, k, self.inv_freq, ctx.inputs.prefill, ctx.inputs.decode_kv_lens, pdl=pdl)
 
-    def _split(self, qkv: torch.Tensor):
+    def _split(self, qkv: torch.Tensor, out: torch.Tensor | None = None):
         """q, k, v views of the packed projection, and the attention output buffer."""
         T = qkv.shape[0]
         q_end, k_end = self.H * self.Dh, (self.H + self.KVH) * self.Dh
         q = qkv[:, :q_end].view(T, self.H, self.Dh)
         k = qkv[:, q_end:k_end].view(T, self.KVH, self.Dh)
         v = qkv[:, k_end:].view(T, self.KVH, self.Dh)
-        out = torch.empty(T, self.H, self.Dh, dtype=qkv.dtype, device=qkv.device)
+        if out is None:
+            out = torch.empty(T, self.H, self.Dh, dtype=qkv.dtype, device=qkv.device)
         return (q, k, v), out
 
     def prefill(self, work, ctx: StepContext, passed=None) -> None:
@@ -96,13 +103,20 @@ class AttentionMixer(Mixer):
         opts = ctx.options
         qkv = norm_linear(x, weight=self.qkv, bias=self.qkv_bias, pdl=opts.pdl and first_pdl, tile_k=opts.tile_k,
                           **norm_args(norm))
-        work = self._split(qkv)
-        self._rotate(work, ctx, pdl=opts.pdl)
-        self.decode(work, ctx, pdl=opts.pdl)  # in the chain of programmatic dependents
-        o = work[1]
+        o = self.attend(qkv, ctx)
         # the residual is the previous block's, four or more kernels back
         return norm_linear(o.view(o.shape[0], -1), None, 0.0, self.o_proj, bias=self.o_bias, residual=residual,
                            out=out, pdl=opts.pdl, tile_k=opts.tile_k, early=residual is not None)
+
+    def attend(self, qkv: torch.Tensor, ctx: StepContext, out: torch.Tensor | None = None,
+               first_pdl: bool = True) -> torch.Tensor:
+        """A fused decode step's attention from the projected ``qkv`` (``prepare``'s ``out``):
+        the rotation and the decode attention kernels, programmatic dependents where the options
+        say; ``first_pdl``: as ``fused``'s, for the first of them. Returns the output [T, H, Dh]."""
+        pdl = ctx.options.pdl
+        work = self.prepare(qkv, ctx, out, pdl=pdl and first_pdl)
+        self.decode(work, ctx, pdl=pdl and (first_pdl or self.inv_freq is not None))
+        return work[1]
 
 
 def _concat(parts: list, name: str):

@@ -102,6 +102,12 @@ class Mixer:
         """The mixer over the step's packed tokens: h [T, D] normed input -> out [T, D]; rows: h
         quantized per row, where ``takes_rows``."""
         work = self.project(h, ctx, rows)
+        self.run(work, ctx)
+        return self.finish(work)
+
+    def run(self, work, ctx: StepContext) -> None:
+        """Both branches over ``project``'s work: forked onto the auxiliary stream where the step
+        has one and both kinds of rows, else in turn."""
         tp, b = ctx.inputs.num_prefill_tokens, ctx.inputs.num_decode
         forked = ctx.aux_stream is not None and tp and b
         passed = torch.cuda.Event() if forked and self.staggered else None
@@ -110,7 +116,6 @@ class Mixer:
             (lambda: self.decode(work, ctx)) if b else None,
             ctx.aux_stream, decode_after=passed,
         )
-        return self.finish(work)
 
     def project(self, h: torch.Tensor, ctx: StepContext, rows: Fp8Rows | None = None):
         """The work both branches share (one GEMM over all tokens, and the buffers they write)."""

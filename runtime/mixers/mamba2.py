@@ -85,10 +85,13 @@ class Mamba2Mixer(Mixer):
 
     def project(self, h: torch.Tensor, ctx: StepContext, rows=None):
         """in_proj over all tokens, and the empty buffers both branches write into."""
-        proj = linear(h, self.in_proj, self.in_proj_bias, rows)  # [T, inner + conv_dim + H]
-        T = h.shape[0]
-        xbc = torch.empty(T, self.conv_dim, dtype=h.dtype, device=h.device)
-        y = torch.empty(T, self.H, self.P, dtype=h.dtype, device=h.device)
+        return self.buffers(linear(h, self.in_proj, self.in_proj_bias, rows))  # proj [T, inner + conv_dim + H]
+
+    def buffers(self, proj: torch.Tensor):
+        """The work of in_proj's output ``proj``: it, and the empty buffers both branches write into."""
+        T = proj.shape[0]
+        xbc = torch.empty(T, self.conv_dim, dtype=proj.dtype, device=proj.device)
+        y = torch.empty(T, self.H, self.P, dtype=proj.dtype, device=proj.device)
         return proj, xbc, y
 
     def prefill(self, work, ctx: StepContext, passed=None) -> None:
@@ -143,13 +146,20 @@ class Mamba2Mixer(Mixer):
         """Gated norm with z (or the gate alone), then out_proj, over all tokens."""
         proj, _, y = work
         y = y.view(y.shape[0], self.inner)
-        if self.norm_w is None:
-            return linear(gate_silu(y, self._z(proj)), self.out_proj, self.out_proj_bias)
         rows = None
-        if GATED_ROWS and takes_rows(y.shape[0], y.dtype, y.device, self.out_proj):
+        if GATED_ROWS and self.norm_w is not None and takes_rows(y.shape[0], y.dtype, y.device, self.out_proj):
             rows = Fp8Rows.empty(y.shape[0], self.inner, y.device)  # out_proj's rows, made by the norm
-        normed = gated_rms_norm(y, self._z(proj), self.norm_w, self.inner // self.G, self.eps, rows=rows)
-        return linear(normed, self.out_proj, self.out_proj_bias, rows)
+        return linear(self.gate(y, proj, rows=rows), self.out_proj, self.out_proj_bias, rows)
+
+    def gate(self, y: torch.Tensor, proj: torch.Tensor, *, out: torch.Tensor | None = None, pdl: bool = False,
+             rows: Fp8Rows | None = None) -> torch.Tensor:
+        """out_proj's input from the scan's y [T, inner]: the gated norm with in_proj's z, or the
+        gate alone (``y * silu(z)``), into ``out`` (row-strided views allowed) or a new tensor.
+        rows: the gated norm's output quantized per row too (``gated_rms_norm``'s)."""
+        if self.norm_w is None:
+            return gate_silu(y, self._z(proj), out=out, pdl=pdl)
+        return gated_rms_norm(y, self._z(proj), self.norm_w, self.inner // self.G, self.eps, out=out, pdl=pdl,
+                              rows=rows)
 
     def fused_decode(self, residual: torch.Tensor, norm: Norm, ctx: StepContext) -> None:
         self.fused(residual, norm, ctx, residual=residual)
@@ -159,22 +169,30 @@ class Mamba2Mixer(Mixer):
         """The fused decode of ``norm(x)`` (x as it is without a norm): added into ``residual``
         in place, or written to ``out``; returns what it wrote. ``first_pdl``: the first kernel
         is a programmatic dependent (not where it follows another stream's work)."""
-        T, opts, slots = x.shape[0], ctx.options, ctx.inputs.decode_slots
-        # the conv update of the xBC columns rides in in_proj's epilogue: proj's xBC columns
-        # come out already convolved, as ``decode`` writes them into xbc
-        conv = ConvTail(ctx.pool.conv[self.idx], self.conv_w, self.conv_b, slots, self.inner)
-        proj = norm_linear(x, weight=self.in_proj, bias=self.in_proj_bias, conv=conv, pdl=opts.pdl and first_pdl,
-                           tile_k=opts.tile_k, **norm_args(norm))
-        xs, B, C = self._ssm_operands(self._xbc(proj))
-        y = torch.empty(T, self.H, self.P, dtype=proj.dtype, device=proj.device)
-        selective_state_update(ctx.pool.ssm[self.idx], xs, self._dt(proj), self.A, B, C, self.D, slots,
-                               dt_bias=self.dt_bias, dt_softplus=True, out=y, pdl=opts.pdl)
-        y = y.view(T, self.inner)
+        opts = ctx.options
+        proj = norm_linear(x, weight=self.in_proj, bias=self.in_proj_bias, conv=self.conv_tail(ctx),
+                           pdl=opts.pdl and first_pdl, tile_k=opts.tile_k, **norm_args(norm))
+        y = self.state_update(proj, ctx)
         if self.norm_w is None:
-            return norm_linear(gate_silu(y, self._z(proj), pdl=opts.pdl), None, 0.0, self.out_proj,
-                               bias=self.out_proj_bias, residual=residual, out=out, pdl=opts.pdl, tile_k=opts.tile_k,
-                               early=residual is not None)
+            return norm_linear(self.gate(y, proj, pdl=opts.pdl), None, 0.0, self.out_proj, bias=self.out_proj_bias,
+                               residual=residual, out=out, pdl=opts.pdl, tile_k=opts.tile_k, early=residual is not None)
         # z (from in_proj) and the residual (from the previous block) are two or more kernels back
         return gated_norm_linear(y, self._z(proj), self.norm_w, self.inner // self.G, self.eps, self.out_proj,
                                  bias=self.out_proj_bias, residual=residual, out=out, pdl=opts.pdl, early=True,
                                  tile_k=opts.tile_k)
+
+    def conv_tail(self, ctx: StepContext) -> ConvTail:
+        """The conv update of the xBC columns as in_proj's epilogue in a fused decode step: its
+        output's xBC columns come out already convolved, as ``decode`` writes them into xbc."""
+        return ConvTail(ctx.pool.conv[self.idx], self.conv_w, self.conv_b, ctx.inputs.decode_slots, self.inner)
+
+    def state_update(self, proj: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """A fused decode step's state update from in_proj's output (its xBC columns convolved,
+        ``conv_tail``): y [T, inner], a programmatic dependent where the options say."""
+        T = proj.shape[0]
+        xs, B, C = self._ssm_operands(self._xbc(proj))
+        y = torch.empty(T, self.H, self.P, dtype=proj.dtype, device=proj.device)
+        selective_state_update(ctx.pool.ssm[self.idx], xs, self._dt(proj), self.A, B, C, self.D,
+                               ctx.inputs.decode_slots, dt_bias=self.dt_bias, dt_softplus=True, out=y,
+                               pdl=ctx.options.pdl)
+        return y.view(T, self.inner)

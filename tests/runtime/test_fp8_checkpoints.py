@@ -356,11 +356,14 @@ def test_a_latent_moe_hands_the_rows_to_its_projection_into_the_latent_space(tmp
 @torch.no_grad()
 def test_attention_and_parallel_blocks_hand_the_rows_to_their_fp8_projections(kind, tmp_path, monkeypatch):
     """An attention layer whose qkv is FP8 (a checkpoint that quantizes it; NVIDIA's recipe keeps it
-    in bf16) takes the norm's rows into qkv; a parallel block (Falcon-H1) into both branches'
-    first projections (CPU: the rule told the products would quantize)."""
+    in bf16) takes the norm's rows into qkv; a parallel block (Falcon-H1) whose first projections
+    are FP8, so that it runs its mixers apart, into both (CPU: the rule told the products would
+    quantize)."""
     from mambastep.kernels.fp8 import quantize_fp8
+    from mambastep.runtime.config import ModelConfig
     from mambastep.runtime.mixers import attention, mamba2
     from mambastep.runtime.mixers.parallel import ParallelMixer
+    from mambastep.runtime.weights import load_weights
 
     def would(M, dtype, dev, weight):
         return isinstance(weight, Fp8Weight) and M > 8
@@ -370,12 +373,17 @@ def test_attention_and_parallel_blocks_hand_the_rows_to_their_fp8_projections(ki
         monkeypatch.setattr(mod, "linear", lambda x, w, b=None, rows=None, _linear=mod.linear: (
             seen.append((w, rows)), _linear(x, w, b, rows))[1])
     save_tiny(kind, tmp_path)
-    model = Model.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    cfg = ModelConfig.from_pretrained(tmp_path)
+    weights = load_weights(tmp_path, cfg, dtype=torch.bfloat16)
+    if kind == "falcon_h1":
+        for name in [n for n in weights if re.search(r"mixer\.(in|q|k|v)_proj\.weight$", n)]:
+            weights[name] = quantize_fp8(weights[name])
+    model = Model(cfg, weights)
     firsts = []  # each attention layer's qkv, each parallel block's qkv and in_proj, quantized
     for block in model.blocks:
         m = block.mixer
         if isinstance(m, ParallelMixer):
-            m.mamba.in_proj, m.attention.qkv = quantize_fp8(m.mamba.in_proj), quantize_fp8(m.attention.qkv)
+            assert not m.joint
             firsts += [m.mamba.in_proj, m.attention.qkv]
         elif isinstance(m, attention.AttentionMixer):
             m.qkv = quantize_fp8(m.qkv)

@@ -193,8 +193,9 @@ def _fused_against_layered(kind, tmp_path):
 def test_folded_norms_give_the_checkpoints_logits(kind, tmp_path):
     """Block norm weights folded into the projections that read them (the default only where the
     fused decode streams K; asked for here): prefill and decode logits, layered and fused, equal
-    the unfolded model's in fp32, and greedy tokens HF's. MoE and parallel blocks keep their
-    norms (several readers); the checkpoint's tensors are left as they were."""
+    the unfolded model's in fp32, and greedy tokens HF's. MoE blocks keep their norms (several
+    readers; a parallel block's two first projections are one); the checkpoint's tensors are left
+    as they were."""
     hf = save_tiny(kind, tmp_path, **(MOE if kind == "nemotron_h" else {}))
     cfg = ModelConfig.from_pretrained(tmp_path)
     weights = load_weights(tmp_path, cfg, dtype=torch.float32)
@@ -204,7 +205,7 @@ def test_folded_norms_give_the_checkpoints_logits(kind, tmp_path):
     plain = Model.from_pretrained(tmp_path, dtype=torch.float32)
     assert not any(block.norm.unit for block in plain.blocks)
     for i, kind_ in enumerate(cfg.layer_types):
-        kept = kind_ in ("moe", "parallel")  # several readers
+        kept = kind_ == "moe"  # several readers
         assert folded.blocks[i].norm.unit != kept
         assert torch.equal(folded.blocks[i].norm.weight, plain.blocks[i].norm.weight) == kept
     ps = prompts([5, 12], seed=9)

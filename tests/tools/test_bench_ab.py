@@ -48,6 +48,30 @@ def test_variants_start_from_the_same_states_and_are_told_apart():
     assert table(rows[3:], header=False) == "\n".join(text.splitlines()[5:])
 
 
+def test_a_switch_read_when_the_model_is_built_takes_a_model_per_variant():
+    """Falcon-H1's parallel blocks join their projections when built (``parallel.JOINT``): with a
+    model per variant, each variant's is built under its patch, from the same weights, so the
+    logits differ by rounding alone; with one model the switch would change nothing."""
+    from mambastep.runtime.mixers import parallel
+
+    seen = []
+    built = parallel.ParallelMixer.__init__
+
+    def init(self, *args):
+        built(self, *args)
+        seen.append(self.joint)
+
+    plans = {"decode 2": decode_plan(2)}
+    variants = {"joint": contextlib.nullcontext, "apart": patched((parallel, {"JOINT": False}))}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(parallel.ParallelMixer, "__init__", init)
+        rows = compare("tiny-falcon-h1", variants, plans, rounds=1, model_per_variant=True)
+    layers = len(seen) // 2
+    assert seen == [True] * layers + [False] * layers and layers > 0
+    joint, apart = rows
+    assert apart["top1"] == 1.0 and apart["max_abs_diff"] < 0.05 * apart["base_std"] + 1e-3
+
+
 def test_a_pool_too_short_for_the_plans_is_refused():
     with pytest.raises(ValueError, match="max_context 8: the plans need 24 positions"):
         compare("tiny-hybrid", {"main": contextlib.nullcontext}, {"p": StepPlan.make([(list(range(3, 27)), 0, 0)])},

@@ -128,7 +128,8 @@ def perturb(model) -> None:
             # heads sit far below time_step_min (HF's initial range, [1e-3, 1e-1], hides a clamp)
             dt = torch.exp(torch.empty_like(p).uniform_(-11.5, -2.3))
             p.copy_(dt + torch.log(-torch.expm1(-dt)))
-        elif name.endswith((".D", "norm.weight", "norm_f.weight", "conv1d.bias", "e_score_correction_bias")):
+        elif name.endswith((".D", "norm.weight", "norm_f.weight", "conv1d.bias", "e_score_correction_bias",
+                            "proj.bias")):  # a projection's bias, where the config asks for one
             p.add_(0.1 * torch.randn_like(p))
         elif name.endswith(("gate.weight", "router.weight", "experts.up_proj", "experts.gate_up_proj",
                             "experts.down_proj")):

@@ -43,14 +43,16 @@ VARIANTS = {"mamba2": ("mamba2", {}), "nemotron_h": ("nemotron_h", {}), "moe": (
             "granite_rope": ("granite", {"position_embedding_type": "rope"}),
             "bamba": ("bamba", {}), "falcon_h1": ("falcon_h1", {}),
             # Falcon-H1-34B: its Mamba2 gates, then normalises each of its two groups
-            "falcon_h1_norm": ("falcon_h1", {"mamba_rms_norm": True, "mamba_n_groups": 2})}
+            "falcon_h1_norm": ("falcon_h1", {"mamba_rms_norm": True, "mamba_n_groups": 2}),
+            # attention's biases beside Mamba2's projections without: the joint projections' biases
+            "falcon_h1_bias": ("falcon_h1", {"attention_bias": True})}
 _gpu = pytest.mark.gpu
 _latent = pytest.mark.skipif(not HF_LATENT_MOE, reason="the installed transformers has no latent MoE")
 
 
 @pytest.fixture(scope="module", params=[
     "mamba2", "nemotron_h", "moe", pytest.param("latent_moe", marks=_latent), "granite", "granite_dense",
-    "granite_rope", "bamba", "falcon_h1", "falcon_h1_norm",
+    "granite_rope", "bamba", "falcon_h1", "falcon_h1_norm", "falcon_h1_bias",
     # on a GPU, fp32 through the Triton kernels (the grouped experts among them)
     pytest.param("moe@cuda", marks=_gpu), pytest.param("latent_moe@cuda", marks=[_gpu, _latent]),
     pytest.param("granite@cuda", marks=_gpu), pytest.param("bamba@cuda", marks=_gpu),
@@ -165,8 +167,15 @@ def test_fused_decode_equals_layer_by_layer(kind, tmp_path):
     _fused_against_layered(kind, tmp_path)
 
 
-def _fused_against_layered(kind, tmp_path):
-    save_tiny(kind, tmp_path)  # Nemotron-H with every layer kind, experts included
+@torch.no_grad()
+def test_fused_decode_equals_layer_by_layer_with_attention_biases(tmp_path):
+    """Falcon-H1 whose attention has biases and whose Mamba2 has none: the joint projections'
+    biases (zeros for in_proj's rows, o_proj's alone out), fused as layer by layer."""
+    _fused_against_layered("falcon_h1", tmp_path, attention_bias=True)
+
+
+def _fused_against_layered(kind, tmp_path, **kw):
+    save_tiny(kind, tmp_path, **kw)  # Nemotron-H with every layer kind, experts included
     fused = Model.from_pretrained(tmp_path, dtype=torch.float32, options=DecodeOptions(fused=True))
     layered = Model.from_pretrained(tmp_path, dtype=torch.float32)
     assert fused.options.max_rows == 4 and layered.options.max_rows == 0  # CPU: layered unless asked

@@ -12,9 +12,11 @@ import triton
 import triton.language as tl
 
 from .dispatch import with_reference
-from .fp8 import Fp8Rows, row_scale, store_quantized, write_rows_ref
+from .fp8 import Fp8Rows, row_scale, store_quantized, walks_rows, write_rows_ref
 
 __all__ = ["gate_silu", "gate_silu_ref", "relu2", "relu2_ref", "silu_mul", "silu_mul_ref"]
+
+RELU2_BLOCK = 2048  # elements a program of relu2 takes at a time
 
 
 @triton.jit
@@ -26,18 +28,35 @@ def _relu2_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _relu2_rows_kernel(x_ptr, out_ptr, q_ptr, s_ptr, I, stride_q, BLOCK: tl.constexpr):
-    # grid: (rows,): a row's relu2, and the rounded row quantized as quantize_rows does
+def _relu2_rows_kernel(x_ptr, out_ptr, q_ptr, s_ptr, I, stride_q, BLOCK: tl.constexpr, WALK: tl.constexpr):
+    # grid: (rows,): a row's relu2, and the rounded row quantized as quantize_rows does; the whole
+    # row in one tile, or (WALK) BLOCK columns at a time, then the row read back from out
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    mask = cols < I
-    x = tl.maximum(tl.load(x_ptr + row * I + cols, mask=mask, other=0.0).to(tl.float32), 0.0)
-    y = (x * x).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * I + cols, y, mask=mask)
-    v = y.to(tl.float32)
-    scale = row_scale(v)
-    tl.store(s_ptr + row, scale)
-    store_quantized(q_ptr + row * stride_q + cols, v, scale, mask)
+    if WALK:
+        amax = tl.zeros([BLOCK], tl.float32)
+        for c in range(0, I, BLOCK):
+            mask = c + cols < I
+            x = tl.maximum(tl.load(x_ptr + row * I + c + cols, mask=mask, other=0.0).to(tl.float32), 0.0)
+            y = (x * x).to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + row * I + c + cols, y, mask=mask)
+            amax = tl.maximum(amax, y.to(tl.float32))
+        scale = row_scale(amax)
+        tl.store(s_ptr + row, scale)
+        tl.debug_barrier()  # the row's out, written by the CTA's threads, read back by them
+        for c in range(0, I, BLOCK):
+            mask = c + cols < I
+            v = tl.load(out_ptr + row * I + c + cols, mask=mask, other=0.0).to(tl.float32)
+            store_quantized(q_ptr + row * stride_q + c + cols, v, scale, mask)
+    else:
+        mask = cols < I
+        x = tl.maximum(tl.load(x_ptr + row * I + cols, mask=mask, other=0.0).to(tl.float32), 0.0)
+        y = (x * x).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * I + cols, y, mask=mask)
+        v = y.to(tl.float32)
+        scale = row_scale(v)
+        tl.store(s_ptr + row, scale)
+        store_quantized(q_ptr + row * stride_q + cols, v, scale, mask)
 
 
 def relu2_ref(x: torch.Tensor, out: torch.Tensor | None = None, rows: Fp8Rows | None = None) -> torch.Tensor:
@@ -51,7 +70,8 @@ def relu2_ref(x: torch.Tensor, out: torch.Tensor | None = None, rows: Fp8Rows | 
 def relu2(x: torch.Tensor, out: torch.Tensor | None = None, rows: Fp8Rows | None = None) -> torch.Tensor:
     """relu(x)**2 computed in fp32. x: any shape, contiguous; out: like x (may be x). rows: x
     [M, I] written quantized per row too (``Fp8Rows`` [M, I]), as ``quantize_rows(out)`` would
-    make it, for an FP8 product that takes them (``kernels.linear.takes_rows``)."""
+    make it, for an FP8 product that takes them (``kernels.linear.takes_rows``): a program a row,
+    holding the whole row, or past ``fp8.WHOLE_ROW_MAX_ROWS`` rows walking it twice."""
     out = torch.empty_like(x) if out is None else out
     if not (x.is_contiguous() and out.is_contiguous() and out.shape == x.shape):
         raise ValueError("relu2: x and out must be contiguous and of one shape")
@@ -60,12 +80,16 @@ def relu2(x: torch.Tensor, out: torch.Tensor | None = None, rows: Fp8Rows | None
             raise ValueError(f"relu2: rows asked of a {x.dim()}-D x (they need [M, I])")
         rows.check("relu2: rows", *x.shape)
         M, I = x.shape
+        if walks_rows(M):  # the row in the tiles of relu2 without rows
+            _relu2_rows_kernel[(M,)](x, out, rows.values, rows.scale, I, rows.values.stride(0), BLOCK=RELU2_BLOCK,
+                                     WALK=True, num_warps=4)
+            return out
         block = triton.next_power_of_2(I)
-        _relu2_rows_kernel[(M,)](x, out, rows.values, rows.scale, I, rows.values.stride(0), BLOCK=block,
+        _relu2_rows_kernel[(M,)](x, out, rows.values, rows.scale, I, rows.values.stride(0), BLOCK=block, WALK=False,
                                  num_warps=max(1, min(16, block // 256)))
         return out
-    n, block = x.numel(), 2048
-    _relu2_kernel[(triton.cdiv(n, block),)](x, out, n, BLOCK=block, num_warps=4)
+    n = x.numel()
+    _relu2_kernel[(triton.cdiv(n, RELU2_BLOCK),)](x, out, n, BLOCK=RELU2_BLOCK, num_warps=4)
     return out
 
 

@@ -6,8 +6,13 @@ few rows reads no faster than bf16 cuBLAS (docs/experiments.md). Here each progr
 ``BN`` output columns and streams its ``[BN, K]`` slice of the weight in K tiles through the
 tensor cores against all rows at once (a 16-64 row tile, the rows past M masked), FP8 values
 widened to the activations' dtype in registers and their scales applied per column or per K
-tile: W8A16, the weight's bytes read once. The tile product is the grouped MoE GEMM's
-(``kernels.moe._tile_product``), over one expert.
+tile: W8A16, the weight's bytes read once; the tile product is the grouped MoE GEMM's
+(``kernels.moe._tile_product``), over one expert. Given the rows quantized per row already
+(``rows``, made by the kernel that wrote x), FP8 values of both sides go into the FP8 tensor
+cores as stored and the sums are scaled by row and column: W8A8, no widening in the K loop
+(column-scaled weights). There the weight's rows are the tensor cores' 64-row side and the few
+rows the other (Hopper's FP8 instructions take 64 rows a side, and a 16-row side would widen
+both to bf16); ``weight_rows`` runs bf16 weights so too.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import with_reference
-from .fp8 import Fp8Weight
+from .fp8 import Fp8Rows, Fp8Weight
 from .moe import _tile_product
 
 __all__ = ["FEW_ROWS_MAX", "few_rows_linear", "few_rows_linear_ref"]
@@ -37,10 +42,45 @@ def _few_rows_kernel(x_ptr, w_ptr, out_ptr, s_ptr, M, N, K, stride_x, stride_w, 
                   SCALE_BLOCK=SCALE_BLOCK)
 
 
-def few_rows_linear_ref(x: torch.Tensor, weight, out: torch.Tensor | None = None, config=None) -> torch.Tensor:
+@triton.jit
+def _weight_rows_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_out,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SCALED: tl.constexpr):
+    # out[:, BN columns] = x @ w.T: the program's weight rows [BN, BK] as the tensor cores' 64-row
+    # side (a few rows alone cannot be: the Hopper instructions take 64), the rows [BM, BK] (those
+    # past M masked) as the other, K streamed. SCALED: FP8 rows and weights (W8A8), the sums scaled
+    # by row (xs_ptr) and column (ws_ptr)
+    ns = tl.program_id(0) * BN + tl.arange(0, BN)
+    n_ok = ns < N
+    ms = tl.arange(0, BM)
+    m_ok = ms < M
+    w_rows = w_ptr + ns[:, None].to(tl.int64) * stride_w
+    x_rows = x_ptr + ms[:, None].to(tl.int64) * stride_x
+    acc = tl.zeros((BN, BM), tl.float32)
+    for k0 in range(0, K, BK):
+        ks = k0 + tl.arange(0, BK)
+        k_ok = ks < K
+        w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(x_rows + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(w, tl.trans(a), acc)
+    if SCALED:
+        acc *= tl.load(ws_ptr + ns, mask=n_ok, other=0.0)[:, None]
+        acc *= tl.load(xs_ptr + ms, mask=m_ok, other=0.0)[None, :]
+    out = out_ptr + ms[None, :].to(tl.int64) * stride_out + ns[:, None]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+
+
+def few_rows_linear_ref(x: torch.Tensor, weight, out: torch.Tensor | None = None, config=None,
+                        rows: Fp8Rows | None = None) -> torch.Tensor:
     w = weight.dequantize() if isinstance(weight, Fp8Weight) else weight.float()
-    y = F.linear(x.float(), w).to(x.dtype)
+    a = x.float() if rows is None else rows.values.float() * rows.scale
+    y = F.linear(a, w).to(x.dtype)
     return y if out is None else out.copy_(y)
+
+
+# (block_n, block_k, warps, stages) with the weight's rows as the 64-row side, FP8 (W8A8) and bf16:
+# 64 weight rows a program, the least one warpgroup takes; K tiles of 256 bytes a row, deeply
+# pipelined, as the skinny stream's (untuned)
+WEIGHT_ROWS_CONFIG = {True: (64, 256, 4, 4), False: (64, 128, 4, 4)}
 
 
 def _config(fp8: bool) -> tuple[int, int, int, int]:
@@ -50,10 +90,13 @@ def _config(fp8: bool) -> tuple[int, int, int, int]:
 
 
 @with_reference(few_rows_linear_ref)
-def few_rows_linear(x: torch.Tensor, weight, out: torch.Tensor | None = None, config=None) -> torch.Tensor:
+def few_rows_linear(x: torch.Tensor, weight, out: torch.Tensor | None = None, config=None,
+                    rows: Fp8Rows | None = None, weight_rows: bool = False) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32, rows contiguous), M <= FEW_ROWS_MAX, @ weight [N, K] (plain, or an
     ``Fp8Weight``).T -> out [M, N] in x's dtype. config: (block_n, block_k, warps, stages) in
-    place of the table's (benchmarks sweep it)."""
+    place of the table's (benchmarks sweep it). rows: x quantized per row (``quantize_rows(x)``),
+    read in x's place (W8A8; FP8 weights scaled per column), the weight's rows as the tensor cores'
+    64-row side; weight_rows: plain bf16/fp16 weights so too (Hopper's wgmma)."""
     M, K = x.shape
     fp8 = isinstance(weight, Fp8Weight)
     values = weight.values if fp8 else weight
@@ -61,8 +104,23 @@ def few_rows_linear(x: torch.Tensor, weight, out: torch.Tensor | None = None, co
     if M > FEW_ROWS_MAX or values.shape[1] != K or x.stride(1) != 1 or values.stride(1) != 1:
         raise ValueError(f"few_rows_linear: x [M <= {FEW_ROWS_MAX}, K] and weight [N, K] with contiguous rows, got "
                          f"{list(x.shape)} and {list(values.shape)}")
+    if rows is not None:
+        if not fp8 or weight.block:
+            raise ValueError("few_rows_linear: quantized rows (W8A8) need FP8 weights scaled per column")
+        rows.check("few_rows_linear: rows", M, K)
+    if weight_rows and (fp8 or x.dtype not in (torch.bfloat16, torch.float16) or values.dtype != x.dtype):
+        raise ValueError(f"few_rows_linear: weight_rows needs plain weights of x's dtype (bf16 or fp16), got "
+                         f"{'FP8' if fp8 else values.dtype} and {x.dtype}")
     if out is None:
         out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    bm = max(16, triton.next_power_of_2(M))
+    if rows is not None or weight_rows:
+        bn, bk, warps, stages = config or WEIGHT_ROWS_CONFIG[fp8]
+        a, a_scale = rows if rows is not None else (x, x)
+        _weight_rows_kernel[(triton.cdiv(N, bn),)](a, a_scale, values, weight.scale if fp8 else values, out, M, N, K,
+                                                   a.stride(0), values.stride(0), out.stride(0), BM=bm, BN=bn, BK=bk,
+                                                   SCALED=rows is not None, num_warps=warps, num_stages=stages)
+        return out
     bn, bk, warps, stages = config or _config(fp8)
     scale, block = (weight.scale, weight.block) if fp8 else (values, 0)
     if block:
@@ -71,6 +129,6 @@ def few_rows_linear(x: torch.Tensor, weight, out: torch.Tensor | None = None, co
     _few_rows_kernel[(triton.cdiv(N, bn),)](
         x, values, out, scale, M, N, K, x.stride(0), values.stride(0), out.stride(0),
         scale.stride(0) if mode == 2 else 0,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BM=max(16, triton.next_power_of_2(M)), BN=bn, BK=bk,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BM=bm, BN=bn, BK=bk,
         SCALE=mode, SCALE_BLOCK=block, num_warps=warps, num_stages=stages)
     return out

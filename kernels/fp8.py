@@ -39,7 +39,7 @@ import triton.language as tl
 from .dispatch import with_reference
 
 __all__ = ["FP8_MAX", "Fp8Rows", "Fp8Weight", "quantize_fp8", "fp8_linear", "fp8_linear_ref", "quantize_rows",
-           "quantize_rows_ref", "takes_rows", "write_rows_ref"]
+           "quantize_rows_ref", "takes_rows", "walks_rows", "write_rows_ref"]
 
 # the largest finite float8_e4m3fn
 FP8_MAX = 448.0
@@ -163,6 +163,18 @@ def quantize_fp8(w: torch.Tensor, block: int = 0) -> Fp8Weight:
 
 # the smallest row scale: an all-zero row quantizes to zeros, not NaNs
 _MIN_SCALE = 1e-12
+
+# The kernels that write their output quantized per row beside it (``Fp8Rows``: the gated norm,
+# relu2) hold a whole row in registers, a program a row, up to this many rows: one wave of
+# programs, no row waiting on another. Past it (a prefill chunk) a program walks its row in the
+# tiles of the same kernel without rows, then walks it again to quantize what it wrote (from
+# L1/L2): smaller programs, more of them resident on an SM.
+WHOLE_ROW_MAX_ROWS = 256
+
+
+def walks_rows(M: int) -> bool:
+    """Whether a kernel writing M rows quantized walks each row in tiles (``WHOLE_ROW_MAX_ROWS``)."""
+    return M > WHOLE_ROW_MAX_ROWS
 
 
 @triton.jit

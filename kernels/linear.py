@@ -1,14 +1,17 @@
 """A block projection's one entry, ``linear(x, weight, bias)``: the product chosen by the weight's
 kind (a tensor, or an ``Fp8Weight``) and the number of rows.
 
-- plain weights: ``F.linear`` (cuBLAS);
+- plain weights: ``F.linear`` (cuBLAS); on CUDA up to ``FEW_ROWS_PLAIN_MAX`` rows (0 today), the
+  few-row product with the weight's rows as the tensor cores' 64-row side;
 - FP8 weights beside bf16/fp16 activations on CUDA, by rows (swept on Nemotron-H-8B's
-  projections on an H200, docs/experiments.md; at 32 rows the few-row product lost to the
-  tensor-core path): up to ``SKINNY_MAX_ROWS`` the skinny decode
-  projection (``kernels.decode_linear``), up to ``FEW_ROWS_FP8_MAX`` the few-row tensor-core
-  product (``kernels.few_rows``), both W8A16, the FP8 values read once and widened in
-  registers, where quantizing the rows first only adds a launch; more rows, ``fp8_linear`` (FP8
-  tensor cores, the rows quantized per token: W8A8);
+  projections on an H200, docs/experiments.md; at 32 rows the W8A16 few-row product lost to
+  cuBLAS's FP8 tensor cores): up to ``SKINNY_MAX_ROWS`` the skinny decode
+  projection (``kernels.decode_linear``), W8A16, the FP8 values read once and widened in
+  registers, where quantizing the row first only adds a launch; up to ``FEW_ROWS_FP8_MAX`` the
+  few-row tensor-core product (``kernels.few_rows``), W8A16; or, where the rows are quantized
+  per token (``FEW_ROWS_W8A8``, weights scaled per column, dynamic scales), the few-row W8A8
+  product up to ``FEW_ROWS_W8A8_MAX``; more rows, ``fp8_linear`` (FP8 tensor cores through
+  cuBLAS, the rows quantized per token: W8A8);
 - FP8 weights otherwise (fp32 activations, the CPU): ``fp8_linear``, the dequantized product.
 
 Where the product quantizes its rows per token (``takes_rows``), the kernel that made them may
@@ -23,19 +26,29 @@ import torch.nn.functional as F
 
 from .decode_linear import norm_linear
 from .few_rows import few_rows_linear
-from .fp8 import Fp8Rows, Fp8Weight, fp8_linear
+from .fp8 import Fp8Rows, Fp8Weight, fp8_linear, quantize_rows
 from .fp8 import takes_rows as _fp8_takes_rows
 
 __all__ = ["linear", "takes_rows"]
 
 SKINNY_MAX_ROWS = 2
 FEW_ROWS_FP8_MAX = 8
+# the few-row products of FP8 weights take their rows quantized (W8A8: the FP8 tensor cores, no
+# widening in the K loop), and then up to FEW_ROWS_W8A8_MAX rows, where cuBLAS's FP8 products of a
+# few rows read no faster than bf16 (docs/experiments.md)
+FEW_ROWS_W8A8 = True
+FEW_ROWS_W8A8_MAX = 64
+# plain bf16/fp16 weights: up to this many rows the few-row product with the weight's rows as the
+# tensor cores' 64-row side (``few_rows_linear(weight_rows=True)``), else cuBLAS; 0 (cuBLAS
+# always) until timed in a step (docs/experiments.md)
+FEW_ROWS_PLAIN_MAX = 0
 
 
 def takes_rows(M: int, dtype: torch.dtype, device: torch.device, weight) -> bool:
     """Whether ``linear`` over M rows of ``dtype`` on ``device`` quantizes them per row (FP8
     tensor cores, dynamic scales), and so takes them quantized already as ``rows``."""
-    return (isinstance(weight, Fp8Weight) and device.type == "cuda" and M > FEW_ROWS_FP8_MAX
+    first = SKINNY_MAX_ROWS if FEW_ROWS_W8A8 else FEW_ROWS_FP8_MAX  # the rows past which it quantizes
+    return (isinstance(weight, Fp8Weight) and device.type == "cuda" and M > first
             and _fp8_takes_rows(dtype, weight))
 
 
@@ -43,13 +56,20 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None, rows: Fp8R
     """x [M, K] @ weight [N, K].T + bias [N] -> [M, N] in x's dtype (see the module doc). rows:
     x quantized per row (``quantize_rows(x)``), read where the product would make them
     (``takes_rows``), else unread."""
-    if not isinstance(weight, Fp8Weight):
-        return F.linear(x, weight, bias)
     M = x.shape[0]
-    if not x.is_cuda or x.dtype == torch.float32 or M > FEW_ROWS_FP8_MAX:
+    if not isinstance(weight, Fp8Weight):
+        if M > FEW_ROWS_PLAIN_MAX or not x.is_cuda or x.dtype != weight.dtype or x.dtype == torch.float32:
+            return F.linear(x, weight, bias)
+        y = few_rows_linear(x if x.stride(1) == 1 else x.contiguous(), weight, weight_rows=True)
+        return y if bias is None else y.add_(bias)
+    w8a8 = FEW_ROWS_W8A8 and _fp8_takes_rows(x.dtype, weight)
+    if not x.is_cuda or x.dtype == torch.float32 or M > (FEW_ROWS_W8A8_MAX if w8a8 else FEW_ROWS_FP8_MAX):
         return fp8_linear(x, weight, bias, rows)
     x = x if x.stride(1) == 1 else x.contiguous()
     if M <= SKINNY_MAX_ROWS:
         return norm_linear(x, None, 0.0, weight, bias=bias)
-    y = few_rows_linear(x, weight)
+    if takes_rows(M, x.dtype, x.device, weight):  # W8A8: the rows quantized here where x's maker did not
+        y = few_rows_linear(x, weight, rows=rows if rows is not None else quantize_rows(x))
+    else:
+        y = few_rows_linear(x, weight)
     return y if bias is None else y.add_(bias)

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import with_reference
-from .fp8 import Fp8Rows, row_scale, store_quantized, write_rows_ref
+from .fp8 import Fp8Rows, row_scale, store_quantized, walks_rows, write_rows_ref
 
 __all__ = ["rms_norm", "rms_norm_ref", "gated_rms_norm", "gated_rms_norm_ref"]
 
@@ -30,6 +30,8 @@ def _rms_norm_kernel(
     BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr,
     QUANT: tl.constexpr,
+    WALK: tl.constexpr,
+    QBLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
@@ -55,7 +57,30 @@ def _rms_norm_kernel(
         v = out.to(tl.float32)
         scale = row_scale(v)
         tl.store(s_ptr + row, scale)
-        store_quantized(q_ptr + row * stride_q + cols, v, scale, mask)
+        if WALK:  # read back from out QBLOCK columns at a time: fewer registers live at once
+            tl.debug_barrier()
+            qcols = tl.arange(0, QBLOCK)
+            for c in range(0, D, QBLOCK):
+                ok = c + qcols < D
+                u = tl.load(out_ptr + row * stride_out + c + qcols, mask=ok, other=0.0).to(tl.float32)
+                store_quantized(q_ptr + row * stride_q + c + qcols, u, scale, ok)
+        else:
+            store_quantized(q_ptr + row * stride_q + cols, v, scale, mask)
+
+
+@triton.jit
+def _gated_tile(x_ptr, z_ptr, w, out_ptr, row, cols, mask, group_size, eps, stride_x, stride_z, stride_out):
+    """A [groups, BLOCK] tile of a row's groups: norm(x * silu(z)) * w, stored rounded to out;
+    returned in fp32."""
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + row * stride_z + cols, mask=mask, other=0.0).to(tl.float32)
+    # norm(x * silu(z)), the gate applied before the norm (Mamba2's norm_before_gate=False)
+    x = x * z * tl.sigmoid(z)
+    var = tl.sum(x * x, axis=1) / group_size
+    y = (x * tl.rsqrt(var + eps)[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)
+    out = (y * w).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
+    return out.to(tl.float32)
 
 
 @triton.jit
@@ -67,32 +92,49 @@ def _gated_rms_norm_kernel(
     GROUPS: tl.constexpr,
     USE_PDL: tl.constexpr,
     QUANT: tl.constexpr,
+    WALK: tl.constexpr,
 ):
     # grid: (rows, cdiv(n_groups, GROUPS)): GROUPS groups of a row a program (all of them where
-    # the row is quantized too)
+    # the row is quantized too); WALK (quantized, grid (rows,)): the row's groups GROUPS at a
+    # time, then the row read back from out and quantized
     row = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     k = tl.arange(0, BLOCK)
-    cols = g[:, None] * group_size + k[None, :]
-    mask = (g < n_groups)[:, None] & (k < group_size)[None, :]
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if USE_PDL:
-        # x and z come from earlier kernels in the stream; only the weight is read before the wait
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + row * stride_z + cols, mask=mask, other=0.0).to(tl.float32)
-    # norm(x * silu(z)), the gate applied before the norm (Mamba2's norm_before_gate=False)
-    x = x * z * tl.sigmoid(z)
-    var = tl.sum(x * x, axis=1) / group_size
-    y = (x * tl.rsqrt(var + eps)[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)
-    out = (y * w).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
-    if QUANT:  # the rounded output row, quantized as quantize_rows does
-        v = out.to(tl.float32)
-        scale = row_scale(tl.max(tl.abs(v), axis=1))
+    if WALK:
+        if USE_PDL:  # x and z come from earlier kernels in the stream
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        amax = tl.zeros([GROUPS, BLOCK], tl.float32)
+        for g0 in range(0, n_groups, GROUPS):
+            g = g0 + tl.arange(0, GROUPS)
+            cols = g[:, None] * group_size + k[None, :]
+            mask = (g < n_groups)[:, None] & (k < group_size)[None, :]
+            w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            v = _gated_tile(x_ptr, z_ptr, w, out_ptr, row, cols, mask, group_size, eps, stride_x, stride_z,
+                            stride_out)
+            amax = tl.maximum(amax, tl.abs(v))
+        scale = row_scale(tl.max(amax, axis=1))
         tl.store(s_ptr + row, scale)
-        store_quantized(q_ptr + row * stride_q + cols, v, scale, mask)
+        tl.debug_barrier()  # the row's out, written by the CTA's threads, read back by them
+        for g0 in range(0, n_groups, GROUPS):
+            g = g0 + tl.arange(0, GROUPS)
+            cols = g[:, None] * group_size + k[None, :]
+            mask = (g < n_groups)[:, None] & (k < group_size)[None, :]
+            v = tl.load(out_ptr + row * stride_out + cols, mask=mask, other=0.0).to(tl.float32)
+            store_quantized(q_ptr + row * stride_q + cols, v, scale, mask)
+    else:
+        g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+        cols = g[:, None] * group_size + k[None, :]
+        mask = (g < n_groups)[:, None] & (k < group_size)[None, :]
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if USE_PDL:
+            # x and z come from earlier kernels in the stream; only the weight is read before the wait
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        v = _gated_tile(x_ptr, z_ptr, w, out_ptr, row, cols, mask, group_size, eps, stride_x, stride_z, stride_out)
+        if QUANT:  # the rounded output row, quantized as quantize_rows does
+            scale = row_scale(tl.max(tl.abs(v), axis=1))
+            tl.store(s_ptr + row, scale)
+            store_quantized(q_ptr + row * stride_q + cols, v, scale, mask)
 
 
 def _check_rows(name: str, t: torch.Tensor, rows: int, cols: int) -> None:
@@ -130,7 +172,9 @@ def rms_norm(x, weight, eps, *, residual=None, out=None, round_first=True, pdl=F
     pdl: launch as a programmatic dependent of the previous kernel (CUDA, sm_90+), as in
     ``kernels.decode_linear``; it signals its own dependents right after its wait.
     rows: FP8 values [T, D] and fp32 scales [T, 1] (``Fp8Rows``) where out is also written
-    quantized per row, as ``quantize_rows(out)`` would make it.
+    quantized per row, as ``quantize_rows(out)`` would make it: from the row in registers, or past
+    ``fp8.WHOLE_ROW_MAX_ROWS`` rows read back from out in tiles (fewer registers, more programs
+    an SM).
     """
     T, D = x.shape
     out = torch.empty_like(x) if out is None else out
@@ -147,7 +191,8 @@ def rms_norm(x, weight, eps, *, residual=None, out=None, round_first=True, pdl=F
         x, res, weight, out, q, scale, D, eps,
         x.stride(0), res.stride(0), out.stride(0), q.stride(0),
         HAS_RESIDUAL=residual is not None, ROUND_FIRST=round_first, BLOCK_D=block, USE_PDL=pdl,
-        QUANT=rows is not None, num_warps=_num_warps(block), **({"launch_pdl": True} if pdl else {}),
+        QUANT=rows is not None, WALK=rows is not None and walks_rows(T), QBLOCK=min(block, 1024),
+        num_warps=_num_warps(block), **({"launch_pdl": True} if pdl else {}),
     )
     return out
 
@@ -169,7 +214,9 @@ def gated_rms_norm(x, z, weight, group_size, eps, *, out=None, pdl=False, rows: 
     x, z: [T, D] (row-strided views allowed); weight: [D]; out: [T, D] in x's dtype.
     pdl: launch as a programmatic dependent of the previous kernel (CUDA, sm_90+), as in
     ``kernels.decode_linear``; it signals its own dependents right after its wait.
-    rows: as ``rms_norm``'s, out also written quantized per row (a program a row, not a group).
+    rows: as ``rms_norm``'s, out also written quantized per row: a program a row, not a group,
+    holding the whole row, or past ``fp8.WHOLE_ROW_MAX_ROWS`` rows walking it a group at a time
+    and then again to quantize it.
     """
     T, D = x.shape
     out = torch.empty_like(x) if out is None else out
@@ -180,12 +227,13 @@ def gated_rms_norm(x, z, weight, group_size, eps, *, out=None, pdl=False, rows: 
     if rows is not None:
         rows.check("gated_rms_norm: rows", T, D)
     block, n_groups = triton.next_power_of_2(group_size), D // group_size
-    groups = triton.next_power_of_2(n_groups) if rows is not None else 1
+    walk = rows is not None and walks_rows(T)  # a group at a time, as without rows
+    groups = triton.next_power_of_2(n_groups) if rows is not None and not walk else 1
     q, scale = rows if rows is not None else (out, out)
-    _gated_rms_norm_kernel[(T, triton.cdiv(n_groups, groups))](
+    _gated_rms_norm_kernel[(T, 1 if walk else triton.cdiv(n_groups, groups))](
         x, z, weight, out, q, scale, n_groups, group_size, eps,
         x.stride(0), z.stride(0), out.stride(0), q.stride(0),
-        BLOCK=block, GROUPS=groups, USE_PDL=pdl, QUANT=rows is not None, num_warps=_num_warps(block * groups),
-        **({"launch_pdl": True} if pdl else {}),
+        BLOCK=block, GROUPS=groups, USE_PDL=pdl, QUANT=rows is not None, WALK=walk,
+        num_warps=_num_warps(block * groups), **({"launch_pdl": True} if pdl else {}),
     )
     return out

@@ -246,16 +246,42 @@ def launch_quantize() -> None:
         quantize_rows.triton(x)
         quantize_rows.triton(x, torch.tensor(0.01))
         quantize_rows.triton(x, row_end=end)
-    # the kernels that write their outputs quantized: the gated norm (Nano's 8 groups of 512) and
-    # relu2 (its shared expert's 3712 columns)
+    # the kernels that write their outputs quantized, a decode step's rows each held whole: the gated
+    # norm (Nano's 8 groups of 512) and relu2 (its shared expert's 3712 columns)
     from mambastep.kernels.activation import relu2
     from mambastep.kernels.fp8 import Fp8Rows
-    from mambastep.kernels.norm import gated_rms_norm
+    from mambastep.kernels.norm import gated_rms_norm, rms_norm
 
     bf16 = dict(dtype=torch.bfloat16)
     gated_rms_norm.triton(torch.empty(64, 4096, **bf16), torch.empty(64, 4096, **bf16), torch.empty(4096, **bf16), 512,
                           1e-5, rows=Fp8Rows.empty(64, 4096, "cpu"))
     relu2.triton(torch.empty(64, 3712, **bf16), rows=Fp8Rows.empty(64, 3712, "cpu"))
+    # a prefill chunk's rows, each walked: Nemotron-Nano-9B-v2's 8 groups of 1280, its 15680 columns and
+    # its block norm's 4480
+    gated_rms_norm.triton(torch.empty(512, 10240, **bf16), torch.empty(512, 10240, **bf16),
+                          torch.empty(10240, **bf16), 1280, 1e-5, rows=Fp8Rows.empty(512, 10240, "cpu"))
+    relu2.triton(torch.empty(512, 15680, **bf16), rows=Fp8Rows.empty(512, 15680, "cpu"))
+    rms_norm.triton(torch.empty(512, 4480, **bf16), torch.empty(4480, **bf16), 1e-5, residual=torch.empty(512, 4480),
+                    rows=Fp8Rows.empty(512, 4480, "cpu"))
+
+
+def launch_few_rows() -> None:
+    """The few-row products at Nemotron-H-8B's in_proj width: bf16 weights, FP8 ones widened
+    (W8A16, scaled per column and in 128 x 128 blocks), and with the weight's rows as the tensor
+    cores' 64-row side FP8 ones beside quantized rows (W8A8) and bf16 ones; at 3, 8 and 64 rows."""
+    from mambastep.kernels.few_rows import few_rows_linear
+    from mambastep.kernels.fp8 import quantize_fp8, quantize_rows_ref
+
+    N, K = 18560, 4096
+    w = torch.empty(N, K, dtype=torch.bfloat16)
+    fp8, fp8_block = quantize_fp8(torch.randn(N, K) * 0.02), quantize_fp8(torch.randn(N, K) * 0.02, 128)
+    for M in (3, 8, 64):
+        x = torch.randn(M, K).to(torch.bfloat16)
+        few_rows_linear.triton(x, w)
+        few_rows_linear.triton(x, fp8)
+        few_rows_linear.triton(x, fp8_block)
+        few_rows_linear.triton(x, fp8, rows=quantize_rows_ref(x))
+        few_rows_linear.triton(x, w, weight_rows=True)
 
 
 def launch_replay() -> None:
@@ -292,5 +318,6 @@ if __name__ == "__main__":
     launch_prefill()
     launch_replay()
     launch_quantize()
+    launch_few_rows()
     print(f"{len(compiled)} kernel variants, {len(failed)} failed to compile for sm_90 or spilled")
     sys.exit(1 if failed or not compiled else 0)

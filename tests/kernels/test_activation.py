@@ -17,10 +17,16 @@ def test_relu2_matches_reference(device, dtype, n):
     assert torch.equal(x, out)
 
 
-@pytest.mark.parametrize("M, I", [(3, 40), (6, 1856)])
-def test_relu2_writes_its_rows_quantized_as_the_quantizer_would(device, M, I):
+@pytest.mark.parametrize("walk", [False, True], ids=["whole-row", "walked"])
+@pytest.mark.parametrize("M, I", [(3, 40), (6, 1856), (4, 5000)])
+def test_relu2_writes_its_rows_quantized_as_the_quantizer_would(device, M, I, walk, monkeypatch):
     """``rows``: relu2 as without them (in place too) and each row quantized bit for bit as
-    ``quantize_rows`` makes it of the output (a row all below zero: zeros); poisoned buffers."""
+    ``quantize_rows`` makes it of the output (a row all below zero: zeros); poisoned buffers. The
+    row held whole, or walked in tiles (past ``WHOLE_ROW_MAX_ROWS`` rows, here all; 5000 columns:
+    two tiles and part of a third)."""
+    from mambastep.kernels import fp8
+
+    monkeypatch.setattr(fp8, "WHOLE_ROW_MAX_ROWS", 0 if walk else 256)
     torch.manual_seed(7)
     x = (torch.randn(M, I) * torch.linspace(0.01, 30.0, M)[:, None]).to(torch.bfloat16)
     x[1] = -x[1].abs()

@@ -38,10 +38,16 @@ def test_rms_norm_matches_reference(device, dtype, D, res_dtype):
         assert_close(res.cpu(), res_ref, res.dtype)
 
 
+@pytest.mark.parametrize("walk", [False, True], ids=["whole-row", "walked"])
 @pytest.mark.parametrize("D", [24, 2688])
-def test_rms_norm_writes_its_output_quantized_per_row_as_the_quantizer_would(device, D):
-    """``rows``: beside out, its rows as FP8 values and scales, bit for bit what ``quantize_rows``
-    makes of out (a zero row included); the buffers poisoned first. The reference the same."""
+def test_rms_norm_writes_its_output_quantized_per_row_as_the_quantizer_would(device, D, walk, monkeypatch):
+    """``rows``: out as without rows and, beside it, its rows as FP8 values and scales, bit for bit
+    what ``quantize_rows`` makes of out (a zero row included); the buffers poisoned first. The
+    reference the same. The row quantized from registers, or (past ``WHOLE_ROW_MAX_ROWS`` rows,
+    here all) read back from out in tiles (2688 columns: two and part of a third)."""
+    from mambastep.kernels import fp8
+
+    monkeypatch.setattr(fp8, "WHOLE_ROW_MAX_ROWS", 0 if walk else 256)
     torch.manual_seed(5)
     T = 6
     x = (torch.randn(T, D) * torch.tensor([[1.0], [30.0], [0.01], [0.0], [2.0], [1.0]])).to(torch.bfloat16)
@@ -54,6 +60,8 @@ def test_rms_norm_writes_its_output_quantized_per_row_as_the_quantizer_would(dev
         rows = Fp8Rows(torch.full((T, D), 3.0, device=device).to(torch.float8_e4m3fn),
                        torch.full((T, 1), -1.0, device=device))
         norm(x.to(device), w.to(device), 1e-5, residual=r, out=out, rows=rows)
+        assert torch.equal(out, norm(x.to(device), w.to(device), 1e-5, residual=res.clone().to(device),
+                                     out=torch.empty_like(out)))
         q, s = (quantize_rows.triton if norm is rms_norm.triton else quantize_rows_ref)(out)
         assert torch.equal(rows.scale.cpu(), s.cpu()) and torch.equal(rows.values.cpu().float(), q.cpu().float())
         assert (rows.values[3].cpu().float() == 0).all()
@@ -99,11 +107,17 @@ def test_gated_rms_norm_matches_reference(device, dtype, D, groups):
     assert_close(out.cpu(), ref, dtype)
 
 
+@pytest.mark.parametrize("walk", [False, True], ids=["whole-row", "walked"])
 @pytest.mark.parametrize("D, groups", [(48, 3), (4096, 8)])
-def test_gated_rms_norm_writes_its_output_quantized_per_row_as_the_quantizer_would(device, D, groups):
+def test_gated_rms_norm_writes_its_output_quantized_per_row_as_the_quantizer_would(device, D, groups, walk,
+                                                                                    monkeypatch):
     """``rows``: a program a row (all its groups) writes out as without rows and, beside it, the
     row quantized bit for bit as ``quantize_rows`` makes it of out (a zero row included; the
-    buffers poisoned); the reference the same. Groups not a power of two included."""
+    buffers poisoned); the reference the same. Groups not a power of two included; the row held
+    whole, or walked a group at a time (past ``WHOLE_ROW_MAX_ROWS`` rows, here all)."""
+    from mambastep.kernels import fp8
+
+    monkeypatch.setattr(fp8, "WHOLE_ROW_MAX_ROWS", 0 if walk else 256)
     torch.manual_seed(6)
     T = 5
     x = (torch.randn(T, D) * torch.tensor([[1.0], [30.0], [0.01], [0.0], [2.0]])).to(torch.bfloat16)

@@ -245,7 +245,7 @@ def test_block_norms_hand_their_fp8_mixers_the_rows_quantized_as_the_products_wo
     is handed rows equal to ``quantize_rows`` of its input, the others none, and the logits are
     those of the products quantizing the rows themselves, to the bit. On the CPU, where no product
     quantizes, the rule is told the products would (the wiring is what is checked)."""
-    from mambastep.kernels import fp8 as fp8_kernels, moe as moe_kernels
+    from mambastep.kernels import fp8 as fp8_kernels, linear as linear_kernels, moe as moe_kernels
     from mambastep.kernels.fp8 import quantize_rows
     from mambastep.runtime import model as model_mod
     from mambastep.runtime.mixers import mamba2, mlp, moe
@@ -264,7 +264,7 @@ def test_block_norms_hand_their_fp8_mixers_the_rows_quantized_as_the_products_wo
             return _forward(h, ctx, rows)
         monkeypatch.setattr(block.mixer, "forward", spy)
     calls = []
-    for mod in (fp8_kernels, moe_kernels):
+    for mod in (fp8_kernels, moe_kernels, linear_kernels):  # linear: W8A8 few-row products quantize there
         monkeypatch.setattr(mod, "quantize_rows", lambda *a, _q=mod.quantize_rows, **k: calls.append(1) or _q(*a, **k))
     with_rows = step(new_runner(model), [(ids, 0, 0)])[0]
     quantized_here = len(calls)

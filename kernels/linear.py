@@ -1,8 +1,8 @@
 """A block projection's one entry, ``linear(x, weight, bias)``: the product chosen by the weight's
 kind (a tensor, or an ``Fp8Weight``) and the number of rows.
 
-- plain weights: ``F.linear`` (cuBLAS); on CUDA up to ``FEW_ROWS_PLAIN_MAX`` rows (0 today), the
-  few-row product with the weight's rows as the tensor cores' 64-row side;
+- plain weights: on CUDA up to ``FEW_ROWS_PLAIN_MAX`` rows, the few-row product with the weight's
+  rows as the tensor cores' 64-row side; otherwise ``F.linear`` (cuBLAS);
 - FP8 weights beside bf16/fp16 activations on CUDA, by rows (swept on Nemotron-H-8B's
   projections on an H200, docs/experiments.md; at 32 rows the W8A16 few-row product lost to
   cuBLAS's FP8 tensor cores): up to ``SKINNY_MAX_ROWS`` the skinny decode
@@ -38,10 +38,10 @@ FEW_ROWS_FP8_MAX = 8
 # few rows read no faster than bf16 (docs/experiments.md)
 FEW_ROWS_W8A8 = True
 FEW_ROWS_W8A8_MAX = 64
-# plain bf16/fp16 weights: up to this many rows the few-row product with the weight's rows as the
-# tensor cores' 64-row side (``few_rows_linear(weight_rows=True)``), else cuBLAS; 0 (cuBLAS
-# always) until timed in a step (docs/experiments.md)
-FEW_ROWS_PLAIN_MAX = 0
+# plain bf16/fp16 weights: up to this many rows the few-row product with the weight's rows as
+# the tensor cores' 64-row side (``few_rows_linear(weight_rows=True)``), else cuBLAS: 1.3% off
+# Nemotron-H-8B's bf16 steps of 4 and 8 rows, 1.2% onto 32 (H100, docs/experiments.md)
+FEW_ROWS_PLAIN_MAX = 8
 
 
 def takes_rows(M: int, dtype: torch.dtype, device: torch.device, weight) -> bool:

@@ -35,8 +35,8 @@ def test_fp8_products_take_quantized_rows_past_the_skinny_rows(monkeypatch):
 
 @pytest.mark.gpu
 def test_plain_weights_take_the_few_row_product_up_to_its_rows(monkeypatch):
-    """With ``FEW_ROWS_PLAIN_MAX`` set, bf16 weights of up to that many rows take the few-row
-    product with the weight's rows as the 64-row side, its bias added; more rows take cuBLAS."""
+    """bf16 weights of up to ``FEW_ROWS_PLAIN_MAX`` rows (8, as by default) take the few-row product
+    with the weight's rows as the 64-row side, its bias added; more rows take cuBLAS."""
     from mambastep.kernels import linear as lin
     from mambastep.kernels.few_rows import few_rows_linear
 

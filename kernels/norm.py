@@ -216,7 +216,9 @@ def gated_rms_norm(x, z, weight, group_size, eps, *, out=None, pdl=False, rows: 
     ``kernels.decode_linear``; it signals its own dependents right after its wait.
     rows: as ``rms_norm``'s, out also written quantized per row: a program a row, not a group,
     holding the whole row, or past ``fp8.WHOLE_ROW_MAX_ROWS`` rows walking it a group at a time
-    and then again to quantize it.
+    and then again to quantize it. Walked, out is the kernel's without rows to the bit; held
+    whole, each group's sum may be taken over other warps, so out may differ from it by a
+    rounding (the rows are always ``quantize_rows`` of the out written).
     """
     T, D = x.shape
     out = torch.empty_like(x) if out is None else out

@@ -10,9 +10,12 @@ dependent launch, in a CUDA graph of calls over copies of the weight that togeth
 (at least ``CYCLE_BYTES``), so every call reads its weight from HBM; the median of ``REPLAYS``
 replays, per call. A projection that reads the hidden state (K = hidden) takes the block norm's
 prologue, its weight folded in (a unit norm, as the model folds it), the others add into a
-residual row. Mamba2's conv epilogue and gated norm are not modelled: in_proj is timed as a
-plain normed product, out_proj after its norm. With ``quantization="fp8"``, the preset quantized
-at load (its FP8 projections' tiles; the bf16 ones beside them).
+residual row. A SwiGLU MLP's up projection (the gate's rows, then the up's; a dense MLP's or a
+shared expert's) is timed with its SwiGLU, as the step runs it: in the epilogue where K streams,
+else ``silu_mul`` launched after a one-tile product, so the sweep weighs that launch too.
+Mamba2's conv epilogue and gated norm are not modelled: in_proj is timed as a plain normed
+product, out_proj after its norm. With ``quantization="fp8"``, the preset quantized at load (its
+FP8 projections' tiles; the bf16 ones beside them).
 """
 
 from __future__ import annotations
@@ -36,25 +39,30 @@ REPLAYS = 10
 
 
 def _named_weights(model: Model):
-    """(name, weight) of every 2-D weight of the blocks' mixers, in block order, then the LM head."""
+    """(name, weight, swiglu) of every 2-D weight of the blocks' mixers, in block order, then the
+    LM head; swiglu: a SwiGLU MLP's up projection (a dense MLP's ``up``, a MoE's ``shared[0]``)."""
     for block in model.blocks:
-        yield from ((name, w) for name, w in named_mixer_weights(block.mixer) if len(w.shape) == 2)
-    yield "lm_head", model.lm_head
+        swiglu = getattr(block.mixer, "act", None) == "swiglu"
+        for name, w in named_mixer_weights(block.mixer):
+            if len(w.shape) == 2:
+                yield name, w, swiglu and name.rsplit(".", 1)[-1] in ("up", "shared[0]")
+    yield "lm_head", model.lm_head, False
 
 
 def projections(model: Model) -> list[tuple[dict, object]]:
     """The distinct weight shapes the fused decode step projects through, in block order, the LM
     head last, each with one weight of that shape: (shape, weight), the shape's name (mixer and
-    attribute), N, K, whether FP8, and whether it reads the hidden state (a normed input) or
-    adds into the residual."""
+    attribute), N, K, whether FP8, whether it reads the hidden state (a normed input) or adds
+    into the residual, and whether SwiGLU follows it."""
     seen, out = set(), []
-    for name, weight in _named_weights(model):
+    for name, weight, swiglu in _named_weights(model):
         N, K = weight.shape
         fp8 = isinstance(weight, Fp8Weight)
-        if K < 64 or (not fp8 and weight.dtype == torch.float32) or (N, K, fp8) in seen:
+        if K < 64 or (not fp8 and weight.dtype == torch.float32) or (N, K, fp8, swiglu) in seen:
             continue  # conv weights, the router's fp32 gate; a shape already listed
-        seen.add((N, K, fp8))
-        out.append(({"name": name, "N": N, "K": K, "fp8": fp8, "normed": K == model.cfg.hidden_size}, weight))
+        seen.add((N, K, fp8, swiglu))
+        out.append(({"name": name, "N": N, "K": K, "fp8": fp8, "normed": K == model.cfg.hidden_size,
+                     "swiglu": swiglu}, weight))
     return out
 
 
@@ -89,17 +97,16 @@ def time_us(shape: dict, weight, tile: decode_linear._Config | None, rows: int =
     nbytes = N * K * (1 if shape["fp8"] else 2)
     weights = _copies(weight, max(2, int(CYCLE_BYTES // nbytes)))
     dev, act = _device(weight), torch.bfloat16
+    swiglu = shape.get("swiglu", False)
     x = torch.randn(rows, K, device=dev, dtype=act)
-    norm_w = torch.ones(K, device=dev, dtype=act)
-    out = torch.empty(rows, N, device=dev, dtype=act)
-    residual = torch.randn(rows, N, device=dev, dtype=act)
+    norm_w = torch.ones(K, device=dev, dtype=act) if shape["normed"] else None
+    out = torch.empty(rows, N // 2 if swiglu else N, device=dev, dtype=act)
+    residual = None if shape["normed"] or swiglu else torch.randn(rows, N, device=dev, dtype=act)
 
     def calls():
         for w in weights:
-            if shape["normed"]:
-                norm_linear(x, norm_w, 1e-5, w, out=out, pdl=True, unit_norm=True)
-            else:
-                norm_linear(x, None, 1e-5, w, residual=residual, pdl=True)
+            norm_linear(x, norm_w, 1e-5, w, out=None if residual is not None else out, residual=residual,
+                        swiglu=swiglu, pdl=True, unit_norm=norm_w is not None)
 
     table = decode_linear._config
     if tile is not None:
@@ -168,7 +175,8 @@ def tables(result: dict) -> str:
                 "| projection | N x K | floor (us) | table's tile | table (us) | best tile | best (us) | table/best |",
                 "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in p["rows"]:
-            out.append(f"| {r['name']}{' (FP8)' if r['fp8'] else ''} | {r['N']} x {r['K']} | {r['floor_us']:.2f} | "
+            out.append(f"| {r['name']}{' (FP8)' if r['fp8'] else ''}{' (SwiGLU)' if r.get('swiglu') else ''} | "
+                       f"{r['N']} x {r['K']} | {r['floor_us']:.2f} | "
                        f"{_tile(r['table'])} | {r['table_us']:.2f} | {_tile(r['best'])} | {r['best_us']:.2f} | "
                        f"{r['table_us'] / r['best_us']:.2f}x |")
     return "\n".join(out)

@@ -349,8 +349,9 @@ def test_the_spec_bench_sets_speculation_beside_plain_on_the_cpu(tmp_path):
 def test_the_tile_bench_lists_each_projection_shape_once():
     """`bench tiles` sweeps each distinct shape the fused decode projects through, once, the LM
     head last: Granite's Mamba2, attention and shared-expert projections (not the conv weights
-    or the fp32 router), normed where they read the hidden state; FP8 shapes apart from bf16's;
-    a parallel block's mixers through it (Falcon-H1's)."""
+    or the fp32 router), normed where they read the hidden state, a SwiGLU up projection apart
+    from a plain one of its shape; FP8 shapes apart from bf16's; a parallel block's mixers
+    through it (Falcon-H1's)."""
     import torch
 
     from mambastep.runtime.model import Model
@@ -358,15 +359,17 @@ def test_the_tile_bench_lists_each_projection_shape_once():
 
     model = Model.from_preset("tiny-granite", dtype=torch.bfloat16)
     shapes = [s for s, _ in bench_tiles.projections(model)]
-    assert [(s["name"], s["N"], s["K"], s["normed"]) for s in shapes] == [
-        ("Mamba2.in_proj", 296, 64, True), ("Mamba2.out_proj", 64, 128, False), ("MoE.shared[0]", 128, 64, True),
-        ("MoE.shared[1]", 64, 64, True), ("lm_head", 512, 64, True)]  # (attention's shapes are the MoE's here)
+    assert [(s["name"], s["N"], s["K"], s["normed"], s["swiglu"]) for s in shapes] == [
+        ("Mamba2.in_proj", 296, 64, True, False), ("Mamba2.out_proj", 64, 128, False, False),
+        ("MoE.shared[0]", 128, 64, True, True), ("MoE.shared[1]", 64, 64, True, False),
+        ("Attention.qkv", 128, 64, True, False), ("lm_head", 512, 64, True, False)]  # (o_proj's is shared[1]'s)
     assert not any(s["fp8"] for s in shapes)
     fp8 = Model.from_preset("tiny-granite", dtype=torch.bfloat16, quantization="fp8")
     assert any(s["fp8"] for s, _ in bench_tiles.projections(fp8))
     # a parallel block's (Falcon-H1's) projections are its own: the joint ones
     falcon = Model.from_preset("tiny-falcon-h1", dtype=torch.bfloat16)
-    assert [s["name"] for s, _ in bench_tiles.projections(falcon)][:2] == ["Parallel.in_w", "Parallel.out_w"]
+    assert [(s["name"], s["swiglu"]) for s, _ in bench_tiles.projections(falcon)][:3] == [
+        ("Parallel.in_w", False), ("Parallel.out_w", False), ("MLP.up", True)]
     assert any(not t.loop for t in bench_tiles.candidates(2048))
     assert all(t.loop for t in bench_tiles.candidates(4096))
     # more rows, narrower tiles: the partial sums a program holds stay within the one row's
@@ -378,15 +381,36 @@ def test_the_tile_bench_lists_each_projection_shape_once():
         bench_tiles.run(("tiny-granite",), rows=9)
 
 
+@pytest.mark.gpu
+def test_the_tile_bench_times_each_shape_on_the_gpu(monkeypatch):
+    """Each shape timed in the table's tile and in each swept one, a SwiGLU up projection with its
+    SwiGLU (in a streamed tile's epilogue, or launched after a one-tile product): every time
+    finite, the best no slower than the table's. Few copies and tiles: it runs, not what wins."""
+    import triton
+
+    from mambastep.kernels import decode_linear
+    from mambastep.tools import bench_tiles
+
+    monkeypatch.setattr(bench_tiles, "CYCLE_BYTES", 2e6)
+    monkeypatch.setattr(bench_tiles, "REPLAYS", 3)
+    monkeypatch.setattr(bench_tiles, "candidates", lambda K, rows=1: [
+        decode_linear._Config(True, 8, 64, 4, 2), decode_linear._Config(False, 4, triton.next_power_of_2(K), 1, 1)])
+    rows = bench_tiles.bench_preset("tiny-granite", 3e12, None, progress=False)["rows"]
+    assert [r["name"] for r in rows if r["swiglu"]] == ["MoE.shared[0]"]
+    for r in rows:
+        assert len(r["swept"]) == 2, r["name"]  # both tiles launched
+        assert 0 < r["best_us"] <= r["table_us"] < float("inf"), r["name"]
+
+
 def test_the_tile_bench_table(capsys):
     from mambastep.tools import bench_tiles
 
-    row = {"name": "MLP.up", "N": 16384, "K": 2048, "fp8": False, "normed": True, "floor_us": 15.8,
+    row = {"name": "MLP.up", "N": 16384, "K": 2048, "fp8": False, "normed": True, "swiglu": True, "floor_us": 15.8,
            "table": [True, 16, 256, 4, 3], "table_us": 21.0, "best": [False, 8, 2048, 4, 1], "best_us": 18.8}
     bench_tiles.print_table({"device": "GPU", "date": "2026-12-04", "torch": "2", "copy_GB/s": 4250.0,
                              "presets": [{"preset": "granite-4.0-h-micro", "quantization": None, "rows": [row]}]})
     out = capsys.readouterr().out
-    assert ("| MLP.up | 16384 x 2048 | 15.80 | 16 x 256, 3 stages | 21.00 | 8 x 2048 one tile, 4 warps | 18.80 | "
+    assert ("| MLP.up (SwiGLU) | 16384 x 2048 | 15.80 | 16 x 256, 3 stages | 21.00 | 8 x 2048 one tile, 4 warps | 18.80 | "
             "1.12x |") in out
     assert "; one row, PDL" in out
     bench_tiles.print_table({"device": "GPU", "date": "2026-12-05", "torch": "2", "copy_GB/s": 4250.0,

@@ -97,7 +97,7 @@ def time_us(shape: dict, weight, tile: decode_linear._Config | None, rows: int =
     nbytes = N * K * (1 if shape["fp8"] else 2)
     weights = _copies(weight, max(2, int(CYCLE_BYTES // nbytes)))
     dev, act = _device(weight), torch.bfloat16
-    swiglu = shape.get("swiglu", False)
+    swiglu = shape["swiglu"]
     x = torch.randn(rows, K, device=dev, dtype=act)
     norm_w = torch.ones(K, device=dev, dtype=act) if shape["normed"] else None
     out = torch.empty(rows, N // 2 if swiglu else N, device=dev, dtype=act)

@@ -39,7 +39,7 @@ import triton.language as tl
 from .dispatch import with_reference
 
 __all__ = ["FP8_MAX", "Fp8Rows", "Fp8Weight", "quantize_fp8", "fp8_linear", "fp8_linear_ref", "quantize_rows",
-           "quantize_rows_ref", "takes_rows", "walks_rows", "write_rows_ref"]
+           "quantize_rows_ref", "runs_w8a8", "takes_rows", "walks_rows", "write_rows_ref"]
 
 # the largest finite float8_e4m3fn
 FP8_MAX = 448.0
@@ -283,6 +283,13 @@ def fp8_linear_ref(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = No
 def _scaled_mm_fits(x_dtype: torch.dtype, w: Fp8Weight) -> bool:
     N, K = w.shape
     return not w.block and x_dtype in (torch.bfloat16, torch.float16) and N % 16 == 0 and K % 16 == 0
+
+
+def runs_w8a8(x_dtype: torch.dtype, w: Fp8Weight) -> bool:
+    """Whether ``fp8_linear`` multiplies x of ``x_dtype`` by w on the FP8 tensor cores (W8A8: w
+    scaled per column, bf16/fp16 activations quantized per token or with w's static
+    ``input_scale``), where its output is not the dequantized product."""
+    return _scaled_mm_fits(x_dtype, w)
 
 
 def takes_rows(x_dtype: torch.dtype, w: Fp8Weight) -> bool:

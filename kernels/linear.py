@@ -8,10 +8,10 @@ kind (a tensor, or an ``Fp8Weight``) and the number of rows.
   cuBLAS's FP8 tensor cores): up to ``SKINNY_MAX_ROWS`` the skinny decode
   projection (``kernels.decode_linear``), W8A16, the FP8 values read once and widened in
   registers, where quantizing the row first only adds a launch; up to ``FEW_ROWS_FP8_MAX`` the
-  few-row tensor-core product (``kernels.few_rows``), W8A16; or, where the rows are quantized
-  per token (``FEW_ROWS_W8A8``, weights scaled per column, dynamic scales), the few-row W8A8
-  product up to ``FEW_ROWS_W8A8_MAX``; more rows, ``fp8_linear`` (FP8 tensor cores through
-  cuBLAS, the rows quantized per token: W8A8);
+  few-row tensor-core product (``kernels.few_rows``), W8A16; or, for weights scaled per column
+  (``FEW_ROWS_W8A8``), the few-row W8A8 product up to ``FEW_ROWS_W8A8_MAX``, the rows quantized
+  per token (dynamic) or at the checkpoint's static ``input_scale`` (ModelOpt's); more rows,
+  ``fp8_linear`` (FP8 tensor cores through cuBLAS, the rows quantized the same way: W8A8);
 - FP8 weights otherwise (fp32 activations, the CPU): ``fp8_linear``, the dequantized product.
 
 Where the product quantizes its rows per token (``takes_rows``), the kernel that made them may
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from .decode_linear import norm_linear
 from .few_rows import few_rows_linear
-from .fp8 import Fp8Rows, Fp8Weight, fp8_linear, quantize_rows
+from .fp8 import Fp8Rows, Fp8Weight, fp8_linear, quantize_rows, runs_w8a8
 from .fp8 import takes_rows as _fp8_takes_rows
 
 __all__ = ["linear", "takes_rows"]
@@ -62,14 +62,18 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None, rows: Fp8R
             return F.linear(x, weight, bias)
         y = few_rows_linear(x if x.stride(1) == 1 else x.contiguous(), weight, weight_rows=True)
         return y if bias is None else y.add_(bias)
-    w8a8 = FEW_ROWS_W8A8 and _fp8_takes_rows(x.dtype, weight)
+    w8a8 = FEW_ROWS_W8A8 and runs_w8a8(x.dtype, weight)
     if not x.is_cuda or x.dtype == torch.float32 or M > (FEW_ROWS_W8A8_MAX if w8a8 else FEW_ROWS_FP8_MAX):
         return fp8_linear(x, weight, bias, rows)
     x = x if x.stride(1) == 1 else x.contiguous()
     if M <= SKINNY_MAX_ROWS:
         return norm_linear(x, None, 0.0, weight, bias=bias)
-    if takes_rows(M, x.dtype, x.device, weight):  # W8A8: the rows quantized here where x's maker did not
-        y = few_rows_linear(x, weight, rows=rows if rows is not None else quantize_rows(x))
+    if w8a8:  # the rows at the static scale, or per token where x's maker did not quantize them
+        if weight.input_scale is not None:
+            rows = quantize_rows(x, weight.input_scale)
+        elif rows is None:
+            rows = quantize_rows(x)
+        y = few_rows_linear(x, weight, rows=rows)
     else:
         y = few_rows_linear(x, weight)
     return y if bias is None else y.add_(bias)

@@ -65,6 +65,29 @@ def test_few_fp8_rows_are_quantized_once_whoever_quantizes_them(M):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("M", [3, 8, 64, 65])
+def test_fp8_weights_with_a_static_input_scale_quantize_their_rows_at_it(M):
+    """A ModelOpt weight's static ``input_scale``: from 3 rows every row is quantized at it (not
+    per token, and rows handed over are not read) for the FP8 tensor cores, the few-row W8A8
+    product to 64 rows, then cuBLAS; within e4m3's rounding of each activation of the product of
+    the dequantized weight."""
+    from mambastep.kernels.few_rows import few_rows_linear
+    from mambastep.kernels.fp8 import Fp8Weight, quantize_rows
+
+    torch.manual_seed(M)
+    dev = torch.device("cuda")
+    x = torch.randn(M, 256, device=dev).to(BF16)
+    q = quantize_fp8(torch.randn(320, 256, device=dev) / 16)
+    w = Fp8Weight(q.values, q.scale, q.block, torch.tensor(x.float().abs().amax().item() / 448.0, device=dev))
+    out = linear(x, w, rows=quantize_rows(x))
+    static = quantize_rows(x, w.input_scale)
+    if M <= 64:
+        assert torch.equal(out, few_rows_linear(x, w, rows=static))
+    assert torch.equal(out, linear(x, w))
+    assert rel_err(out.cpu(), fp8_linear_ref(x.cpu(), w.to("cpu"))) < 0.06
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("M", [1, 2, 3, 8, 9, 64, 65, 300])
 def test_fp8_weights_by_rows(M):
     """Up to 2 rows the FP8 values are read once and widened (skinny products; W8A16: bf16

@@ -85,6 +85,9 @@ __all__ = [
 MAX_ROWS = 8
 # The widest K held as one tile in registers; wider projections stream K (see ``_config``).
 ONE_TILE_MAX_K = 2048
+# One bf16 row over a grid of more than 8 programs an SM, K whole tiles of 1024 columns (Falcon-H1-7B's
+# joint in_proj and up_proj, K = 3072): 8 x 1024 tiles in 2 stages, not 16 x 512 in 3 (see ``_config``).
+WHOLE_KILO_TILES = True
 
 _PRO_NONE, _PRO_RMS, _PRO_GATED = 0, 1, 2
 _EPI_STORE, _EPI_RESIDUAL, _EPI_RELU2, _EPI_CONV, _EPI_SWIGLU = 0, 1, 2, 3, 4
@@ -518,7 +521,10 @@ def _config(M: int, N: int, K: int, device: torch.device, tile_k: int | None = N
     H200 (docs/experiments.md). A bf16 row through a short grid (8 columns a program would make
     at most two programs an SM: Granite-4.0-H's out_proj and down_proj, N = 1536-2048) takes 4
     x 512 tiles in 4 stages: micro's down_proj 11.0 against 12.3 us, its out_proj 6.9 against
-    7.7, tiny's out_proj 5.0 against 5.7.
+    7.7, tiny's out_proj 5.0 against 5.7. A bf16 row over a grid of 16 columns a program (more
+    than 8 programs an SM at 8) where K is whole 1024-column tiles takes 8 x 1024 in 2 stages
+    (``WHOLE_KILO_TILES``): Falcon-H1-7B's in_proj (N = 8728, K = 3072) 20.3 against 22.7 us,
+    its up_proj with SwiGLU (N = 24576) 52.0 against 54.5 (``bench tiles``, H100).
 
     Two to eight bf16 rows, K streamed: K tiles of 1024 / rows columns (512 / rows below K =
     4096), 4 stages, 8 columns a program (16 vocabulary-wide). Swept on an H100 (``bench tiles
@@ -549,6 +555,9 @@ def _config(M: int, N: int, K: int, device: torch.device, tile_k: int | None = N
     many = M == 1 and triton.cdiv(N, 8) > 8 * sms
     if fp8 and M == 1 and K >= 2048 and not (vocabulary_wide or many):
         return _Config(True, 8, 1024, 4, 3)
+    if WHOLE_KILO_TILES and M == 1 and not fp8 and many and not vocabulary_wide and K % 1024 == 0:
+        # many programs over K = 3072 (Falcon-H1-7B's in_proj and up_proj): three 1024-column tiles
+        return _Config(True, 8, 1024, 4, 2)
     if M == 1 and triton.cdiv(N, 8) <= 2 * sms:
         # a short grid (Granite-4.0-H's out_proj and down_proj): 4 columns a program, twice the
         # programs, 4 stages

@@ -1,8 +1,9 @@
 """A block projection's one entry, ``linear(x, weight, bias)``: the product chosen by the weight's
 kind (a tensor, or an ``Fp8Weight``) and the number of rows.
 
-- plain weights: on CUDA up to ``FEW_ROWS_PLAIN_MAX`` rows, the few-row product with the weight's
-  rows as the tensor cores' 64-row side; otherwise ``F.linear`` (cuBLAS);
+- plain weights: on CUDA up to ``FEW_ROWS_PLAIN_MAX`` rows over at least ``FEW_ROWS_PLAIN_MIN_N``
+  columns, the few-row product with the weight's rows as the tensor cores' 64-row side;
+  otherwise ``F.linear`` (cuBLAS);
 - FP8 weights beside bf16/fp16 activations on CUDA, by rows (swept on Nemotron-H-8B's
   projections on an H200, docs/experiments.md; at 32 rows the W8A16 few-row product lost to
   cuBLAS's FP8 tensor cores): up to ``SKINNY_MAX_ROWS`` the skinny decode
@@ -38,10 +39,13 @@ FEW_ROWS_FP8_MAX = 8
 # few rows read no faster than bf16 (docs/experiments.md)
 FEW_ROWS_W8A8 = True
 FEW_ROWS_W8A8_MAX = 64
-# plain bf16/fp16 weights: up to this many rows the few-row product with the weight's rows as
-# the tensor cores' 64-row side (``few_rows_linear(weight_rows=True)``), else cuBLAS: 1.3% off
-# Nemotron-H-8B's bf16 steps of 4 and 8 rows, 1.2% onto 32 (H100, docs/experiments.md)
+# plain bf16/fp16 weights: up to this many rows, over at least FEW_ROWS_PLAIN_MIN_N columns, the
+# few-row product with the weight's rows as the tensor cores' 64-row side
+# (``few_rows_linear(weight_rows=True)``), else cuBLAS: 2-7% off the projections of 6144 columns
+# and more; on 2048-4096 columns (64 programs or fewer, no split K) it is 1.0-1.34x slower
+# (H100, docs/experiments.md)
 FEW_ROWS_PLAIN_MAX = 8
+FEW_ROWS_PLAIN_MIN_N = 6144
 
 
 def takes_rows(M: int, dtype: torch.dtype, device: torch.device, weight) -> bool:
@@ -58,7 +62,8 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None, rows: Fp8R
     (``takes_rows``), else unread."""
     M = x.shape[0]
     if not isinstance(weight, Fp8Weight):
-        if M > FEW_ROWS_PLAIN_MAX or not x.is_cuda or x.dtype != weight.dtype or x.dtype == torch.float32:
+        if (M > FEW_ROWS_PLAIN_MAX or weight.shape[0] < FEW_ROWS_PLAIN_MIN_N or not x.is_cuda
+                or x.dtype != weight.dtype or x.dtype == torch.float32):
             return F.linear(x, weight, bias)
         y = few_rows_linear(x if x.stride(1) == 1 else x.contiguous(), weight, weight_rows=True)
         return y if bias is None else y.add_(bias)

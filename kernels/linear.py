@@ -46,6 +46,9 @@ FEW_ROWS_W8A8_MAX = 64
 # (H100, docs/experiments.md)
 FEW_ROWS_PLAIN_MAX = 8
 FEW_ROWS_PLAIN_MIN_N = 6144
+# and on fewer columns, the skinny decode projection (``norm_linear`` without a norm), whose
+# programs of a few columns each fill the SMs
+SHORT_SKINNY = True
 
 
 def takes_rows(M: int, dtype: torch.dtype, device: torch.device, weight) -> bool:
@@ -62,10 +65,12 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None, rows: Fp8R
     (``takes_rows``), else unread."""
     M = x.shape[0]
     if not isinstance(weight, Fp8Weight):
-        if (M > FEW_ROWS_PLAIN_MAX or weight.shape[0] < FEW_ROWS_PLAIN_MIN_N or not x.is_cuda
-                or x.dtype != weight.dtype or x.dtype == torch.float32):
+        if M > FEW_ROWS_PLAIN_MAX or not x.is_cuda or x.dtype != weight.dtype or x.dtype == torch.float32:
             return F.linear(x, weight, bias)
-        y = few_rows_linear(x if x.stride(1) == 1 else x.contiguous(), weight, weight_rows=True)
+        x = x if x.stride(1) == 1 else x.contiguous()
+        if weight.shape[0] < FEW_ROWS_PLAIN_MIN_N:
+            return norm_linear(x, None, 0.0, weight, bias=bias) if SHORT_SKINNY else F.linear(x, weight, bias)
+        y = few_rows_linear(x, weight, weight_rows=True)
         return y if bias is None else y.add_(bias)
     w8a8 = FEW_ROWS_W8A8 and runs_w8a8(x.dtype, weight)
     if not x.is_cuda or x.dtype == torch.float32 or M > (FEW_ROWS_W8A8_MAX if w8a8 else FEW_ROWS_FP8_MAX):

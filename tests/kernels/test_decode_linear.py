@@ -224,9 +224,10 @@ def test_fp8_weights_gated_into_residual(device, tile_k, fp8_block, M):
 
 # on the GPU (slow in the interpreter) the one-row tiles of the presets' shapes too: a tall
 # projection's, 16 columns a program (Nemotron-3-Nano's in_proj), 512-column tiles from K = 3072
-# (its shared expert's down projection), a tall one whose K is not whole 1024-column tiles (9B-v2)
+# (its shared expert's down projection), a tall one whose K is not whole 1024-column tiles (9B-v2),
+# a grid of 16 columns a program whose K is (Falcon-H1-7B's in_proj: 8 x 1024 tiles, 2 stages)
 _GPU_SHAPES = [pytest.param(1, K, N, marks=pytest.mark.gpu) for K, N in ((4096, 16400), (2688, 10304), (3712, 2688),
-                                                                         (4480, 22656))]
+                                                                         (4480, 22656), (3072, 8728))]
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])

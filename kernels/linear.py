@@ -41,7 +41,7 @@ FEW_ROWS_W8A8 = True
 FEW_ROWS_W8A8_MAX = 64
 # plain bf16/fp16 weights: up to this many rows, over at least FEW_ROWS_PLAIN_MIN_N columns, the
 # few-row product with the weight's rows as the tensor cores' 64-row side
-# (``few_rows_linear(weight_rows=True)``), else cuBLAS: 2-7% off the projections of 6144 columns
+# (``few_rows_linear(weight_rows=True)``), else cuBLAS: up to 7% off the projections of 6144 columns
 # and more; on 2048-4096 columns (64 programs or fewer, no split K) it is 1.0-1.34x slower
 # (H100, docs/experiments.md)
 FEW_ROWS_PLAIN_MAX = 8

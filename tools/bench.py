@@ -23,7 +23,8 @@
     mambastep bench tiles [--preset P ...] [--batch B] [--quantization fp8] [--json PATH]
                                             B decode rows (default 1) through each of a preset's
                                             projection shapes: the skinny tile table's choice
-                                            beside a sweep of others
+                                            beside a sweep of others, and the product alone
+                                            through linear (layer by layer) and cuBLAS
     mambastep bench profile --preset P --batch B [--prefill T | --verify K] [--quantization fp8]
                             [--mtp] [--timeline [--window LO:HI]]
                                             per-kernel time of one eager step: B decode rows

@@ -16,6 +16,10 @@ else ``silu_mul`` launched after a one-tile product, so the sweep weighs that la
 Mamba2's conv epilogue and gated norm are not modelled: in_proj is timed as a plain normed
 product, out_proj after its norm. With ``quantization="fp8"``, the preset quantized at load (its
 FP8 projections' tiles; the bf16 ones beside them).
+
+Beside the sweep, each shape's product alone as a layer-by-layer step runs it (a step whose rows
+the fused path does not take): through ``kernels.linear.linear``, and through cuBLAS, the
+evidence for ``linear``'s choice by rows and columns.
 """
 
 from __future__ import annotations
@@ -23,12 +27,14 @@ from __future__ import annotations
 import itertools
 
 import torch
+import torch.nn.functional as F
 import triton
 from tqdm import tqdm
 
 from ..kernels import decode_linear
 from ..kernels.decode_linear import MAX_ROWS, ONE_TILE_MAX_K, norm_linear
-from ..kernels.fp8 import Fp8Weight
+from ..kernels.fp8 import Fp8Weight, fp8_linear
+from ..kernels.linear import linear
 from ..runtime.model import Model
 from .bench_kernels import copy_bandwidth, stamp
 from .bench_steps import named_mixer_weights
@@ -90,12 +96,34 @@ def _copies(weight, n: int) -> list:
     return [weight.clone() for _ in range(n)]
 
 
+def _replay_us(calls, n: int) -> float:
+    """Microseconds a call of ``calls()``'s ``n`` takes: compiled, captured in a CUDA graph, the
+    median of ``REPLAYS`` replays."""
+    calls()  # compiles
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(REPLAYS):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / n)
+    return sorted(times)[len(times) // 2]
+
+
+def _weight_cycle(shape: dict, weight) -> list:
+    return _copies(weight, max(2, int(CYCLE_BYTES // (shape["N"] * shape["K"] * (1 if shape["fp8"] else 2)))))
+
+
 def time_us(shape: dict, weight, tile: decode_linear._Config | None, rows: int = 1) -> float:
     """Microseconds a call of ``rows`` rows at ``shape`` takes in ``tile`` (None: the table's), as
     the module doc says; NaN where the tile does not launch."""
     N, K = shape["N"], shape["K"]
-    nbytes = N * K * (1 if shape["fp8"] else 2)
-    weights = _copies(weight, max(2, int(CYCLE_BYTES // nbytes)))
+    weights = _weight_cycle(shape, weight)
     dev, act = _device(weight), torch.bfloat16
     swiglu = shape["swiglu"]
     x = torch.randn(rows, K, device=dev, dtype=act)
@@ -112,24 +140,27 @@ def time_us(shape: dict, weight, tile: decode_linear._Config | None, rows: int =
     if tile is not None:
         decode_linear._config = lambda *args, **kwargs: tile
     try:
-        calls()  # compiles
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            calls()
-        graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(REPLAYS):
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3 / len(weights))
-        return sorted(times)[len(times) // 2]
+        return _replay_us(calls, len(weights))
     except Exception:  # noqa: BLE001 - a tile that does not compile or launch is no candidate
         return float("nan")
     finally:
         decode_linear._config = table
+        torch.cuda.synchronize()
+
+
+def layered_us(shape: dict, weight, rows: int = 1) -> dict:
+    """Microseconds the product alone of ``rows`` rows at ``shape`` takes as a layer-by-layer step
+    runs it, no norm or epilogue: through ``kernels.linear.linear`` (whatever it picks for that
+    many rows: the weight-rows product, the skinny one, cuBLAS) and through cuBLAS
+    (``F.linear``; FP8 weights: ``fp8_linear``, cuBLAS's FP8 tensor cores or the dequantized
+    product), timed as ``time_us`` times a tile."""
+    weights = _weight_cycle(shape, weight)
+    x = torch.randn(rows, shape["K"], device=_device(weight), dtype=torch.bfloat16)
+    cublas = fp8_linear if shape["fp8"] else F.linear
+    try:
+        return {name: _replay_us(lambda: [product(x, w) for w in weights], len(weights))
+                for name, product in (("linear", linear), ("cuBLAS", cublas))}
+    finally:
         torch.cuda.synchronize()
 
 
@@ -143,8 +174,10 @@ def bench_preset(name: str, bandwidth: float, quantization: str | None, progress
         # the best of the sweep, the table's own tile among them
         swept = [(t, tile) for tile in candidates(K, rows) if (t := time_us(shape, weight, tile, rows)) == t]
         best_us, best = min(swept + [(table_us, table)])
+        layered = layered_us(shape, weight, rows)
         out.append({**shape, "floor_us": N * K * (1 if fp8 else 2) / bandwidth * 1e6, "table": list(table),
                     "table_us": table_us, "best": list(best), "best_us": best_us,
+                    "linear_us": layered["linear"], "cublas_us": layered["cuBLAS"],
                     "swept": [[*tile, t] for t, tile in swept]})  # every tile that ran, to fit a rule to
     del model
     torch.cuda.empty_cache()
@@ -172,13 +205,14 @@ def tables(result: dict) -> str:
            f"weights read from HBM"]
     for p in result["presets"]:
         out += ["", f"### {p['preset']}" + (f" ({p['quantization']})" if p["quantization"] else ""), "",
-                "| projection | N x K | floor (us) | table's tile | table (us) | best tile | best (us) | table/best |",
-                "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+                "| projection | N x K | floor (us) | table's tile | table (us) | best tile | best (us) | table/best "
+                "| layered: linear (us) | layered: cuBLAS (us) |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in p["rows"]:
             out.append(f"| {r['name']}{' (FP8)' if r['fp8'] else ''}{' (SwiGLU)' if r.get('swiglu') else ''} | "
                        f"{r['N']} x {r['K']} | {r['floor_us']:.2f} | "
                        f"{_tile(r['table'])} | {r['table_us']:.2f} | {_tile(r['best'])} | {r['best_us']:.2f} | "
-                       f"{r['table_us'] / r['best_us']:.2f}x |")
+                       f"{r['table_us'] / r['best_us']:.2f}x | {r['linear_us']:.2f} | {r['cublas_us']:.2f} |")
     return "\n".join(out)
 
 

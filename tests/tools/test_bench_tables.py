@@ -384,8 +384,9 @@ def test_the_tile_bench_lists_each_projection_shape_once():
 @pytest.mark.gpu
 def test_the_tile_bench_times_each_shape_on_the_gpu(monkeypatch):
     """Each shape timed in the table's tile and in each swept one, a SwiGLU up projection with its
-    SwiGLU (in a streamed tile's epilogue, or launched after a one-tile product): every time
-    finite, the best no slower than the table's. Few copies and tiles: it runs, not what wins."""
+    SwiGLU (in a streamed tile's epilogue, or launched after a one-tile product), and its product
+    alone through ``linear`` and cuBLAS: every time finite, the best tile no slower than the
+    table's. Few copies and tiles: it runs, not what wins."""
     import triton
 
     from mambastep.kernels import decode_linear
@@ -400,18 +401,20 @@ def test_the_tile_bench_times_each_shape_on_the_gpu(monkeypatch):
     for r in rows:
         assert len(r["swept"]) == 2, r["name"]  # both tiles launched
         assert 0 < r["best_us"] <= r["table_us"] < float("inf"), r["name"]
+        assert 0 < r["linear_us"] < float("inf") and 0 < r["cublas_us"] < float("inf"), r["name"]
 
 
 def test_the_tile_bench_table(capsys):
     from mambastep.tools import bench_tiles
 
     row = {"name": "MLP.up", "N": 16384, "K": 2048, "fp8": False, "normed": True, "swiglu": True, "floor_us": 15.8,
-           "table": [True, 16, 256, 4, 3], "table_us": 21.0, "best": [False, 8, 2048, 4, 1], "best_us": 18.8}
+           "table": [True, 16, 256, 4, 3], "table_us": 21.0, "best": [False, 8, 2048, 4, 1], "best_us": 18.8,
+           "linear_us": 24.8, "cublas_us": 25.3}
     bench_tiles.print_table({"device": "GPU", "date": "2026-12-04", "torch": "2", "copy_GB/s": 4250.0,
                              "presets": [{"preset": "granite-4.0-h-micro", "quantization": None, "rows": [row]}]})
     out = capsys.readouterr().out
     assert ("| MLP.up (SwiGLU) | 16384 x 2048 | 15.80 | 16 x 256, 3 stages | 21.00 | 8 x 2048 one tile, 4 warps | 18.80 | "
-            "1.12x |") in out
+            "1.12x | 24.80 | 25.30 |") in out
     assert "; one row, PDL" in out
     bench_tiles.print_table({"device": "GPU", "date": "2026-12-05", "torch": "2", "copy_GB/s": 4250.0,
                              "decode_rows": 4, "presets": []})

@@ -115,8 +115,12 @@ def _replay_us(calls, n: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _weight_bytes(shape: dict) -> int:
+    return shape["N"] * shape["K"] * (1 if shape["fp8"] else 2)
+
+
 def _weight_cycle(shape: dict, weight) -> list:
-    return _copies(weight, max(2, int(CYCLE_BYTES // (shape["N"] * shape["K"] * (1 if shape["fp8"] else 2)))))
+    return _copies(weight, max(2, int(CYCLE_BYTES // _weight_bytes(shape))))
 
 
 def time_us(shape: dict, weight, tile: decode_linear._Config | None, rows: int = 1) -> float:
@@ -157,11 +161,8 @@ def layered_us(shape: dict, weight, rows: int = 1) -> dict:
     weights = _weight_cycle(shape, weight)
     x = torch.randn(rows, shape["K"], device=_device(weight), dtype=torch.bfloat16)
     cublas = fp8_linear if shape["fp8"] else F.linear
-    try:
-        return {name: _replay_us(lambda: [product(x, w) for w in weights], len(weights))
-                for name, product in (("linear", linear), ("cuBLAS", cublas))}
-    finally:
-        torch.cuda.synchronize()
+    return {name: _replay_us(lambda: [product(x, w) for w in weights], len(weights))
+            for name, product in (("linear", linear), ("cuBLAS", cublas))}
 
 
 def bench_preset(name: str, bandwidth: float, quantization: str | None, progress: bool, rows: int = 1) -> dict:
@@ -175,7 +176,7 @@ def bench_preset(name: str, bandwidth: float, quantization: str | None, progress
         swept = [(t, tile) for tile in candidates(K, rows) if (t := time_us(shape, weight, tile, rows)) == t]
         best_us, best = min(swept + [(table_us, table)])
         layered = layered_us(shape, weight, rows)
-        out.append({**shape, "floor_us": N * K * (1 if fp8 else 2) / bandwidth * 1e6, "table": list(table),
+        out.append({**shape, "floor_us": _weight_bytes(shape) / bandwidth * 1e6, "table": list(table),
                     "table_us": table_us, "best": list(best), "best_us": best_us,
                     "linear_us": layered["linear"], "cublas_us": layered["cuBLAS"],
                     "swept": [[*tile, t] for t, tile in swept]})  # every tile that ran, to fit a rule to

@@ -2,8 +2,9 @@
 kind (a tensor, or an ``Fp8Weight``) and the number of rows.
 
 - plain weights: on CUDA up to ``FEW_ROWS_PLAIN_MAX`` rows over at least ``FEW_ROWS_PLAIN_MIN_N``
-  columns, the few-row product with the weight's rows as the tensor cores' 64-row side;
-  otherwise ``F.linear`` (cuBLAS);
+  columns, the few-row product with the weight's rows as the tensor cores' 64-row side; up to
+  ``SHORT_SKINNY_MAX`` rows over fewer columns, the skinny decode projection; otherwise
+  ``F.linear`` (cuBLAS);
 - FP8 weights beside bf16/fp16 activations on CUDA, by rows (swept on Nemotron-H-8B's
   projections on an H200, docs/experiments.md; at 32 rows the W8A16 few-row product lost to
   cuBLAS's FP8 tensor cores): up to ``SKINNY_MAX_ROWS`` the skinny decode
@@ -46,6 +47,11 @@ FEW_ROWS_W8A8_MAX = 64
 # (H100, docs/experiments.md)
 FEW_ROWS_PLAIN_MAX = 8
 FEW_ROWS_PLAIN_MIN_N = 6144
+# and on fewer columns, up to this many rows, the skinny decode projection (``norm_linear`` without
+# a norm), whose programs of a few columns each fill the SMs where cuBLAS's do not: whole steps at 3
+# and 4 rows 1.6-1.9% faster (Granite-4.0-H-micro, Nemotron-H-8B), at 5-8 rows 3-8% slower (its
+# tiles for over 4 rows; H100, docs/experiments.md); 0: cuBLAS
+SHORT_SKINNY_MAX = 4
 
 
 def takes_rows(M: int, dtype: torch.dtype, device: torch.device, weight) -> bool:
@@ -62,10 +68,12 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None, rows: Fp8R
     (``takes_rows``), else unread."""
     M = x.shape[0]
     if not isinstance(weight, Fp8Weight):
-        if (M > FEW_ROWS_PLAIN_MAX or weight.shape[0] < FEW_ROWS_PLAIN_MIN_N or not x.is_cuda
-                or x.dtype != weight.dtype or x.dtype == torch.float32):
+        if M > FEW_ROWS_PLAIN_MAX or not x.is_cuda or x.dtype != weight.dtype or x.dtype == torch.float32:
             return F.linear(x, weight, bias)
-        y = few_rows_linear(x if x.stride(1) == 1 else x.contiguous(), weight, weight_rows=True)
+        x = x if x.stride(1) == 1 else x.contiguous()
+        if weight.shape[0] < FEW_ROWS_PLAIN_MIN_N:
+            return norm_linear(x, None, 0.0, weight, bias=bias) if M <= SHORT_SKINNY_MAX else F.linear(x, weight, bias)
+        y = few_rows_linear(x, weight, weight_rows=True)
         return y if bias is None else y.add_(bias)
     w8a8 = FEW_ROWS_W8A8 and runs_w8a8(x.dtype, weight)
     if not x.is_cuda or x.dtype == torch.float32 or M > (FEW_ROWS_W8A8_MAX if w8a8 else FEW_ROWS_FP8_MAX):

@@ -35,21 +35,28 @@ def test_fp8_products_take_quantized_rows_past_the_skinny_rows(monkeypatch):
 
 @pytest.mark.gpu
 def test_plain_weights_take_the_few_row_product_up_to_its_rows_over_enough_columns(monkeypatch):
-    """bf16 weights of at least ``FEW_ROWS_PLAIN_MIN_N`` columns (320 here) take, up to
-    ``FEW_ROWS_PLAIN_MAX`` rows (8, as by default), the few-row product with the weight's rows as
-    the 64-row side, its bias added; more rows, or fewer columns, take cuBLAS."""
+    """Up to ``FEW_ROWS_PLAIN_MAX`` rows (8, as by default), bf16 weights of at least
+    ``FEW_ROWS_PLAIN_MIN_N`` columns (320 here) take the few-row product with the weight's rows as
+    the 64-row side, its bias added; fewer columns, up to ``SHORT_SKINNY_MAX`` rows (4, as by
+    default), the skinny decode projection; the rest cuBLAS."""
     from mambastep.kernels import linear as lin
+    from mambastep.kernels.decode_linear import norm_linear
     from mambastep.kernels.few_rows import few_rows_linear
 
     monkeypatch.setattr(lin, "FEW_ROWS_PLAIN_MAX", 8)
     monkeypatch.setattr(lin, "FEW_ROWS_PLAIN_MIN_N", 320)
+    monkeypatch.setattr(lin, "SHORT_SKINNY_MAX", 4)
     dev = torch.device("cuda")
     for N in (320, 256):
         w, b = torch.randn(N, 256, device=dev).to(BF16), torch.randn(N, device=dev).to(BF16)
-        for M in (1, 8, 9):
+        for M in (1, 4, 5, 8, 9):
             x = torch.randn(M, 256, device=dev).to(BF16)
-            few = M <= 8 and N >= 320
-            want = few_rows_linear(x, w, weight_rows=True).add_(b) if few else torch.nn.functional.linear(x, w, b)
+            if M <= 8 and N >= 320:
+                want = few_rows_linear(x, w, weight_rows=True).add_(b)
+            elif M <= 4:
+                want = norm_linear(x, None, 0.0, w, bias=b)
+            else:
+                want = torch.nn.functional.linear(x, w, b)
             assert torch.equal(linear(x, w, b), want)
             assert_close(linear(x, w, b).cpu(), torch.nn.functional.linear(x.float(), w.float(), b.float()).cpu(), BF16)
 

@@ -5,7 +5,7 @@ prefill rows go through the varlen conv and the chunked SSD scan, decode rows th
 update and the selective state update. Both write into one output buffer, then the gated norm
 (Falcon-H1: the gate alone, ``y * silu(z)``) and out_proj run over all tokens again. Fused, a small
 decode step is three kernels: block norm + in_proj + conv update; state update; gated norm +
-out_proj + residual add (without the norm: the gate a kernel of its own, then out_proj).
+out_proj + residual add (without the norm: the gate in the state update's epilogue, then out_proj).
 
 A verify step's prefill rows (``runtime.replay``) are scanned, token by token where they are few,
 after each sequence's drafts kept by the verify step before, replayed from the layer's record.
@@ -35,6 +35,9 @@ __all__ = ["Mamba2Mixer"]
 FUSED_VERIFY = True
 # where out_proj's FP8 product would quantize the gated norm's rows, the norm writes them so
 GATED_ROWS = True
+# without a gated norm (Falcon-H1), a fused decode step's gate y * silu(z) rides in the state
+# update's epilogue; False: a kernel of its own after it (``gate_silu``)
+GATE_IN_UPDATE = True
 
 
 class Mamba2Mixer(Mixer):
@@ -172,10 +175,10 @@ class Mamba2Mixer(Mixer):
         opts = ctx.options
         proj = norm_linear(x, weight=self.in_proj, bias=self.in_proj_bias, conv=self.conv_tail(ctx),
                            pdl=opts.pdl and first_pdl, tile_k=opts.tile_k, **norm_args(norm))
-        y = self.state_update(proj, ctx)
         if self.norm_w is None:
-            return norm_linear(self.gate(y, proj, pdl=opts.pdl), None, 0.0, self.out_proj, bias=self.out_proj_bias,
+            return norm_linear(self.gated_update(proj, ctx), None, 0.0, self.out_proj, bias=self.out_proj_bias,
                                residual=residual, out=out, pdl=opts.pdl, tile_k=opts.tile_k, early=residual is not None)
+        y = self.state_update(proj, ctx)
         # z (from in_proj) and the residual (from the previous block) are two or more kernels back
         return gated_norm_linear(y, self._z(proj), self.norm_w, self.inner // self.G, self.eps, self.out_proj,
                                  bias=self.out_proj_bias, residual=residual, out=out, pdl=opts.pdl, early=True,
@@ -186,13 +189,26 @@ class Mamba2Mixer(Mixer):
         output's xBC columns come out already convolved, as ``decode`` writes them into xbc."""
         return ConvTail(ctx.pool.conv[self.idx], self.conv_w, self.conv_b, ctx.inputs.decode_slots, self.inner)
 
-    def state_update(self, proj: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    def state_update(self, proj: torch.Tensor, ctx: StepContext, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """A fused decode step's state update from in_proj's output (its xBC columns convolved,
-        ``conv_tail``): y [T, inner], a programmatic dependent where the options say."""
+        ``conv_tail``): y [T, inner], a programmatic dependent where the options say; into ``out``
+        (row-strided views allowed) or a new tensor. Without a gated norm the gate rides in its
+        epilogue (``y * silu(z)``, ``GATE_IN_UPDATE``): what it returns is out_proj's input."""
         T = proj.shape[0]
         xs, B, C = self._ssm_operands(self._xbc(proj))
-        y = torch.empty(T, self.H, self.P, dtype=proj.dtype, device=proj.device)
+        y = torch.empty(T, self.inner, dtype=proj.dtype, device=proj.device) if out is None else out
+        z = self._z(proj).view(T, self.H, self.P) if self.gates_in_update else None
         selective_state_update(ctx.pool.ssm[self.idx], xs, self._dt(proj), self.A, B, C, self.D,
-                               ctx.inputs.decode_slots, dt_bias=self.dt_bias, dt_softplus=True, out=y,
-                               pdl=ctx.options.pdl)
-        return y.view(T, self.inner)
+                               ctx.inputs.decode_slots, z=z, dt_bias=self.dt_bias, dt_softplus=True,
+                               out=y.view(T, self.H, self.P), pdl=ctx.options.pdl)
+        return y
+
+    @property
+    def gates_in_update(self) -> bool:
+        return GATE_IN_UPDATE and self.norm_w is None
+
+    def gated_update(self, proj: torch.Tensor, ctx: StepContext, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """out_proj's input for a fused decode step without a gated norm: ``y * silu(z)``."""
+        if self.gates_in_update:
+            return self.state_update(proj, ctx, out=out)
+        return self.gate(self.state_update(proj, ctx), proj, out=out, pdl=ctx.options.pdl)

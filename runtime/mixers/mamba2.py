@@ -17,7 +17,7 @@ import torch
 
 from ...kernels.activation import gate_silu
 from ...kernels.conv1d import conv1d_update, conv1d_varlen
-from ...kernels.decode_linear import ConvTail, gated_norm_linear, norm_linear
+from ...kernels.decode_linear import ConvTail, gated_norm_linear, norm_linear, streams
 from ...kernels.fp8 import Fp8Rows
 from ...kernels.linear import linear, takes_rows
 from ...kernels.norm import gated_rms_norm
@@ -38,6 +38,10 @@ GATED_ROWS = True
 # without a gated norm (Falcon-H1), a fused decode step's gate y * silu(z) rides in the state
 # update's epilogue; False: a kernel of its own after it (``gate_silu``)
 GATE_IN_UPDATE = True
+# a one-group gated norm before a streamed out_proj (Granite-4.0-H, Bamba): the gate in the state
+# update's epilogue and the norm in out_proj's stream, as a block norm is (its squares summed
+# along the K loop, the rstd applied to the sums); False: the gated norm a kernel of its own
+NORM_IN_STREAM = True
 
 
 class Mamba2Mixer(Mixer):
@@ -175,40 +179,40 @@ class Mamba2Mixer(Mixer):
         opts = ctx.options
         proj = norm_linear(x, weight=self.in_proj, bias=self.in_proj_bias, conv=self.conv_tail(ctx),
                            pdl=opts.pdl and first_pdl, tile_k=opts.tile_k, **norm_args(norm))
+        tail = dict(bias=self.out_proj_bias, residual=residual, out=out, pdl=opts.pdl, tile_k=opts.tile_k)
         if self.norm_w is None:
-            return norm_linear(self.gated_update(proj, ctx), None, 0.0, self.out_proj, bias=self.out_proj_bias,
-                               residual=residual, out=out, pdl=opts.pdl, tile_k=opts.tile_k, early=residual is not None)
+            return norm_linear(self.gated_update(proj, ctx), None, 0.0, self.out_proj, early=residual is not None,
+                               **tail)
+        if NORM_IN_STREAM and self.G == 1 and streams(proj.shape[0], self.out_proj, opts.tile_k):
+            # one group: the gated norm is the RMS norm of y * silu(z) over the whole row
+            return norm_linear(self.state_update(proj, ctx, gate=True), self.norm_w, self.eps, self.out_proj,
+                               early=residual is not None, **tail)
         y = self.state_update(proj, ctx)
         # z (from in_proj) and the residual (from the previous block) are two or more kernels back
         return gated_norm_linear(y, self._z(proj), self.norm_w, self.inner // self.G, self.eps, self.out_proj,
-                                 bias=self.out_proj_bias, residual=residual, out=out, pdl=opts.pdl, early=True,
-                                 tile_k=opts.tile_k)
+                                 early=True, **tail)
 
     def conv_tail(self, ctx: StepContext) -> ConvTail:
         """The conv update of the xBC columns as in_proj's epilogue in a fused decode step: its
         output's xBC columns come out already convolved, as ``decode`` writes them into xbc."""
         return ConvTail(ctx.pool.conv[self.idx], self.conv_w, self.conv_b, ctx.inputs.decode_slots, self.inner)
 
-    def state_update(self, proj: torch.Tensor, ctx: StepContext, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    def state_update(self, proj: torch.Tensor, ctx: StepContext, *, out: torch.Tensor | None = None,
+                     gate: bool = False) -> torch.Tensor:
         """A fused decode step's state update from in_proj's output (its xBC columns convolved,
         ``conv_tail``): y [T, inner], a programmatic dependent where the options say; into ``out``
-        (row-strided views allowed) or a new tensor. Without a gated norm the gate rides in its
-        epilogue (``y * silu(z)``, ``GATE_IN_UPDATE``): what it returns is out_proj's input."""
+        (row-strided views allowed) or a new tensor. gate: y * silu(z) in its epilogue."""
         T = proj.shape[0]
         xs, B, C = self._ssm_operands(self._xbc(proj))
         y = torch.empty(T, self.inner, dtype=proj.dtype, device=proj.device) if out is None else out
-        z = self._z(proj).view(T, self.H, self.P) if self.gates_in_update else None
+        z = self._z(proj).view(T, self.H, self.P) if gate else None
         selective_state_update(ctx.pool.ssm[self.idx], xs, self._dt(proj), self.A, B, C, self.D,
                                ctx.inputs.decode_slots, z=z, dt_bias=self.dt_bias, dt_softplus=True,
                                out=y.view(T, self.H, self.P), pdl=ctx.options.pdl)
         return y
 
-    @property
-    def gates_in_update(self) -> bool:
-        return GATE_IN_UPDATE and self.norm_w is None
-
     def gated_update(self, proj: torch.Tensor, ctx: StepContext, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """out_proj's input for a fused decode step without a gated norm: ``y * silu(z)``."""
-        if self.gates_in_update:
-            return self.state_update(proj, ctx, out=out)
+        if GATE_IN_UPDATE:
+            return self.state_update(proj, ctx, out=out, gate=True)
         return self.gate(self.state_update(proj, ctx), proj, out=out, pdl=ctx.options.pdl)

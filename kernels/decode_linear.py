@@ -79,6 +79,7 @@ __all__ = [
     "gated_norm_linear_ref",
     "hopper_or_newer",
     "pdl_supported",
+    "streams",
 ]
 
 # The kernels take up to 8 rows; the model uses them at 1-4 (``runtime.decode_options``).
@@ -570,6 +571,13 @@ def _config(M: int, N: int, K: int, device: torch.device, tile_k: int | None = N
     return _Config(True, 16 if vocabulary_wide or many else 8, max(32, block_k), 4, 3)
 
 
+def streams(rows: int, weight, tile_k: int | None = None) -> bool:
+    """Whether ``rows`` rows through ``weight`` ([N, K], or an ``Fp8Weight``) stream K in tiles,
+    rather than hold a program's whole K in one register tile (``_config``)."""
+    N, K = weight.shape
+    return _config(rows, N, K, weight.device, tile_k, fp8=isinstance(weight, Fp8Weight)).loop
+
+
 def _check(name: str, t: torch.Tensor, shape: tuple) -> None:
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name}: expected shape {list(shape)}, got {list(t.shape)}")
@@ -795,7 +803,7 @@ def gated_norm_linear(y, z, norm_w, group_size, eps, weight, *, bias=None, resid
         raise ValueError(f"group_size {group_size} does not divide {K}")
     act = _act_dtype(weight, y, None)
     spec, dst = _out_rows(y, None, out, residual, weight.shape[0], act)
-    if _config(T, weight.shape[0], K, y.device, tile_k, fp8=isinstance(weight, Fp8Weight)).loop:
+    if streams(T, weight, tile_k):
         # A streamed product would recompute the grouped norm tile by tile, which costs more
         # than a kernel of its own (measured on Nemotron-H-8B's out_proj)
         h = gated_rms_norm(y, z, norm_w, group_size, eps, pdl=pdl)

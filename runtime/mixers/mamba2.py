@@ -5,7 +5,7 @@ prefill rows go through the varlen conv and the chunked SSD scan, decode rows th
 update and the selective state update. Both write into one output buffer, then the gated norm
 (Falcon-H1: the gate alone, ``y * silu(z)``) and out_proj run over all tokens again. Fused, a small
 decode step is three kernels: block norm + in_proj + conv update; state update; gated norm +
-out_proj + residual add (without the norm: the gate a kernel of its own, then out_proj).
+out_proj + residual add (without the norm: the gate in the state update's epilogue, then out_proj).
 
 A verify step's prefill rows (``runtime.replay``) are scanned, token by token where they are few,
 after each sequence's drafts kept by the verify step before, replayed from the layer's record.
@@ -17,7 +17,7 @@ import torch
 
 from ...kernels.activation import gate_silu
 from ...kernels.conv1d import conv1d_update, conv1d_varlen
-from ...kernels.decode_linear import ConvTail, gated_norm_linear, norm_linear
+from ...kernels.decode_linear import ConvTail, gated_norm_linear, norm_linear, streams
 from ...kernels.fp8 import Fp8Rows
 from ...kernels.linear import linear, takes_rows
 from ...kernels.norm import gated_rms_norm
@@ -35,6 +35,13 @@ __all__ = ["Mamba2Mixer"]
 FUSED_VERIFY = True
 # where out_proj's FP8 product would quantize the gated norm's rows, the norm writes them so
 GATED_ROWS = True
+# without a gated norm (Falcon-H1), a fused decode step's gate y * silu(z) rides in the state
+# update's epilogue; False: a kernel of its own after it (``gate_silu``)
+GATE_IN_UPDATE = True
+# a one-group gated norm before a streamed out_proj (Granite-4.0-H, Bamba): the gate in the state
+# update's epilogue and the norm in out_proj's stream, as a block norm is (its squares summed
+# along the K loop, the rstd applied to the sums); False: the gated norm a kernel of its own
+NORM_IN_STREAM = True
 
 
 class Mamba2Mixer(Mixer):
@@ -172,27 +179,40 @@ class Mamba2Mixer(Mixer):
         opts = ctx.options
         proj = norm_linear(x, weight=self.in_proj, bias=self.in_proj_bias, conv=self.conv_tail(ctx),
                            pdl=opts.pdl and first_pdl, tile_k=opts.tile_k, **norm_args(norm))
-        y = self.state_update(proj, ctx)
+        tail = dict(bias=self.out_proj_bias, residual=residual, out=out, pdl=opts.pdl, tile_k=opts.tile_k)
         if self.norm_w is None:
-            return norm_linear(self.gate(y, proj, pdl=opts.pdl), None, 0.0, self.out_proj, bias=self.out_proj_bias,
-                               residual=residual, out=out, pdl=opts.pdl, tile_k=opts.tile_k, early=residual is not None)
+            return norm_linear(self.gated_update(proj, ctx), None, 0.0, self.out_proj, early=residual is not None,
+                               **tail)
+        if NORM_IN_STREAM and self.G == 1 and streams(proj.shape[0], self.out_proj, opts.tile_k):
+            # one group: the gated norm is the RMS norm of y * silu(z) over the whole row
+            return norm_linear(self.state_update(proj, ctx, gate=True), self.norm_w, self.eps, self.out_proj,
+                               early=residual is not None, **tail)
+        y = self.state_update(proj, ctx)
         # z (from in_proj) and the residual (from the previous block) are two or more kernels back
         return gated_norm_linear(y, self._z(proj), self.norm_w, self.inner // self.G, self.eps, self.out_proj,
-                                 bias=self.out_proj_bias, residual=residual, out=out, pdl=opts.pdl, early=True,
-                                 tile_k=opts.tile_k)
+                                 early=True, **tail)
 
     def conv_tail(self, ctx: StepContext) -> ConvTail:
         """The conv update of the xBC columns as in_proj's epilogue in a fused decode step: its
         output's xBC columns come out already convolved, as ``decode`` writes them into xbc."""
         return ConvTail(ctx.pool.conv[self.idx], self.conv_w, self.conv_b, ctx.inputs.decode_slots, self.inner)
 
-    def state_update(self, proj: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    def state_update(self, proj: torch.Tensor, ctx: StepContext, *, out: torch.Tensor | None = None,
+                     gate: bool = False) -> torch.Tensor:
         """A fused decode step's state update from in_proj's output (its xBC columns convolved,
-        ``conv_tail``): y [T, inner], a programmatic dependent where the options say."""
+        ``conv_tail``): y [T, inner], a programmatic dependent where the options say; into ``out``
+        (row-strided views allowed) or a new tensor. gate: y * silu(z) in its epilogue."""
         T = proj.shape[0]
         xs, B, C = self._ssm_operands(self._xbc(proj))
-        y = torch.empty(T, self.H, self.P, dtype=proj.dtype, device=proj.device)
+        y = torch.empty(T, self.inner, dtype=proj.dtype, device=proj.device) if out is None else out
+        z = self._z(proj).view(T, self.H, self.P) if gate else None
         selective_state_update(ctx.pool.ssm[self.idx], xs, self._dt(proj), self.A, B, C, self.D,
-                               ctx.inputs.decode_slots, dt_bias=self.dt_bias, dt_softplus=True, out=y,
-                               pdl=ctx.options.pdl)
-        return y.view(T, self.inner)
+                               ctx.inputs.decode_slots, z=z, dt_bias=self.dt_bias, dt_softplus=True,
+                               out=y.view(T, self.H, self.P), pdl=ctx.options.pdl)
+        return y
+
+    def gated_update(self, proj: torch.Tensor, ctx: StepContext, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """out_proj's input for a fused decode step without a gated norm: ``y * silu(z)``."""
+        if GATE_IN_UPDATE:
+            return self.state_update(proj, ctx, out=out, gate=True)
+        return self.gate(self.state_update(proj, ctx), proj, out=out, pdl=ctx.options.pdl)

@@ -82,9 +82,10 @@ class ParallelMixer(Mixer):
         joined, gated, attended = self._outputs(both)
         side = self._side(ctx)
         self._middle(ctx, lambda: self.attention.attend(both[:, self.split :], ctx, attended, first_pdl=side is None),
-                     lambda: self.mamba.gate(self.mamba.state_update(proj, ctx), proj, out=gated, pdl=opts.pdl))
-        # after the join, a programmatic dependent of the gate whose wait also covers attention's
-        # stream (``kernels.moe``'s combine does the same); the residual is the previous block's
+                     lambda: self.mamba.gated_update(proj, ctx, out=gated))
+        # after the join, a programmatic dependent of the Mamba2 branch's last kernel whose wait also
+        # covers attention's stream (``kernels.moe``'s combine does the same); the residual is the
+        # previous block's
         norm_linear(joined, None, 0.0, self.out_w, bias=self.out_b, residual=residual, pdl=opts.pdl,
                     tile_k=opts.tile_k, early=True)
 

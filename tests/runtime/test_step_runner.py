@@ -327,13 +327,14 @@ def test_folded_norms_in_the_streamed_fused_decode_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile_k", [None, 16], ids=["one-tile", "streamed"])
-@pytest.mark.parametrize("preset", ["tiny-mamba2", "tiny-nemotron-h", "tiny-hybrid"])
+@pytest.mark.parametrize("preset", ["tiny-mamba2", "tiny-nemotron-h", "tiny-hybrid", "tiny-granite", "tiny-falcon-h1"])
 def test_fused_decode_equals_layer_by_layer_gpu(preset, tile_k):
     """Graphs of the fused decode path (Triton skinny projections chained by programmatic
     dependent launch) against graphs of the layer-by-layer path: the same tokens and close
     logits over a script whose decode steps take the fused path; with K in one tile, and
-    streamed as on Nemotron-H-8B (every projection, the gated norm then a kernel of its own, at
-    the 1-2 rows Nemotron-H-8B takes fused)."""
+    streamed as on Nemotron-H-8B (every projection, at the 1-2 rows Nemotron-H-8B takes fused:
+    a grouped gated norm then a kernel of its own, a one-group one, Granite's, in out_proj's
+    stream; Falcon-H1's gate in the state update either way)."""
     fused = Model.from_preset(preset, dtype=torch.bfloat16, device="cuda", options=DecodeOptions(tile_k=tile_k))
     assert fused.options.fused and fused.options.max_rows == (4 if tile_k is None else 2)
     layered = fused.with_options(DecodeOptions(fused=False))

@@ -5,7 +5,8 @@ prefill rows go through the varlen conv and the chunked SSD scan, decode rows th
 update and the selective state update. Both write into one output buffer, then the gated norm
 (Falcon-H1: the gate alone, ``y * silu(z)``) and out_proj run over all tokens again. Fused, a small
 decode step is three kernels: block norm + in_proj + conv update; state update; gated norm +
-out_proj + residual add (without the norm: the gate in the state update's epilogue, then out_proj).
+out_proj + residual add (without the norm: the gate in the state update's epilogue, then out_proj;
+a one-group norm before a streamed out_proj: the gate there too, the norm in out_proj's stream).
 
 A verify step's prefill rows (``runtime.replay``) are scanned, token by token where they are few,
 after each sequence's drafts kept by the verify step before, replayed from the layer's record.

@@ -215,7 +215,9 @@ class Mamba2Mixer(Mixer):
         return y
 
     def gated_update(self, proj: torch.Tensor, ctx: StepContext, *, out: torch.Tensor | None = None) -> torch.Tensor:
-        """out_proj's input for a fused decode step without a gated norm: ``y * silu(z)``."""
-        if GATE_IN_UPDATE:
+        """out_proj's input for a fused decode step, from in_proj's output: the state update,
+        then the gated norm or the gate alone (``gate``); without a gated norm the gate rides in
+        the state update's epilogue (``GATE_IN_UPDATE``)."""
+        if GATE_IN_UPDATE and self.norm_w is None:
             return self.state_update(proj, ctx, out=out, gate=True)
         return self.gate(self.state_update(proj, ctx), proj, out=out, pdl=ctx.options.pdl)

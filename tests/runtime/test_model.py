@@ -177,6 +177,14 @@ def test_streamed_fused_decode_equals_layer_by_layer(kind, tmp_path):
 
 
 @torch.no_grad()
+def test_fused_decode_equals_layer_by_layer_with_a_gated_norm_per_group(tmp_path):
+    """Falcon-H1-34B's Mamba2 branch gates and then normalises each of its two groups: its fused
+    parallel block keeps the gated norm (the gate alone rides in the state update only where
+    there is no norm, ``GATE_IN_UPDATE``)."""
+    _fused_against_layered("falcon_h1", tmp_path, mamba_rms_norm=True, mamba_n_groups=2)
+
+
+@torch.no_grad()
 def test_fused_decode_equals_layer_by_layer_with_attention_biases(tmp_path):
     """Falcon-H1 whose attention has biases and whose Mamba2 has none: the joint projections'
     biases (zeros for in_proj's rows, o_proj's alone out), fused as layer by layer."""

@@ -24,7 +24,8 @@
                                             B decode rows (default 1) through each of a preset's
                                             projection shapes: the skinny tile table's choice
                                             beside a sweep of others, and the product alone
-                                            through linear (layer by layer) and cuBLAS
+                                            through linear (layer by layer), cuBLAS and the
+                                            weight-rows product (W8A8 for FP8; its own sweep)
     mambastep bench profile --preset P --batch B [--prefill T | --verify K] [--quantization fp8]
                             [--mtp] [--timeline [--window LO:HI]]
                                             per-kernel time of one eager step: B decode rows

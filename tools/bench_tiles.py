@@ -19,7 +19,12 @@ FP8 projections' tiles; the bf16 ones beside them).
 
 Beside the sweep, each shape's product alone as a layer-by-layer step runs it (a step whose rows
 the fused path does not take): through ``kernels.linear.linear``, and through cuBLAS, the
-evidence for ``linear``'s choice by rows and columns.
+evidence for ``linear``'s choice by rows and columns. And the weight-rows product
+(``kernels.few_rows``: the weight's rows as the tensor cores' 64-row side) in its table's
+configuration and a sweep of others: W8A8 for FP8 weights scaled per column, the rows quantized
+beforehand as the norm before it makes them, else bf16; whether, and in which configuration, it
+would stream a few rows faster than the skinny kernels (docs/experiments.md: at one FP8 row it
+reads 5-19% faster alone on an H100, in one configuration, and lost in the step in the table's).
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ from tqdm import tqdm
 
 from ..kernels import decode_linear
 from ..kernels.decode_linear import MAX_ROWS, ONE_TILE_MAX_K, norm_linear
-from ..kernels.fp8 import Fp8Weight, fp8_linear
+from ..kernels.few_rows import WEIGHT_ROWS_CONFIG, few_rows_linear
+from ..kernels.fp8 import Fp8Weight, fp8_linear, quantize_rows
 from ..kernels.linear import linear
 from ..runtime.model import Model
 from .bench_kernels import copy_bandwidth, stamp
@@ -42,6 +48,8 @@ from .bench_steps import named_mixer_weights
 PRESETS = ("granite-4.0-h-micro",)
 CYCLE_BYTES = 400e6
 REPLAYS = 10
+# the weight-rows product's (block_n, block_k, warps, stages) swept beside its table's
+WEIGHT_ROWS_SWEEP = tuple(itertools.product((64, 128), (128, 256, 512), (4,), (3, 4, 6)))
 
 
 def _named_weights(model: Model):
@@ -165,6 +173,34 @@ def layered_us(shape: dict, weight, rows: int = 1) -> dict:
             for name, product in (("linear", linear), ("cuBLAS", cublas))}
 
 
+def weight_rows_us(shape: dict, weight, rows: int = 1) -> dict:
+    """The weight-rows product alone of ``rows`` rows at ``shape``, timed as ``layered_us``: in
+    its table's configuration (``few_rows.WEIGHT_ROWS_CONFIG``) and the best of
+    ``WEIGHT_ROWS_SWEEP`` (the table's among them), with that configuration; {} for block-scaled
+    FP8 weights, which it does not take W8A8."""
+    fp8 = shape["fp8"]
+    if fp8 and weight.block:
+        return {}
+    weights = _weight_cycle(shape, weight)
+    x = torch.randn(rows, shape["K"], device=_device(weight), dtype=torch.bfloat16)
+    q = quantize_rows(x) if fp8 else None
+
+    def timed(config) -> float:
+        try:
+            return _replay_us(lambda: [few_rows_linear(x, w, config=config, rows=q, weight_rows=not fp8)
+                                       for w in weights], len(weights))
+        except Exception:  # noqa: BLE001 - a configuration that does not compile or launch is no candidate
+            return float("nan")
+        finally:
+            torch.cuda.synchronize()
+
+    table = WEIGHT_ROWS_CONFIG[fp8]
+    table_us = timed(table)
+    swept = [(t, config) for config in WEIGHT_ROWS_SWEEP if (t := timed(config)) == t]
+    best_us, best = min(swept + [(table_us, table)])
+    return {"weight_rows_us": table_us, "weight_rows_best": list(best), "weight_rows_best_us": best_us}
+
+
 def bench_preset(name: str, bandwidth: float, quantization: str | None, progress: bool, rows: int = 1) -> dict:
     model = Model.from_preset(name, dtype=torch.bfloat16, device="cuda", quantization=quantization)
     out = []
@@ -179,6 +215,7 @@ def bench_preset(name: str, bandwidth: float, quantization: str | None, progress
         out.append({**shape, "floor_us": _weight_bytes(shape) / bandwidth * 1e6, "table": list(table),
                     "table_us": table_us, "best": list(best), "best_us": best_us,
                     "linear_us": layered["linear"], "cublas_us": layered["cuBLAS"],
+                    **weight_rows_us(shape, weight, rows),
                     "swept": [[*tile, t] for t, tile in swept]})  # every tile that ran, to fit a rule to
     del model
     torch.cuda.empty_cache()
@@ -205,16 +242,28 @@ def tables(result: dict) -> str:
            f"{result['copy_GB/s']:.0f} GB/s; {'one row' if rows == 1 else f'{rows} rows'}, PDL, in a graph, "
            f"weights read from HBM"]
     for p in result["presets"]:
+        # runs from before the weight-rows columns have none
+        weight_rows = any("weight_rows_us" in r for r in p["rows"])
+        extra = (" weight rows (us) | weight rows, best | best (us) |", " --- | --- | --- |") if weight_rows else ("", "")
         out += ["", f"### {p['preset']}" + (f" ({p['quantization']})" if p["quantization"] else ""), "",
                 "| projection | N x K | floor (us) | table's tile | table (us) | best tile | best (us) | table/best "
-                "| layered: linear (us) | layered: cuBLAS (us) |",
-                "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                "| layered: linear (us) | layered: cuBLAS (us) |" + extra[0],
+                "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |" + extra[1]]
         for r in p["rows"]:
-            out.append(f"| {r['name']}{' (FP8)' if r['fp8'] else ''}{' (SwiGLU)' if r.get('swiglu') else ''} | "
-                       f"{r['N']} x {r['K']} | {r['floor_us']:.2f} | "
-                       f"{_tile(r['table'])} | {r['table_us']:.2f} | {_tile(r['best'])} | {r['best_us']:.2f} | "
-                       f"{r['table_us'] / r['best_us']:.2f}x | {r['linear_us']:.2f} | {r['cublas_us']:.2f} |")
+            line = (f"| {r['name']}{' (FP8)' if r['fp8'] else ''}{' (SwiGLU)' if r.get('swiglu') else ''} | "
+                    f"{r['N']} x {r['K']} | {r['floor_us']:.2f} | "
+                    f"{_tile(r['table'])} | {r['table_us']:.2f} | {_tile(r['best'])} | {r['best_us']:.2f} | "
+                    f"{r['table_us'] / r['best_us']:.2f}x | {r['linear_us']:.2f} | {r['cublas_us']:.2f} |")
+            if weight_rows:
+                line += (f" {r['weight_rows_us']:.2f} | {_weight_rows(r['weight_rows_best'])} | "
+                         f"{r['weight_rows_best_us']:.2f} |" if "weight_rows_us" in r else " | | |")
+            out.append(line)
     return "\n".join(out)
+
+
+def _weight_rows(config) -> str:
+    bn, bk, warps, stages = config
+    return f"{bn} x {bk}, {stages} stages"
 
 
 def print_table(result: dict) -> None:

@@ -385,8 +385,9 @@ def test_the_tile_bench_lists_each_projection_shape_once():
 def test_the_tile_bench_times_each_shape_on_the_gpu(monkeypatch):
     """Each shape timed in the table's tile and in each swept one, a SwiGLU up projection with its
     SwiGLU (in a streamed tile's epilogue, or launched after a one-tile product), and its product
-    alone through ``linear`` and cuBLAS: every time finite, the best tile no slower than the
-    table's. Few copies and tiles: it runs, not what wins."""
+    alone through ``linear``, cuBLAS and the weight-rows product (W8A8 for the FP8 preset's FP8
+    shapes): every time finite, the best tile no slower than the table's. Few copies and tiles:
+    it runs, not what wins."""
     import triton
 
     from mambastep.kernels import decode_linear
@@ -396,12 +397,16 @@ def test_the_tile_bench_times_each_shape_on_the_gpu(monkeypatch):
     monkeypatch.setattr(bench_tiles, "REPLAYS", 3)
     monkeypatch.setattr(bench_tiles, "candidates", lambda K, rows=1: [
         decode_linear._Config(True, 8, 64, 4, 2), decode_linear._Config(False, 4, triton.next_power_of_2(K), 1, 1)])
-    rows = bench_tiles.bench_preset("tiny-granite", 3e12, None, progress=False)["rows"]
-    assert [r["name"] for r in rows if r["swiglu"]] == ["MoE.shared[0]"]
-    for r in rows:
-        assert len(r["swept"]) == 2, r["name"]  # both tiles launched
-        assert 0 < r["best_us"] <= r["table_us"] < float("inf"), r["name"]
-        assert 0 < r["linear_us"] < float("inf") and 0 < r["cublas_us"] < float("inf"), r["name"]
+    monkeypatch.setattr(bench_tiles, "WEIGHT_ROWS_SWEEP", ((64, 64, 4, 2),))
+    for quantization in (None, "fp8"):
+        rows = bench_tiles.bench_preset("tiny-granite", 3e12, quantization, progress=False)["rows"]
+        assert [r["name"] for r in rows if r["swiglu"]] == ["MoE.shared[0]"]
+        for r in rows:
+            assert len(r["swept"]) == 2, r["name"]  # both tiles launched
+            assert 0 < r["best_us"] <= r["table_us"] < float("inf"), r["name"]
+            assert 0 < r["linear_us"] < float("inf") and 0 < r["cublas_us"] < float("inf"), r["name"]
+            assert 0 < r["weight_rows_best_us"] <= r["weight_rows_us"] < float("inf"), r["name"]
+        assert any(r["fp8"] for r in rows) == (quantization == "fp8")
 
 
 def test_the_tile_bench_table(capsys):
@@ -414,8 +419,18 @@ def test_the_tile_bench_table(capsys):
                              "presets": [{"preset": "granite-4.0-h-micro", "quantization": None, "rows": [row]}]})
     out = capsys.readouterr().out
     assert ("| MLP.up (SwiGLU) | 16384 x 2048 | 15.80 | 16 x 256, 3 stages | 21.00 | 8 x 2048 one tile, 4 warps | 18.80 | "
-            "1.12x | 24.80 | 25.30 |") in out
+            "1.12x | 24.80 | 25.30 |\n") in out  # a run from before the weight-rows columns
+    assert "weight rows" not in out
     assert "; one row, PDL" in out
+    timed = {**row, "name": "MLP.down", "weight_rows_us": 19.5, "weight_rows_best": [128, 512, 4, 6],
+             "weight_rows_best_us": 17.25}
+    bench_tiles.print_table({"device": "GPU", "date": "2026-12-07", "torch": "2", "copy_GB/s": 4250.0,
+                             "presets": [{"preset": "granite-4.0-h-micro", "quantization": None,
+                                          "rows": [timed, row]}]})
+    out = capsys.readouterr().out
+    assert "| layered: cuBLAS (us) | weight rows (us) | weight rows, best | best (us) |" in out
+    assert "| 24.80 | 25.30 | 19.50 | 128 x 512, 6 stages | 17.25 |" in out
+    assert "| 24.80 | 25.30 | | | |" in out  # a shape the product does not take (block-scaled FP8)
     bench_tiles.print_table({"device": "GPU", "date": "2026-12-05", "torch": "2", "copy_GB/s": 4250.0,
                              "decode_rows": 4, "presets": []})
     assert "; 4 rows, PDL" in capsys.readouterr().out

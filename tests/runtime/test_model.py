@@ -176,12 +176,14 @@ def test_streamed_fused_decode_equals_layer_by_layer(kind, tmp_path):
     _fused_against_layered(kind, tmp_path, options=DecodeOptions(fused=True, tile_k=16))
 
 
+@pytest.mark.parametrize("tile_k", [None, 16])
 @torch.no_grad()
-def test_fused_decode_equals_layer_by_layer_with_a_gated_norm_per_group(tmp_path):
+def test_fused_decode_equals_layer_by_layer_with_a_gated_norm_per_group(tile_k, tmp_path):
     """Falcon-H1-34B's Mamba2 branch gates and then normalises each of its two groups: its fused
     parallel block keeps the gated norm (the gate alone rides in the state update only where
-    there is no norm, ``GATE_IN_UPDATE``)."""
-    _fused_against_layered("falcon_h1", tmp_path, mamba_rms_norm=True, mamba_n_groups=2)
+    there is no norm, ``GATE_IN_UPDATE``), its projections one tile or streamed."""
+    _fused_against_layered("falcon_h1", tmp_path, options=DecodeOptions(fused=True, tile_k=tile_k),
+                           mamba_rms_norm=True, mamba_n_groups=2)
 
 
 @torch.no_grad()

@@ -255,13 +255,13 @@ def tables(result: dict) -> str:
                     f"{_tile(r['table'])} | {r['table_us']:.2f} | {_tile(r['best'])} | {r['best_us']:.2f} | "
                     f"{r['table_us'] / r['best_us']:.2f}x | {r['linear_us']:.2f} | {r['cublas_us']:.2f} |")
             if weight_rows:
-                line += (f" {r['weight_rows_us']:.2f} | {_weight_rows(r['weight_rows_best'])} | "
+                line += (f" {r['weight_rows_us']:.2f} | {_product_config(r['weight_rows_best'])} | "
                          f"{r['weight_rows_best_us']:.2f} |" if "weight_rows_us" in r else " | | |")
             out.append(line)
     return "\n".join(out)
 
 
-def _weight_rows(config) -> str:
+def _product_config(config) -> str:
     bn, bk, warps, stages = config
     return f"{bn} x {bk}, {stages} stages"
 

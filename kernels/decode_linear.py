@@ -91,6 +91,15 @@ ONE_TILE_MAX_K = 2048
 # in 3 (see ``_config``).
 WHOLE_KILO_TILES = True
 
+# FP8 weights scaled per column, K streamed: the multiply-adds in packed fp16 (``_streamed_rows``'
+# HALF), where fp32 ones widen every FP8 value to fp32 first: 5.2 sm_90 instructions a weight byte
+# (docs/experiments.md), about what an SM issues at an H200's bandwidth; a thread's fp16 sums take
+# at most HALF_MAX_TILES terms (K tiles) of at most 448 each, far from fp16's 65504
+HALF_PRODUCTS = True
+HALF_MAX_TILES = 64
+# one row streamed as a 2-D [BLOCK_N, BLOCK_K] tile (``_add_products``), not the rows' 3-D one
+ONE_ROW_TILES = True
+
 _PRO_NONE, _PRO_RMS, _PRO_GATED = 0, 1, 2
 _EPI_STORE, _EPI_RESIDUAL, _EPI_RELU2, _EPI_CONV, _EPI_SWIGLU = 0, 1, 2, 3, 4
 
@@ -237,8 +246,32 @@ def _block_scaled(w, s_ptr, n_blk, cols, col_ok, stride_s, SCALE_BLOCK: tl.const
 
 
 @triton.jit
+def _add_products(acc, w, a, ONE: tl.constexpr):
+    """acc + w * a over a K tile: w [BLOCK_N, BLOCK_K], a the rows [BLOCK_M, BLOCK_K]; acc
+    [BLOCK_M, BLOCK_N, BLOCK_K], or for ONE row [BLOCK_N, BLOCK_K]: a 2-D tile keeps the weight
+    in the layout its loads give it (16 contiguous bytes a thread), where the 3-D one's layout
+    has shared memory hand each thread its FP8 values a byte a load."""
+    if ONE:
+        acc = acc + w * tl.reshape(a, (a.shape[1],))[None, :]
+    else:
+        acc = acc + w[None, :, :] * a[:, None, :]
+    return acc
+
+
+@triton.jit
+def _sums(acc, ONE: tl.constexpr):
+    """The sums of ``_add_products``' tiles over K, in fp32: [BLOCK_M, BLOCK_N]."""
+    if ONE:
+        y = tl.sum(acc.to(tl.float32), axis=1)[None, :]
+    else:
+        y = tl.sum(acc.to(tl.float32), axis=2)
+    return y
+
+
+@triton.jit
 def _stream_tile(acc, sq, w, k, ks, x_ptr, wn_ptr, src, row_ok, K, stride_x, s_ptr, n_blk, stride_s,
-                 NORM: tl.constexpr, EVEN_K: tl.constexpr, NORM_WEIGHT: tl.constexpr, SCALE_BLOCK: tl.constexpr):
+                 NORM: tl.constexpr, EVEN_K: tl.constexpr, NORM_WEIGHT: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+                 ONE: tl.constexpr):
     """One K tile of the streamed product, elementwise (reduced once after the loop): acc += w *
     input (times the norm weight, unless NORM_WEIGHT is off: a unit weight, folded into w), and
     with a norm sq += input^2. SCALE_BLOCK: w is FP8 with block scales, applied here."""
@@ -253,8 +286,53 @@ def _stream_tile(acc, sq, w, k, ks, x_ptr, wn_ptr, src, row_ok, K, stride_x, s_p
         sq += a * a
         if NORM_WEIGHT:
             a = a * tl.load(wn_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    acc += w.to(tl.float32)[None, :, :] * a[:, None, :]
-    return acc, sq
+    return _add_products(acc, w.to(tl.float32), a, ONE), sq
+
+
+@triton.jit
+def _weight_tile(w_ptr, n64, n_ok, cols, K, stride_w, EVEN_K: tl.constexpr):
+    """The program's weight rows over K columns ``cols``."""
+    w_ptrs = w_ptr + n64[:, None] * stride_w + cols[None, :]
+    if EVEN_K:
+        return tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+    return tl.load(w_ptrs, mask=n_ok[:, None] & (cols < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _row_stats(x_ptr, wn_ptr, src, row_ok, K, stride_x, NORM: tl.constexpr, NORM_WEIGHT: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A pass over the rows before the product (``HALF``): each row's absolute maximum of what
+    the product takes (the input, times the norm weight where there is one) and, with NORM, its
+    sum of squares; ([BLOCK_M], [BLOCK_M]) in fp32."""
+    ks = tl.arange(0, BLOCK_K)
+    amax = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        cols = k + ks
+        col_ok = cols < K
+        a = _input_rows(x_ptr, src, src, row_ok, cols, col_ok, stride_x, False)
+        if NORM:
+            sq += a * a
+            if NORM_WEIGHT:
+                a = a * tl.load(wn_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        amax = tl.maximum(amax, tl.abs(a))
+    return tl.max(amax, axis=1), tl.sum(sq, axis=1)
+
+
+@triton.jit
+def _half_tile(acc, w, k, ks, x_ptr, wn_ptr, src, row_ok, K, stride_x, unit,
+               NORM: tl.constexpr, EVEN_K: tl.constexpr, NORM_WEIGHT: tl.constexpr, ONE: tl.constexpr):
+    """One K tile of the streamed product in packed fp16 (``HALF``): acc += w * input / amax,
+    the FP8 values widened to fp16 exactly, the input scaled into [-1, 1] by ``unit`` (1 / its
+    row's absolute maximum) and rounded to fp16."""
+    cols = k + ks
+    col_ok = cols < K
+    if EVEN_K:
+        col_ok = cols >= 0
+    a = _input_rows(x_ptr, src, src, row_ok, cols, col_ok, stride_x, False)
+    if NORM and NORM_WEIGHT:
+        a = a * tl.load(wn_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    return _add_products(acc, w.to(tl.float16), (a * unit[:, None]).to(tl.float16), ONE)
 
 
 @triton.jit
@@ -262,14 +340,19 @@ def _streamed_rows(
     w0, n64, n_ok, x_ptr, wn_ptr, w_ptr, row_ptr, M, K, eps, stride_x, stride_w, s_ptr, n_blk, stride_s,
     NORM: tl.constexpr, HAS_ROW_IDX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr, NORM_WEIGHT: tl.constexpr,
-    SCALE_BLOCK: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr, HALF: tl.constexpr = False, ONE: tl.constexpr = False,
 ):
     """The product of all rows with the program's [BLOCK_N, K] weight slice in fp32, as
     [BLOCK_M, BLOCK_N], in one pass over K tiles (w0 is the first), each weight tile read once
     for all rows. An RMSNorm prologue is applied after the product: the input times the norm
     weight goes in unscaled, its squares come along, and each row is scaled by its rstd at the
     end. So there is no second pass over the input, and no rounding of the normalised input
-    (which the one-tile path and the references keep)."""
+    (which the one-tile path and the references keep).
+
+    HALF (FP8 values scaled per column): the multiply-adds in packed fp16, two an instruction,
+    against each row scaled into [-1, 1] by its absolute maximum, found (with the squares) in a
+    pass over the rows before the loop; a thread's fp16 partial sums take K / BLOCK_K terms of
+    at most 448 each (``HALF_MAX_TILES`` bounds them), and are summed in fp32 after it."""
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < M
     ks = tl.arange(0, BLOCK_K)
@@ -277,20 +360,29 @@ def _streamed_rows(
         src = tl.load(row_ptr + rows, mask=row_ok, other=0).to(tl.int64)
     else:
         src = rows.to(tl.int64)
-    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if HALF:
+        amax, sq_sum = _row_stats(x_ptr, wn_ptr, src, row_ok, K, stride_x, NORM, NORM_WEIGHT, BLOCK_M, BLOCK_K)
+        unit = tl.where(amax > 0, 1.0 / amax, 0.0)
+        half = tl.zeros([BLOCK_N, BLOCK_K] if ONE else [BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float16)
+        half = _half_tile(half, w0, 0, ks, x_ptr, wn_ptr, src, row_ok, K, stride_x, unit, NORM, EVEN_K, NORM_WEIGHT,
+                          ONE)
+        for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
+            w = _weight_tile(w_ptr, n64, n_ok, k + ks, K, stride_w, EVEN_K)
+            half = _half_tile(half, w, k, ks, x_ptr, wn_ptr, src, row_ok, K, stride_x, unit, NORM, EVEN_K,
+                              NORM_WEIGHT, ONE)
+        y = _sums(half, ONE) * amax[:, None]
+        if NORM:
+            y = y * tl.rsqrt(sq_sum / K + eps)[:, None]
+        return y
+    acc = tl.zeros([BLOCK_N, BLOCK_K] if ONE else [BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     acc, sq = _stream_tile(acc, sq, w0, 0, ks, x_ptr, wn_ptr, src, row_ok, K, stride_x, s_ptr, n_blk, stride_s,
-                           NORM, EVEN_K, NORM_WEIGHT, SCALE_BLOCK)
+                           NORM, EVEN_K, NORM_WEIGHT, SCALE_BLOCK, ONE)
     for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
-        cols = k + ks
-        w_ptrs = w_ptr + n64[:, None] * stride_w + cols[None, :]
-        if EVEN_K:
-            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
-        else:
-            w = tl.load(w_ptrs, mask=n_ok[:, None] & (cols < K)[None, :], other=0.0)
+        w = _weight_tile(w_ptr, n64, n_ok, k + ks, K, stride_w, EVEN_K)
         acc, sq = _stream_tile(acc, sq, w, k, ks, x_ptr, wn_ptr, src, row_ok, K, stride_x, s_ptr, n_blk, stride_s,
-                               NORM, EVEN_K, NORM_WEIGHT, SCALE_BLOCK)
-    y = tl.sum(acc, axis=2)
+                               NORM, EVEN_K, NORM_WEIGHT, SCALE_BLOCK, ONE)
+    y = _sums(acc, ONE)
     if NORM:
         y = y * tl.rsqrt(tl.sum(sq, axis=1) / K + eps)[:, None]
     return y
@@ -360,6 +452,7 @@ def _skinny_kernel(
     M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     LOOP: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr, EARLY: tl.constexpr, USE_PDL: tl.constexpr,
     NORM_WEIGHT: tl.constexpr, SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr, ACT_DTYPE: tl.constexpr,
+    HALF: tl.constexpr, ONE: tl.constexpr,
 ):
     # SCALE: 0, w holds the weights; 1, FP8 values scaled per output column (s_ptr [N], applied to
     # the sums); 2, FP8 values scaled per SCALE_BLOCK x SCALE_BLOCK block (s_ptr [N / SCALE_BLOCK,
@@ -435,7 +528,7 @@ def _skinny_kernel(
         acc = _streamed_rows(
             w0, n64, n_ok, x_ptr, wn_ptr, w_ptr, row_ptr, M, K, eps, stride_x, stride_w, s_ptr, n_blk, stride_s,
             PROLOGUE == 1, HAS_ROW_IDX, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, STAGES, NORM_WEIGHT,
-            SCALE_BLOCK,
+            SCALE_BLOCK, HALF, ONE,
         )
         if USE_PDL:
             # several waves of programs: the dependents take slots only as the last one drains
@@ -571,6 +664,12 @@ def _config(M: int, N: int, K: int, device: torch.device, tile_k: int | None = N
     return _Config(True, 16 if vocabulary_wide or many else 8, max(32, block_k), 4, 3)
 
 
+def half_products(K: int, cfg: _Config) -> bool:
+    """Whether a streamed product of FP8 values scaled per column over K runs its multiply-adds in
+    packed fp16 (``HALF_PRODUCTS``; ``_streamed_rows``' HALF)."""
+    return HALF_PRODUCTS and cfg.loop and triton.cdiv(K, cfg.block_k) <= HALF_MAX_TILES
+
+
 def streams(rows: int, weight, tile_k: int | None = None) -> bool:
     """Whether ``rows`` rows through ``weight`` ([N, K], or an ``Fp8Weight``) stream K in tiles,
     rather than hold a program's whole K in one register tile (``_config``)."""
@@ -652,7 +751,7 @@ def _launch(x, z, norm_w, weight, bias, out, rows: _Rows, *, eps, group_size, pr
         M=M, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, LOOP=cfg.loop,
         EVEN_K=K % cfg.block_k == 0, STAGES=cfg.stages, EARLY=early, USE_PDL=pdl, num_warps=cfg.num_warps,
         NORM_WEIGHT=not unit_norm, SCALE=scale_mode, SCALE_BLOCK=scale_block, ACT_DTYPE=_TL_DTYPES[act_dtype],
-        **extra,
+        HALF=scale_mode == 1 and half_products(K, cfg), ONE=ONE_ROW_TILES and M == 1, **extra,
     )
     return out
 

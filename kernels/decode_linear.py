@@ -91,12 +91,6 @@ ONE_TILE_MAX_K = 2048
 # in 3 (see ``_config``).
 WHOLE_KILO_TILES = True
 
-# FP8 weights scaled per column, K streamed: the multiply-adds in packed fp16 (``_streamed_rows``'
-# HALF), where fp32 ones widen every FP8 value to fp32 first: 5.2 sm_90 instructions a weight byte
-# (docs/experiments.md), about what an SM issues at an H200's bandwidth; a thread's fp16 sums take
-# at most HALF_MAX_TILES terms (K tiles) of at most 448 each, far from fp16's 65504
-HALF_PRODUCTS = True
-HALF_MAX_TILES = 64
 # one row streamed as a 2-D [BLOCK_N, BLOCK_K] tile (``_add_products``), not the rows' 3-D one
 ONE_ROW_TILES = True
 
@@ -299,60 +293,19 @@ def _weight_tile(w_ptr, n64, n_ok, cols, K, stride_w, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _row_stats(x_ptr, wn_ptr, src, row_ok, K, stride_x, NORM: tl.constexpr, NORM_WEIGHT: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """A pass over the rows before the product (``HALF``): each row's absolute maximum of what
-    the product takes (the input, times the norm weight where there is one) and, with NORM, its
-    sum of squares; ([BLOCK_M], [BLOCK_M]) in fp32."""
-    ks = tl.arange(0, BLOCK_K)
-    amax = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-    sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        cols = k + ks
-        col_ok = cols < K
-        a = _input_rows(x_ptr, src, src, row_ok, cols, col_ok, stride_x, False)
-        if NORM:
-            sq += a * a
-            if NORM_WEIGHT:
-                a = a * tl.load(wn_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        amax = tl.maximum(amax, tl.abs(a))
-    return tl.max(amax, axis=1), tl.sum(sq, axis=1)
-
-
-@triton.jit
-def _half_tile(acc, w, k, ks, x_ptr, wn_ptr, src, row_ok, K, stride_x, unit,
-               NORM: tl.constexpr, EVEN_K: tl.constexpr, NORM_WEIGHT: tl.constexpr, ONE: tl.constexpr):
-    """One K tile of the streamed product in packed fp16 (``HALF``): acc += w * input / amax,
-    the FP8 values widened to fp16 exactly, the input scaled into [-1, 1] by ``unit`` (1 / its
-    row's absolute maximum) and rounded to fp16."""
-    cols = k + ks
-    col_ok = cols < K
-    if EVEN_K:
-        col_ok = cols >= 0
-    a = _input_rows(x_ptr, src, src, row_ok, cols, col_ok, stride_x, False)
-    if NORM and NORM_WEIGHT:
-        a = a * tl.load(wn_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    return _add_products(acc, w.to(tl.float16), (a * unit[:, None]).to(tl.float16), ONE)
-
-
-@triton.jit
 def _streamed_rows(
     w0, n64, n_ok, x_ptr, wn_ptr, w_ptr, row_ptr, M, K, eps, stride_x, stride_w, s_ptr, n_blk, stride_s,
     NORM: tl.constexpr, HAS_ROW_IDX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr, NORM_WEIGHT: tl.constexpr,
-    SCALE_BLOCK: tl.constexpr, HALF: tl.constexpr = False, ONE: tl.constexpr = False,
+    SCALE_BLOCK: tl.constexpr, ONE: tl.constexpr = False,
 ):
     """The product of all rows with the program's [BLOCK_N, K] weight slice in fp32, as
     [BLOCK_M, BLOCK_N], in one pass over K tiles (w0 is the first), each weight tile read once
     for all rows. An RMSNorm prologue is applied after the product: the input times the norm
     weight goes in unscaled, its squares come along, and each row is scaled by its rstd at the
     end. So there is no second pass over the input, and no rounding of the normalised input
-    (which the one-tile path and the references keep).
-
-    HALF (FP8 values scaled per column): the multiply-adds in packed fp16, two an instruction,
-    against each row scaled into [-1, 1] by its absolute maximum, found (with the squares) in a
-    pass over the rows before the loop; a thread's fp16 partial sums take K / BLOCK_K terms of
-    at most 448 each (``HALF_MAX_TILES`` bounds them), and are summed in fp32 after it."""
+    (which the one-tile path and the references keep). ONE: a single row (BLOCK_M == 1), summed
+    in a 2-D tile (``_add_products``)."""
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < M
     ks = tl.arange(0, BLOCK_K)
@@ -360,20 +313,6 @@ def _streamed_rows(
         src = tl.load(row_ptr + rows, mask=row_ok, other=0).to(tl.int64)
     else:
         src = rows.to(tl.int64)
-    if HALF:
-        amax, sq_sum = _row_stats(x_ptr, wn_ptr, src, row_ok, K, stride_x, NORM, NORM_WEIGHT, BLOCK_M, BLOCK_K)
-        unit = tl.where(amax > 0, 1.0 / amax, 0.0)
-        half = tl.zeros([BLOCK_N, BLOCK_K] if ONE else [BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float16)
-        half = _half_tile(half, w0, 0, ks, x_ptr, wn_ptr, src, row_ok, K, stride_x, unit, NORM, EVEN_K, NORM_WEIGHT,
-                          ONE)
-        for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
-            w = _weight_tile(w_ptr, n64, n_ok, k + ks, K, stride_w, EVEN_K)
-            half = _half_tile(half, w, k, ks, x_ptr, wn_ptr, src, row_ok, K, stride_x, unit, NORM, EVEN_K,
-                              NORM_WEIGHT, ONE)
-        y = _sums(half, ONE) * amax[:, None]
-        if NORM:
-            y = y * tl.rsqrt(sq_sum / K + eps)[:, None]
-        return y
     acc = tl.zeros([BLOCK_N, BLOCK_K] if ONE else [BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     acc, sq = _stream_tile(acc, sq, w0, 0, ks, x_ptr, wn_ptr, src, row_ok, K, stride_x, s_ptr, n_blk, stride_s,
@@ -452,7 +391,7 @@ def _skinny_kernel(
     M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     LOOP: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr, EARLY: tl.constexpr, USE_PDL: tl.constexpr,
     NORM_WEIGHT: tl.constexpr, SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr, ACT_DTYPE: tl.constexpr,
-    HALF: tl.constexpr, ONE: tl.constexpr,
+    ONE: tl.constexpr,
 ):
     # SCALE: 0, w holds the weights; 1, FP8 values scaled per output column (s_ptr [N], applied to
     # the sums); 2, FP8 values scaled per SCALE_BLOCK x SCALE_BLOCK block (s_ptr [N / SCALE_BLOCK,
@@ -528,7 +467,7 @@ def _skinny_kernel(
         acc = _streamed_rows(
             w0, n64, n_ok, x_ptr, wn_ptr, w_ptr, row_ptr, M, K, eps, stride_x, stride_w, s_ptr, n_blk, stride_s,
             PROLOGUE == 1, HAS_ROW_IDX, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, STAGES, NORM_WEIGHT,
-            SCALE_BLOCK, HALF, ONE,
+            SCALE_BLOCK, ONE,
         )
         if USE_PDL:
             # several waves of programs: the dependents take slots only as the last one drains
@@ -664,12 +603,6 @@ def _config(M: int, N: int, K: int, device: torch.device, tile_k: int | None = N
     return _Config(True, 16 if vocabulary_wide or many else 8, max(32, block_k), 4, 3)
 
 
-def half_products(K: int, cfg: _Config) -> bool:
-    """Whether a streamed product of FP8 values scaled per column over K runs its multiply-adds in
-    packed fp16 (``HALF_PRODUCTS``; ``_streamed_rows``' HALF)."""
-    return HALF_PRODUCTS and cfg.loop and triton.cdiv(K, cfg.block_k) <= HALF_MAX_TILES
-
-
 def streams(rows: int, weight, tile_k: int | None = None) -> bool:
     """Whether ``rows`` rows through ``weight`` ([N, K], or an ``Fp8Weight``) stream K in tiles,
     rather than hold a program's whole K in one register tile (``_config``)."""
@@ -751,7 +684,7 @@ def _launch(x, z, norm_w, weight, bias, out, rows: _Rows, *, eps, group_size, pr
         M=M, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, LOOP=cfg.loop,
         EVEN_K=K % cfg.block_k == 0, STAGES=cfg.stages, EARLY=early, USE_PDL=pdl, num_warps=cfg.num_warps,
         NORM_WEIGHT=not unit_norm, SCALE=scale_mode, SCALE_BLOCK=scale_block, ACT_DTYPE=_TL_DTYPES[act_dtype],
-        HALF=scale_mode == 1 and half_products(K, cfg), ONE=ONE_ROW_TILES and M == 1, **extra,
+        ONE=ONE_ROW_TILES and M == 1, **extra,
     )
     return out
 

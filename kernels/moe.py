@@ -41,7 +41,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import decode_linear
 from .activation import relu2_ref, silu_mul, silu_mul_ref
-from .decode_linear import HALF_MAX_TILES, _block_scaled, _streamed_rows, hopper_or_newer, swiglu_pairs, swiglu_rows
+from .decode_linear import _block_scaled, _streamed_rows, hopper_or_newer, swiglu_pairs, swiglu_rows
 from .dispatch import with_reference
 from .fp8 import Fp8Weight, quantize_rows, quantize_rows_ref
 from .moe_route import ROUTE_BLOCK_T, _check_block_counts
@@ -380,16 +380,16 @@ def _pair_up_kernel(a_ptr, idx_ptr, w_ptr, out_ptr, N, K, stride_a, stride_we, s
                     s_ptr, stride_se, stride_sn,
                     TOP_K: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     EVEN_K: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr, SCALE: tl.constexpr,
-                    SCALE_BLOCK: tl.constexpr, HALF: tl.constexpr, ONE: tl.constexpr):
+                    SCALE_BLOCK: tl.constexpr, ONE: tl.constexpr):
     """Pair p's up projection as a matrix-vector product on CUDA cores (its expert e = idx[p] the
     routing's, the previous kernel's: read after the wait): out[p, cols] = act(a[p // TOP_K] @
     w[e, cols].T) over BLOCK_N weight rows (program axis 0), K streamed in
     pipelined tiles as the skinny projections stream theirs (``decode_linear._streamed_rows``),
     each weight element read once. A 16-row tensor-core tile for one row would be mostly
     padding; here every SM streams a share of the six experts' weights. SCALE as
-    ``_tile_product``'s; HALF: ``_streamed_rows``'. ACT: 0 none, 1 relu2, 2 SwiGLU over w = [gate |
-    up] (N = 2I rows): the program's rows are BLOCK_N / 2 output columns' gate and up rows side by side, and it stores
-    silu(gate) * up."""
+    ``_tile_product``'s; ONE as ``_streamed_rows``'. ACT: 0 none, 1 relu2, 2 SwiGLU over w = [gate |
+    up] (N = 2I rows): the program's rows are BLOCK_N / 2 output columns' gate and up rows side by
+    side, and it stores silu(gate) * up."""
     p = tl.program_id(1)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
@@ -408,7 +408,7 @@ def _pair_up_kernel(a_ptr, idx_ptr, w_ptr, out_ptr, N, K, stride_a, stride_we, s
         n_blk = tl.minimum(n, N - 1) // SCALE_BLOCK
     acc = _streamed_rows(w0, n64, n_ok, a_ptr + (p // TOP_K).to(tl.int64) * stride_a, a_ptr, w_e, a_ptr, 1, K,
                          0.0, 0, stride_wn, s_e, n_blk, stride_sn, False, False, 1, BLOCK_N, BLOCK_K, EVEN_K, STAGES,
-                         False, SCALE_BLOCK if SCALE == 2 else 0, HALF, ONE)
+                         False, SCALE_BLOCK if SCALE == 2 else 0, ONE)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     if SCALE == 1:
@@ -429,16 +429,14 @@ def _pair_down_kernel(h_ptr, idx_ptr, wt_ptr, w_ptr, shared_ptr, out_ptr, N, K, 
                       stride_shared, stride_out, s_ptr, stride_se, stride_sn,
                       TOP_K: tl.constexpr, BLOCK_J: tl.constexpr, SHARED: tl.constexpr, ACCUMULATE: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr,
-                      SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr, HALF: tl.constexpr):
+                      SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr):
     """A token's down projections and their weighted sum in one pass (program axis 1 the token,
     axis 0 BLOCK_N output columns): out[t] (+)= round(sum_j wt[t, j] * round(h[t * TOP_K + j] @
     down[idx[t, j]].T)) (+ shared[t]), rounding as ``_combine_kernel``. The token's TOP_K
     experts' K are one stream of TOP_K x K, pipelined across the experts' boundaries, where
     each expert's sum is finished (scaled, rounded, weighted) and its accumulator cleared: a
     program streams six experts' columns, not one, and no combine launch follows. SCALE as
-    ``_tile_product``'s (FP8 values). HALF (values scaled per column): the multiply-adds in packed
-    fp16 as ``decode_linear._streamed_rows``' HALF, each pair's row of h scaled into [-1, 1] by
-    its absolute maximum, found in a pass over the token's rows before the loop."""
+    ``_tile_product``'s (FP8 values)."""
     t = tl.program_id(1)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
@@ -451,17 +449,7 @@ def _pair_down_kernel(h_ptr, idx_ptr, wt_ptr, w_ptr, shared_ptr, out_ptr, N, K, 
     if USE_PDL:  # h is the previous kernel's
         tl.extra.cuda.gdc_wait()
     tiles = tl.cdiv(K, BLOCK_K)
-    h_rows = h_ptr + (t * TOP_K + js).to(tl.int64) * stride_h  # [BLOCK_J]
-    amax = tl.full((BLOCK_J,), 1.0, tl.float32)
-    if HALF:
-        m = tl.zeros((BLOCK_J, BLOCK_K), tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + ks
-            m = tl.maximum(m, tl.abs(tl.load(h_rows[:, None] + cols[None, :], mask=(js < TOP_K)[:, None]
-                                             & (cols < K)[None, :], other=0.0).to(tl.float32)))
-        amax = tl.max(m, axis=1)
-    unit = tl.where(amax > 0, 1.0 / amax, 0.0)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float16 if HALF else tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
     total = tl.zeros((BLOCK_N,), tl.float32)
     for i in tl.range(0, TOP_K * tiles, num_stages=STAGES):
         j = i // tiles
@@ -474,20 +462,14 @@ def _pair_down_kernel(h_ptr, idx_ptr, wt_ptr, w_ptr, shared_ptr, out_ptr, N, K, 
         a = tl.load(h_ptr + (t * TOP_K + j).to(tl.int64) * stride_h + cols, mask=col_ok, other=0.0).to(tl.float32)
         if SCALE == 2:
             w = _block_scaled(w, s_ptr + e * stride_se, n_blk, cols, col_ok, stride_sn, SCALE_BLOCK)
-        if HALF:
-            a_unit = tl.sum(tl.where(js == j, unit, 0.0), axis=0)
-            acc += w.to(tl.float16) * (a * a_unit).to(tl.float16)[None, :]
-        else:
-            acc += w.to(tl.float32) * a[None, :]
+        acc += w.to(tl.float32) * a[None, :]
         if k0 + BLOCK_K >= K:  # expert j's last tile: its sum, as the down projection hands it on
-            y = tl.sum(acc.to(tl.float32), axis=1)
-            if HALF:
-                y *= tl.sum(tl.where(js == j, amax, 0.0), axis=0)
+            y = tl.sum(acc, axis=1)
             if SCALE == 1:
                 y *= tl.load(s_ptr + e * stride_se + n, mask=n_ok, other=0.0)
             y = y.to(h_ptr.dtype.element_ty).to(tl.float32)
             total += tl.load(wt_ptr + t * TOP_K + j) * y
-            acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float16 if HALF else tl.float32)
+            acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     dtype = h_ptr.dtype.element_ty
@@ -720,24 +702,17 @@ def _stream_pairs(x, idx, w, up, down, target, *, swiglu: bool, shared, shared_r
         x, idx, up, h, n, K, x.stride(0), up.stride(0), up.stride(1), h.stride(0), scale, scale.stride(0),
         scale.stride(1) if mode == 2 else 0, TOP_K=k, ACT=2 if swiglu else 1, BLOCK_N=PAIR_UP_BLOCK_N, BLOCK_K=bk,
         EVEN_K=K % bk == 0, STAGES=PAIR_UP_STAGES, USE_PDL=pdl, SCALE=mode, SCALE_BLOCK=block,
-        HALF=mode == 1 and _half(K, bk), ONE=decode_linear.ONE_ROW_TILES, num_warps=4, **extra)
+        ONE=decode_linear.ONE_ROW_TILES and T == 1, num_warps=4, **extra)
     _join(shared_ready, x.device)
     scale, block, mode = _scale_args(down, down_scale)
     bn, bk, stages = PAIR_DOWN_ONE_TOKEN if T == 1 else PAIR_DOWN_TOKENS
-    bk = min(bk, max(32, triton.next_power_of_2(I)))
     _pair_down_kernel[(triton.cdiv(D, bn), T)](
         h, idx, w, down, shared if shared is not None else h, target, D, I, h.stride(0), down.stride(0),
         down.stride(1), shared.stride(0) if shared is not None else 0, target.stride(0), scale, scale.stride(0),
         scale.stride(1) if mode == 2 else 0, TOP_K=k, BLOCK_J=triton.next_power_of_2(k), SHARED=shared is not None,
-        ACCUMULATE=accumulate, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages,
-        USE_PDL=pdl, SCALE=mode, SCALE_BLOCK=block, HALF=mode == 1 and _half(I, bk), num_warps=4, **extra)
+        ACCUMULATE=accumulate, BLOCK_N=bn, BLOCK_K=min(bk, max(32, triton.next_power_of_2(I))), STAGES=stages,
+        USE_PDL=pdl, SCALE=mode, SCALE_BLOCK=block, num_warps=4, **extra)
     return target
-
-
-def _half(K: int, block_k: int) -> bool:
-    """Whether a pair kernel streaming K in tiles of block_k runs its FP8 multiply-adds in packed
-    fp16 (``decode_linear.HALF_PRODUCTS``, read at the call so a switch takes effect)."""
-    return decode_linear.HALF_PRODUCTS and triton.cdiv(K, block_k) <= HALF_MAX_TILES
 
 
 # An FP8 tensor-core product takes K tiles of at least 32, and a block-scaled one a block a tile.

@@ -192,28 +192,22 @@ def launch_skinny() -> None:
                     torch.empty(4352, **bf16), torch.zeros(1, dtype=torch.int32), 4096)
     norm_linear.triton(torch.randn(1, 2048), torch.ones(2048, **bf16), 1e-5, torch.empty(8512, 2048, **bf16),
                        conv=conv, out=torch.empty(1, 8512, **bf16), pdl=True, unit_norm=True)
-    # FP8 weights scaled per column, one and two rows: Nano's in_proj with the norm and the conv
-    # update, its out_proj into the residual, the 8B's down projection (K = 21504); the multiply-adds
-    # in packed fp16 (``HALF_PRODUCTS``) and in fp32
-    from mambastep.kernels import decode_linear
+    # FP8 weights scaled per column, one row (a 2-D tile) and two: Nano's in_proj with the norm and
+    # the conv update, its out_proj into the residual, the 8B's down projection (K = 21504)
     from mambastep.kernels.fp8 import Fp8Weight, quantize_fp8
 
-    default = decode_linear.HALF_PRODUCTS
-    for half in (True, False):
-        decode_linear.HALF_PRODUCTS = half
-        for M in (1, 2):
-            conv = ConvTail(torch.empty(2, W - 1, D, **bf16).transpose(1, 2), torch.empty(D, W, **bf16),
-                            torch.empty(D, **bf16), torch.zeros(M, dtype=torch.int32), lo)
-            norm_linear.triton(torch.randn(M, 2688), torch.ones(2688, **bf16), 1e-5,
-                               quantize_fp8(torch.randn(10304, 2688) * 0.02), conv=conv,
-                               out=torch.empty(M, 10304, **bf16), pdl=True)
-            norm_linear.triton(torch.randn(M, 4096).to(torch.bfloat16), None, 1e-5,
-                               quantize_fp8(torch.randn(2688, 4096) * 0.02), residual=torch.empty(M, 2688), pdl=True,
-                               early=True)
-            norm_linear.triton(torch.randn(M, 21504).to(torch.bfloat16), None, 1e-5,
-                               Fp8Weight(torch.empty(4096, 21504, dtype=torch.float8_e4m3fn), torch.ones(4096)),
-                               residual=torch.empty(M, 4096), pdl=True, early=True)
-    decode_linear.HALF_PRODUCTS = default
+    for M in (1, 2):
+        conv = ConvTail(torch.empty(2, W - 1, D, **bf16).transpose(1, 2), torch.empty(D, W, **bf16),
+                        torch.empty(D, **bf16), torch.zeros(M, dtype=torch.int32), lo)
+        norm_linear.triton(torch.randn(M, 2688), torch.ones(2688, **bf16), 1e-5,
+                           quantize_fp8(torch.randn(10304, 2688) * 0.02), conv=conv,
+                           out=torch.empty(M, 10304, **bf16), pdl=True)
+        norm_linear.triton(torch.randn(M, 4096).to(torch.bfloat16), None, 1e-5,
+                           quantize_fp8(torch.randn(2688, 4096) * 0.02), residual=torch.empty(M, 2688), pdl=True,
+                           early=True)
+        norm_linear.triton(torch.randn(M, 21504).to(torch.bfloat16), None, 1e-5,
+                           Fp8Weight(torch.empty(4096, 21504, dtype=torch.float8_e4m3fn), torch.ones(4096)),
+                           residual=torch.empty(M, 4096), pdl=True, early=True)
 
 
 def launch_decode_attention() -> None:

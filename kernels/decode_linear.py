@@ -94,6 +94,8 @@ ONE_TILE_MAX_K = 2048
 # in 3 (see ``_config``).
 WHOLE_KILO_TILES = True
 
+# two FP8 rows by the H100 sweep's tiles (``_config``): off until a whole step is timed with it
+FP8_TWO_ROW_TILES = False
 # one row streamed in a 2-D [BLOCK_N, BLOCK_K] tile (``_add_products``), not the rows' 3-D one: the
 # FP8 one-row steps of Nemotron-3-Nano and Nemotron-H-8B 5.6% and 4.9% faster, bf16 ones 0.4-1.1%
 # (H100, docs/experiments.md)
@@ -571,7 +573,10 @@ def _config(M: int, N: int, K: int, device: torch.device, tile_k: int | None = N
     --batch``), the best tiles kept about that much K whatever the rows; half of it in 3 stages,
     the rule before, lost up to 1.6x on a projection at 8 rows. The 8B's whole fused step at 2
     rows 5.89 ms against 5.92 with the rule before, at 4 rows 6.61 against 7.12
-    (docs/experiments.md). FP8 rows past one keep the rule before (not swept).
+    (docs/experiments.md). FP8 rows past one keep the rule before; two FP8 rows swept on an H100
+    (``bench tiles --batch 2``) take 512-column tiles in 4 stages, 16 columns a program where one
+    row takes 16 (tall, or many programs), with ``FP8_TWO_ROW_TILES`` (off until timed in a step:
+    each product alone 1.04-1.47x faster than the rule before, 12% over the eight shapes).
     """
     if tile_k is not None:
         return _Config(True, 16, tile_k, 4, 2)
@@ -593,6 +598,9 @@ def _config(M: int, N: int, K: int, device: torch.device, tile_k: int | None = N
     # one row: 16 columns a program once 8 would give more than 8 programs an SM, so that a
     # program's loads of the input row (and the norm weight) serve twice the columns
     many = M == 1 and triton.cdiv(N, 8) > 8 * sms
+    if FP8_TWO_ROW_TILES and fp8 and M == 2 and not vocabulary_wide:
+        tall = (N >= 4 * K and K >= 4096) or triton.cdiv(N, 8) > 8 * sms
+        return _Config(True, 16 if tall else 8, 512, 4, 4)
     if fp8 and M == 1 and K >= 2048 and not (vocabulary_wide or many):
         return _Config(True, 8, 1024, 4, 3)
     if WHOLE_KILO_TILES and M == 1 and not fp8 and many and not vocabulary_wide and K % 1024 == 0:

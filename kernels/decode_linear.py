@@ -22,7 +22,8 @@ their own that move almost nothing. Here one kernel does all three:
     which measured faster than recomputing its groups tile by tile. One row sums its products in
     a 2-D [BLOCK_N, BLOCK_K] tile (``ONE_ROW_TILES``), more rows in a 3-D [rows, BLOCK_N,
     BLOCK_K] one, whose layout has shared memory hand each thread its FP8 weights a byte a load
-    (a 2-D tile keeps the 16 contiguous bytes a thread loaded: one FP8 row's step 5-6% faster).
+    (a 2-D tile keeps the 16 contiguous bytes a thread loaded: one FP8 row's step 5-6% faster;
+    two rows can keep them too, ``TWO_ROW_TILES``).
 - epilogue: store the rounded product; or add it into the residual stream in place; or squared
   ReLU; or SwiGLU over a [gate | up] weight (a program owns output columns' gate and up rows
   side by side, and stores silu(gate) * up: no activation kernel after it); or, for Mamba2's
@@ -100,6 +101,8 @@ FP8_TWO_ROW_TILES = False
 # FP8 one-row steps of Nemotron-3-Nano and Nemotron-H-8B 5.6% and 4.9% faster, bf16 ones 0.4-1.1%
 # (H100, docs/experiments.md)
 ONE_ROW_TILES = True
+# two rows so too, in a [BLOCK_N, BLOCK_K, 2] tile (``_add_products``): built, not yet timed
+TWO_ROW_TILES = False
 
 _PRO_NONE, _PRO_RMS, _PRO_GATED = 0, 1, 2
 _EPI_STORE, _EPI_RESIDUAL, _EPI_RELU2, _EPI_CONV, _EPI_SWIGLU = 0, 1, 2, 3, 4
@@ -247,32 +250,44 @@ def _block_scaled(w, s_ptr, n_blk, cols, col_ok, stride_s, SCALE_BLOCK: tl.const
 
 
 @triton.jit
-def _add_products(acc, w, a, ONE: tl.constexpr):
-    """acc + w * a over a K tile: w [BLOCK_N, BLOCK_K], a the rows [BLOCK_M, BLOCK_K]; acc
-    [BLOCK_M, BLOCK_N, BLOCK_K], or for ONE row [BLOCK_N, BLOCK_K]: a 2-D tile keeps the weight
-    in the layout its loads give it (16 contiguous bytes a thread), where the 3-D one's layout
-    has shared memory hand each thread its FP8 values a byte a load."""
-    if ONE:
+def _add_products(acc, w, a, TILE_ROWS: tl.constexpr):
+    """acc + w * a over a K tile: w [BLOCK_N, BLOCK_K], a the rows [BLOCK_M, BLOCK_K]. acc by
+    TILE_ROWS: 0, [BLOCK_M, BLOCK_N, BLOCK_K]; 1, one row's [BLOCK_N, BLOCK_K]; 2, two rows'
+    [BLOCK_N, BLOCK_K, 2], each thread holding both rows' sums of its weights. The 2-D and the
+    joined tiles keep the weight in the layout its loads give it (16 contiguous bytes a thread),
+    where the 3-D one's layout has shared memory hand each thread its FP8 values a byte a load."""
+    if TILE_ROWS == 1:
         acc = acc + w * tl.reshape(a, (a.shape[1],))[None, :]
+    elif TILE_ROWS == 2:
+        a0, a1 = tl.split(tl.trans(a))
+        acc = acc + tl.join(w * a0[None, :], w * a1[None, :])
     else:
         acc = acc + w[None, :, :] * a[:, None, :]
     return acc
 
 
 @triton.jit
-def _sums(acc, ONE: tl.constexpr):
+def _sums(acc, TILE_ROWS: tl.constexpr):
     """The sums of ``_add_products``' tiles over K, in fp32: [BLOCK_M, BLOCK_N]."""
-    if ONE:
+    if TILE_ROWS == 1:
         y = tl.sum(acc.to(tl.float32), axis=1)[None, :]
+    elif TILE_ROWS == 2:
+        s0, s1 = tl.split(acc.to(tl.float32))
+        y = tl.trans(tl.join(tl.sum(s0, axis=1), tl.sum(s1, axis=1)))
     else:
         y = tl.sum(acc.to(tl.float32), axis=2)
     return y
 
 
+def _tile_rows(M: int) -> int:
+    """``_add_products``' TILE_ROWS for M streamed rows (``ONE_ROW_TILES``, ``TWO_ROW_TILES``)."""
+    return 1 if M == 1 and ONE_ROW_TILES else 2 if M == 2 and TWO_ROW_TILES else 0
+
+
 @triton.jit
 def _stream_tile(acc, sq, w, k, ks, x_ptr, wn_ptr, src, row_ok, K, stride_x, s_ptr, n_blk, stride_s,
                  NORM: tl.constexpr, EVEN_K: tl.constexpr, NORM_WEIGHT: tl.constexpr, SCALE_BLOCK: tl.constexpr,
-                 ONE: tl.constexpr):
+                 TILE_ROWS: tl.constexpr):
     """One K tile of the streamed product, elementwise (reduced once after the loop): acc += w *
     input (times the norm weight, unless NORM_WEIGHT is off: a unit weight, folded into w), and
     with a norm sq += input^2. SCALE_BLOCK: w is FP8 with block scales, applied here."""
@@ -287,7 +302,7 @@ def _stream_tile(acc, sq, w, k, ks, x_ptr, wn_ptr, src, row_ok, K, stride_x, s_p
         sq += a * a
         if NORM_WEIGHT:
             a = a * tl.load(wn_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    return _add_products(acc, w.to(tl.float32), a, ONE), sq
+    return _add_products(acc, w.to(tl.float32), a, TILE_ROWS), sq
 
 
 @triton.jit
@@ -304,15 +319,15 @@ def _streamed_rows(
     w0, n64, n_ok, x_ptr, wn_ptr, w_ptr, row_ptr, M, K, eps, stride_x, stride_w, s_ptr, n_blk, stride_s,
     NORM: tl.constexpr, HAS_ROW_IDX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr, NORM_WEIGHT: tl.constexpr,
-    SCALE_BLOCK: tl.constexpr, ONE: tl.constexpr = False,
+    SCALE_BLOCK: tl.constexpr, TILE_ROWS: tl.constexpr = 0,
 ):
     """The product of all rows with the program's [BLOCK_N, K] weight slice in fp32, as
     [BLOCK_M, BLOCK_N], in one pass over K tiles (w0 is the first), each weight tile read once
     for all rows. An RMSNorm prologue is applied after the product: the input times the norm
     weight goes in unscaled, its squares come along, and each row is scaled by its rstd at the
     end. So there is no second pass over the input, and no rounding of the normalised input
-    (which the one-tile path and the references keep). ONE: a single row (BLOCK_M == 1), summed
-    in a 2-D tile (``_add_products``)."""
+    (which the one-tile path and the references keep). TILE_ROWS: the sums' tile
+    (``_add_products``)."""
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < M
     ks = tl.arange(0, BLOCK_K)
@@ -320,15 +335,20 @@ def _streamed_rows(
         src = tl.load(row_ptr + rows, mask=row_ok, other=0).to(tl.int64)
     else:
         src = rows.to(tl.int64)
-    acc = tl.zeros([BLOCK_N, BLOCK_K] if ONE else [BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if TILE_ROWS == 1:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    elif TILE_ROWS == 2:
+        acc = tl.zeros([BLOCK_N, BLOCK_K, 2], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     acc, sq = _stream_tile(acc, sq, w0, 0, ks, x_ptr, wn_ptr, src, row_ok, K, stride_x, s_ptr, n_blk, stride_s,
-                           NORM, EVEN_K, NORM_WEIGHT, SCALE_BLOCK, ONE)
+                           NORM, EVEN_K, NORM_WEIGHT, SCALE_BLOCK, TILE_ROWS)
     for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         w = _weight_tile(w_ptr, n64, n_ok, k + ks, K, stride_w, EVEN_K)
         acc, sq = _stream_tile(acc, sq, w, k, ks, x_ptr, wn_ptr, src, row_ok, K, stride_x, s_ptr, n_blk, stride_s,
-                               NORM, EVEN_K, NORM_WEIGHT, SCALE_BLOCK, ONE)
-    y = _sums(acc, ONE)
+                               NORM, EVEN_K, NORM_WEIGHT, SCALE_BLOCK, TILE_ROWS)
+    y = _sums(acc, TILE_ROWS)
     if NORM:
         y = y * tl.rsqrt(tl.sum(sq, axis=1) / K + eps)[:, None]
     return y
@@ -398,7 +418,7 @@ def _skinny_kernel(
     M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     LOOP: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr, EARLY: tl.constexpr, USE_PDL: tl.constexpr,
     NORM_WEIGHT: tl.constexpr, SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr, ACT_DTYPE: tl.constexpr,
-    ONE: tl.constexpr,
+    TILE_ROWS: tl.constexpr,
 ):
     # SCALE: 0, w holds the weights; 1, FP8 values scaled per output column (s_ptr [N], applied to
     # the sums); 2, FP8 values scaled per SCALE_BLOCK x SCALE_BLOCK block (s_ptr [N / SCALE_BLOCK,
@@ -474,7 +494,7 @@ def _skinny_kernel(
         acc = _streamed_rows(
             w0, n64, n_ok, x_ptr, wn_ptr, w_ptr, row_ptr, M, K, eps, stride_x, stride_w, s_ptr, n_blk, stride_s,
             PROLOGUE == 1, HAS_ROW_IDX, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, STAGES, NORM_WEIGHT,
-            SCALE_BLOCK, ONE,
+            SCALE_BLOCK, TILE_ROWS,
         )
         if USE_PDL:
             # several waves of programs: the dependents take slots only as the last one drains
@@ -697,7 +717,7 @@ def _launch(x, z, norm_w, weight, bias, out, rows: _Rows, *, eps, group_size, pr
         M=M, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, LOOP=cfg.loop,
         EVEN_K=K % cfg.block_k == 0, STAGES=cfg.stages, EARLY=early, USE_PDL=pdl, num_warps=cfg.num_warps,
         NORM_WEIGHT=not unit_norm, SCALE=scale_mode, SCALE_BLOCK=scale_block, ACT_DTYPE=_TL_DTYPES[act_dtype],
-        ONE=ONE_ROW_TILES and M == 1, **extra,
+        TILE_ROWS=_tile_rows(M), **extra,
     )
     return out
 

@@ -380,14 +380,14 @@ def _pair_up_kernel(a_ptr, idx_ptr, w_ptr, out_ptr, N, K, stride_a, stride_we, s
                     s_ptr, stride_se, stride_sn,
                     TOP_K: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     EVEN_K: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr, SCALE: tl.constexpr,
-                    SCALE_BLOCK: tl.constexpr, ONE: tl.constexpr):
+                    SCALE_BLOCK: tl.constexpr, TILE_ROWS: tl.constexpr):
     """Pair p's up projection as a matrix-vector product on CUDA cores (its expert e = idx[p] the
     routing's, the previous kernel's: read after the wait): out[p, cols] = act(a[p // TOP_K] @
     w[e, cols].T) over BLOCK_N weight rows (program axis 0), K streamed in
     pipelined tiles as the skinny projections stream theirs (``decode_linear._streamed_rows``),
     each weight element read once. A 16-row tensor-core tile for one row would be mostly
     padding; here every SM streams a share of the six experts' weights. SCALE as
-    ``_tile_product``'s; ONE as ``_streamed_rows``'. ACT: 0 none, 1 relu2, 2 SwiGLU over w = [gate |
+    ``_tile_product``'s; TILE_ROWS as ``_streamed_rows``'. ACT: 0 none, 1 relu2, 2 SwiGLU over w = [gate |
     up] (N = 2I rows): the program's rows are BLOCK_N / 2 output columns' gate and up rows side by
     side, and it stores silu(gate) * up."""
     p = tl.program_id(1)
@@ -408,7 +408,7 @@ def _pair_up_kernel(a_ptr, idx_ptr, w_ptr, out_ptr, N, K, stride_a, stride_we, s
         n_blk = tl.minimum(n, N - 1) // SCALE_BLOCK
     acc = _streamed_rows(w0, n64, n_ok, a_ptr + (p // TOP_K).to(tl.int64) * stride_a, a_ptr, w_e, a_ptr, 1, K,
                          0.0, 0, stride_wn, s_e, n_blk, stride_sn, False, False, 1, BLOCK_N, BLOCK_K, EVEN_K, STAGES,
-                         False, SCALE_BLOCK if SCALE == 2 else 0, ONE)
+                         False, SCALE_BLOCK if SCALE == 2 else 0, TILE_ROWS)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     if SCALE == 1:
@@ -702,7 +702,7 @@ def _stream_pairs(x, idx, w, up, down, target, *, swiglu: bool, shared, shared_r
         x, idx, up, h, n, K, x.stride(0), up.stride(0), up.stride(1), h.stride(0), scale, scale.stride(0),
         scale.stride(1) if mode == 2 else 0, TOP_K=k, ACT=2 if swiglu else 1, BLOCK_N=PAIR_UP_BLOCK_N, BLOCK_K=bk,
         EVEN_K=K % bk == 0, STAGES=PAIR_UP_STAGES, USE_PDL=pdl, SCALE=mode, SCALE_BLOCK=block,
-        ONE=decode_linear.ONE_ROW_TILES and T == 1, num_warps=4, **extra)
+        TILE_ROWS=int(decode_linear.ONE_ROW_TILES and T == 1), num_warps=4, **extra)
     _join(shared_ready, x.device)
     scale, block, mode = _scale_args(down, down_scale)
     bn, bk, stages = PAIR_DOWN_ONE_TOKEN if T == 1 else PAIR_DOWN_TOKENS

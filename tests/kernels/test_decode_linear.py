@@ -222,23 +222,26 @@ def test_fp8_weights_gated_into_residual(device, tile_k, fp8_block, M):
     assert_close(residual.cpu(), res_ref, BF16, factor=0.25)
 
 
-@pytest.mark.parametrize("one_row_tiles", [True, False], ids=["2-D tile", "3-D tile"])
+@pytest.mark.parametrize("row_tiles", [True, False], ids=["2-D tiles", "3-D tile"])
 @pytest.mark.parametrize("weights", ["bf16", "fp8-column", "fp8-block16"])
-def test_one_streamed_row_in_either_tile(device, monkeypatch, one_row_tiles, weights):
-    """One row through K in tiles sums in a 2-D tile (``ONE_ROW_TILES``), or in the rows' 3-D one
-    as more rows do: both equal the reference, with the norm prologue and into the residual."""
-    monkeypatch.setattr(decode_linear, "ONE_ROW_TILES", one_row_tiles)
-    torch.manual_seed(70 + one_row_tiles)
+@pytest.mark.parametrize("M", [1, 2])
+def test_one_or_two_streamed_rows_in_either_tile(device, monkeypatch, M, row_tiles, weights):
+    """One or two rows through K in tiles sum in 2-D tiles of the weight's layout
+    (``ONE_ROW_TILES``, ``TWO_ROW_TILES``), or in the rows' 3-D one as more rows do: both equal
+    the reference, with the norm prologue and into the residual."""
+    monkeypatch.setattr(decode_linear, "ONE_ROW_TILES", row_tiles)
+    monkeypatch.setattr(decode_linear, "TWO_ROW_TILES", row_tiles)
+    torch.manual_seed(70 + 2 * M + row_tiles)
     K, N = 72, 37
     w = torch.randn(N, K, device=device) / K**0.5
     w = w.to(BF16) if weights == "bf16" else quantize_fp8(w, 16 if weights == "fp8-block16" else 0)
-    x = torch.randn(1, K, device=device)
+    x = torch.randn(M, K, device=device)
     norm_w = torch.randn(K, device=device).to(BF16)
-    out = poisoned((1, N), BF16, device)
+    out = poisoned((M, N), BF16, device)
     norm_linear.triton(x, norm_w, 1e-5, w, out=out, tile_k=16)
     assert_close(out.cpu(), norm_linear_ref(x.cpu(), norm_w.cpu(), 1e-5, w.to("cpu")), BF16, factor=0.25)
-    h = torch.randn(1, K, device=device).to(BF16)
-    residual = torch.randn(1, N, device=device)
+    h = torch.randn(M, K, device=device).to(BF16)
+    residual = torch.randn(M, N, device=device)
     res_ref = residual.cpu().clone()
     norm_linear.triton(h, None, 1e-5, w, residual=residual, tile_k=16)
     norm_linear_ref(h.cpu(), None, 1e-5, w.to("cpu"), residual=res_ref)

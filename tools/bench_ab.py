@@ -189,14 +189,32 @@ def table(rows: list[dict], header: bool = True) -> str:
     return "\n".join(out)
 
 
+def _patches(text: str) -> list[str]:
+    """``text`` split at its commas outside brackets and quotes (a value may be a tuple)."""
+    parts, depth, quote, start = [], 0, "", 0
+    for i, c in enumerate(text):
+        if quote:
+            quote = "" if c == quote else quote
+        elif c in "'\"":
+            quote = c
+        elif c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+        elif c == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    return [p for p in parts + [text[start:]] if p]
+
+
 def parse_variant(text: str) -> tuple[str, Variant]:
     """``NAME`` (as the code stands) or ``NAME:MODULE.ATTR=VALUE[,MODULE.ATTR=VALUE...]``: the
-    module under ``mambastep`` (``kernels.linear``), the value a Python literal."""
+    module under ``mambastep`` (``kernels.linear``), the value a Python literal (a tuple too)."""
     name, _, patches = text.partition(":")
     if not name:
         raise ValueError(f"a variant needs a name: {text!r}")
     targets: dict[str, dict[str, Any]] = {}
-    for patch in filter(None, patches.split(",")):
+    for patch in _patches(patches):
         where, eq, value = patch.partition("=")
         module, dot, attr = where.strip().rpartition(".")
         if not (eq and dot and module and attr):
@@ -249,7 +267,7 @@ steps run. Prints each plan's variants beside the first, and whether their logit
     parser.add_argument("--preset", required=True, help="the model shape (random weights)")
     parser.add_argument("--variant", action="append", required=True, metavar="NAME[:MODULE.ATTR=VALUE,...]",
                         help="a variant (the first is the baseline): its name, and the module constants it sets "
-                             "(modules under mambastep, values Python literals); repeat for each")
+                             "(modules under mambastep, values Python literals, tuples too); repeat for each")
     parser.add_argument("--plan", action="append", required=True, metavar="decode:B|prefill:T|mixed:B+T|verify:B+K",
                         help="a step to time: B decode rows, a T-token prompt chunk, or both; or a verify step of "
                              "B sequences of a token and K drafts each; repeat for each")

@@ -9,7 +9,7 @@ import torch
 
 from mambastep.runtime.mixers.base import Norm
 from mambastep.runtime.plan import StepPlan
-from mambastep.tools.bench_ab import compare, patched, table
+from mambastep.tools.bench_ab import compare, parse_variant, patched, table
 from mambastep.tools.bench_steps import decode_plan
 
 
@@ -90,6 +90,22 @@ def test_a_patched_variant_sets_module_constants_while_in_force_and_refuses_unkn
     assert (moe.PAIR_TILES_MAX, moe.ALIGN_COUNTED_ONE_PROGRAM, linear.FEW_ROWS_FP8_MAX) == before
     with pytest.raises(AttributeError, match="mambastep.kernels.moe has no PAIR_TILES"):
         patched((moe, {"PAIR_TILES": 64}))
+
+
+def test_a_variant_sets_tuples_and_lists_among_its_constants():
+    """A variant's constants split at commas outside brackets and quotes, so a tile table's tuple
+    (``kernels.moe.PAIR_DOWN_ONE_TOKEN``) can be set beside others."""
+    from mambastep.kernels import moe
+
+    name, variant = parse_variant("down 16x512:kernels.moe.PAIR_DOWN_ONE_TOKEN=(16, 512, 4),"
+                                  "kernels.moe.PAIR_UP_BLOCK_K=512")
+    assert name == "down 16x512"
+    before = (moe.PAIR_DOWN_ONE_TOKEN, moe.PAIR_UP_BLOCK_K)
+    with variant():
+        assert (moe.PAIR_DOWN_ONE_TOKEN, moe.PAIR_UP_BLOCK_K) == ((16, 512, 4), 512)
+    assert (moe.PAIR_DOWN_ONE_TOKEN, moe.PAIR_UP_BLOCK_K) == before
+    with pytest.raises(ValueError, match="is not a Python literal"):
+        parse_variant("x:kernels.moe.PAIR_DOWN_ONE_TOKEN=(16, 512")
 
 
 def test_the_command_line_times_named_variants_and_refuses_what_it_cannot_set(capsys, tmp_path):

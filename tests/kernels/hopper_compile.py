@@ -6,10 +6,14 @@ the signature and specialisation the JIT would give them, and the kernel compile
 instead of run, and ptxas asked what registers it takes. Run in a process of its own (the
 interpreter must be off): ``python tests/kernels/hopper_compile.py``; prints a line per kernel
 variant, exits 1 if any fails to compile or spills registers (a variant that spills is slow on
-the GPU, which a CPU run would never show). ``test_hopper_compile.py`` runs it."""
+the GPU, which a CPU run would never show). ``test_hopper_compile.py`` runs it. With
+``--loops``, each variant's largest loop (its K loop) is read from the SASS too: instructions,
+byte-wide shared-memory loads and the most frequent opcodes (docs/experiments.md: how a tile's
+layout fed the FP8 weights a byte a load)."""
 
 from __future__ import annotations
 
+import collections
 import os
 import re
 import subprocess
@@ -24,6 +28,7 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction, mangle_type
 
 TARGET = GPUTarget("cuda", 90, 32)
+LOOPS = "--loops" in sys.argv
 OPTIONS = ("num_warps", "num_stages", "launch_pdl")
 compiled: set = set()
 failed: list[str] = []
@@ -71,7 +76,31 @@ def _compile_instead(self, *args, grid, warmup, **kwargs):
     if spilled:
         failed.append(name)
     print("FAIL" if spilled else "ok  ", f"{regs:3d} registers, {spilled} bytes spilled:", name, flush=True)
+    if LOOPS:
+        print("     ", _loop_mix(kernel.asm["cubin"]), flush=True)
     return None
+
+
+def _loop_mix(cubin: bytes) -> str:
+    """The kernel's largest loop in its SASS (the longest span a backward branch closes): its
+    instructions, its byte-wide shared-memory loads (``LDS.U8``: a tile read a byte at a time)
+    and its most frequent opcodes."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([triton.knobs.nvidia.nvdisasm.path, "-c", f.name], capture_output=True, text=True,
+                              check=True).stdout.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(sass) if (m := re.match(r"\s*(\.L_x_\d+):", line))}
+    spans = [(labels[m.group(1)], i) for i, line in enumerate(sass)
+             if (m := re.search(r"BRA\s+`?\(?(\.L_x_\d+)", line)) and labels.get(m.group(1), i) < i]
+    if not spans:
+        return "no loop"
+    lo, hi = max(spans, key=lambda span: span[1] - span[0])
+    ops = [m.group(2) for line in sass[lo:hi + 1]
+           if (m := re.search(r"/\*[0-9a-f]{4}\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)", line))]
+    counts = collections.Counter(op.split(".")[0] for op in ops)
+    top = ", ".join(f"{op} {n}" for op, n in counts.most_common(8))
+    return f"loop: {len(ops)} instructions, {ops.count('LDS.U8')} LDS.U8; {top}"
 
 
 def _registers(ptx: str) -> tuple[int, int]:

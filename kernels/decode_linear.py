@@ -268,14 +268,14 @@ def _add_products(acc, w, a, TILE_ROWS: tl.constexpr):
 
 @triton.jit
 def _sums(acc, TILE_ROWS: tl.constexpr):
-    """The sums of ``_add_products``' tiles over K, in fp32: [BLOCK_M, BLOCK_N]."""
+    """The sums of ``_add_products``' fp32 tiles over K: [BLOCK_M, BLOCK_N]."""
     if TILE_ROWS == 1:
-        y = tl.sum(acc.to(tl.float32), axis=1)[None, :]
+        y = tl.sum(acc, axis=1)[None, :]
     elif TILE_ROWS == 2:
-        s0, s1 = tl.split(acc.to(tl.float32))
+        s0, s1 = tl.split(acc)
         y = tl.trans(tl.join(tl.sum(s0, axis=1), tl.sum(s1, axis=1)))
     else:
-        y = tl.sum(acc.to(tl.float32), axis=2)
+        y = tl.sum(acc, axis=2)
     return y
 
 

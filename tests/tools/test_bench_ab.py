@@ -92,7 +92,7 @@ def test_a_patched_variant_sets_module_constants_while_in_force_and_refuses_unkn
         patched((moe, {"PAIR_TILES": 64}))
 
 
-def test_a_variant_sets_tuples_and_lists_among_its_constants():
+def test_a_variant_sets_a_tuple_among_its_constants():
     """A variant's constants split at commas outside brackets and quotes, so a tile table's tuple
     (``kernels.moe.PAIR_DOWN_ONE_TOKEN``) can be set beside others."""
     from mambastep.kernels import moe

@@ -95,6 +95,20 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     _fix_interpreter_fp8_rounding()
 
 
+# MAMBASTEP_SWITCHES="MODULE.ATTR=VALUE[,...]" (modules under mambastep, as `mambastep bench ab`'s
+# variants name them): those module constants set for the whole run, in every worker, so that a
+# switch built off can pass the suite on before it is turned on (.ci/gpu-pending)
+if os.environ.get("MAMBASTEP_SWITCHES"):
+    from mambastep.tools.bench_ab import parse_variant
+
+    parse_variant("switches:" + os.environ["MAMBASTEP_SWITCHES"])[1]().__enter__()
+
+
+def pytest_report_header(config):
+    switches = os.environ.get("MAMBASTEP_SWITCHES")
+    return f"MAMBASTEP_SWITCHES: {switches}" if switches else None
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

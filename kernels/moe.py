@@ -227,11 +227,11 @@ PAIR_DOWN_ONE_TOKEN, PAIR_DOWN_TOKENS = (8, 1024, 3), (16, 512, 3)
 UP_QUANTIZES_ROWS = False
 
 
-def _align(idx, E: int, bm: int, S: int, pdl: bool = False, block_counts=None):
+def _align(idx, E: int, bm: int, S: int, pdl: bool = False, block_counts=None, counts_tiles: bool = False):
     """(slot_of_pair [P], token_of_slot [S], starts [E + 1], counts [E], done [cdiv(S, bm)]) on
     the device (starts[E]: the end of the last run, the slots in use; the rest of token_of_slot
-    is left unwritten; done: zeros, the up projection's counts of its tiles' finished column
-    blocks): one program for a decode step's few pairs, two parallel passes (count, assign) for a
+    is left unwritten; done: with ``counts_tiles`` zeros, the up projection's counts of its
+    tiles' finished column blocks, else unwritten): one program for a decode step's few pairs, two parallel passes (count, assign) for a
     prefill chunk's many, the first skipped where the routing counted its blocks
     (``block_counts``, from ``moe_route``). All make the same layout. ``pdl``: the one program,
     or the assigning pass after the routing's counts, launches as a programmatic dependent."""
@@ -240,8 +240,8 @@ def _align(idx, E: int, bm: int, S: int, pdl: bool = False, block_counts=None):
     token_of_slot = torch.empty(S, dtype=torch.int32, device=dev)
     starts = torch.empty(E + 1, dtype=torch.int32, device=dev)
     counts = torch.empty(E, dtype=torch.int32, device=dev)
-    tiles = triton.cdiv(S, bm)
-    done = torch.empty(tiles, dtype=torch.int32, device=dev)
+    done = torch.empty(triton.cdiv(S, bm), dtype=torch.int32, device=dev)
+    tiles = done.numel() if counts_tiles else 0  # the counts the alignment zeroes
     block_e = max(16, triton.next_power_of_2(E))
     block_p = max(16, min(256, 8192 // block_e))
     if P <= (ALIGN_ONE_PROGRAM if block_counts is None else ALIGN_COUNTED_ONE_PROGRAM):
@@ -665,6 +665,8 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     extra = {"launch_pdl": True} if pdl else {}
     pairs = T * k <= (PAIR_STREAM_MAX if up_scale is not None else PAIR_TILES_MAX)
+    # the down projection's rows quantized by the up projection's kernel (relu2 in its epilogue)
+    up_quantizes = w8a8 and not pairs and not swiglu and UP_QUANTIZES_ROWS
     if pairs and up_scale is not None:  # FP8 experts' pairs stream
         return _stream_pairs(x, idx, w, (up, up_scale), (down, down_scale), target, swiglu=swiglu, shared=shared,
                              shared_ready=shared_ready, accumulate=residual is not None, pdl=pdl)
@@ -674,12 +676,12 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
     else:
         bm = block_m(T, k, E)
         S = slot_count(T, k, E, bm)
-        slot_of_pair, token_of_slot, starts, counts, done = _align(idx, E, bm, S, pdl, block_counts)
+        slot_of_pair, token_of_slot, starts, counts, done = _align(idx, E, bm, S, pdl, block_counts,
+                                                                   counts_tiles=up_quantizes)
         block_e = max(16, triton.next_power_of_2(E))
     gate_up = torch.empty(S, up_n, dtype=x.dtype, device=dev) if swiglu else None
     h = torch.empty(S, I, dtype=x.dtype, device=dev)
-    # the down projection's rows quantized by the up projection's kernel (relu2 in its epilogue)
-    h_rows = Fp8Rows.empty(S, I, dev) if w8a8 and not pairs and not swiglu and UP_QUANTIZES_ROWS else None
+    h_rows = Fp8Rows.empty(S, I, dev) if up_quantizes else None
     y = torch.empty(S, D, dtype=x.dtype, device=dev)
     # up (gathering each slot's token row, relu2 after, or SwiGLU's kernel), then down; the TMA
     # unit copies the weight tiles (and, in the sorted layout, the down projection's input tiles,

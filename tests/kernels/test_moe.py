@@ -255,9 +255,8 @@ def test_pairs_take_their_expert_run_in_token_order(device, T, routed_counts):
     idx, _ = routing(T, E, k, seed=T, experts_used=[1, 2, 6])
     bm = block_m(T, k, E)
     block_counts = block_counts_ref(idx, E).to(device) if routed_counts else None
-    slot_of_pair, token_of_slot, starts, counts, done = (t.cpu() for t in moe._align(idx.to(device), E, bm,
-                                                                                     slot_count(T, k, E, bm),
-                                                                                     block_counts=block_counts))
+    slot_of_pair, token_of_slot, starts, counts, done = (t.cpu() for t in moe._align(
+        idx.to(device), E, bm, slot_count(T, k, E, bm), block_counts=block_counts, counts_tiles=True))
     flat = idx.flatten().long()
     assert counts.tolist() == torch.bincount(flat, minlength=E).tolist()
     padded = (counts + bm - 1) // bm * bm

@@ -231,10 +231,11 @@ def _align(idx, E: int, bm: int, S: int, pdl: bool = False, block_counts=None, c
     """(slot_of_pair [P], token_of_slot [S], starts [E + 1], counts [E], done [cdiv(S, bm)]) on
     the device (starts[E]: the end of the last run, the slots in use; the rest of token_of_slot
     is left unwritten; done: with ``counts_tiles`` zeros, the up projection's counts of its
-    tiles' finished column blocks, else unwritten): one program for a decode step's few pairs, two parallel passes (count, assign) for a
-    prefill chunk's many, the first skipped where the routing counted its blocks
-    (``block_counts``, from ``moe_route``). All make the same layout. ``pdl``: the one program,
-    or the assigning pass after the routing's counts, launches as a programmatic dependent."""
+    tiles' finished column blocks, else unwritten): one program for a decode step's few pairs,
+    two parallel passes (count, assign) for a prefill chunk's many, the first skipped where the
+    routing counted its blocks (``block_counts``, from ``moe_route``). All make the same layout.
+    ``pdl``: the one program, or the assigning pass after the routing's counts, launches as a
+    programmatic dependent."""
     P, k, dev = idx.numel(), idx.shape[1], idx.device
     slot_of_pair = torch.empty(P, dtype=torch.int32, device=dev)
     token_of_slot = torch.empty(S, dtype=torch.int32, device=dev)

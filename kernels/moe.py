@@ -46,7 +46,7 @@ from . import decode_linear
 from .activation import relu2_ref, silu_mul, silu_mul_ref
 from .decode_linear import _block_scaled, _streamed_rows, hopper_or_newer, swiglu_pairs, swiglu_rows
 from .dispatch import with_reference
-from .fp8 import Fp8Rows, Fp8Weight, quantize_rows, quantize_rows_ref, store_quantized
+from .fp8 import Fp8Rows, Fp8Weight, amax_scale, quantize_rows, quantize_rows_ref, store_quantized
 from .moe_route import ROUTE_BLOCK_T, _check_block_counts
 
 __all__ = ["ACTIVATIONS", "W8A8_MIN_BLOCK", "block_m", "moe_experts", "moe_experts_ref", "quantizes_rows", "slot_count",
@@ -353,7 +353,7 @@ def _quantize_when_last(h_ptr, q_ptr, qs_ptr, done_ptr, tile, slot0, N, stride_h
             ok = (c + cols < N)[None, :]
             v = tl.load(h_ptr + r64 * stride_h + c + cols[None, :], mask=ok, other=0.0, cache_modifier=".cg")
             amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
-        scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=1), 448.0), 1e-12)  # fp8.row_scale's
+        scale = amax_scale(tl.max(amax, axis=1))
         tl.store(qs_ptr + rows, scale)
         for c in range(0, N, BLOCK_Q):
             ok = (c + cols < N)[None, :]

@@ -220,15 +220,8 @@ def _quantize_rows_kernel(x_ptr, s_in_ptr, q_ptr, s_ptr, end_ptr, K, stride_x, s
 @triton.jit
 def row_scale(v):
     """A row's dynamic FP8 scale from its values v [K] in fp32 (zeros past its end): its
-    absolute maximum's ``amax_scale``."""
-    return amax_scale(tl.max(tl.abs(v), axis=0))
-
-
-@triton.jit
-def amax_scale(amax):
-    """The dynamic FP8 scale of rows with absolute maxima amax (elementwise): amax over 448
-    (correctly rounded, as torch divides), at least 1e-12."""
-    return tl.maximum(tl.math.div_rn(amax, 448.0), 1e-12)
+    absolute maximum over 448 (correctly rounded, as torch divides), at least 1e-12."""
+    return tl.maximum(tl.math.div_rn(tl.max(tl.abs(v), axis=0), 448.0), 1e-12)
 
 
 @triton.jit

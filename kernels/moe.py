@@ -21,14 +21,11 @@ Static shapes throughout, so a step is captured once per bucket and replays with
    the TMA unit copies the tiles. A last column block narrower than a tile takes tiles of its
    own width in the same launch. Up projection with relu2 (each rounded to the activations'
    dtype, as HF's two ops; a run's padding rows written as zeros), or SwiGLU's kernel after it,
-   then down projection. W8A8 quantizes each product's rows first; relu2's up projection may
-   write its rows quantized itself (``UP_QUANTIZES_ROWS``: the last of a tile's column programs,
-   told by an ordering count, quantizes the tile).
+   then down projection.
 4. Combine: a token's k rows weighted and summed in fp32 in expert order, rounded, plus the
    shared expert's output, optionally added into the residual stream (for streamed pairs, in the
    down projections' own kernel, which streams a token's k experts one after the other). No
-   atomic adds of values anywhere (the tiles' done counts only order), so a step is
-   deterministic run to run.
+   atomics anywhere, so a step is deterministic run to run.
 
 ``moe_experts_ref`` is the dense math every test compares against: every expert over every
 token, weighted by the token's routing weight (zero where not chosen).
@@ -46,7 +43,7 @@ from . import decode_linear
 from .activation import relu2_ref, silu_mul, silu_mul_ref
 from .decode_linear import _block_scaled, _streamed_rows, hopper_or_newer, swiglu_pairs, swiglu_rows
 from .dispatch import with_reference
-from .fp8 import Fp8Rows, Fp8Weight, amax_scale, quantize_rows, quantize_rows_ref, store_quantized
+from .fp8 import Fp8Weight, quantize_rows, quantize_rows_ref
 from .moe_route import ROUTE_BLOCK_T, _check_block_counts
 
 __all__ = ["ACTIVATIONS", "W8A8_MIN_BLOCK", "block_m", "moe_experts", "moe_experts_ref", "quantizes_rows", "slot_count",
@@ -114,24 +111,14 @@ def _assign_span(idx_ptr, slot_of_pair_ptr, token_of_slot_ptr, lo, hi, P, base, 
 
 
 @triton.jit
-def _zero(ptr, n, BLOCK: tl.constexpr):
-    """ptr[0:n] = 0 (int32)."""
-    for i in range(0, n, BLOCK):
-        offs = i + tl.arange(0, BLOCK)
-        tl.store(ptr + offs, tl.zeros((BLOCK,), tl.int32), mask=offs < n)
-
-
-@triton.jit
-def _align_kernel(idx_ptr, slot_of_pair_ptr, token_of_slot_ptr, starts_ptr, counts_ptr, done_ptr, P, E, TILES,
+def _align_kernel(idx_ptr, slot_of_pair_ptr, token_of_slot_ptr, starts_ptr, counts_ptr, P, E,
                   TOP_K: tl.constexpr, BM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
                   USE_PDL: tl.constexpr):
     """One program: pairs per expert, each expert's run padded to BM, and every pair's slot
-    (pairs in order within an expert, so the layout is a function of the routing alone); the
-    up projection's TILES done counts zeroed (``_quantize_when_last``)."""
+    (pairs in order within an expert, so the layout is a function of the routing alone)."""
     if USE_PDL:  # the routing is the previous kernel's
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    _zero(done_ptr, TILES, 256)
     cols = tl.arange(0, BLOCK_E)
     counts = _count_span(idx_ptr, 0, P, P, cols, BLOCK_P, BLOCK_E)
     padded = _padded(counts, BM)
@@ -153,19 +140,16 @@ def _count_kernel(idx_ptr, block_counts_ptr, P, E, SPAN, BLOCK_P: tl.constexpr, 
 
 
 @triton.jit
-def _assign_kernel(idx_ptr, block_counts_ptr, slot_of_pair_ptr, token_of_slot_ptr, starts_ptr, counts_ptr, done_ptr,
-                   P, E, SPAN, NB, TILES, TOP_K: tl.constexpr, BM: tl.constexpr, BLOCK_P: tl.constexpr,
+def _assign_kernel(idx_ptr, block_counts_ptr, slot_of_pair_ptr, token_of_slot_ptr, starts_ptr, counts_ptr,
+                   P, E, SPAN, NB, TOP_K: tl.constexpr, BM: tl.constexpr, BLOCK_P: tl.constexpr,
                    BLOCK_B: tl.constexpr, BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr):
     """Many programs: the slots of counted block b's SPAN pairs (the layout ``_align_kernel``
     makes). Each program sums the NB blocks' counts itself (the pairs per expert, and those of
-    the blocks before its own), so no pass between the two waits on one program. The first also
-    zeroes the up projection's TILES done counts."""
+    the blocks before its own), so no pass between the two waits on one program."""
     if USE_PDL:  # the counts are the previous kernel's
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
-    if b == 0:
-        _zero(done_ptr, TILES, 256)
     cols = tl.arange(0, BLOCK_E)
     col_ok = cols < E
     counts = tl.zeros((BLOCK_E,), tl.int32)
@@ -221,35 +205,27 @@ PAIR_UP_BLOCK_N, PAIR_UP_BLOCK_K, PAIR_UP_STAGES = 16, 256, 4
 # tile, stages) for one token and for more: Nano's at one token 14.4 us against 15.4 for a down
 # kernel as the up one and the combine, at two 21.6 against 25.2 (H200; 4-16 columns x 256-1024)
 PAIR_DOWN_ONE_TOKEN, PAIR_DOWN_TOKENS = (8, 1024, 3), (16, 512, 3)
-# W8A8 experts in the sorted layout (relu2): the up projection's kernel also writes its output
-# quantized per row, for the down projection, the last of a tile's column programs quantizing the
-# tile (``_quantize_when_last``), where a launch of ``quantize_rows`` did it: built, not yet timed
-UP_QUANTIZES_ROWS = False
 
 
-def _align(idx, E: int, bm: int, S: int, pdl: bool = False, block_counts=None, counts_tiles: bool = False):
-    """(slot_of_pair [P], token_of_slot [S], starts [E + 1], counts [E], done [cdiv(S, bm)]) on
-    the device (starts[E]: the end of the last run, the slots in use; the rest of token_of_slot
-    is left unwritten; done: with ``counts_tiles`` zeros, the up projection's counts of its
-    tiles' finished column blocks, else unwritten): one program for a decode step's few pairs,
-    two parallel passes (count, assign) for a prefill chunk's many, the first skipped where the
-    routing counted its blocks (``block_counts``, from ``moe_route``). All make the same layout.
-    ``pdl``: the one program, or the assigning pass after the routing's counts, launches as a
-    programmatic dependent."""
+def _align(idx, E: int, bm: int, S: int, pdl: bool = False, block_counts=None):
+    """(slot_of_pair [P], token_of_slot [S], starts [E + 1], counts [E]) on the device (starts[E]: the
+    end of the last run, the slots in use; the rest of token_of_slot is left unwritten): one program
+    for a decode step's few pairs, two parallel passes (count, assign) for a prefill chunk's
+    many, the first skipped where the routing counted its blocks (``block_counts``, from
+    ``moe_route``). All make the same layout. ``pdl``: the one program, or the assigning pass
+    after the routing's counts, launches as a programmatic dependent."""
     P, k, dev = idx.numel(), idx.shape[1], idx.device
     slot_of_pair = torch.empty(P, dtype=torch.int32, device=dev)
     token_of_slot = torch.empty(S, dtype=torch.int32, device=dev)
     starts = torch.empty(E + 1, dtype=torch.int32, device=dev)
     counts = torch.empty(E, dtype=torch.int32, device=dev)
-    done = torch.empty(triton.cdiv(S, bm), dtype=torch.int32, device=dev)
-    tiles = done.numel() if counts_tiles else 0  # the counts the alignment zeroes
     block_e = max(16, triton.next_power_of_2(E))
     block_p = max(16, min(256, 8192 // block_e))
     if P <= (ALIGN_ONE_PROGRAM if block_counts is None else ALIGN_COUNTED_ONE_PROGRAM):
-        _align_kernel[(1,)](idx, slot_of_pair, token_of_slot, starts, counts, done, P, E, tiles, TOP_K=k, BM=bm,
+        _align_kernel[(1,)](idx, slot_of_pair, token_of_slot, starts, counts, P, E, TOP_K=k, BM=bm,
                             BLOCK_P=block_p, BLOCK_E=block_e, USE_PDL=pdl, num_warps=8,
                             **({"launch_pdl": True} if pdl else {}))
-        return slot_of_pair, token_of_slot, starts, counts, done
+        return slot_of_pair, token_of_slot, starts, counts
     if block_counts is None:
         span = max(block_p, triton.next_power_of_2(triton.cdiv(P, ALIGN_BLOCKS)))
         nb = triton.cdiv(P, span)
@@ -261,10 +237,10 @@ def _align(idx, E: int, bm: int, S: int, pdl: bool = False, block_counts=None, c
         nb, span = block_counts.shape[0], ROUTE_BLOCK_T * k
         extra = {"launch_pdl": True} if pdl else {}
     _assign_kernel[(nb,)](
-        idx, block_counts, slot_of_pair, token_of_slot, starts, counts, done, P, E, span, nb, tiles, TOP_K=k, BM=bm,
+        idx, block_counts, slot_of_pair, token_of_slot, starts, counts, P, E, span, nb, TOP_K=k, BM=bm,
         BLOCK_P=block_p, BLOCK_B=max(16, ASSIGN_COUNT_TILE // block_e), BLOCK_E=block_e, USE_PDL=bool(extra),
         num_warps=4, **extra)
-    return slot_of_pair, token_of_slot, starts, counts, done
+    return slot_of_pair, token_of_slot, starts, counts
 
 
 @triton.jit
@@ -336,40 +312,13 @@ def _tile_product(a_ptr, src, ok, slots, e, w_ptr, out_ptr, n0, N, K, stride_a, 
 
 
 @triton.jit
-def _quantize_when_last(h_ptr, q_ptr, qs_ptr, done_ptr, tile, slot0, N, stride_h, stride_q, BM: tl.constexpr,
-                        BLOCK_Q: tl.constexpr):
-    """Called by each of a tile's column programs once it has stored its block of the tile's BM
-    rows of h: the last to count itself done (an acq_rel count, zeroed by the alignment before:
-    every other program's stores come before its loads, which read past L1) quantizes the tile's
-    rows, all N columns, as ``quantize_rows`` does (the row's absolute maximum, then the values;
-    two passes from L2) into q and qs."""
-    tl.debug_barrier()  # the program's stores, every thread's, before its count
-    if tl.atomic_add(done_ptr + tile, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
-        rows = slot0 + tl.arange(0, BM)
-        r64 = rows.to(tl.int64)[:, None]
-        cols = tl.arange(0, BLOCK_Q)
-        amax = tl.zeros((BM, BLOCK_Q), tl.float32)
-        for c in range(0, N, BLOCK_Q):
-            ok = (c + cols < N)[None, :]
-            v = tl.load(h_ptr + r64 * stride_h + c + cols[None, :], mask=ok, other=0.0, cache_modifier=".cg")
-            amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
-        scale = amax_scale(tl.max(amax, axis=1))
-        tl.store(qs_ptr + rows, scale)
-        for c in range(0, N, BLOCK_Q):
-            ok = (c + cols < N)[None, :]
-            v = tl.load(h_ptr + r64 * stride_h + c + cols[None, :], mask=ok, other=0.0, cache_modifier=".cg")
-            store_quantized(q_ptr + r64 * stride_q + c + cols[None, :], v.to(tl.float32), scale[:, None], ok)
-
-
-@triton.jit
 def _grouped_kernel(a_ptr, token_ptr, w_ptr, w_last_ptr, out_ptr, starts_ptr, counts_ptr, N, K, E,
                     stride_a, stride_we, stride_wn, stride_out, s_ptr, stride_se, stride_sn,
                     GATHER: tl.constexpr, RELU2: tl.constexpr, PRECISION: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_E: tl.constexpr,
                     USE_PDL: tl.constexpr, A_TMA: tl.constexpr, W_TMA: tl.constexpr, ZERO_PAD: tl.constexpr,
                     BN_LAST: tl.constexpr, SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr, as_ptr,
-                    A_SCALED: tl.constexpr, q_ptr, qs_ptr, done_ptr, stride_q, QUANT_OUT: tl.constexpr,
-                    QBLOCK: tl.constexpr):
+                    A_SCALED: tl.constexpr):
     """The sorted layout: out[slot] = a[row] @ w[expert].T for a tile of BM slots of one
     expert's run (row: the slot's token when GATHER, else the slot itself; A_TMA and W_TMA as
     ``_tile_product``). The grid is (column blocks, tiles), columns fastest: the programs running
@@ -379,10 +328,7 @@ def _grouped_kernel(a_ptr, token_ptr, w_ptr, w_last_ptr, out_ptr, starts_ptr, co
     BN_LAST (0: none): the last column block, narrower than a tile, is a tile that wide, from
     w_last_ptr (W_TMA: a descriptor in [1, BN_LAST, BK] blocks), so its tensor cores do not
     multiply the zero columns past N. A_SCALED (as_ptr) as ``_tile_product``'s: a's row scales,
-    by the rows it is indexed by (tokens when GATHER). QUANT_OUT: the tile's rows of out also
-    quantized per row into q_ptr (FP8) and qs_ptr (scales), by the last of its column programs
-    (``_quantize_when_last``, QBLOCK columns at a time; done_ptr a count a tile, zero before),
-    for a W8A8 product after."""
+    by the rows it is indexed by (tokens when GATHER)."""
     if USE_PDL:  # the layout and a are the kernels' before
         tl.extra.cuda.gdc_wait()
     slot0 = tl.program_id(1) * BM
@@ -406,9 +352,6 @@ def _grouped_kernel(a_ptr, token_ptr, w_ptr, w_last_ptr, out_ptr, starts_ptr, co
             _tile_product(a_ptr, src, ok, slots, e, w_ptr, out_ptr, n0, N, K, stride_a, stride_we, stride_wn,
                           stride_out, s_ptr, stride_se, stride_sn, RELU2, PRECISION, BM, BN, BK, USE_PDL,
                           A_TMA, W_TMA, ZERO_PAD, SCALE, SCALE_BLOCK, as_ptr, A_SCALED)
-        if QUANT_OUT:
-            _quantize_when_last(out_ptr, q_ptr, qs_ptr, done_ptr, tl.program_id(1), slot0, N, stride_out, stride_q,
-                                BM, QBLOCK)
 
 
 @triton.jit
@@ -666,8 +609,6 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     extra = {"launch_pdl": True} if pdl else {}
     pairs = T * k <= (PAIR_STREAM_MAX if up_scale is not None else PAIR_TILES_MAX)
-    # the down projection's rows quantized by the up projection's kernel (relu2 in its epilogue)
-    up_quantizes = w8a8 and not pairs and not swiglu and UP_QUANTIZES_ROWS
     if pairs and up_scale is not None:  # FP8 experts' pairs stream
         return _stream_pairs(x, idx, w, (up, up_scale), (down, down_scale), target, swiglu=swiglu, shared=shared,
                              shared_ready=shared_ready, accumulate=residual is not None, pdl=pdl)
@@ -677,12 +618,10 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
     else:
         bm = block_m(T, k, E)
         S = slot_count(T, k, E, bm)
-        slot_of_pair, token_of_slot, starts, counts, done = _align(idx, E, bm, S, pdl, block_counts,
-                                                                   counts_tiles=up_quantizes)
+        slot_of_pair, token_of_slot, starts, counts = _align(idx, E, bm, S, pdl, block_counts)
         block_e = max(16, triton.next_power_of_2(E))
     gate_up = torch.empty(S, up_n, dtype=x.dtype, device=dev) if swiglu else None
     h = torch.empty(S, I, dtype=x.dtype, device=dev)
-    h_rows = Fp8Rows.empty(S, I, dev) if up_quantizes else None
     y = torch.empty(S, D, dtype=x.dtype, device=dev)
     # up (gathering each slot's token row, relu2 after, or SwiGLU's kernel), then down; the TMA
     # unit copies the weight tiles (and, in the sorted layout, the down projection's input tiles,
@@ -696,8 +635,6 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
             # the down projection's input past the last run, which no tile reads, left alone)
             if up_proj and x_rows is not None:
                 a, a_scale = x_rows
-            elif not up_proj and h_rows is not None:
-                a, a_scale = h_rows
             else:
                 a, a_scale = quantize_rows(a, row_end=None if up_proj or pairs else starts[E:])
         n, kk = weight.shape[1], weight.shape[2]
@@ -727,8 +664,8 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
                 a_arg, token_of_slot, w_arg, w_last, result, starts, counts, n, kk, E, *common, GATHER=up_proj,
                 RELU2=up_proj and not swiglu, PRECISION=precision, BM=bm, BN=bn, BK=bk, BLOCK_E=block_e, USE_PDL=pdl,
                 A_TMA=tma and not up_proj, W_TMA=tma, ZERO_PAD=up_proj, BN_LAST=bn_last, SCALE=mode,
-                SCALE_BLOCK=scale_block, as_ptr=a_scale if w8a8 else a, A_SCALED=w8a8,
-                **_quantizing(h_rows if up_proj else None, done, bm), num_warps=warps, num_stages=stages, **extra)
+                SCALE_BLOCK=scale_block, as_ptr=a_scale if w8a8 else a, A_SCALED=w8a8, num_warps=warps,
+                num_stages=stages, **extra)
     _join(shared_ready, dev)
     block_d = min(1024, triton.next_power_of_2(D))
     _combine_kernel[(T, triton.cdiv(D, block_d))](
@@ -737,14 +674,6 @@ def moe_experts(x, idx, w, up, down, *, shared=None, residual=None, out=None, sh
         TOP_K=k, SHARED=shared is not None, ACCUMULATE=residual is not None, BLOCK_D=block_d, PAIRS=pairs,
         USE_PDL=pdl, num_warps=4, **extra)
     return target
-
-
-def _quantizing(rows: Fp8Rows | None, done: torch.Tensor, bm: int) -> dict:
-    """``_grouped_kernel``'s arguments for writing its output quantized into ``rows`` too (None:
-    not asked; the pointers are stand-ins its constexpr branch never reads)."""
-    q, scale = rows if rows is not None else (done, done)
-    return dict(q_ptr=q, qs_ptr=scale, done_ptr=done, stride_q=q.stride(0), QUANT_OUT=rows is not None,
-                QBLOCK=max(16, 4096 // bm))
 
 
 def _join(shared_ready, device) -> None:

@@ -97,7 +97,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 # MAMBASTEP_SWITCHES="MODULE.ATTR=VALUE[,...]" (modules under mambastep, as `mambastep bench ab`'s
 # variants name them): those module constants set for the whole run, in every worker, so that a
-# switch built off can pass the suite on before it is turned on (.ci/gpu-pending)
+# switch built off can pass the suite on before it is turned on
 if os.environ.get("MAMBASTEP_SWITCHES"):
     from mambastep.tools.bench_ab import parse_variant
 

@@ -164,17 +164,12 @@ def launch_moe() -> None:
                                        pdl=pdl)
             moe.moe_experts.triton(x, idx, torch.rand(T, 6), fp8_gate_up, fp8_down, residual=torch.empty_like(x),
                                    pdl=True, act="swiglu")
-        # W8A8 in the sorted layout: FP8 rows on both sides of the tensor cores (16- and 128-row tiles);
-        # relu2's up projection also quantizing its output rows for the down one (UP_QUANTIZES_ROWS)
+        # W8A8 in the sorted layout: FP8 rows on both sides of the tensor cores (16- and 128-row tiles)
         for T, k in ((64, 6), (1200, 2)):
             x = torch.randn(T, D).to(torch.bfloat16)
             idx = torch.stack([torch.randperm(E)[:k].sort()[0] for _ in range(T)]).to(torch.int32)
-            as_set = moe.UP_QUANTIZES_ROWS
-            for quantizes in (False, True):
-                moe.UP_QUANTIZES_ROWS = quantizes
-                moe.moe_experts.triton(x, idx, torch.rand(T, k), fp8_up, fp8_down, residual=torch.empty_like(x),
-                                       pdl=True, w8a8=True)
-            moe.UP_QUANTIZES_ROWS = as_set
+            moe.moe_experts.triton(x, idx, torch.rand(T, k), fp8_up, fp8_down, residual=torch.empty_like(x),
+                                   pdl=True, w8a8=True)
             moe.moe_experts.triton(x, idx, torch.rand(T, k), fp8_gate_up, fp8_down, residual=torch.empty_like(x),
                                    pdl=True, act="swiglu", w8a8=True)
     # W8A8 over 32 x 32 block scales: a K tile of 32, the shortest an FP8 tensor-core product takes

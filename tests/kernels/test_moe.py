@@ -182,27 +182,6 @@ def test_w8a8_experts_equal_the_reference_rounding_their_rows(device, case, bloc
     assert ((got.float() - w8a16).norm() / w8a16.norm()).item() < 0.1
 
 
-@pytest.mark.parametrize("block", [0, 32], ids=["fp8-column", "fp8-block32"])
-@pytest.mark.parametrize("case", ["spread", "experts with no token", "64-row tiles",
-                                  "128-row tiles, narrow last column blocks", "many pairs (aligned in two passes)"])
-def test_the_up_projection_quantizes_the_rows_the_down_projection_reads(device, case, block, monkeypatch):
-    """W8A8 relu2 experts in the sorted layout with ``UP_QUANTIZES_ROWS``: the up projection's
-    kernel writes h quantized per row too (the last of a tile's column programs quantizing the
-    tile), in place of a ``quantize_rows`` launch: the same rows to the bit, so the same output;
-    and run again, the same (the tiles' counts start from zero every call)."""
-    _, dev = _fp8_case(case, block, "relu2", device)
-    monkeypatch.setattr(moe, "PAIR_TILES_MAX", 0)  # every case in the sorted layout
-    monkeypatch.setattr(moe, "PAIR_STREAM_MAX", 0)
-    launched = moe_experts.triton(*dev, w8a8=True).cpu()
-    monkeypatch.setattr(moe, "UP_QUANTIZES_ROWS", True)
-    calls = []
-    monkeypatch.setattr(moe, "quantize_rows", lambda *a, **kw: calls.append(a) or quantize_rows(*a, **kw))
-    fused = moe_experts.triton(*dev, w8a8=True).cpu()
-    assert len(calls) == 1  # the token rows only
-    assert torch.equal(fused, launched)
-    assert torch.equal(moe_experts.triton(*dev, w8a8=True).cpu(), fused)
-
-
 def test_w8a8_is_refused_where_it_does_not_run(device):
     """Asked of bf16 experts, of fp32 activations, or of FP8 blocks narrower than an FP8 tensor-core
     product's K tile (16: the GPU's compiler refused the kernel), W8A8 is an error that says so
@@ -255,8 +234,9 @@ def test_pairs_take_their_expert_run_in_token_order(device, T, routed_counts):
     idx, _ = routing(T, E, k, seed=T, experts_used=[1, 2, 6])
     bm = block_m(T, k, E)
     block_counts = block_counts_ref(idx, E).to(device) if routed_counts else None
-    slot_of_pair, token_of_slot, starts, counts, done = (t.cpu() for t in moe._align(
-        idx.to(device), E, bm, slot_count(T, k, E, bm), block_counts=block_counts, counts_tiles=True))
+    slot_of_pair, token_of_slot, starts, counts = (t.cpu() for t in moe._align(idx.to(device), E, bm,
+                                                                                     slot_count(T, k, E, bm),
+                                                                                     block_counts=block_counts))
     flat = idx.flatten().long()
     assert counts.tolist() == torch.bincount(flat, minlength=E).tolist()
     padded = (counts + bm - 1) // bm * bm
@@ -268,8 +248,6 @@ def test_pairs_take_their_expert_run_in_token_order(device, T, routed_counts):
     expect[order] = (starts.long()[flat[order]] + rank).int()
     assert torch.equal(slot_of_pair, expect)
     assert torch.equal(token_of_slot[slot_of_pair.long()], torch.arange(len(flat)).int() // k)
-    # a count a tile of slots for the up projection's quantizing tail, zeroed
-    assert done.shape == (-(-slot_count(T, k, E, bm) // bm),) and not done.any()
 
 
 def test_tile_height_follows_the_bucket():

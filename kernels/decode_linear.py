@@ -95,14 +95,16 @@ ONE_TILE_MAX_K = 2048
 # in 3 (see ``_config``).
 WHOLE_KILO_TILES = True
 
-# two FP8 rows by the H100 sweep's tiles (``_config``): off until a whole step is timed with it
-FP8_TWO_ROW_TILES = False
+# two FP8 rows by the H100 sweep's tiles (``_config``): the FP8 two-row steps of Nemotron-3-Nano,
+# Nemotron-H-8B and Nemotron-Nano-9B-v2 8.1%, 2.4% and 0.7% faster (H100, docs/experiments.md)
+FP8_TWO_ROW_TILES = True
 # one row streamed in a 2-D [BLOCK_N, BLOCK_K] tile (``_add_products``), not the rows' 3-D one: the
 # FP8 one-row steps of Nemotron-3-Nano and Nemotron-H-8B 5.6% and 4.9% faster, bf16 ones 0.4-1.1%
 # (H100, docs/experiments.md)
 ONE_ROW_TILES = True
-# two rows so too, in a [BLOCK_N, BLOCK_K, 2] tile (``_add_products``): built, not yet timed
-TWO_ROW_TILES = False
+# two rows so too, in a [BLOCK_N, BLOCK_K, 2] tile (``_add_products``): the same FP8 steps a further
+# 5.3%, 8.6% and 4.4% faster (H100, docs/experiments.md)
+TWO_ROW_TILES = True
 
 _PRO_NONE, _PRO_RMS, _PRO_GATED = 0, 1, 2
 _EPI_STORE, _EPI_RESIDUAL, _EPI_RELU2, _EPI_CONV, _EPI_SWIGLU = 0, 1, 2, 3, 4
@@ -595,8 +597,9 @@ def _config(M: int, N: int, K: int, device: torch.device, tile_k: int | None = N
     rows 5.89 ms against 5.92 with the rule before, at 4 rows 6.61 against 7.12
     (docs/experiments.md). FP8 rows past one keep the rule before; two FP8 rows swept on an H100
     (``bench tiles --batch 2``) take 512-column tiles in 4 stages, 16 columns a program where one
-    row takes 16 (tall, or many programs), with ``FP8_TWO_ROW_TILES`` (off until timed in a step:
-    each product alone 1.04-1.47x faster than the rule before, 12% over the eight shapes).
+    row takes 16 (tall, or many programs), with ``FP8_TWO_ROW_TILES``: each product alone 1.04-1.47x
+    faster than the rule before, 12% over the eight shapes; Nemotron-3-Nano's whole FP8 step at two
+    rows 2.905 ms against 3.162 (H100).
     """
     if tile_k is not None:
         return _Config(True, 16, tile_k, 4, 2)
@@ -611,8 +614,9 @@ def _config(M: int, N: int, K: int, device: torch.device, tile_k: int | None = N
         return _Config(False, 8, block_k, 4 if M == 1 else 8, 1)
     rows = triton.next_power_of_2(M)
     if M == 1 and N >= 4 * K and K >= 4096 and K % 1024 == 0 and not vocabulary_wide:
-        # one row through a tall block projection (Nemotron-H-8B's in_proj and up_proj)
-        return _Config(True, 16, 512, 4, 4) if fp8 else _Config(True, 16, 1024, 4, 2)
+        # one row through a tall block projection (Nemotron-H-8B's in_proj and up_proj); FP8 in 8 x
+        # 1024 tiles (the 2-D tile's H100 sweep; the 8B's FP8 step 3.396 ms against 3.411 with 16 x 512)
+        return _Config(True, 8, 1024, 4, 4) if fp8 else _Config(True, 16, 1024, 4, 2)
     long_k = K >= 4096 or (M == 1 and K >= 3072)
     block_k = (512 if long_k else 256) // rows
     # one row: 16 columns a program once 8 would give more than 8 programs an SM, so that a
@@ -620,6 +624,11 @@ def _config(M: int, N: int, K: int, device: torch.device, tile_k: int | None = N
     many = M == 1 and triton.cdiv(N, 8) > 8 * sms
     if FP8_TWO_ROW_TILES and fp8 and M == 2 and not vocabulary_wide:
         tall = (N >= 4 * K and K >= 4096) or triton.cdiv(N, 8) > 8 * sms
+        if tall and K >= 4096 and TWO_ROW_TILES:
+            # joined tiles through the 8B's in_proj and up_proj: 32 columns a program, K tiles of
+            # 256 (the 8B's FP8 step 3.849 ms against 3.956 with 16 x 512; Nano's in_proj, K =
+            # 2688, 32 x 128 the sweep's best alone, +0.5% in the step: left at 16 x 512)
+            return _Config(True, 32, 256, 4, 4)
         return _Config(True, 16 if tall else 8, 512, 4, 4)
     if fp8 and M == 1 and K >= 2048 and not (vocabulary_wide or many):
         return _Config(True, 8, 1024, 4, 3)

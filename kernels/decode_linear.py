@@ -578,8 +578,9 @@ def _config(M: int, N: int, K: int, device: torch.device, tile_k: int | None = N
     so that the per-row partial sums keep their register footprint.
 
     FP8 weights at one row, where K is streamed (a tile moves half the bytes): a tall block
-    projection takes 16 x 512 tiles in 4 stages (Nemotron-H-8B's in_proj 25 us against 31 us
-    in the bf16 choice, 3.0 TB/s), the others but the 16-column grids 8 x 1024 in 3 stages
+    projection takes 8 x 1024 tiles in 4 stages (Nemotron-H-8B's in_proj 28.0 us against 33.8 in
+    16 x 512, the H200's choice before rows summed in 2-D tiles; H100), the others but the
+    16-column grids 8 x 1024 in 3 stages
     (its out_proj and down_proj, Nemotron-3-Nano's shared expert: 3-9% faster); swept on an
     H200 (docs/experiments.md). A bf16 row through a short grid (8 columns a program would make
     at most two programs an SM: Granite-4.0-H's out_proj and down_proj, N = 1536-2048) takes 4
@@ -599,7 +600,8 @@ def _config(M: int, N: int, K: int, device: torch.device, tile_k: int | None = N
     (``bench tiles --batch 2``) take 512-column tiles in 4 stages, 16 columns a program where one
     row takes 16 (tall, or many programs), with ``FP8_TWO_ROW_TILES``: each product alone 1.04-1.47x
     faster than the rule before, 12% over the eight shapes; Nemotron-3-Nano's whole FP8 step at two
-    rows 2.905 ms against 3.162 (H100).
+    rows 2.905 ms against 3.162 (H100). In the joined tile (``TWO_ROW_TILES``) a tall one from K =
+    4096 takes 32 x 256 (the 8B's in_proj and up_proj; its step 3.849 ms against 3.956).
     """
     if tile_k is not None:
         return _Config(True, 16, tile_k, 4, 2)

@@ -578,7 +578,7 @@ def _config(M: int, N: int, K: int, device: torch.device, tile_k: int | None = N
     so that the per-row partial sums keep their register footprint.
 
     FP8 weights at one row, where K is streamed (a tile moves half the bytes): a tall block
-    projection takes 8 x 1024 tiles in 4 stages (Nemotron-H-8B's in_proj 28.0 us against 33.8 in
+    projection takes 8 x 1024 tiles in 4 stages (Nemotron-H-8B's in_proj 28.0 us against 29.7 in
     16 x 512, the H200's choice before rows summed in 2-D tiles; H100), the others but the
     16-column grids 8 x 1024 in 3 stages
     (its out_proj and down_proj, Nemotron-3-Nano's shared expert: 3-9% faster); swept on an

@@ -601,7 +601,8 @@ def _config(M: int, N: int, K: int, device: torch.device, tile_k: int | None = N
     row takes 16 (tall, or many programs), with ``FP8_TWO_ROW_TILES``: each product alone 1.04-1.47x
     faster than the rule before, 12% over the eight shapes; Nemotron-3-Nano's whole FP8 step at two
     rows 2.905 ms against 3.162 (H100). In the joined tile (``TWO_ROW_TILES``) a tall one from K =
-    4096 takes 32 x 256 (the 8B's in_proj and up_proj; its step 3.849 ms against 3.956).
+    4096, K whole 1024-column tiles, takes 32 x 256 (the 8B's in_proj and up_proj; its step 3.849
+    ms against 3.956).
     """
     if tile_k is not None:
         return _Config(True, 16, tile_k, 4, 2)
@@ -626,10 +627,11 @@ def _config(M: int, N: int, K: int, device: torch.device, tile_k: int | None = N
     many = M == 1 and triton.cdiv(N, 8) > 8 * sms
     if FP8_TWO_ROW_TILES and fp8 and M == 2 and not vocabulary_wide:
         tall = (N >= 4 * K and K >= 4096) or triton.cdiv(N, 8) > 8 * sms
-        if tall and K >= 4096 and TWO_ROW_TILES:
+        if tall and K >= 4096 and K % 1024 == 0 and TWO_ROW_TILES:
             # joined tiles through the 8B's in_proj and up_proj: 32 columns a program, K tiles of
             # 256 (the 8B's FP8 step 3.849 ms against 3.956 with 16 x 512; Nano's in_proj, K =
-            # 2688, 32 x 128 the sweep's best alone, +0.5% in the step: left at 16 x 512)
+            # 2688, 32 x 128 the sweep's best alone, +0.5% in the step: left at 16 x 512; the
+            # 9B-v2's ragged K = 4480 untimed so: left too)
             return _Config(True, 32, 256, 4, 4)
         return _Config(True, 16 if tall else 8, 512, 4, 4)
     if fp8 and M == 1 and K >= 2048 and not (vocabulary_wide or many):

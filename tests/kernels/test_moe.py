@@ -137,22 +137,6 @@ def test_fp8_experts_equal_the_dequantized_reference(device, case, block, act):
     assert_close(got.cpu(), expect, torch.bfloat16)
 
 
-def _fp8_case(case: str, block: int, act: str, device):
-    """A case's bf16 token rows, routing and FP8 experts (scaled per column, or in blocks), on the
-    CPU, and the same on ``device``."""
-    torch.manual_seed(len(case) + block)
-    c = CASES[case]
-    T, E, k = c["T"], c["E"], c["k"]
-    K, I, D = c.get("K", 32), c.get("I", 24), c.get("D", 32)
-    idx, w = routing(T, E, k, experts_used=c.get("experts_used"))
-    x = torch.randn(T, K).to(torch.bfloat16)
-    up_n = 2 * I if act == "swiglu" else I
-    up = quantize_fp8(experts(E, up_n, K, D, torch.float32, "cpu")[0], block)
-    down = quantize_fp8(experts(E, I, K, D, torch.float32, "cpu", seed=1)[1], block)
-    cpu = (x, idx, w, up, down)
-    return cpu, [t.to(device) for t in cpu]
-
-
 @pytest.mark.parametrize("act", ["relu2", "swiglu"])
 @pytest.mark.parametrize("block", [0, 32], ids=["fp8-column", "fp8-block32"])
 @pytest.mark.parametrize("case", ["spread", "128-row tiles, narrow last column blocks",
@@ -163,8 +147,16 @@ def test_w8a8_experts_equal_the_reference_rounding_their_rows(device, case, bloc
     within 10% (relative RMS) of the W8A16 reference (two e4m3 roundings of the activations, each
     about 3.6% of a value). A step of a few pairs streams the weights as before (no activations
     quantized): its result is the W8A16 one exactly."""
-    (x, idx, w, up, down), dev = _fp8_case(case, block, act, device)
-    T, k = idx.shape
+    torch.manual_seed(len(case) + block)
+    c = CASES[case]
+    T, E, k = c["T"], c["E"], c["k"]
+    K, I, D = c.get("K", 32), c.get("I", 24), c.get("D", 32)
+    idx, w = routing(T, E, k, experts_used=c.get("experts_used"))
+    x = torch.randn(T, K).to(torch.bfloat16)
+    up_n = 2 * I if act == "swiglu" else I
+    up = quantize_fp8(experts(E, up_n, K, D, torch.float32, "cpu")[0], block)
+    down = quantize_fp8(experts(E, I, K, D, torch.float32, "cpu", seed=1)[1], block)
+    dev = [t.to(device) for t in (x, idx, w, up, down)]
     got = moe_experts.triton(*dev, act=act, w8a8=True).cpu()
     plain = moe_experts.triton(*dev, act=act).cpu()
     if T * k <= moe.PAIR_STREAM_MAX:

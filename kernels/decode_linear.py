@@ -105,10 +105,6 @@ ONE_ROW_TILES = True
 # two rows so too, in a [BLOCK_N, BLOCK_K, 2] tile (``_add_products``): the same FP8 steps a further
 # 5.3%, 8.6% and 4.4% faster (H100, docs/experiments.md)
 TWO_ROW_TILES = True
-# three or four rows so too, in a [BLOCK_N, BLOCK_K, 2, 2] tile: built, not yet timed (the fused
-# path streams at most ``decode_options.STREAMED_MAX_ROWS`` rows, 2; at 4 it tied layer by layer
-# with the 3-D tile)
-FOUR_ROW_TILES = False
 
 _PRO_NONE, _PRO_RMS, _PRO_GATED = 0, 1, 2
 _EPI_STORE, _EPI_RESIDUAL, _EPI_RELU2, _EPI_CONV, _EPI_SWIGLU = 0, 1, 2, 3, 4
@@ -259,20 +255,14 @@ def _block_scaled(w, s_ptr, n_blk, cols, col_ok, stride_s, SCALE_BLOCK: tl.const
 def _add_products(acc, w, a, TILE_ROWS: tl.constexpr):
     """acc + w * a over a K tile: w [BLOCK_N, BLOCK_K], a the rows [BLOCK_M, BLOCK_K]. acc by
     TILE_ROWS: 0, [BLOCK_M, BLOCK_N, BLOCK_K]; 1, one row's [BLOCK_N, BLOCK_K]; 2, two rows'
-    [BLOCK_N, BLOCK_K, 2], each thread holding both rows' sums of its weights; 4, four rows'
-    [BLOCK_N, BLOCK_K, 2, 2] (row 2q + p at [.., p, q]). The 2-D and the joined tiles keep the
-    weight in the layout its loads give it (16 contiguous bytes a thread), where the 3-D one's
-    layout has shared memory hand each thread its FP8 values a byte a load."""
+    [BLOCK_N, BLOCK_K, 2], each thread holding both rows' sums of its weights. The 2-D and the
+    joined tiles keep the weight in the layout its loads give it (16 contiguous bytes a thread),
+    where the 3-D one's layout has shared memory hand each thread its FP8 values a byte a load."""
     if TILE_ROWS == 1:
         acc = acc + w * tl.reshape(a, (a.shape[1],))[None, :]
     elif TILE_ROWS == 2:
         a0, a1 = tl.split(tl.trans(a))
         acc = acc + tl.join(w * a0[None, :], w * a1[None, :])
-    elif TILE_ROWS == 4:
-        even, odd = tl.split(tl.reshape(tl.trans(a), (a.shape[1], 2, 2)))  # [BLOCK_K, 2]: rows 0, 2 and 1, 3
-        a0, a2 = tl.split(even)
-        a1, a3 = tl.split(odd)
-        acc = acc + tl.join(tl.join(w * a0[None, :], w * a1[None, :]), tl.join(w * a2[None, :], w * a3[None, :]))
     else:
         acc = acc + w[None, :, :] * a[:, None, :]
     return acc
@@ -286,26 +276,14 @@ def _sums(acc, TILE_ROWS: tl.constexpr):
     elif TILE_ROWS == 2:
         s0, s1 = tl.split(acc)
         y = tl.trans(tl.join(tl.sum(s0, axis=1), tl.sum(s1, axis=1)))
-    elif TILE_ROWS == 4:
-        low, high = tl.split(acc)  # rows 0, 1 and 2, 3
-        s0, s1 = tl.split(low)
-        s2, s3 = tl.split(high)
-        r0, r1, r2, r3 = tl.sum(s0, axis=1), tl.sum(s1, axis=1), tl.sum(s2, axis=1), tl.sum(s3, axis=1)
-        # [BLOCK_N, 2, 2] read row-major as [BLOCK_N, 4]: row 2p + q at [.., p, q]
-        y = tl.trans(tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (r0.shape[0], 4)))
     else:
         y = tl.sum(acc, axis=2)
     return y
 
 
 def _tile_rows(M: int) -> int:
-    """``_add_products``' TILE_ROWS for M streamed rows (``ONE_ROW_TILES``, ``TWO_ROW_TILES``,
-    ``FOUR_ROW_TILES``: three rows in four's tile, the fourth masked to zeros)."""
-    if M == 1 and ONE_ROW_TILES:
-        return 1
-    if M == 2 and TWO_ROW_TILES:
-        return 2
-    return 4 if M in (3, 4) and FOUR_ROW_TILES else 0
+    """``_add_products``' TILE_ROWS for M streamed rows (``ONE_ROW_TILES``, ``TWO_ROW_TILES``)."""
+    return 1 if M == 1 and ONE_ROW_TILES else 2 if M == 2 and TWO_ROW_TILES else 0
 
 
 @triton.jit
@@ -363,8 +341,6 @@ def _streamed_rows(
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     elif TILE_ROWS == 2:
         acc = tl.zeros([BLOCK_N, BLOCK_K, 2], dtype=tl.float32)
-    elif TILE_ROWS == 4:
-        acc = tl.zeros([BLOCK_N, BLOCK_K, 2, 2], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)

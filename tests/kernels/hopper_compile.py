@@ -187,7 +187,6 @@ def launch_skinny() -> None:
     conv epilogue too, out_proj, o_proj adding into the residual, a relu2 up projection, the shared
     expert's down projection (512-column tiles from K = 3072); Granite-4.0-H-micro's up, down and in_proj;
     up projections with SwiGLU in their epilogue."""
-    from mambastep.kernels import decode_linear
     from mambastep.kernels.decode_linear import ConvTail, norm_linear
 
     for N, K, norm, relu2 in ((10304, 2688, True, False), (2688, 4096, False, False), (3712, 2688, True, True),
@@ -238,28 +237,6 @@ def launch_skinny() -> None:
         norm_linear.triton(torch.randn(M, 21504).to(torch.bfloat16), None, 1e-5,
                            Fp8Weight(torch.empty(4096, 21504, dtype=torch.float8_e4m3fn), torch.ones(4096)),
                            residual=torch.empty(M, 4096), pdl=True, early=True)
-    # three and four rows in the joined [BLOCK_N, BLOCK_K, 2, 2] tile (FOUR_ROW_TILES, off until
-    # timed): the 8B's in_proj and down projection, bf16 and FP8, and Nano's FP8 in_proj with the
-    # conv update
-    as_set = decode_linear.FOUR_ROW_TILES
-    decode_linear.FOUR_ROW_TILES = True
-    for M in (3, 4):
-        for fp8 in (False, True):
-            for N, K, norm in ((18560, 4096, True), (4096, 21504, False)):
-                w = (Fp8Weight(torch.empty(N, K, dtype=torch.float8_e4m3fn), torch.ones(N)) if fp8
-                     else torch.empty(N, K, **bf16))
-                x = torch.randn(M, K).to(torch.bfloat16)
-                if norm:
-                    norm_linear.triton(x, torch.ones(K, **bf16), 1e-5, w, out=torch.empty(M, N, **bf16), pdl=True,
-                                       unit_norm=True)
-                else:
-                    norm_linear.triton(x, None, 1e-5, w, residual=torch.empty(M, N), pdl=True, early=True)
-        conv = ConvTail(torch.empty(M, W - 1, D, **bf16).transpose(1, 2), torch.empty(D, W, **bf16),
-                        torch.empty(D, **bf16), torch.zeros(M, dtype=torch.int32), lo)
-        norm_linear.triton(torch.randn(M, 2688), torch.ones(2688, **bf16), 1e-5,
-                           Fp8Weight(torch.empty(10304, 2688, dtype=torch.float8_e4m3fn), torch.ones(10304)),
-                           conv=conv, out=torch.empty(M, 10304, **bf16), pdl=True)
-    decode_linear.FOUR_ROW_TILES = as_set
 
 
 def launch_decode_attention() -> None:

@@ -596,7 +596,12 @@ def _config(M: int, N: int, K: int, device: torch.device, tile_k: int | None = N
     --batch``), the best tiles kept about that much K whatever the rows; half of it in 3 stages,
     the rule before, lost up to 1.6x on a projection at 8 rows. The 8B's whole fused step at 2
     rows 5.89 ms against 5.92 with the rule before, at 4 rows 6.61 against 7.12
-    (docs/experiments.md). FP8 rows past one keep the rule before; two FP8 rows swept on an H100
+    (docs/experiments.md). Two bf16 rows summed in the joined tile (``TWO_ROW_TILES``; swept on
+    an H100, ``bench tiles --batch 2``): a tall projection from K = 4096, K whole 1024-column tiles,
+    takes 8 x 1024 tiles (the 8B's in_proj 53.1 us against 56.1, up_proj 60.4 against 62.4), and
+    more than 8 programs an SM at 8 columns below K = 4096 take 32 x 128 (Nemotron-3-Nano's in_proj
+    20.9 against 26.2), both in 4 stages; whole steps at two rows: the 8B 5.565 ms against 5.653,
+    Nano 3.776 against 3.796, Falcon-H1-7B 5.959 against 6.013. FP8 rows past one keep the rule before; two FP8 rows swept on an H100
     (``bench tiles --batch 2``) take 512-column tiles in 4 stages, 16 columns a program where one
     row takes 16 (tall, or many programs), with ``FP8_TWO_ROW_TILES``: each product alone 1.04-1.47x
     faster than the rule before, 12% over the eight shapes; Nemotron-3-Nano's whole FP8 step at two
@@ -643,6 +648,14 @@ def _config(M: int, N: int, K: int, device: torch.device, tile_k: int | None = N
         # a short grid (Granite-4.0-H's out_proj and down_proj): 4 columns a program, twice the
         # programs, 4 stages
         return _Config(True, 4, 512, 4, 4)
+    if M == 2 and not fp8 and not vocabulary_wide and TWO_ROW_TILES:
+        # two bf16 rows in the joined tile: a tall projection over whole 1024-column K tiles (the
+        # 8B's in_proj and up_proj), or many programs below K = 4096 (Nemotron-3-Nano's in_proj,
+        # Falcon-H1-7B's in_proj and up_proj), as the H100 sweep of the joined tile found
+        if N >= 4 * K and K >= 4096 and K % 1024 == 0:
+            return _Config(True, 8, 1024, 4, 4)
+        if K < 4096 and triton.cdiv(N, 8) > 8 * sms:
+            return _Config(True, 32, 128, 4, 4)
     if M > 1 and not fp8:
         # bf16 rows: K tiles twice as long, 4 stages (2-8 rows through the 8B's projections)
         return _Config(True, 16 if vocabulary_wide else 8, max(32, 2 * block_k), 4, 4)

@@ -251,9 +251,12 @@ def test_one_or_two_streamed_rows_in_either_tile(device, monkeypatch, M, row_til
 # on the GPU (slow in the interpreter) the one-row tiles of the presets' shapes too: a tall
 # projection's, 16 columns a program (Nemotron-3-Nano's in_proj), 512-column tiles from K = 3072
 # (its shared expert's down projection), a tall one whose K is not whole 1024-column tiles (9B-v2),
-# a grid of 16 columns a program whose K is (Falcon-H1-7B's in_proj: 8 x 1024 tiles, 2 stages)
-_GPU_SHAPES = [pytest.param(1, K, N, marks=pytest.mark.gpu) for K, N in ((4096, 16400), (2688, 10304), (3712, 2688),
-                                                                         (4480, 22656), (3072, 8728))]
+# a grid of 16 columns a program whose K is (Falcon-H1-7B's in_proj: 8 x 1024 tiles, 2 stages); and
+# two rows' tiles in the joined tile: a tall projection over whole 1024-column K tiles (bf16 8 x 1024,
+# FP8 32 x 256), many programs below K = 4096 (bf16 32 x 128: Nemotron-3-Nano's and Falcon-H1-7B's in_proj)
+_GPU_SHAPES = [pytest.param(M, K, N, marks=pytest.mark.gpu)
+               for M, K, N in ((1, 4096, 16400), (1, 2688, 10304), (1, 3712, 2688), (1, 4480, 22656), (1, 3072, 8728),
+                               (2, 4096, 16400), (2, 2688, 10304), (2, 3072, 8728))]
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])

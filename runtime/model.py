@@ -33,11 +33,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from ..kernels.decode_linear import norm_linear
 from ..kernels.embedding import embed_rows
 from ..kernels.fp8 import Fp8Rows
+from ..kernels.linear import linear
 from .config import ModelConfig
 from .decode_options import DecodeOptions, one_tile
 from .mixers import MIXERS, Block, Norm, StepContext
@@ -182,7 +182,8 @@ class Model:
                 next_norm, rows = self.final_norm, None
                 h = hidden if hidden is not None else torch.empty_like(out)
             next_norm(out, residual=residual, out=h, rows=rows)
-        return F.linear(h.index_select(0, ctx.inputs.logit_rows), self.lm_head).float()
+        h = h.index_select(0, ctx.inputs.logit_rows)
+        return linear(h, self.lm_head).float()
 
     def _rows(self, mixer, residual: torch.Tensor) -> Fp8Rows | None:
         """Where the block norm before ``mixer`` writes its output quantized per row (see the
@@ -199,14 +200,9 @@ class Model:
         rows, norm = ctx.inputs.logit_rows, self.final_norm
         if hidden is not None:  # the logits' own norm rides in their kernel: the rows' is one more
             norm(residual, out=hidden)
-        if rows.shape[0] == 1:
-            logits = torch.empty(1, self.lm_head.shape[0], dtype=torch.float32, device=residual.device)
-            return norm_linear(residual, norm.weight, norm.eps, self.lm_head, rows=rows, round_first=norm.round_first,
-                               out=logits, pdl=self.options.pdl, tile_k=self.options.tile_k)
-        # the vocabulary-wide projection re-used by several rows: cuBLAS
-        h = norm(residual.index_select(0, rows),
-                 out=torch.empty(rows.shape[0], residual.shape[1], dtype=self.dtype, device=residual.device))
-        return F.linear(h, self.lm_head).float()
+        logits = torch.empty(rows.shape[0], self.lm_head.shape[0], dtype=torch.float32, device=residual.device)
+        return norm_linear(residual, norm.weight, norm.eps, self.lm_head, rows=rows, round_first=norm.round_first,
+                           out=logits, pdl=self.options.pdl, tile_k=self.options.tile_k)
 
 
 def _quantized(cfg: ModelConfig, weights: dict, quantization: str | None):

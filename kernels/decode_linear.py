@@ -90,14 +90,7 @@ __all__ = [
 MAX_ROWS = 8
 # The widest K held as one tile in registers; wider projections stream K (see ``_config``).
 ONE_TILE_MAX_K = 2048
-# One bf16 row over a grid of more than 8 programs an SM, K whole tiles of 1024 columns (Falcon-H1-7B's
-# joint in_proj and up_proj, K = 3072; Bamba-9B's K = 4096 too): 8 x 1024 tiles in 2 stages, not 16 x 512
-# in 3 (see ``_config``).
-WHOLE_KILO_TILES = True
 
-# two FP8 rows by the H100 sweep's tiles (``_config``): the FP8 two-row steps of Nemotron-3-Nano,
-# Nemotron-H-8B and Nemotron-Nano-9B-v2 8.1%, 2.4% and 0.7% faster (H100, docs/experiments.md)
-FP8_TWO_ROW_TILES = True
 # one row streamed in a 2-D [BLOCK_N, BLOCK_K] tile (``_add_products``), not the rows' 3-D one: the
 # FP8 one-row steps of Nemotron-3-Nano and Nemotron-H-8B 5.6% and 4.9% faster, bf16 ones 0.4-1.1%
 # (H100, docs/experiments.md)
@@ -552,62 +545,20 @@ class _Config(NamedTuple):
 
 
 def _config(M: int, N: int, K: int, device: torch.device, tile_k: int | None = None, fp8: bool = False) -> _Config:
-    """Tile sizes for M rows of an [N, K] weight, from sweeps on an H200 (docs/experiments.md).
+    """Tile sizes for M rows of an [N, K] weight (FP8 values where ``fp8``), from sweeps of the
+    decode projections (``mambastep bench tiles``, and before it throwaway scripts) kept where a
+    whole step gained in an A/B (``mambastep bench ab``); the measurements are in
+    docs/experiments.md. ``tile_k`` given: K streamed in tiles of that many columns whatever the
+    shape (16 columns a program, 2 stages).
 
-    ``tile_k`` given: stream K in tiles of that many columns whatever the shape (16 columns a
-    program, 2 stages), the way the large models' projections run.
-
-    One tile, when K <= ONE_TILE_MAX_K and the grid is a few waves at most (Mamba2-130M's block
-    projections), or one row through K <= 1024 (its LM head too), or one bf16 row through any grid
-    short of vocabulary-wide (Granite-4.0-H-micro's in_proj and up_proj at K = 2048: 10.6 and
-    18.8 us against 12.1 and 21.0 streamed): the program's whole weight slice sits in registers,
-    loaded before the wait. Up to 1024 columns of K, one warp a program,
-    so that the row's norm and the product reduce within the warp (no shared memory, no
-    barriers): 2 columns a program at one row while that is about a wave of resident programs
-    (in_proj), else 4 (each thread holds 64-128 weights). Wider (the gated out_proj, whose
-    prologue works through two 1536-wide rows, better spread over warps): 8 columns, 4 warps at
-    one row, 8 at more. Chosen by sweeps in the whole Mamba2-130M decode step.
-
-    Otherwise K is streamed (the Nemotron models' projections, the LM heads) in tiles of 512
-    columns from K = 4096 (one row: from 3072), else 256, 3 pipeline stages, 4 warps; 8 columns
-    a program, 16 for vocabulary-wide grids and, at one row, for grids that 8 columns would make
-    more than 8 programs an SM (Nemotron-3-Nano's in_proj, Nemotron-Nano-9B-v2's in_proj and
-    up_proj). One row through a tall projection from K = 4096 (N >= 4K: the 8B's in_proj and
-    up_proj) takes 16 x 1024 tiles in 2 stages where K is whole tiles of them, which win there
-    and lose at two rows (and at the 9B's ragged K of 4480). The tile narrows as the rows grow,
-    so that the per-row partial sums keep their register footprint.
-
-    FP8 weights at one row, where K is streamed (a tile moves half the bytes): a tall block
-    projection takes 8 x 1024 tiles in 4 stages (Nemotron-H-8B's in_proj 28.0 us against 29.7 in
-    16 x 512, the H200's choice before rows summed in 2-D tiles; H100), the others but the
-    16-column grids 8 x 1024 in 3 stages
-    (its out_proj and down_proj, Nemotron-3-Nano's shared expert: 3-9% faster); swept on an
-    H200 (docs/experiments.md). A bf16 row through a short grid (8 columns a program would make
-    at most two programs an SM: Granite-4.0-H's out_proj and down_proj, N = 1536-2048) takes 4
-    x 512 tiles in 4 stages: micro's down_proj 11.0 against 12.3 us, its out_proj 6.9 against
-    7.7, tiny's out_proj 5.0 against 5.7. A bf16 row over a grid of 16 columns a program (more
-    than 8 programs an SM at 8) where K is whole 1024-column tiles takes 8 x 1024 in 2 stages
-    (``WHOLE_KILO_TILES``): Falcon-H1-7B's in_proj (N = 8728, K = 3072) 20.3 against 22.7 us,
-    its up_proj with SwiGLU (N = 24576) 52.0 against 54.5 (``bench tiles``, H100); whole steps
-    at one row -2.4% on Falcon-H1-7B, -2.1% on Bamba-9B (``bench ab``).
-
-    Two to eight bf16 rows, K streamed: K tiles of 1024 / rows columns (512 / rows below K =
-    4096), 4 stages, 8 columns a program (16 vocabulary-wide). Swept on an H100 (``bench tiles
-    --batch``), the best tiles kept about that much K whatever the rows; half of it in 3 stages,
-    the rule before, lost up to 1.6x on a projection at 8 rows. The 8B's whole fused step at 2
-    rows 5.89 ms against 5.92 with the rule before, at 4 rows 6.61 against 7.12
-    (docs/experiments.md). Two bf16 rows summed in the joined tile (``TWO_ROW_TILES``; swept on
-    an H100, ``bench tiles --batch 2``): a tall projection from K = 4096, K whole 1024-column tiles,
-    takes 8 x 1024 tiles (the 8B's in_proj 53.1 us against 56.1, up_proj 60.4 against 62.4), and
-    more than 8 programs an SM at 8 columns below K = 4096 take 32 x 128 (Nemotron-3-Nano's in_proj
-    20.9 against 26.2), both in 4 stages; whole steps at two rows: the 8B 5.565 ms against 5.653,
-    Nano 3.776 against 3.796, Falcon-H1-7B 5.959 against 6.013. FP8 rows past one keep the rule before; two FP8 rows swept on an H100
-    (``bench tiles --batch 2``) take 512-column tiles in 4 stages, 16 columns a program where one
-    row takes 16 (tall, or many programs), with ``FP8_TWO_ROW_TILES``: each product alone 1.04-1.47x
-    faster than the rule before, 12% over the eight shapes; Nemotron-3-Nano's whole FP8 step at two
-    rows 2.905 ms against 3.162 (H100). In the joined tile (``TWO_ROW_TILES``) a tall one from K =
-    4096, K whole 1024-column tiles, takes 32 x 256 (the 8B's in_proj and up_proj; its step 3.849
-    ms against 3.956).
+    - One tile (``_one_tile``), the program's whole weight slice in registers, loaded before the
+      wait: K <= ONE_TILE_MAX_K and a grid of a few waves at most (Mamba2-130M's projections); or
+      one row through K <= 1024 (its LM head too); or one bf16 row through any grid short of
+      vocabulary-wide (Granite-4.0-H-micro's in_proj and up_proj at K = 2048: 10.6 and 18.8 us
+      against 12.1 and 21.0 streamed).
+    - Otherwise K streams in tiles, 4 warps a program: by rows, ``_one_row_tiles``,
+      ``_two_row_tiles`` and, for more rows and for vocabulary-wide grids (LM heads, 16 columns a
+      program), ``_rows_tiles``.
     """
     if tile_k is not None:
         return _Config(True, 16, tile_k, 4, 2)
@@ -615,51 +566,98 @@ def _config(M: int, N: int, K: int, device: torch.device, tile_k: int | None = N
     vocabulary_wide = triton.cdiv(N, 16) >= 16 * sms
     one_row_tile = M == 1 and (K <= 1024 or not (vocabulary_wide or fp8))
     if K <= ONE_TILE_MAX_K and (triton.cdiv(N, 16) <= 4 * sms or one_row_tile):
-        block_k = triton.next_power_of_2(K)
-        if block_k <= 1024:
-            block_n = 2 if M == 1 and triton.cdiv(N, 2) <= 16 * sms else 4
-            return _Config(False, block_n, block_k, 1, 1)
-        return _Config(False, 8, block_k, 4 if M == 1 else 8, 1)
-    rows = triton.next_power_of_2(M)
-    if M == 1 and N >= 4 * K and K >= 4096 and K % 1024 == 0 and not vocabulary_wide:
-        # one row through a tall block projection (Nemotron-H-8B's in_proj and up_proj); FP8 in 8 x
-        # 1024 tiles (the 2-D tile's H100 sweep; the 8B's FP8 step 3.396 ms against 3.411 with 16 x 512)
+        return _one_tile(M, N, K, sms)
+    if not vocabulary_wide:
+        # tall: a block's widest projection (Nemotron-H-8B's in_proj and up_proj); many: a grid of
+        # more than 8 programs an SM at 8 columns a program
+        tall, many = N >= 4 * K and K >= 4096, triton.cdiv(N, 8) > 8 * sms
+        config = (_one_row_tiles(N, K, fp8, sms, tall, many) if M == 1 else
+                  _two_row_tiles(K, fp8, tall, many) if M == 2 and TWO_ROW_TILES else None)
+        if config is not None:
+            return config
+    return _rows_tiles(M, K, fp8, 16 if vocabulary_wide else 8)
+
+
+def _one_tile(M: int, N: int, K: int, sms: int) -> _Config:
+    """K in one register tile. Up to 1024 columns, one warp a program, so that the row's norm and
+    the product reduce within the warp (no shared memory, no barriers): 2 columns a program at one
+    row while that is about a wave of resident programs (in_proj), else 4 (each thread holds
+    64-128 weights). Wider (the gated out_proj, whose prologue works through two 1536-wide rows,
+    better spread over warps): 8 columns, 4 warps at one row, 8 at more. Chosen by sweeps in the
+    whole Mamba2-130M decode step."""
+    block_k = triton.next_power_of_2(K)
+    if block_k <= 1024:
+        return _Config(False, 2 if M == 1 and triton.cdiv(N, 2) <= 16 * sms else 4, block_k, 1, 1)
+    return _Config(False, 8, block_k, 4 if M == 1 else 8, 1)
+
+
+def _one_row_tiles(N: int, K: int, fp8: bool, sms: int, tall: bool, many: bool) -> _Config:
+    """One row streamed, short of vocabulary-wide.
+
+    - Tall, K whole 1024-column tiles: bf16 16 x 1024 in 2 stages (they lose at two rows and at
+      the 9B-v2's ragged K = 4480); FP8 8 x 1024 in 4 stages (the 8B's in_proj 28.0 us against
+      29.7 in 16 x 512; its step 3.396 ms against 3.411, H100).
+    - FP8 from K = 2048 but over many programs: 8 x 1024 in 3 stages (the 8B's out_proj and
+      down_proj, Nemotron-3-Nano's shared expert: 3-9% faster, H200).
+    - bf16 over many programs, K whole 1024-column tiles: 8 x 1024 in 2 stages (Falcon-H1-7B's
+      in_proj 20.3 us against 22.7, its up_proj with SwiGLU 52.0 against 54.5; whole steps -2.4%
+      on Falcon-H1-7B, -2.1% on Bamba-9B, H100).
+    - A short grid, at most two programs an SM at 8 columns (Granite-4.0-H's out_proj and
+      down_proj, N = 1536-2048): 4 x 512 in 4 stages, twice the programs (micro's down_proj 11.0
+      us against 12.3, out_proj 6.9 against 7.7).
+    - Else 512-column K tiles from K = 3072 (256 below) in 3 stages, 16 columns a program over
+      many programs (Nemotron-3-Nano's in_proj, the 9B-v2's in_proj and up_proj: a program's
+      loads of the row and the norm weight serve twice the columns), else 8."""
+    whole_kilo = K % 1024 == 0
+    if tall and whole_kilo:
         return _Config(True, 8, 1024, 4, 4) if fp8 else _Config(True, 16, 1024, 4, 2)
-    long_k = K >= 4096 or (M == 1 and K >= 3072)
-    block_k = (512 if long_k else 256) // rows
-    # one row: 16 columns a program once 8 would give more than 8 programs an SM, so that a
-    # program's loads of the input row (and the norm weight) serve twice the columns
-    many = M == 1 and triton.cdiv(N, 8) > 8 * sms
-    if FP8_TWO_ROW_TILES and fp8 and M == 2 and not vocabulary_wide:
-        tall = (N >= 4 * K and K >= 4096) or triton.cdiv(N, 8) > 8 * sms
-        if tall and K >= 4096 and K % 1024 == 0 and TWO_ROW_TILES:
-            # joined tiles through the 8B's in_proj and up_proj: 32 columns a program, K tiles of
-            # 256 (the 8B's FP8 step 3.849 ms against 3.956 with 16 x 512; Nano's in_proj, K =
-            # 2688, 32 x 128 the sweep's best alone, +0.5% in the step: left at 16 x 512; the
-            # 9B-v2's ragged K = 4480 untimed so: left too)
-            return _Config(True, 32, 256, 4, 4)
-        return _Config(True, 16 if tall else 8, 512, 4, 4)
-    if fp8 and M == 1 and K >= 2048 and not (vocabulary_wide or many):
+    if fp8 and K >= 2048 and not many:
         return _Config(True, 8, 1024, 4, 3)
-    if WHOLE_KILO_TILES and M == 1 and not fp8 and many and not vocabulary_wide and K % 1024 == 0:
-        # many programs over whole 1024-column tiles (Falcon-H1-7B's in_proj and up_proj, K = 3072)
+    if not fp8 and many and whole_kilo:
         return _Config(True, 8, 1024, 4, 2)
-    if M == 1 and triton.cdiv(N, 8) <= 2 * sms:
-        # a short grid (Granite-4.0-H's out_proj and down_proj): 4 columns a program, twice the
-        # programs, 4 stages
+    if triton.cdiv(N, 8) <= 2 * sms:
         return _Config(True, 4, 512, 4, 4)
-    if M == 2 and not fp8 and not vocabulary_wide and TWO_ROW_TILES:
-        # two bf16 rows in the joined tile: a tall projection over whole 1024-column K tiles (the
-        # 8B's in_proj and up_proj), or many programs below K = 4096 (Nemotron-3-Nano's in_proj,
-        # Falcon-H1-7B's in_proj and up_proj), as the H100 sweep of the joined tile found
-        if N >= 4 * K and K >= 4096 and K % 1024 == 0:
-            return _Config(True, 8, 1024, 4, 4)
-        if K < 4096 and triton.cdiv(N, 8) > 8 * sms:
-            return _Config(True, 32, 128, 4, 4)
-    if M > 1 and not fp8:
-        # bf16 rows: K tiles twice as long, 4 stages (2-8 rows through the 8B's projections)
-        return _Config(True, 16 if vocabulary_wide else 8, max(32, 2 * block_k), 4, 4)
-    return _Config(True, 16 if vocabulary_wide or many else 8, max(32, block_k), 4, 3)
+    return _Config(True, 16 if many else 8, 512 if K >= 3072 else 256, 4, 3)
+
+
+def _two_row_tiles(K: int, fp8: bool, tall: bool, many: bool) -> _Config | None:
+    """Two rows summed in the joined tile (``TWO_ROW_TILES``), short of vocabulary-wide; None: as
+    more rows (``_rows_tiles``). Swept on an H100 (``bench tiles --batch 2``), in 4 stages:
+
+    - FP8, tall or over many programs: 16 x 512, and 32 x 256 from K = 4096 where K is whole
+      1024-column tiles (the 8B's in_proj and up_proj: its step 3.849 ms against 3.956 in 16 x
+      512; Nano's in_proj, K = 2688, gained alone in 32 x 128 and lost 0.5% in the step); other
+      FP8 shapes 8 x 512 (Nano's whole FP8 step 2.905 ms against 3.162 with the rows' rule).
+    - bf16, tall over whole 1024-column K tiles: 8 x 1024 (the 8B's in_proj 53.1 us against
+      56.1); over many programs below K = 4096: 32 x 128 (Nano's in_proj 20.9 against 26.2,
+      Falcon-H1-7B's in_proj and up_proj). Whole steps: the 8B 5.565 ms against 5.653, Nano 3.776
+      against 3.796, Falcon-H1-7B 5.959 against 6.013. Other bf16 shapes as more rows."""
+    whole_kilo = K % 1024 == 0
+    if fp8:
+        wide = tall or many
+        if wide and K >= 4096 and whole_kilo:
+            return _Config(True, 32, 256, 4, 4)
+        return _Config(True, 16 if wide else 8, 512, 4, 4)
+    if tall and whole_kilo:
+        return _Config(True, 8, 1024, 4, 4)
+    if many and K < 4096:
+        return _Config(True, 32, 128, 4, 4)
+    return None
+
+
+def _rows_tiles(M: int, K: int, fp8: bool, block_n: int) -> _Config:
+    """More rows, and every vocabulary-wide grid, in ``block_n`` columns a program; the tile
+    narrows in K as the rows grow, so that the per-row partial sums keep their register
+    footprint. bf16: 1024 / rows columns of K from K = 4096 (512 / rows below) in 4 stages; the
+    best tiles of the H100 sweep (``bench tiles --batch``, 2-8 rows through the 8B's
+    projections) kept about that much K whatever the rows, and half of it in 3 stages lost up to
+    1.6x on a projection at 8 rows (the 8B's fused step at 4 rows 6.61 ms against 7.12). FP8
+    (and one vocabulary-wide row, from K = 3072): half of that, in 3 stages."""
+    rows = triton.next_power_of_2(M)
+    block_k = (512 if K >= 4096 or (M == 1 and K >= 3072) else 256) // rows
+    if fp8 or M == 1:
+        return _Config(True, block_n, max(32, block_k), 4, 3)
+    return _Config(True, block_n, max(32, 2 * block_k), 4, 4)
 
 
 def streams(rows: int, weight, tile_k: int | None = None) -> bool:

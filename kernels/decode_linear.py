@@ -746,7 +746,6 @@ def _launch(x, z, norm_w, weight, bias, out, rows: _Rows, *, eps, group_size, pr
     return out
 
 
-
 def _epilogue(residual, relu2, conv, swiglu=False) -> int:
     if (residual is not None) + bool(relu2) + (conv is not None) + bool(swiglu) > 1:
         raise ValueError("pick one epilogue: residual, relu2, swiglu or conv")

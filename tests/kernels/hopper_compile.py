@@ -186,7 +186,7 @@ def launch_skinny() -> None:
     the block norm (Nemotron-3-Nano's 16-column tiles, Nemotron-Nano-9B-v2's 16 x 512), with the
     conv epilogue too, out_proj, o_proj adding into the residual, a relu2 up projection, the shared
     expert's down projection (512-column tiles from K = 3072); Granite-4.0-H-micro's up, down and in_proj;
-    up projections with SwiGLU in their epilogue."""
+    up projections with SwiGLU in their epilogue; two bf16 rows in the 8B's and Nano's tall tiles."""
     from mambastep.kernels.decode_linear import ConvTail, norm_linear
 
     for N, K, norm, relu2 in ((10304, 2688, True, False), (2688, 4096, False, False), (3712, 2688, True, True),
@@ -221,6 +221,15 @@ def launch_skinny() -> None:
                     torch.empty(4352, **bf16), torch.zeros(1, dtype=torch.int32), 4096)
     norm_linear.triton(torch.randn(1, 2048), torch.ones(2048, **bf16), 1e-5, torch.empty(8512, 2048, **bf16),
                        conv=conv, out=torch.empty(1, 8512, **bf16), pdl=True, unit_norm=True)
+    # two bf16 rows in the joined tile's own tiles: the 8B's in_proj and up (8 x 1024, a tall
+    # projection over whole 1024-column K tiles), Nano's in_proj with the conv update (32 x 128)
+    for N in (18560, 21504):
+        norm_linear.triton(torch.randn(2, 4096), torch.ones(4096, **bf16), 1e-5, torch.empty(N, 4096, **bf16),
+                           relu2=N == 21504, out=torch.empty(2, N, **bf16), pdl=True, unit_norm=True)
+    conv = ConvTail(torch.empty(2, W - 1, D, **bf16).transpose(1, 2), torch.empty(D, W, **bf16),
+                    torch.empty(D, **bf16), torch.zeros(2, dtype=torch.int32), lo)
+    norm_linear.triton(torch.randn(2, 2688), torch.ones(2688, **bf16), 1e-5, torch.empty(10304, 2688, **bf16),
+                       conv=conv, out=torch.empty(2, 10304, **bf16), pdl=True, unit_norm=True)
     # FP8 weights scaled per column, one row (a 2-D tile) and two: Nano's in_proj with the norm and
     # the conv update, its out_proj into the residual, the 8B's down projection (K = 21504)
     from mambastep.kernels.fp8 import Fp8Weight, quantize_fp8

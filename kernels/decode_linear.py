@@ -98,6 +98,10 @@ ONE_ROW_TILES = True
 # two rows so too, in a [BLOCK_N, BLOCK_K, 2] tile (``_add_products``): the same FP8 steps a further
 # 5.3%, 8.6% and 4.4% faster (H100, docs/experiments.md)
 TWO_ROW_TILES = True
+# a streamed in_proj loads the conv epilogue's state and weights after its K loop, not before its
+# wait, so that they are not live through it (sm_90 compile, one row: the 8B's FP8 in_proj 144 -> 128
+# registers, four programs an SM where it ran three; its bf16 one 168 -> 182): to time
+LATE_CONV = False
 
 _PRO_NONE, _PRO_RMS, _PRO_GATED = 0, 1, 2
 _EPI_STORE, _EPI_RESIDUAL, _EPI_RELU2, _EPI_CONV, _EPI_SWIGLU = 0, 1, 2, 3, 4
@@ -401,6 +405,34 @@ def _finish_row(
 
 
 @triton.jit
+def _conv_windows(n, n_ok, rows, row_ok, conv_lo, conv_dim, slot_ptr, cs_ptr, cw_ptr, cb_ptr, stride_cs_s,
+                  stride_cs_d, stride_cs_k, stride_cw_d, CONV_K: tl.constexpr, BLOCK_C: tl.constexpr,
+                  CONV_BIAS: tl.constexpr):
+    """The conv epilogue's operands for the program's columns ``n``: (the conv channels c, which
+    are conv columns, the rows' slots, the [BLOCK_M, BLOCK_N, BLOCK_C] windows of each row's slot
+    (taps 0..K-2, and taps 1..K-2), the conv weights, the bias or a stand-in)."""
+    c = n - conv_lo
+    c_ok = n_ok & (c >= 0) & (c < conv_dim)
+    c = tl.where(c_ok, c, 0)
+    slot = tl.load(slot_ptr + rows, mask=row_ok, other=-1)
+    live = row_ok[:, None] & (slot[:, None] >= 0) & c_ok[None, :]
+    taps = tl.arange(0, BLOCK_C)[None, None, :]
+    s_ptrs = (cs_ptr + tl.maximum(slot, 0).to(tl.int64)[:, None, None] * stride_cs_s
+              + c[None, :, None] * stride_cs_d + taps * stride_cs_k)
+    window = tl.load(s_ptrs, mask=live[:, :, None] & (taps < CONV_K - 1), other=0.0)
+    shifted = tl.load(s_ptrs + stride_cs_k, mask=live[:, :, None] & (taps < CONV_K - 2), other=0.0)
+    cw = tl.load(cw_ptr + c[None, :, None] * stride_cw_d + taps, mask=c_ok[None, :, None] & (taps < CONV_K),
+                 other=0.0).to(tl.float32)
+    conv_bias = n_ok
+    if CONV_BIAS:
+        conv_bias = tl.load(cb_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
+    # the rows' state is written back per row after this; threads holding copies of one element
+    # must all have read it first
+    tl.debug_barrier()
+    return c, c_ok, slot, window, shifted, cw, conv_bias
+
+
+@triton.jit
 def _skinny_kernel(
     x_ptr, z_ptr, wn_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, row_ptr,
     cs_ptr, cw_ptr, cb_ptr, slot_ptr,
@@ -413,7 +445,7 @@ def _skinny_kernel(
     M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     LOOP: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr, EARLY: tl.constexpr, USE_PDL: tl.constexpr,
     NORM_WEIGHT: tl.constexpr, SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr, ACT_DTYPE: tl.constexpr,
-    TILE_ROWS: tl.constexpr,
+    TILE_ROWS: tl.constexpr, LATE_CONV: tl.constexpr,
 ):
     # SCALE: 0, w holds the weights; 1, FP8 values scaled per output column (s_ptr [N], applied to
     # the sums); 2, FP8 values scaled per SCALE_BLOCK x SCALE_BLOCK block (s_ptr [N / SCALE_BLOCK,
@@ -438,7 +470,8 @@ def _skinny_kernel(
 
     # Before the wait, only what the previous kernel cannot be writing: the (first) weight tile;
     # with EARLY, z and the residual (written two or more kernels back, so complete: see the
-    # module doc); the layer's conv state and weights (no other kernel touches them in a step).
+    # module doc); the layer's conv state and weights (no other kernel touches them in a step;
+    # with LATE_CONV, a streamed product loads them after its K loop instead).
     w0 = tl.load(w_ptr + n64[:, None] * stride_w + ks[None, :], mask=n_ok[:, None] & (ks[None, :] < K), other=0.0)
     n_blk, col_scale = n, n_ok
     if SCALE == 1:  # a weight: before the wait
@@ -461,25 +494,10 @@ def _skinny_kernel(
             z0 = _load_rows(z_ptr, rows.to(tl.int64), row_ok, ks, ks < K, stride_z)
         if EPILOGUE == 1:
             res = _load_rows(out_ptr, rows.to(tl.int64), row_ok, n64, n_ok, stride_out)
-    if EPILOGUE == 3:
-        # [BLOCK_M, BLOCK_N, BLOCK_C] windows of each row's slot: taps 0..K-2, and taps 1..K-2
-        c = n - conv_lo
-        c_ok = n_ok & (c >= 0) & (c < conv_dim)
-        c = tl.where(c_ok, c, 0)
-        slot = tl.load(slot_ptr + rows, mask=row_ok, other=-1)
-        live = row_ok[:, None] & (slot[:, None] >= 0) & c_ok[None, :]
-        taps = tl.arange(0, BLOCK_C)[None, None, :]
-        s_ptrs = (cs_ptr + tl.maximum(slot, 0).to(tl.int64)[:, None, None] * stride_cs_s
-                  + c[None, :, None] * stride_cs_d + taps * stride_cs_k)
-        window = tl.load(s_ptrs, mask=live[:, :, None] & (taps < CONV_K - 1), other=0.0)
-        shifted = tl.load(s_ptrs + stride_cs_k, mask=live[:, :, None] & (taps < CONV_K - 2), other=0.0)
-        cw = tl.load(cw_ptr + c[None, :, None] * stride_cw_d + taps, mask=c_ok[None, :, None] & (taps < CONV_K),
-                     other=0.0).to(tl.float32)
-        if CONV_BIAS:
-            conv_bias = tl.load(cb_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
-        # the rows' state is written back per row below; threads holding copies of one element
-        # must all have read it first
-        tl.debug_barrier()
+    if EPILOGUE == 3 and not LATE_CONV:
+        c, c_ok, slot, window, shifted, cw, conv_bias = _conv_windows(
+            n, n_ok, rows, row_ok, conv_lo, conv_dim, slot_ptr, cs_ptr, cw_ptr, cb_ptr, stride_cs_s, stride_cs_d,
+            stride_cs_k, stride_cw_d, CONV_K, BLOCK_C, CONV_BIAS)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         if not LOOP:
@@ -494,6 +512,10 @@ def _skinny_kernel(
         if USE_PDL:
             # several waves of programs: the dependents take slots only as the last one drains
             tl.extra.cuda.gdc_launch_dependents()
+    if EPILOGUE == 3 and LATE_CONV:
+        c, c_ok, slot, window, shifted, cw, conv_bias = _conv_windows(
+            n, n_ok, rows, row_ok, conv_lo, conv_dim, slot_ptr, cs_ptr, cw_ptr, cb_ptr, stride_cs_s, stride_cs_d,
+            stride_cs_k, stride_cw_d, CONV_K, BLOCK_C, CONV_BIAS)
     for m in tl.static_range(M):
         if LOOP:
             acc_m = _pick(acc, m, BLOCK_M)
@@ -741,7 +763,7 @@ def _launch(x, z, norm_w, weight, bias, out, rows: _Rows, *, eps, group_size, pr
         M=M, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, LOOP=cfg.loop,
         EVEN_K=K % cfg.block_k == 0, STAGES=cfg.stages, EARLY=early, USE_PDL=pdl, num_warps=cfg.num_warps,
         NORM_WEIGHT=not unit_norm, SCALE=scale_mode, SCALE_BLOCK=scale_block, ACT_DTYPE=_TL_DTYPES[act_dtype],
-        TILE_ROWS=_tile_rows(M), **extra,
+        TILE_ROWS=_tile_rows(M), LATE_CONV=LATE_CONV and cfg.loop, **extra,
     )
     return out
 

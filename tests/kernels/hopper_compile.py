@@ -230,10 +230,21 @@ def launch_skinny() -> None:
                     torch.empty(D, **bf16), torch.zeros(2, dtype=torch.int32), lo)
     norm_linear.triton(torch.randn(2, 2688), torch.ones(2688, **bf16), 1e-5, torch.empty(10304, 2688, **bf16),
                        conv=conv, out=torch.empty(2, 10304, **bf16), pdl=True, unit_norm=True)
-    # FP8 weights scaled per column, one row (a 2-D tile) and two: Nano's in_proj with the norm and
-    # the conv update, its out_proj into the residual, the 8B's down projection (K = 21504)
+    # the 8B's FP8 in_proj with the conv state loaded after the K loop (LATE_CONV, to time), one row
+    # and two
+    from mambastep.kernels import decode_linear
     from mambastep.kernels.fp8 import Fp8Weight, quantize_fp8
 
+    decode_linear.LATE_CONV = True
+    for M in (1, 2):
+        conv = ConvTail(torch.empty(2, W - 1, 10240, **bf16).transpose(1, 2), torch.empty(10240, W, **bf16),
+                        torch.empty(10240, **bf16), torch.zeros(M, dtype=torch.int32), 8192)
+        norm_linear.triton(torch.randn(M, 4096), torch.ones(4096, **bf16), 1e-5,
+                           Fp8Weight(torch.empty(18560, 4096, dtype=torch.float8_e4m3fn), torch.ones(18560)),
+                           conv=conv, out=torch.empty(M, 18560, **bf16), pdl=True, unit_norm=True)
+    decode_linear.LATE_CONV = False
+    # FP8 weights scaled per column, one row (a 2-D tile) and two: Nano's in_proj with the norm and
+    # the conv update, its out_proj into the residual, the 8B's down projection (K = 21504)
     for M in (1, 2):
         conv = ConvTail(torch.empty(2, W - 1, D, **bf16).transpose(1, 2), torch.empty(D, W, **bf16),
                         torch.empty(D, **bf16), torch.zeros(M, dtype=torch.int32), lo)

@@ -134,8 +134,15 @@ def test_swiglu_epilogue(device, tile_k, M, I, fp8):
     assert_close(out.cpu(), ref, BF16)
 
 
+@pytest.fixture(params=[False, True], ids=["conv before the wait", "conv after the loop"])
+def late_conv(request, monkeypatch):
+    """Where a streamed product loads the conv epilogue's state and weights (``LATE_CONV``)."""
+    monkeypatch.setattr(decode_linear, "LATE_CONV", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("M", [1, 4])
-def test_conv_epilogue_updates_state_and_skips_pad_rows(device, tile_k, M):
+def test_conv_epilogue_updates_state_and_skips_pad_rows(device, tile_k, late_conv, M):
     """in_proj with the conv decode update on the xBC columns: outputs and the mutated state."""
     torch.manual_seed(4 + M)
     K, lo, D, rest, S, W = 32, 20, 44, 6, 5, 4
@@ -185,7 +192,7 @@ def fp8_block(request):
 
 
 @pytest.mark.parametrize("M", [1, 3])
-def test_fp8_weights_with_norm_and_conv(device, tile_k, fp8_block, M):
+def test_fp8_weights_with_norm_and_conv(device, tile_k, fp8_block, late_conv, M):
     """FP8 values streamed and scaled in registers: the norm prologue and the conv epilogue as
     with bf16 weights, against the dequantized weight's product, rounded to the activations'
     dtype (the norm weight's)."""

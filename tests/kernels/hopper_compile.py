@@ -186,7 +186,8 @@ def launch_skinny() -> None:
     the block norm (Nemotron-3-Nano's 16-column tiles, Nemotron-Nano-9B-v2's 16 x 512), with the
     conv epilogue too, out_proj, o_proj adding into the residual, a relu2 up projection, the shared
     expert's down projection (512-column tiles from K = 3072); Granite-4.0-H-micro's up, down and in_proj;
-    up projections with SwiGLU in their epilogue; two bf16 rows in the 8B's and Nano's tall tiles."""
+    up projections with SwiGLU in their epilogue; two bf16 rows in the 8B's and Nano's tall tiles; the
+    switches to time (``LATE_CONV``, ``DOT_ROWS``)."""
     from mambastep.kernels.decode_linear import ConvTail, norm_linear
 
     for N, K, norm, relu2 in ((10304, 2688, True, False), (2688, 4096, False, False), (3712, 2688, True, True),
@@ -243,6 +244,16 @@ def launch_skinny() -> None:
                            Fp8Weight(torch.empty(18560, 4096, dtype=torch.float8_e4m3fn), torch.ones(18560)),
                            conv=conv, out=torch.empty(M, 18560, **bf16), pdl=True, unit_norm=True)
     decode_linear.LATE_CONV = False
+    # four bf16 rows on the tensor cores (DOT_ROWS, to time): the 8B's in_proj with the conv update
+    # and its up projection with relu2
+    decode_linear.DOT_ROWS = True
+    conv = ConvTail(torch.empty(2, W - 1, 10240, **bf16).transpose(1, 2), torch.empty(10240, W, **bf16),
+                    torch.empty(10240, **bf16), torch.zeros(4, dtype=torch.int32), 8192)
+    norm_linear.triton(torch.randn(4, 4096), torch.ones(4096, **bf16), 1e-5, torch.empty(18560, 4096, **bf16),
+                       conv=conv, out=torch.empty(4, 18560, **bf16), pdl=True, unit_norm=True)
+    norm_linear.triton(torch.randn(4, 4096), torch.ones(4096, **bf16), 1e-5, torch.empty(21504, 4096, **bf16),
+                       relu2=True, out=torch.empty(4, 21504, **bf16), pdl=True, unit_norm=True)
+    decode_linear.DOT_ROWS = False
     # FP8 weights scaled per column, one row (a 2-D tile) and two: Nano's in_proj with the norm and
     # the conv update, its out_proj into the residual, the 8B's down projection (K = 21504)
     for M in (1, 2):

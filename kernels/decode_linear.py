@@ -639,7 +639,7 @@ def _one_row_tiles(N: int, K: int, fp8: bool, sms: int, tall: bool, many: bool) 
     - Tall, K whole 1024-column tiles: bf16 16 x 1024 in 2 stages (they lose at two rows and at
       the 9B-v2's ragged K = 4480); FP8 8 x 1024 in 4 stages (the 8B's in_proj 28.0 us against
       29.7 in 16 x 512; its step 3.396 ms against 3.411, H100).
-    - FP8 from K = 2048 but over many programs: 8 x 1024 in 3 stages (the 8B's out_proj and
+    - FP8 from K = 2048, short of many programs: 8 x 1024 in 3 stages (the 8B's out_proj and
       down_proj, Nemotron-3-Nano's shared expert: 3-9% faster, H200).
     - bf16 over many programs, K whole 1024-column tiles: 8 x 1024 in 2 stages (Falcon-H1-7B's
       in_proj 20.3 us against 22.7, its up_proj with SwiGLU 52.0 against 54.5; whole steps -2.4%

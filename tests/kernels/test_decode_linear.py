@@ -284,9 +284,11 @@ def test_default_config_at_large_k(device, M, K, N, fp8):
     assert_close(out.cpu(), ref, BF16, factor=0.25)
 
 
-@pytest.mark.parametrize("M,epilogue,K,N", [(3, e, 200, 8500) for e in ("store", "relu2", "swiglu", "conv", "late conv",
+# N None: a grid of 64-column blocks a few columns past the widest a one-tile product takes (4 x 16
+# columns an SM), the last block ragged
+@pytest.mark.parametrize("M,epilogue,K,N", [(3, e, 200, None) for e in ("store", "relu2", "swiglu", "conv", "late conv",
                                                                          "residual")]
-                         + [(8, "store", 200, 8500), (8, "late conv", 200, 8500)]
+                         + [(8, "store", 200, None), (8, "late conv", 200, None)]
                          # on the GPU the 8B's in_proj and up projection at four rows too
                          + [pytest.param(4, e, 4096, N, marks=pytest.mark.gpu)
                             for e, N in (("conv", 18560), ("late conv", 18560), ("relu2", 21504))])
@@ -298,6 +300,7 @@ def test_rows_on_the_tensor_cores(device, monkeypatch, M, epilogue, K, N):
     monkeypatch.setattr(decode_linear, "DOT_ROWS", True)
     monkeypatch.setattr(decode_linear, "LATE_CONV", epilogue == "late conv")
     epilogue = epilogue.removeprefix("late ")
+    N = N or 64 * decode_linear._num_sms(torch.device(device)) + 52
     torch.manual_seed(80 + M)
     assert decode_linear._config(M, N, K, torch.device(device)).dot
     x = torch.randn(M, K, device=device)

@@ -17,6 +17,8 @@ both to bf16); ``weight_rows`` runs bf16 weights so too.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -81,6 +83,36 @@ def few_rows_linear_ref(x: torch.Tensor, weight, out: torch.Tensor | None = None
 # 64 weight rows a program, the least one warpgroup takes; K tiles of 256 bytes a row, deeply
 # pipelined, as the skinny stream's (untuned)
 WEIGHT_ROWS_CONFIG = {True: (64, 256, 4, 4), False: (64, 128, 4, 4)}
+# (to time) the stages by the grid (``weight_rows_config``): the sweeps' best tiles at 2 and 4 rows
+# had 3 stages where 4 left the grid two waves (the 8B's in_proj: 290 programs, two an SM at 4
+# stages, three at 3) and 6 where the grid is under one program an SM (out_proj: 64 programs)
+WEIGHT_ROWS_STAGES = False
+WEIGHT_ROWS_MOST_STAGES = 6
+
+
+@functools.cache
+def _shared_memory(device: torch.device) -> tuple[int, int]:
+    """(SMs, shared-memory bytes an SM) of a CUDA device (0 bytes where torch does not say)."""
+    props = torch.cuda.get_device_properties(device)
+    return props.multi_processor_count, getattr(props, "shared_memory_per_multiprocessor", 0)
+
+
+def weight_rows_config(M: int, N: int, fp8: bool, device: torch.device) -> tuple[int, int, int, int]:
+    """The weight-rows product's (block_n, block_k, warps, stages) for M rows of an [N, K] weight on
+    ``device``: the table's tile, and with ``WEIGHT_ROWS_STAGES`` the most stages (up to
+    ``WEIGHT_ROWS_MOST_STAGES``) at which every program of the grid is resident at once (each
+    stage holds a K tile of the weight's and the rows' bytes; the CUDA runtime keeps 1 KiB of an
+    SM's shared memory a program); a grid past that at 3 stages keeps the table's."""
+    bn, bk, warps, stages = WEIGHT_ROWS_CONFIG[fp8]
+    if not WEIGHT_ROWS_STAGES or device.type != "cuda":
+        return bn, bk, warps, stages
+    sms, shared = _shared_memory(device)
+    stage_bytes = (bn + max(16, triton.next_power_of_2(M))) * bk * (1 if fp8 else 2)
+    programs = triton.cdiv(N, bn)
+    for s in range(WEIGHT_ROWS_MOST_STAGES, 2, -1):
+        if programs <= sms * (shared // (s * stage_bytes + 1024)):
+            return bn, bk, warps, s
+    return bn, bk, warps, stages
 
 
 def _config(fp8: bool) -> tuple[int, int, int, int]:
@@ -115,7 +147,7 @@ def few_rows_linear(x: torch.Tensor, weight, out: torch.Tensor | None = None, co
         out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     bm = max(16, triton.next_power_of_2(M))
     if rows is not None or weight_rows:
-        bn, bk, warps, stages = config or WEIGHT_ROWS_CONFIG[fp8]
+        bn, bk, warps, stages = config or weight_rows_config(M, N, fp8, x.device)
         a, a_scale = rows if rows is not None else (x, x)
         _weight_rows_kernel[(triton.cdiv(N, bn),)](a, a_scale, values, weight.scale if fp8 else values, out, M, N, K,
                                                    a.stride(0), values.stride(0), out.stride(0), BM=bm, BN=bn, BK=bk,

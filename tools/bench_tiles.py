@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from ..kernels import decode_linear
 from ..kernels.decode_linear import MAX_ROWS, ONE_TILE_MAX_K, norm_linear
-from ..kernels.few_rows import WEIGHT_ROWS_CONFIG, few_rows_linear
+from ..kernels.few_rows import few_rows_linear, weight_rows_config
 from ..kernels.fp8 import Fp8Weight, fp8_linear, quantize_rows
 from ..kernels.linear import linear
 from ..runtime.model import Model
@@ -175,7 +175,7 @@ def layered_us(shape: dict, weight, rows: int = 1) -> dict:
 
 def weight_rows_us(shape: dict, weight, rows: int = 1) -> dict:
     """The weight-rows product alone of ``rows`` rows at ``shape``, timed as ``layered_us``: in
-    its table's configuration (``few_rows.WEIGHT_ROWS_CONFIG``) and the best of
+    its table's configuration (``few_rows.weight_rows_config``) and the best of
     ``WEIGHT_ROWS_SWEEP`` (the table's among them), with that configuration; {} for block-scaled
     FP8 weights, which it does not take W8A8."""
     fp8 = shape["fp8"]
@@ -194,7 +194,7 @@ def weight_rows_us(shape: dict, weight, rows: int = 1) -> dict:
         finally:
             torch.cuda.synchronize()
 
-    table = WEIGHT_ROWS_CONFIG[fp8]
+    table = weight_rows_config(rows, shape["N"], fp8, x.device)
     table_us = timed(table)
     swept = [(t, config) for config in WEIGHT_ROWS_SWEEP if (t := timed(config)) == t]
     best_us, best = min(swept + [(table_us, table)])

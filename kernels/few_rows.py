@@ -83,10 +83,10 @@ def few_rows_linear_ref(x: torch.Tensor, weight, out: torch.Tensor | None = None
 # 64 weight rows a program, the least one warpgroup takes; K tiles of 256 bytes a row, deeply
 # pipelined, as the skinny stream's (untuned)
 WEIGHT_ROWS_CONFIG = {True: (64, 256, 4, 4), False: (64, 128, 4, 4)}
-# (to time) the stages by the grid (``weight_rows_config``): the sweeps' best tiles at 2 and 4 rows
-# had 3 stages where 4 left the grid two waves (the 8B's in_proj: 290 programs, two an SM at 4
-# stages, three at 3) and 6 where the grid is under one program an SM (out_proj: 64 programs)
-WEIGHT_ROWS_STAGES = False
+# the stages by the grid (``weight_rows_config``): the sweeps' best tiles at 2 and 4 rows had 3
+# stages where 4 left the grid two waves (the 8B's in_proj: 290 programs, two an SM at 4 stages,
+# three at 3) and 6 where the grid is under one program an SM (out_proj: 64 programs); whole steps
+# at 4-32 rows 1.7-4.3% faster, Nano's tied (H100, docs/experiments.md)
 WEIGHT_ROWS_MOST_STAGES = 6
 
 
@@ -99,12 +99,12 @@ def _shared_memory(device: torch.device) -> tuple[int, int]:
 
 def weight_rows_config(M: int, N: int, fp8: bool, device: torch.device) -> tuple[int, int, int, int]:
     """The weight-rows product's (block_n, block_k, warps, stages) for M rows of an [N, K] weight on
-    ``device``: the table's tile, and with ``WEIGHT_ROWS_STAGES`` the most stages (up to
-    ``WEIGHT_ROWS_MOST_STAGES``) at which every program of the grid is resident at once (each
-    stage holds a K tile of the weight's and the rows' bytes; the CUDA runtime keeps 1 KiB of an
-    SM's shared memory a program); a grid past that at 3 stages keeps the table's."""
+    ``device``: the table's tile in the most stages (up to ``WEIGHT_ROWS_MOST_STAGES``) at which
+    every program of the grid is resident at once (each stage holds a K tile of the weight's and
+    the rows' bytes; the CUDA runtime keeps 1 KiB of an SM's shared memory a program); a grid
+    past that at 3 stages, or off CUDA, the table's stages."""
     bn, bk, warps, stages = WEIGHT_ROWS_CONFIG[fp8]
-    if not WEIGHT_ROWS_STAGES or device.type != "cuda":
+    if device.type != "cuda":
         return bn, bk, warps, stages
     sms, shared = _shared_memory(device)
     stage_bytes = (bn + max(16, triton.next_power_of_2(M))) * bk * (1 if fp8 else 2)

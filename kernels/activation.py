@@ -17,6 +17,11 @@ from .fp8 import Fp8Rows, row_scale, store_quantized, walks_rows, write_rows_ref
 __all__ = ["gate_silu", "gate_silu_ref", "relu2", "relu2_ref", "silu_mul", "silu_mul_ref"]
 
 RELU2_BLOCK = 2048  # elements a program of relu2 takes at a time
+# relu2 with rows, up to this many rows: each row in RELU2_CHUNK-column chunks, a program each, in
+# two launches (relu2 and the chunks' maxima; then the rows' scales and quantized chunks), where a
+# program a row took 15.3 us for 4 of the 8B's 21504-column rows (H100, docs/experiments.md)
+CHUNKED_MAX_ROWS = 64
+RELU2_CHUNK = 1024
 
 
 @triton.jit
@@ -59,6 +64,34 @@ def _relu2_rows_kernel(x_ptr, out_ptr, q_ptr, s_ptr, I, stride_q, BLOCK: tl.cons
         store_quantized(q_ptr + row * stride_q + cols, v, scale, mask)
 
 
+@triton.jit
+def _relu2_chunks_kernel(x_ptr, out_ptr, amax_ptr, I, BLOCK: tl.constexpr):
+    # grid: (rows, chunks): a chunk's relu2, and its maximum (amax_ptr [rows, chunks])
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < I
+    x = tl.maximum(tl.load(x_ptr + row * I + cols, mask=mask, other=0.0).to(tl.float32), 0.0)
+    y = (x * x).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * I + cols, y, mask=mask)
+    tl.store(amax_ptr + row * tl.num_programs(1) + tl.program_id(1), tl.max(y.to(tl.float32), axis=0))
+
+
+@triton.jit
+def _quantize_chunks_kernel(v_ptr, amax_ptr, q_ptr, s_ptr, I, stride_q, BLOCK: tl.constexpr, CHUNKS: tl.constexpr):
+    # grid: (rows, chunks): the row's scale from its chunks' maxima (as from the whole row: a
+    # maximum of maxima), then the chunk quantized at it
+    row = tl.program_id(0).to(tl.int64)
+    chunks = tl.arange(0, CHUNKS)
+    scale = row_scale(tl.load(amax_ptr + row * tl.num_programs(1) + chunks, mask=chunks < tl.num_programs(1),
+                              other=0.0))
+    if tl.program_id(1) == 0:
+        tl.store(s_ptr + row, scale)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < I
+    v = tl.load(v_ptr + row * I + cols, mask=mask, other=0.0).to(tl.float32)
+    store_quantized(q_ptr + row * stride_q + cols, v, scale, mask)
+
+
 def relu2_ref(x: torch.Tensor, out: torch.Tensor | None = None, rows: Fp8Rows | None = None) -> torch.Tensor:
     y = torch.relu(x.float()).square().to(x.dtype)
     out = y if out is None else out.copy_(y)
@@ -70,7 +103,8 @@ def relu2_ref(x: torch.Tensor, out: torch.Tensor | None = None, rows: Fp8Rows | 
 def relu2(x: torch.Tensor, out: torch.Tensor | None = None, rows: Fp8Rows | None = None) -> torch.Tensor:
     """relu(x)**2 computed in fp32. x: any shape, contiguous; out: like x (may be x). rows: x
     [M, I] written quantized per row too (``Fp8Rows`` [M, I]), as ``quantize_rows(out)`` would
-    make it, for an FP8 product that takes them (``kernels.linear.takes_rows``): a program a row,
+    make it, for an FP8 product that takes them (``kernels.linear.takes_rows``): up to
+    ``CHUNKED_MAX_ROWS`` rows, a program a chunk of a row in two launches; else a program a row,
     holding the whole row, or past ``fp8.WHOLE_ROW_MAX_ROWS`` rows walking it twice."""
     out = torch.empty_like(x) if out is None else out
     if not (x.is_contiguous() and out.is_contiguous() and out.shape == x.shape):
@@ -80,6 +114,14 @@ def relu2(x: torch.Tensor, out: torch.Tensor | None = None, rows: Fp8Rows | None
             raise ValueError(f"relu2: rows asked of a {x.dim()}-D x (they need [M, I])")
         rows.check("relu2: rows", *x.shape)
         M, I = x.shape
+        if M <= CHUNKED_MAX_ROWS:
+            chunks = triton.cdiv(I, RELU2_CHUNK)
+            amax = torch.empty(M, chunks, dtype=torch.float32, device=x.device)
+            _relu2_chunks_kernel[(M, chunks)](x, out, amax, I, BLOCK=RELU2_CHUNK, num_warps=4)
+            _quantize_chunks_kernel[(M, chunks)](out, amax, rows.values, rows.scale, I, rows.values.stride(0),
+                                                 BLOCK=RELU2_CHUNK, CHUNKS=triton.next_power_of_2(chunks),
+                                                 num_warps=4)
+            return out
         if walks_rows(M):  # the row in the tiles of relu2 without rows
             _relu2_rows_kernel[(M,)](x, out, rows.values, rows.scale, I, rows.values.stride(0), BLOCK=RELU2_BLOCK,
                                      WALK=True, num_warps=4)

@@ -17,16 +17,18 @@ def test_relu2_matches_reference(device, dtype, n):
     assert torch.equal(x, out)
 
 
-@pytest.mark.parametrize("walk", [False, True], ids=["whole-row", "walked"])
+@pytest.mark.parametrize("walk", ["whole-row", "walked", "chunked"])
 @pytest.mark.parametrize("M, I", [(3, 40), (6, 1856), (4, 5000)])
 def test_relu2_writes_its_rows_quantized_as_the_quantizer_would(device, M, I, walk, monkeypatch):
     """``rows``: relu2 as without them (in place too) and each row quantized bit for bit as
     ``quantize_rows`` makes it of the output (a row all below zero: zeros); poisoned buffers. The
-    row held whole, or walked in tiles (past ``WHOLE_ROW_MAX_ROWS`` rows, here all; 5000 columns:
-    two tiles and part of a third)."""
-    from mambastep.kernels import fp8
+    row held whole, walked in tiles (past ``WHOLE_ROW_MAX_ROWS`` rows, here all; 5000 columns:
+    two tiles and part of a third), or in chunks of 1024 columns, a program each (up to
+    ``CHUNKED_MAX_ROWS`` rows, here all; 1856 and 5000 columns: a part chunk last)."""
+    from mambastep.kernels import activation, fp8
 
-    monkeypatch.setattr(fp8, "WHOLE_ROW_MAX_ROWS", 0 if walk else 256)
+    monkeypatch.setattr(fp8, "WHOLE_ROW_MAX_ROWS", 0 if walk == "walked" else 256)
+    monkeypatch.setattr(activation, "CHUNKED_MAX_ROWS", 64 if walk == "chunked" else 0)
     torch.manual_seed(7)
     x = (torch.randn(M, I) * torch.linspace(0.01, 30.0, M)[:, None]).to(torch.bfloat16)
     x[1] = -x[1].abs()

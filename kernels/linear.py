@@ -52,24 +52,14 @@ FEW_ROWS_PLAIN_MIN_N = 6144
 # and 4 rows 1.6-1.9% faster (Granite-4.0-H-micro, Nemotron-H-8B), at 5-8 rows 3-8% slower (its
 # tiles for over 4 rows; H100, docs/experiments.md); 0: cuBLAS
 SHORT_SKINNY_MAX = 4
-# FP8 weights of fewer than FEW_ROWS_PLAIN_MIN_N columns: up to this many rows, the skinny decode
-# projection (W8A16) in place of the few-row W8A8 product, whose 64 weight rows a program leave a
-# 4096-column projection 64 programs; SKINNY_MAX_ROWS: none past the rows every FP8 product takes
-# there (to time: docs/experiments.md)
-FP8_SHORT_SKINNY_MAX = SKINNY_MAX_ROWS
 
 
 def takes_rows(M: int, dtype: torch.dtype, device: torch.device, weight) -> bool:
     """Whether ``linear`` over M rows of ``dtype`` on ``device`` quantizes them per row (FP8
     tensor cores, dynamic scales), and so takes them quantized already as ``rows``."""
-    if not (isinstance(weight, Fp8Weight) and device.type == "cuda" and _fp8_takes_rows(dtype, weight)):
-        return False
-    return not _fp8_skinny(M, weight) if FEW_ROWS_W8A8 else M > FEW_ROWS_FP8_MAX
-
-
-def _fp8_skinny(M: int, weight: Fp8Weight) -> bool:
-    """Whether M rows against FP8 ``weight`` (on CUDA, 16-bit rows) take the skinny decode projection."""
-    return M <= SKINNY_MAX_ROWS or (M <= FP8_SHORT_SKINNY_MAX and weight.shape[0] < FEW_ROWS_PLAIN_MIN_N)
+    first = SKINNY_MAX_ROWS if FEW_ROWS_W8A8 else FEW_ROWS_FP8_MAX  # the rows past which it quantizes
+    return (isinstance(weight, Fp8Weight) and device.type == "cuda" and M > first
+            and _fp8_takes_rows(dtype, weight))
 
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None, rows: Fp8Rows | None = None) -> torch.Tensor:
@@ -89,7 +79,7 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None, rows: Fp8R
     if not x.is_cuda or x.dtype == torch.float32 or M > (FEW_ROWS_W8A8_MAX if w8a8 else FEW_ROWS_FP8_MAX):
         return fp8_linear(x, weight, bias, rows)
     x = x if x.stride(1) == 1 else x.contiguous()
-    if _fp8_skinny(M, weight):
+    if M <= SKINNY_MAX_ROWS:
         return norm_linear(x, None, 0.0, weight, bias=bias)
     if w8a8:  # the rows at the static scale, or per token where x's maker did not quantize them
         if weight.input_scale is not None:

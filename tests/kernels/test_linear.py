@@ -33,39 +33,6 @@ def test_fp8_products_take_quantized_rows_past_the_skinny_rows(monkeypatch):
     assert [M for M in range(1, 12) if lin.takes_rows(M, BF16, cuda, w)] == list(range(9, 12))
 
 
-def test_short_fp8_products_take_quantized_rows_past_their_skinny_rows(monkeypatch):
-    """With ``FP8_SHORT_SKINNY_MAX`` at 4, FP8 weights of fewer than ``FEW_ROWS_PLAIN_MIN_N`` columns
-    take the skinny product up to 4 rows, so their rows are quantized only from 5; wider ones from 3."""
-    from mambastep.kernels import linear as lin
-
-    monkeypatch.setattr(lin, "FP8_SHORT_SKINNY_MAX", 4)
-    monkeypatch.setattr(lin, "FEW_ROWS_PLAIN_MIN_N", 48)
-    cuda = torch.device("cuda")
-    short, wide = quantize_fp8(torch.randn(32, 64)), quantize_fp8(torch.randn(48, 64))
-    assert [M for M in range(1, 12) if lin.takes_rows(M, BF16, cuda, short)] == list(range(5, 12))
-    assert [M for M in range(1, 12) if lin.takes_rows(M, BF16, cuda, wide)] == list(range(3, 12))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("M", [3, 4, 5])
-def test_short_fp8_products_of_a_few_rows_take_the_skinny_projection(monkeypatch, M):
-    """With ``FP8_SHORT_SKINNY_MAX`` at 4, a short FP8 projection of 3-4 rows is the skinny decode
-    projection's; of 5, the few-row W8A8 product's (its rows quantized here)."""
-    from mambastep.kernels import linear as lin
-    from mambastep.kernels.decode_linear import norm_linear
-    from mambastep.kernels.few_rows import few_rows_linear
-    from mambastep.kernels.fp8 import quantize_rows
-
-    monkeypatch.setattr(lin, "FP8_SHORT_SKINNY_MAX", 4)
-    torch.manual_seed(M)
-    dev = torch.device("cuda")
-    x = torch.randn(M, 256, device=dev).to(BF16)
-    w = quantize_fp8(torch.randn(320, 256, device=dev) / 16)
-    want = norm_linear(x, None, 0.0, w) if M <= 4 else few_rows_linear(x, w, rows=quantize_rows(x))
-    assert torch.equal(linear(x, w), want)
-    assert rel_err(want.cpu(), fp8_linear_ref(x.cpu(), w.to("cpu"))) < 0.06
-
-
 @pytest.mark.gpu
 def test_plain_weights_take_the_few_row_product_up_to_its_rows_over_enough_columns(monkeypatch):
     """Up to ``FEW_ROWS_PLAIN_MAX`` rows (8, as by default), bf16 weights of at least

@@ -98,16 +98,6 @@ ONE_ROW_TILES = True
 # two rows so too, in a [BLOCK_N, BLOCK_K, 2] tile (``_add_products``): the same FP8 steps a further
 # 5.3%, 8.6% and 4.4% faster (H100, docs/experiments.md)
 TWO_ROW_TILES = True
-# a streamed in_proj loads the conv epilogue's state and weights after its K loop, not before its
-# wait, so that they are not live through it (sm_90 compile, one row: the 8B's FP8 in_proj 144 -> 128
-# registers, four programs an SM where it ran three; its bf16 one 168 -> 182): to time
-LATE_CONV = False
-# three to eight bf16 rows streamed over at least DOT_ROWS_MIN_N columns sum on the tensor cores: a
-# program's 64 weight rows are the MMA's long side, the rows (16, padded) the other, as the layered
-# path's weight-rows product (``kernels.few_rows``) takes them, with this kernel's prologue and
-# epilogues around it; the fused path takes them once ``decode_options.STREAMED_MAX_ROWS`` allows: to time
-DOT_ROWS = False
-DOT_ROWS_MIN_N = 6144
 
 _PRO_NONE, _PRO_RMS, _PRO_GATED = 0, 1, 2
 _EPI_STORE, _EPI_RESIDUAL, _EPI_RELU2, _EPI_CONV, _EPI_SWIGLU = 0, 1, 2, 3, 4
@@ -258,30 +248,23 @@ def _block_scaled(w, s_ptr, n_blk, cols, col_ok, stride_s, SCALE_BLOCK: tl.const
 def _add_products(acc, w, a, TILE_ROWS: tl.constexpr):
     """acc + w * a over a K tile: w [BLOCK_N, BLOCK_K], a the rows [BLOCK_M, BLOCK_K]. acc by
     TILE_ROWS: 0, [BLOCK_M, BLOCK_N, BLOCK_K]; 1, one row's [BLOCK_N, BLOCK_K]; 2, two rows'
-    [BLOCK_N, BLOCK_K, 2], each thread holding both rows' sums of its weights; 3, the sums
-    [BLOCK_N, BLOCK_M] themselves, from the tensor cores (``DOT_ROWS``: bf16 weights, the rows
-    rounded to them, BLOCK_N >= 64 weight rows as the MMA's long side, BLOCK_M 16). The 2-D and the
+    [BLOCK_N, BLOCK_K, 2], each thread holding both rows' sums of its weights. The 2-D and the
     joined tiles keep the weight in the layout its loads give it (16 contiguous bytes a thread),
     where the 3-D one's layout has shared memory hand each thread its FP8 values a byte a load."""
-    if TILE_ROWS == 3:
-        acc = tl.dot(w, tl.trans(a.to(w.dtype)), acc)
-    elif TILE_ROWS == 1:
-        acc = acc + w.to(tl.float32) * tl.reshape(a, (a.shape[1],))[None, :]
+    if TILE_ROWS == 1:
+        acc = acc + w * tl.reshape(a, (a.shape[1],))[None, :]
     elif TILE_ROWS == 2:
         a0, a1 = tl.split(tl.trans(a))
-        w = w.to(tl.float32)
         acc = acc + tl.join(w * a0[None, :], w * a1[None, :])
     else:
-        acc = acc + w.to(tl.float32)[None, :, :] * a[:, None, :]
+        acc = acc + w[None, :, :] * a[:, None, :]
     return acc
 
 
 @triton.jit
 def _sums(acc, TILE_ROWS: tl.constexpr):
     """The sums of ``_add_products``' fp32 tiles over K: [BLOCK_M, BLOCK_N]."""
-    if TILE_ROWS == 3:
-        y = tl.trans(acc)
-    elif TILE_ROWS == 1:
+    if TILE_ROWS == 1:
         y = tl.sum(acc, axis=1)[None, :]
     elif TILE_ROWS == 2:
         s0, s1 = tl.split(acc)
@@ -314,7 +297,7 @@ def _stream_tile(acc, sq, w, k, ks, x_ptr, wn_ptr, src, row_ok, K, stride_x, s_p
         sq += a * a
         if NORM_WEIGHT:
             a = a * tl.load(wn_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    return _add_products(acc, w, a, TILE_ROWS), sq
+    return _add_products(acc, w.to(tl.float32), a, TILE_ROWS), sq
 
 
 @triton.jit
@@ -351,8 +334,6 @@ def _streamed_rows(
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     elif TILE_ROWS == 2:
         acc = tl.zeros([BLOCK_N, BLOCK_K, 2], dtype=tl.float32)
-    elif TILE_ROWS == 3:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
@@ -460,7 +441,7 @@ def _skinny_kernel(
     M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     LOOP: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr, EARLY: tl.constexpr, USE_PDL: tl.constexpr,
     NORM_WEIGHT: tl.constexpr, SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr, ACT_DTYPE: tl.constexpr,
-    TILE_ROWS: tl.constexpr, LATE_CONV: tl.constexpr,
+    TILE_ROWS: tl.constexpr,
 ):
     # SCALE: 0, w holds the weights; 1, FP8 values scaled per output column (s_ptr [N], applied to
     # the sums); 2, FP8 values scaled per SCALE_BLOCK x SCALE_BLOCK block (s_ptr [N / SCALE_BLOCK,
@@ -485,8 +466,7 @@ def _skinny_kernel(
 
     # Before the wait, only what the previous kernel cannot be writing: the (first) weight tile;
     # with EARLY, z and the residual (written two or more kernels back, so complete: see the
-    # module doc); the layer's conv state and weights (no other kernel touches them in a step;
-    # with LATE_CONV, a streamed product loads them after its K loop instead).
+    # module doc); the layer's conv state and weights (no other kernel touches them in a step).
     w0 = tl.load(w_ptr + n64[:, None] * stride_w + ks[None, :], mask=n_ok[:, None] & (ks[None, :] < K), other=0.0)
     n_blk, col_scale = n, n_ok
     if SCALE == 1:  # a weight: before the wait
@@ -509,7 +489,7 @@ def _skinny_kernel(
             z0 = _load_rows(z_ptr, rows.to(tl.int64), row_ok, ks, ks < K, stride_z)
         if EPILOGUE == 1:
             res = _load_rows(out_ptr, rows.to(tl.int64), row_ok, n64, n_ok, stride_out)
-    if EPILOGUE == 3 and not LATE_CONV:
+    if EPILOGUE == 3:
         c, c_ok, slot, window, shifted, cw, conv_bias = _conv_windows(
             n, n_ok, rows, row_ok, conv_lo, conv_dim, slot_ptr, cs_ptr, cw_ptr, cb_ptr, stride_cs_s, stride_cs_d,
             stride_cs_k, stride_cw_d, CONV_K, BLOCK_C, CONV_BIAS)
@@ -527,10 +507,6 @@ def _skinny_kernel(
         if USE_PDL:
             # several waves of programs: the dependents take slots only as the last one drains
             tl.extra.cuda.gdc_launch_dependents()
-    if EPILOGUE == 3 and LATE_CONV:
-        c, c_ok, slot, window, shifted, cw, conv_bias = _conv_windows(
-            n, n_ok, rows, row_ok, conv_lo, conv_dim, slot_ptr, cs_ptr, cw_ptr, cb_ptr, stride_cs_s, stride_cs_d,
-            stride_cs_k, stride_cw_d, CONV_K, BLOCK_C, CONV_BIAS)
     for m in tl.static_range(M):
         if LOOP:
             acc_m = _pick(acc, m, BLOCK_M)
@@ -579,7 +555,6 @@ class _Config(NamedTuple):
     block_k: int
     num_warps: int
     stages: int  # software-pipelining depth of the K loop
-    dot: bool = False  # the rows' sums from the tensor cores (``DOT_ROWS``), 16 rows a tile
 
 
 def _config(M: int, N: int, K: int, device: torch.device, tile_k: int | None = None, fp8: bool = False) -> _Config:
@@ -594,8 +569,6 @@ def _config(M: int, N: int, K: int, device: torch.device, tile_k: int | None = N
       one row through K <= 1024 (its LM head too); or one bf16 row through any grid short of
       vocabulary-wide (Granite-4.0-H-micro's in_proj and up_proj at K = 2048: 10.6 and 18.8 us
       against 12.1 and 21.0 streamed).
-    - With ``DOT_ROWS`` (to time), 3-8 bf16 rows over at least ``DOT_ROWS_MIN_N`` columns: 64 x 128
-      tiles in 4 stages, the rows summed on the tensor cores (the weight-rows product's tiles).
     - Otherwise K streams in tiles, 4 warps a program: by rows, ``_one_row_tiles``,
       ``_two_row_tiles`` and, for more rows and for vocabulary-wide grids (LM heads, 16 columns a
       program), ``_rows_tiles``.
@@ -607,8 +580,6 @@ def _config(M: int, N: int, K: int, device: torch.device, tile_k: int | None = N
     one_row_tile = M == 1 and (K <= 1024 or not (vocabulary_wide or fp8))
     if K <= ONE_TILE_MAX_K and (triton.cdiv(N, 16) <= 4 * sms or one_row_tile):
         return _one_tile(M, N, K, sms)
-    if DOT_ROWS and not fp8 and 3 <= M and N >= DOT_ROWS_MIN_N:
-        return _Config(True, 64, 128, 4, 4, True)
     if not vocabulary_wide:
         # tall: a block's widest projection (Nemotron-H-8B's in_proj and up_proj); many: a grid of
         # more than 8 programs an SM at 8 columns a program
@@ -780,11 +751,10 @@ def _launch(x, z, norm_w, weight, bias, out, rows: _Rows, *, eps, group_size, pr
         PROLOGUE=prologue, ROUND_FIRST=round_first, NUM_GROUPS=groups, BLOCK_G=triton.next_power_of_2(groups),
         EPILOGUE=epilogue, HAS_BIAS=bias is not None, HAS_ROW_IDX=rows.idx is not None,
         CONV_K=conv_k, BLOCK_C=triton.next_power_of_2(conv_k), CONV_BIAS=conv is not None and conv.bias is not None,
-        M=M, BLOCK_M=16 if cfg.dot else triton.next_power_of_2(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        LOOP=cfg.loop, EVEN_K=K % cfg.block_k == 0, STAGES=cfg.stages, EARLY=early, USE_PDL=pdl,
-        num_warps=cfg.num_warps,
+        M=M, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, LOOP=cfg.loop,
+        EVEN_K=K % cfg.block_k == 0, STAGES=cfg.stages, EARLY=early, USE_PDL=pdl, num_warps=cfg.num_warps,
         NORM_WEIGHT=not unit_norm, SCALE=scale_mode, SCALE_BLOCK=scale_block, ACT_DTYPE=_TL_DTYPES[act_dtype],
-        TILE_ROWS=3 if cfg.dot else _tile_rows(M), LATE_CONV=LATE_CONV and cfg.loop, **extra,
+        TILE_ROWS=_tile_rows(M), **extra,
     )
     return out
 

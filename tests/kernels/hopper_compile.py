@@ -186,8 +186,7 @@ def launch_skinny() -> None:
     the block norm (Nemotron-3-Nano's 16-column tiles, Nemotron-Nano-9B-v2's 16 x 512), with the
     conv epilogue too, out_proj, o_proj adding into the residual, a relu2 up projection, the shared
     expert's down projection (512-column tiles from K = 3072); Granite-4.0-H-micro's up, down and in_proj;
-    up projections with SwiGLU in their epilogue; two bf16 rows in the 8B's and Nano's tall tiles; the
-    switches to time (``LATE_CONV``, ``DOT_ROWS``)."""
+    up projections with SwiGLU in their epilogue; two bf16 rows in the 8B's and Nano's tall tiles."""
     from mambastep.kernels.decode_linear import ConvTail, norm_linear
 
     for N, K, norm, relu2 in ((10304, 2688, True, False), (2688, 4096, False, False), (3712, 2688, True, True),
@@ -231,29 +230,8 @@ def launch_skinny() -> None:
                     torch.empty(D, **bf16), torch.zeros(2, dtype=torch.int32), lo)
     norm_linear.triton(torch.randn(2, 2688), torch.ones(2688, **bf16), 1e-5, torch.empty(10304, 2688, **bf16),
                        conv=conv, out=torch.empty(2, 10304, **bf16), pdl=True, unit_norm=True)
-    # the 8B's FP8 in_proj with the conv state loaded after the K loop (LATE_CONV, to time), one row
-    # and two
-    from mambastep.kernels import decode_linear
     from mambastep.kernels.fp8 import Fp8Weight, quantize_fp8
 
-    decode_linear.LATE_CONV = True
-    for M in (1, 2):
-        conv = ConvTail(torch.empty(2, W - 1, 10240, **bf16).transpose(1, 2), torch.empty(10240, W, **bf16),
-                        torch.empty(10240, **bf16), torch.zeros(M, dtype=torch.int32), 8192)
-        norm_linear.triton(torch.randn(M, 4096), torch.ones(4096, **bf16), 1e-5,
-                           Fp8Weight(torch.empty(18560, 4096, dtype=torch.float8_e4m3fn), torch.ones(18560)),
-                           conv=conv, out=torch.empty(M, 18560, **bf16), pdl=True, unit_norm=True)
-    decode_linear.LATE_CONV = False
-    # four bf16 rows on the tensor cores (DOT_ROWS, to time): the 8B's in_proj with the conv update
-    # and its up projection with relu2
-    decode_linear.DOT_ROWS = True
-    conv = ConvTail(torch.empty(2, W - 1, 10240, **bf16).transpose(1, 2), torch.empty(10240, W, **bf16),
-                    torch.empty(10240, **bf16), torch.zeros(4, dtype=torch.int32), 8192)
-    norm_linear.triton(torch.randn(4, 4096), torch.ones(4096, **bf16), 1e-5, torch.empty(18560, 4096, **bf16),
-                       conv=conv, out=torch.empty(4, 18560, **bf16), pdl=True, unit_norm=True)
-    norm_linear.triton(torch.randn(4, 4096), torch.ones(4096, **bf16), 1e-5, torch.empty(21504, 4096, **bf16),
-                       relu2=True, out=torch.empty(4, 21504, **bf16), pdl=True, unit_norm=True)
-    decode_linear.DOT_ROWS = False
     # FP8 weights scaled per column, one row (a 2-D tile) and two: Nano's in_proj with the norm and
     # the conv update, its out_proj into the residual, the 8B's down projection (K = 21504)
     for M in (1, 2):
@@ -322,8 +300,9 @@ def launch_quantize() -> None:
         quantize_rows.triton(x)
         quantize_rows.triton(x, torch.tensor(0.01))
         quantize_rows.triton(x, row_end=end)
-    # the kernels that write their outputs quantized, a decode step's rows each held whole: the gated
-    # norm (Nano's 8 groups of 512) and relu2 (its shared expert's 3712 columns)
+    # the kernels that write their outputs quantized, a decode step's rows: the gated norm's each
+    # held whole (Nano's 8 groups of 512), relu2's in 1024-column chunks (the 8B's 21504 columns, up
+    # to 64 rows) or held whole (Nano's shared expert's 3712, 128 rows)
     from mambastep.kernels.activation import relu2
     from mambastep.kernels.fp8 import Fp8Rows
     from mambastep.kernels.norm import gated_rms_norm, rms_norm
@@ -331,7 +310,8 @@ def launch_quantize() -> None:
     bf16 = dict(dtype=torch.bfloat16)
     gated_rms_norm.triton(torch.empty(64, 4096, **bf16), torch.empty(64, 4096, **bf16), torch.empty(4096, **bf16), 512,
                           1e-5, rows=Fp8Rows.empty(64, 4096, "cpu"))
-    relu2.triton(torch.empty(64, 3712, **bf16), rows=Fp8Rows.empty(64, 3712, "cpu"))
+    relu2.triton(torch.empty(4, 21504, **bf16), rows=Fp8Rows.empty(4, 21504, "cpu"))
+    relu2.triton(torch.empty(128, 3712, **bf16), rows=Fp8Rows.empty(128, 3712, "cpu"))
     # a prefill chunk's rows, each walked: Nemotron-Nano-9B-v2's 8 groups of 1280, its 15680 columns and
     # its block norm's 4480
     gated_rms_norm.triton(torch.empty(512, 10240, **bf16), torch.empty(512, 10240, **bf16),
@@ -344,7 +324,8 @@ def launch_quantize() -> None:
 def launch_few_rows() -> None:
     """The few-row products at Nemotron-H-8B's in_proj width: bf16 weights, FP8 ones widened
     (W8A16, scaled per column and in 128 x 128 blocks), and with the weight's rows as the tensor
-    cores' 64-row side FP8 ones beside quantized rows (W8A8) and bf16 ones; at 3, 8 and 64 rows."""
+    cores' 64-row side FP8 ones beside quantized rows (W8A8) and bf16 ones; at 3, 8 and 64 rows, the
+    last two in the 3 and 6 stages ``weight_rows_config`` gives a wide and a short grid on a GPU."""
     from mambastep.kernels.few_rows import few_rows_linear
     from mambastep.kernels.fp8 import quantize_fp8, quantize_rows_ref
 
@@ -356,8 +337,9 @@ def launch_few_rows() -> None:
         few_rows_linear.triton(x, w)
         few_rows_linear.triton(x, fp8)
         few_rows_linear.triton(x, fp8_block)
-        few_rows_linear.triton(x, fp8, rows=quantize_rows_ref(x))
-        few_rows_linear.triton(x, w, weight_rows=True)
+        for stages in (3, 4, 6):
+            few_rows_linear.triton(x, fp8, rows=quantize_rows_ref(x), config=(64, 256, 4, stages))
+            few_rows_linear.triton(x, w, weight_rows=True, config=(64, 128, 4, stages))
 
 
 def launch_replay() -> None:

@@ -134,15 +134,8 @@ def test_swiglu_epilogue(device, tile_k, M, I, fp8):
     assert_close(out.cpu(), ref, BF16)
 
 
-@pytest.fixture(params=[False, True], ids=["conv before the wait", "conv after the loop"])
-def late_conv(request, monkeypatch):
-    """Where a streamed product loads the conv epilogue's state and weights (``LATE_CONV``)."""
-    monkeypatch.setattr(decode_linear, "LATE_CONV", request.param)
-    return request.param
-
-
 @pytest.mark.parametrize("M", [1, 4])
-def test_conv_epilogue_updates_state_and_skips_pad_rows(device, tile_k, late_conv, M):
+def test_conv_epilogue_updates_state_and_skips_pad_rows(device, tile_k, M):
     """in_proj with the conv decode update on the xBC columns: outputs and the mutated state."""
     torch.manual_seed(4 + M)
     K, lo, D, rest, S, W = 32, 20, 44, 6, 5, 4
@@ -192,7 +185,7 @@ def fp8_block(request):
 
 
 @pytest.mark.parametrize("M", [1, 3])
-def test_fp8_weights_with_norm_and_conv(device, tile_k, fp8_block, late_conv, M):
+def test_fp8_weights_with_norm_and_conv(device, tile_k, fp8_block, M):
     """FP8 values streamed and scaled in registers: the norm prologue and the conv epilogue as
     with bf16 weights, against the dequantized weight's product, rounded to the activations'
     dtype (the norm weight's)."""
@@ -282,56 +275,6 @@ def test_default_config_at_large_k(device, M, K, N, fp8):
     norm_linear.triton(x, norm_w, 1e-5, w, out=out)
     ref = norm_linear_ref(x.cpu(), norm_w.cpu(), 1e-5, w.to("cpu"))
     assert_close(out.cpu(), ref, BF16, factor=0.25)
-
-
-# N None: a grid of 64-column blocks a few columns past the widest a one-tile product takes (4 x 16
-# columns an SM), the last block ragged
-@pytest.mark.parametrize("M,epilogue,K,N", [(3, e, 200, None) for e in ("store", "relu2", "swiglu", "conv", "late conv",
-                                                                         "residual")]
-                         + [(8, "store", 200, None), (8, "late conv", 200, None)]
-                         # on the GPU the 8B's in_proj and up projection at four rows too
-                         + [pytest.param(4, e, 4096, N, marks=pytest.mark.gpu)
-                            for e, N in (("conv", 18560), ("late conv", 18560), ("relu2", 21504))])
-def test_rows_on_the_tensor_cores(device, monkeypatch, M, epilogue, K, N):
-    """Three to eight bf16 rows over DOT_ROWS_MIN_N columns or more, K streamed (a grid too wide for
-    one tile; K and N ragged), sum on the tensor cores (``DOT_ROWS``: 64 weight rows a program, the
-    rows padded to 16) with the norm prologue and each epilogue (the conv's operands loaded before
-    the wait or after the loop, ``LATE_CONV``); the padded rows are never written."""
-    monkeypatch.setattr(decode_linear, "DOT_ROWS", True)
-    monkeypatch.setattr(decode_linear, "LATE_CONV", epilogue == "late conv")
-    epilogue = epilogue.removeprefix("late ")
-    N = N or 64 * decode_linear._num_sms(torch.device(device)) + 52
-    torch.manual_seed(80 + M)
-    assert decode_linear._config(M, N, K, torch.device(device)).dot
-    x = torch.randn(M, K, device=device)
-    norm_w = torch.randn(K, device=device).to(BF16)
-    w, _ = _weights(N, K, device, False)
-    if epilogue == "residual":  # a product of the rows as they are, into the residual
-        h = x.to(BF16)
-        residual = torch.randn(M, N, device=device)
-        expect = residual.cpu().clone()
-        norm_linear.triton(h, None, 1e-5, w, residual=residual, early=True)
-        norm_linear_ref(h.cpu(), None, 1e-5, w.cpu(), residual=expect)
-        assert_close(residual.cpu(), expect, BF16, factor=0.25)
-        return
-    conv = conv_ref = None
-    if epilogue == "conv":
-        lo, D, S, W = 4096, 1536, 10, 4
-        state = torch.randn(S, W - 1, D, device=device).to(BF16).transpose(1, 2)
-        slots = torch.tensor([3, PAD_SLOT_ID, 0, 7, 9, 1, 2, 5][:M], dtype=torch.int32, device=device)
-        conv_w, conv_b = torch.randn(D, W, device=device).to(BF16), torch.randn(D, device=device).to(BF16)
-        conv_ref = ConvTail(state.cpu().clone(), conv_w.cpu(), conv_b.cpu(), slots.cpu(), lo)
-        conv = ConvTail(state, conv_w, conv_b, slots, lo)
-    width = N // 2 if epilogue == "swiglu" else N
-    out = poisoned((M, width), BF16, device)
-    norm_linear.triton(x, norm_w, 1e-5, w, relu2=epilogue == "relu2", swiglu=epilogue == "swiglu", conv=conv,
-                       out=out)
-    ref = norm_linear_ref(x.cpu(), norm_w.cpu(), 1e-5, w.cpu(), relu2=epilogue == "relu2",
-                          swiglu=epilogue == "swiglu", conv=conv_ref)
-    # the rows go into the product rounded to bf16 before the norm's scale, the reference's after it
-    assert_close(out.cpu(), ref, BF16, factor=0.5)
-    if conv is not None:
-        assert_close(conv.state.cpu(), conv_ref.state, BF16, factor=0.25)
 
 
 @pytest.mark.gpu

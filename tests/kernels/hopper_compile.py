@@ -310,7 +310,11 @@ def launch_quantize() -> None:
     bf16 = dict(dtype=torch.bfloat16)
     gated_rms_norm.triton(torch.empty(64, 4096, **bf16), torch.empty(64, 4096, **bf16), torch.empty(4096, **bf16), 512,
                           1e-5, rows=Fp8Rows.empty(64, 4096, "cpu"))
+    from mambastep.kernels import activation
+
+    activation.CHUNKED_MAX_ROWS = 64  # to time
     relu2.triton(torch.empty(4, 21504, **bf16), rows=Fp8Rows.empty(4, 21504, "cpu"))
+    activation.CHUNKED_MAX_ROWS = 0
     relu2.triton(torch.empty(128, 3712, **bf16), rows=Fp8Rows.empty(128, 3712, "cpu"))
     # a prefill chunk's rows, each walked: Nemotron-Nano-9B-v2's 8 groups of 1280, its 15680 columns and
     # its block norm's 4480

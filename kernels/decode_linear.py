@@ -401,34 +401,6 @@ def _finish_row(
 
 
 @triton.jit
-def _conv_windows(n, n_ok, rows, row_ok, conv_lo, conv_dim, slot_ptr, cs_ptr, cw_ptr, cb_ptr, stride_cs_s,
-                  stride_cs_d, stride_cs_k, stride_cw_d, CONV_K: tl.constexpr, BLOCK_C: tl.constexpr,
-                  CONV_BIAS: tl.constexpr):
-    """The conv epilogue's operands for the program's columns ``n``: (the conv channels c, which
-    are conv columns, the rows' slots, the [BLOCK_M, BLOCK_N, BLOCK_C] windows of each row's slot
-    (taps 0..K-2, and taps 1..K-2), the conv weights, the bias or a stand-in)."""
-    c = n - conv_lo
-    c_ok = n_ok & (c >= 0) & (c < conv_dim)
-    c = tl.where(c_ok, c, 0)
-    slot = tl.load(slot_ptr + rows, mask=row_ok, other=-1)
-    live = row_ok[:, None] & (slot[:, None] >= 0) & c_ok[None, :]
-    taps = tl.arange(0, BLOCK_C)[None, None, :]
-    s_ptrs = (cs_ptr + tl.maximum(slot, 0).to(tl.int64)[:, None, None] * stride_cs_s
-              + c[None, :, None] * stride_cs_d + taps * stride_cs_k)
-    window = tl.load(s_ptrs, mask=live[:, :, None] & (taps < CONV_K - 1), other=0.0)
-    shifted = tl.load(s_ptrs + stride_cs_k, mask=live[:, :, None] & (taps < CONV_K - 2), other=0.0)
-    cw = tl.load(cw_ptr + c[None, :, None] * stride_cw_d + taps, mask=c_ok[None, :, None] & (taps < CONV_K),
-                 other=0.0).to(tl.float32)
-    conv_bias = n_ok
-    if CONV_BIAS:
-        conv_bias = tl.load(cb_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
-    # the rows' state is written back per row after this; threads holding copies of one element
-    # must all have read it first
-    tl.debug_barrier()
-    return c, c_ok, slot, window, shifted, cw, conv_bias
-
-
-@triton.jit
 def _skinny_kernel(
     x_ptr, z_ptr, wn_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, row_ptr,
     cs_ptr, cw_ptr, cb_ptr, slot_ptr,
@@ -490,9 +462,24 @@ def _skinny_kernel(
         if EPILOGUE == 1:
             res = _load_rows(out_ptr, rows.to(tl.int64), row_ok, n64, n_ok, stride_out)
     if EPILOGUE == 3:
-        c, c_ok, slot, window, shifted, cw, conv_bias = _conv_windows(
-            n, n_ok, rows, row_ok, conv_lo, conv_dim, slot_ptr, cs_ptr, cw_ptr, cb_ptr, stride_cs_s, stride_cs_d,
-            stride_cs_k, stride_cw_d, CONV_K, BLOCK_C, CONV_BIAS)
+        # [BLOCK_M, BLOCK_N, BLOCK_C] windows of each row's slot: taps 0..K-2, and taps 1..K-2
+        c = n - conv_lo
+        c_ok = n_ok & (c >= 0) & (c < conv_dim)
+        c = tl.where(c_ok, c, 0)
+        slot = tl.load(slot_ptr + rows, mask=row_ok, other=-1)
+        live = row_ok[:, None] & (slot[:, None] >= 0) & c_ok[None, :]
+        taps = tl.arange(0, BLOCK_C)[None, None, :]
+        s_ptrs = (cs_ptr + tl.maximum(slot, 0).to(tl.int64)[:, None, None] * stride_cs_s
+                  + c[None, :, None] * stride_cs_d + taps * stride_cs_k)
+        window = tl.load(s_ptrs, mask=live[:, :, None] & (taps < CONV_K - 1), other=0.0)
+        shifted = tl.load(s_ptrs + stride_cs_k, mask=live[:, :, None] & (taps < CONV_K - 2), other=0.0)
+        cw = tl.load(cw_ptr + c[None, :, None] * stride_cw_d + taps, mask=c_ok[None, :, None] & (taps < CONV_K),
+                     other=0.0).to(tl.float32)
+        if CONV_BIAS:
+            conv_bias = tl.load(cb_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
+        # the rows' state is written back per row below; threads holding copies of one element
+        # must all have read it first
+        tl.debug_barrier()
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         if not LOOP:

@@ -329,7 +329,8 @@ def launch_few_rows() -> None:
     """The few-row products at Nemotron-H-8B's in_proj width: bf16 weights, FP8 ones widened
     (W8A16, scaled per column and in 128 x 128 blocks), and with the weight's rows as the tensor
     cores' 64-row side FP8 ones beside quantized rows (W8A8) and bf16 ones; at 3, 8 and 64 rows, the
-    last two in the 3 and 6 stages ``weight_rows_config`` gives a wide and a short grid on a GPU."""
+    last two in 3, 4 and 6 stages (what ``weight_rows_config`` gives a wide grid on a GPU, the
+    table's, a short grid's)."""
     from mambastep.kernels.few_rows import few_rows_linear
     from mambastep.kernels.fp8 import quantize_fp8, quantize_rows_ref
 

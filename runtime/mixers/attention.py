@@ -89,7 +89,7 @@ class AttentionMixer(Mixer):
                          ctx.inputs.decode_slots, ctx.inputs.decode_kv_lens, scale=self.scale, out=out[rows], pdl=pdl,
                          kv_scale=self.kv_scale)
 
-    def finish(self, work) -> torch.Tensor:
+    def finish(self, work, ctx: StepContext) -> torch.Tensor:
         _, out = work
         return linear(out.view(out.shape[0], -1), self.o_proj, self.o_bias)
 

@@ -70,7 +70,9 @@ class StepContext:
     count the experts a step reads; an eager step only). ``side_stream``: where work beside a
     block's critical path runs (None: in turn): a MoE layer's shared expert beside its routed
     experts, a parallel block's attention beside its Mamba2 mixer. It has the step's own
-    priority, where the auxiliary stream has a higher one."""
+    priority, where the auxiliary stream has a higher one. ``chain``: a decode-only step layer by
+    layer whose block norms, products and the kernels between them that offer it launch as
+    programmatic dependents (``kernels.decode_linear``'s rules), as a fused step's do."""
 
     inputs: StepInputs
     pool: StatePool
@@ -78,6 +80,7 @@ class StepContext:
     options: DecodeOptions
     observe: Callable[[int, torch.Tensor], None] | None = None
     side_stream: torch.cuda.Stream | None = None
+    chain: bool = False
 
 
 class Mixer:
@@ -103,7 +106,7 @@ class Mixer:
         quantized per row, where ``takes_rows``."""
         work = self.project(h, ctx, rows)
         self.run(work, ctx)
-        return self.finish(work)
+        return self.finish(work, ctx)
 
     def run(self, work, ctx: StepContext) -> None:
         """Both branches over ``project``'s work: forked onto the auxiliary stream where the step
@@ -127,7 +130,7 @@ class Mixer:
     def decode(self, work, ctx: StepContext) -> None:
         raise NotImplementedError
 
-    def finish(self, work) -> torch.Tensor:
+    def finish(self, work, ctx: StepContext) -> torch.Tensor:
         raise NotImplementedError
 
     def fused_decode(self, residual: torch.Tensor, norm: Norm, ctx: StepContext) -> None:

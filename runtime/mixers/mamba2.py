@@ -95,7 +95,8 @@ class Mamba2Mixer(Mixer):
 
     def project(self, h: torch.Tensor, ctx: StepContext, rows=None):
         """in_proj over all tokens, and the empty buffers both branches write into."""
-        return self.buffers(linear(h, self.in_proj, self.in_proj_bias, rows))  # proj [T, inner + conv_dim + H]
+        # proj [T, inner + conv_dim + H]
+        return self.buffers(linear(h, self.in_proj, self.in_proj_bias, rows, pdl=ctx.chain))
 
     def buffers(self, proj: torch.Tensor):
         """The work of in_proj's output ``proj``: it, and the empty buffers both branches write into."""
@@ -152,14 +153,15 @@ class Mamba2Mixer(Mixer):
         selective_state_update(ctx.pool.ssm[self.idx], x, self._dt(proj[rows]), self.A, B, C, self.D, slots,
                                dt_bias=self.dt_bias, dt_softplus=True, out=y[rows])
 
-    def finish(self, work) -> torch.Tensor:
+    def finish(self, work, ctx: StepContext) -> torch.Tensor:
         """Gated norm with z (or the gate alone), then out_proj, over all tokens."""
         proj, _, y = work
         y = y.view(y.shape[0], self.inner)
         rows = None
         if GATED_ROWS and self.norm_w is not None and takes_rows(y.shape[0], y.dtype, y.device, self.out_proj):
             rows = Fp8Rows.empty(y.shape[0], self.inner, y.device)  # out_proj's rows, made by the norm
-        return linear(self.gate(y, proj, rows=rows), self.out_proj, self.out_proj_bias, rows)
+        return linear(self.gate(y, proj, rows=rows, pdl=ctx.chain), self.out_proj, self.out_proj_bias, rows,
+                      pdl=ctx.chain)
 
     def gate(self, y: torch.Tensor, proj: torch.Tensor, *, out: torch.Tensor | None = None, pdl: bool = False,
              rows: Fp8Rows | None = None) -> torch.Tensor:

@@ -210,6 +210,39 @@ def test_w8a8_asked_of_an_fp32_model_leaves_its_experts_as_they_are(tiny, tmp_pa
     assert torch.equal(step(new_runner(model), [(ids, 0, 0)])[0], plain)
 
 
+@_gpu
+@torch.no_grad()
+def test_a_layered_decode_step_chained_by_pdl_gives_the_unchained_logits(tiny, monkeypatch):
+    """``model.LAYERED_PDL``: a decode-only step layer by layer (the fused path off) chains its block
+    norms, its FP8 products (skinny at 1-2 rows, W8A8 few-row past) and relu2 by programmatic
+    dependent launch. At 4, 3 and 1 rows its logits are the unchained kernels' to the bit, and
+    the engine's CUDA graphs generate the same tokens."""
+    from mambastep.runtime import model as model_mod
+    from mambastep.runtime.decode_options import DecodeOptions
+
+    layered = DecodeOptions(fused=False)
+    model = Model.from_pretrained(tiny, dtype=torch.bfloat16, device="cuda", quantization="fp8", options=layered)
+    if not model.options.pdl:
+        pytest.skip("no programmatic dependent launch here")
+    ps = _prompts() + [_prompts()[2][::-1]]
+    runs = []
+    for chained in (False, True):
+        monkeypatch.setattr(model_mod, "LAYERED_PDL", chained)
+        runner = new_runner(model, 4)
+        step(runner, [(p, slot, 0) for slot, p in enumerate(ps)])
+        pos, logits = [len(p) for p in ps], []
+        for width in (4, 3, 1):
+            logits.append(step(runner, decode=[(5 + s, s, pos[s]) for s in range(width)]))
+            pos[:width] = [n + 1 for n in pos[:width]]
+        engine = Engine.from_pretrained(tiny, dtype=torch.bfloat16, device="cuda", buckets=BUCKETS, num_slots=4,
+                                        max_context=128, progress=False, quantization="fp8", options=layered)
+        tokens = engine.generate(ps, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+        runs.append((logits, tokens))
+    (logits, tokens), (chained_logits, chained_tokens) = runs
+    assert all(torch.equal(a, b) for a, b in zip(logits, chained_logits))
+    assert tokens == chained_tokens
+
+
 @torch.no_grad()
 def test_a_bf16_models_fp8_experts_quantize_their_rows_past_the_pairs_by_default(tiny, monkeypatch):
     """W8A8 is the model's default for FP8 experts under bf16 activations: a prompt's many pairs
@@ -313,9 +346,9 @@ def test_the_gated_norm_and_relu2_hand_their_fp8_products_the_rows_quantized_as_
     assert weights and (expected or device == "cuda")
     seen = []
     for mod in (mamba2, mlp):
-        monkeypatch.setattr(mod, "linear", lambda x, w, b=None, rows=None, _linear=mod.linear: (
+        monkeypatch.setattr(mod, "linear", lambda x, w, b=None, rows=None, pdl=False, _linear=mod.linear: (
             id(w) in weights and seen.append((id(w), x.clone(), rows and [t.clone() for t in rows])),
-            _linear(x, w, b, rows))[1])
+            _linear(x, w, b, rows, pdl))[1])
     with_rows = step(new_runner(model), [(ids, 0, 0)])[0]
     assert {i for i, _, rows in seen if rows is not None} == expected
     for _, x, rows in seen:
@@ -370,8 +403,8 @@ def test_attention_and_parallel_blocks_hand_the_rows_to_their_fp8_projections(ki
     seen = []
     for mod in (attention, mamba2):
         monkeypatch.setattr(mod, "takes_rows", would)
-        monkeypatch.setattr(mod, "linear", lambda x, w, b=None, rows=None, _linear=mod.linear: (
-            seen.append((w, rows)), _linear(x, w, b, rows))[1])
+        monkeypatch.setattr(mod, "linear", lambda x, w, b=None, rows=None, pdl=False, _linear=mod.linear: (
+            seen.append((w, rows)), _linear(x, w, b, rows, pdl))[1])
     save_tiny(kind, tmp_path)
     cfg = ModelConfig.from_pretrained(tmp_path)
     weights = load_weights(tmp_path, cfg, dtype=torch.bfloat16)

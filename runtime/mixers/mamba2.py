@@ -148,10 +148,11 @@ class Mamba2Mixer(Mixer):
         tp = ctx.inputs.num_prefill_tokens
         rows = slice(tp, tp + ctx.inputs.num_decode)
         slots = ctx.inputs.decode_slots
-        conv1d_update(self._xbc(proj[rows]), ctx.pool.conv[self.idx], self.conv_w, self.conv_b, slots, out=xbc[rows])
+        conv1d_update(self._xbc(proj[rows]), ctx.pool.conv[self.idx], self.conv_w, self.conv_b, slots, out=xbc[rows],
+                      pdl=ctx.chain)
         x, B, C = self._ssm_operands(xbc[rows])
         selective_state_update(ctx.pool.ssm[self.idx], x, self._dt(proj[rows]), self.A, B, C, self.D, slots,
-                               dt_bias=self.dt_bias, dt_softplus=True, out=y[rows])
+                               dt_bias=self.dt_bias, dt_softplus=True, out=y[rows], pdl=ctx.chain)
 
     def finish(self, work, ctx: StepContext) -> torch.Tensor:
         """Gated norm with z (or the gate alone), then out_proj, over all tokens."""

@@ -71,8 +71,9 @@ class StepContext:
     block's critical path runs (None: in turn): a MoE layer's shared expert beside its routed
     experts, a parallel block's attention beside its Mamba2 mixer. It has the step's own
     priority, where the auxiliary stream has a higher one. ``chain``: a decode-only step layer by
-    layer whose block norms, products and the kernels between them that offer it launch as
-    programmatic dependents (``kernels.decode_linear``'s rules), as a fused step's do."""
+    layer whose block norms, products and the kernels between them that offer it (Mamba2's,
+    attention's, the MLP's) launch as programmatic dependents (``kernels.decode_linear``'s rules),
+    as a fused step's do; a MoE's routed experts chain in every step, its shared expert not."""
 
     inputs: StepInputs
     pool: StatePool

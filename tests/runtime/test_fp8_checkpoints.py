@@ -214,9 +214,10 @@ def test_w8a8_asked_of_an_fp32_model_leaves_its_experts_as_they_are(tiny, tmp_pa
 @torch.no_grad()
 def test_a_layered_decode_step_chained_by_pdl_gives_the_unchained_logits(tiny, monkeypatch):
     """``model.LAYERED_PDL``: a decode-only step layer by layer (the fused path off) chains its block
-    norms, its FP8 products (skinny at 1-2 rows, W8A8 few-row past) and relu2 by programmatic
-    dependent launch. At 4, 3 and 1 rows its logits are the unchained kernels' to the bit, and
-    the engine's CUDA graphs generate the same tokens."""
+    norms, its FP8 products (skinny at 1-2 rows, W8A8 few-row past), relu2, the Mamba2 conv and
+    state updates and the attention kernels by programmatic dependent launch. At 4, 3 and 1 rows
+    its logits are the unchained kernels' to the bit, and the engine's CUDA graphs generate the
+    same tokens."""
     from mambastep.runtime import model as model_mod
     from mambastep.runtime.decode_options import DecodeOptions
 

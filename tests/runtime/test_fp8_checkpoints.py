@@ -210,40 +210,6 @@ def test_w8a8_asked_of_an_fp32_model_leaves_its_experts_as_they_are(tiny, tmp_pa
     assert torch.equal(step(new_runner(model), [(ids, 0, 0)])[0], plain)
 
 
-@_gpu
-@torch.no_grad()
-def test_a_layered_decode_step_chained_by_pdl_gives_the_unchained_logits(tiny, monkeypatch):
-    """``model.LAYERED_PDL``: a decode-only step layer by layer (the fused path off) chains its block
-    norms, its FP8 products (skinny at 1-2 rows, W8A8 few-row past), relu2, the Mamba2 conv and
-    state updates and the attention kernels by programmatic dependent launch. At 4, 3 and 1 rows
-    its logits are the unchained kernels' to the bit, and the engine's CUDA graphs generate the
-    same tokens."""
-    from mambastep.runtime import model as model_mod
-    from mambastep.runtime.decode_options import DecodeOptions
-
-    layered = DecodeOptions(fused=False)
-    model = Model.from_pretrained(tiny, dtype=torch.bfloat16, device="cuda", quantization="fp8", options=layered)
-    if not model.options.pdl:
-        pytest.skip("no programmatic dependent launch here")
-    ps = _prompts() + [_prompts()[2][::-1]]
-    runs = []
-    for chained in (False, True):
-        monkeypatch.setattr(model_mod, "LAYERED_PDL", chained)
-        runner = new_runner(model, 4)
-        step(runner, [(p, slot, 0) for slot, p in enumerate(ps)])
-        pos, logits = [len(p) for p in ps], []
-        for width in (4, 3, 1):
-            logits.append(step(runner, decode=[(5 + s, s, pos[s]) for s in range(width)]))
-            pos[:width] = [n + 1 for n in pos[:width]]
-        engine = Engine.from_pretrained(tiny, dtype=torch.bfloat16, device="cuda", buckets=BUCKETS, num_slots=4,
-                                        max_context=128, progress=False, quantization="fp8", options=layered)
-        tokens = engine.generate(ps, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
-        runs.append((logits, tokens))
-    (logits, tokens), (chained_logits, chained_tokens) = runs
-    assert all(torch.equal(a, b) for a, b in zip(logits, chained_logits))
-    assert tokens == chained_tokens
-
-
 @torch.no_grad()
 def test_a_bf16_models_fp8_experts_quantize_their_rows_past_the_pairs_by_default(tiny, monkeypatch):
     """W8A8 is the model's default for FP8 experts under bf16 activations: a prompt's many pairs

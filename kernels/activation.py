@@ -26,31 +26,19 @@ RELU2_CHUNK = 1024
 
 
 @triton.jit
-def _after_previous(USE_PDL: tl.constexpr):
-    # a programmatic dependent (kernels.decode_linear's rules): every input is the previous
-    # kernel's, so wait for it before anything, then let the next kernel launch
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def _relu2_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+def _relu2_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    _after_previous(USE_PDL)
     x = tl.maximum(tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32), 0.0)
     tl.store(out_ptr + offs, (x * x).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _relu2_rows_kernel(x_ptr, out_ptr, q_ptr, s_ptr, I, stride_q, BLOCK: tl.constexpr, WALK: tl.constexpr,
-                       USE_PDL: tl.constexpr):
+def _relu2_rows_kernel(x_ptr, out_ptr, q_ptr, s_ptr, I, stride_q, BLOCK: tl.constexpr, WALK: tl.constexpr):
     # grid: (rows,): a row's relu2, and the rounded row quantized as quantize_rows does; the whole
     # row in one tile, or (WALK) BLOCK columns at a time, then the row read back from out
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    _after_previous(USE_PDL)
     if WALK:
         amax = tl.zeros([BLOCK], tl.float32)
         for c in range(0, I, BLOCK):
@@ -78,12 +66,11 @@ def _relu2_rows_kernel(x_ptr, out_ptr, q_ptr, s_ptr, I, stride_q, BLOCK: tl.cons
 
 
 @triton.jit
-def _relu2_chunks_kernel(x_ptr, out_ptr, amax_ptr, I, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+def _relu2_chunks_kernel(x_ptr, out_ptr, amax_ptr, I, BLOCK: tl.constexpr):
     # grid: (rows, chunks): a chunk's relu2, and its maximum (amax_ptr [rows, chunks])
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
-    _after_previous(USE_PDL)
     x = tl.maximum(tl.load(x_ptr + row * I + cols, mask=mask, other=0.0).to(tl.float32), 0.0)
     y = (x * x).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * I + cols, y, mask=mask)
@@ -91,13 +78,11 @@ def _relu2_chunks_kernel(x_ptr, out_ptr, amax_ptr, I, BLOCK: tl.constexpr, USE_P
 
 
 @triton.jit
-def _quantize_chunks_kernel(v_ptr, amax_ptr, q_ptr, s_ptr, I, stride_q, BLOCK: tl.constexpr, CHUNKS: tl.constexpr,
-                            USE_PDL: tl.constexpr):
+def _quantize_chunks_kernel(v_ptr, amax_ptr, q_ptr, s_ptr, I, stride_q, BLOCK: tl.constexpr, CHUNKS: tl.constexpr):
     # grid: (rows, chunks): the row's scale from its chunks' maxima (as from the whole row: a
     # maximum of maxima), then the chunk quantized at it
     row = tl.program_id(0).to(tl.int64)
     chunks = tl.arange(0, CHUNKS)
-    _after_previous(USE_PDL)
     scale = row_scale(tl.load(amax_ptr + row * tl.num_programs(1) + chunks, mask=chunks < tl.num_programs(1),
                               other=0.0))
     if tl.program_id(1) == 0:
@@ -108,8 +93,7 @@ def _quantize_chunks_kernel(v_ptr, amax_ptr, q_ptr, s_ptr, I, stride_q, BLOCK: t
     store_quantized(q_ptr + row * stride_q + cols, v, scale, mask)
 
 
-def relu2_ref(x: torch.Tensor, out: torch.Tensor | None = None, rows: Fp8Rows | None = None,
-              pdl: bool = False) -> torch.Tensor:
+def relu2_ref(x: torch.Tensor, out: torch.Tensor | None = None, rows: Fp8Rows | None = None) -> torch.Tensor:
     y = torch.relu(x.float()).square().to(x.dtype)
     out = y if out is None else out.copy_(y)
     write_rows_ref(rows, out)
@@ -117,16 +101,13 @@ def relu2_ref(x: torch.Tensor, out: torch.Tensor | None = None, rows: Fp8Rows | 
 
 
 @with_reference(relu2_ref)
-def relu2(x: torch.Tensor, out: torch.Tensor | None = None, rows: Fp8Rows | None = None,
-          pdl: bool = False) -> torch.Tensor:
+def relu2(x: torch.Tensor, out: torch.Tensor | None = None, rows: Fp8Rows | None = None) -> torch.Tensor:
     """relu(x)**2 computed in fp32. x: any shape, contiguous; out: like x (may be x). rows: x
     [M, I] written quantized per row too (``Fp8Rows`` [M, I]), as ``quantize_rows(out)`` would
     make it, for an FP8 product that takes them (``kernels.linear.takes_rows``): up to
     ``CHUNKED_MAX_ROWS`` rows, a program a chunk of a row in two launches; else a program a row,
-    holding the whole row, or past ``fp8.WHOLE_ROW_MAX_ROWS`` rows walking it twice. pdl: as
-    ``silu_mul``'s (each launch a programmatic dependent of the one before)."""
+    holding the whole row, or past ``fp8.WHOLE_ROW_MAX_ROWS`` rows walking it twice."""
     out = torch.empty_like(x) if out is None else out
-    chain = dict(USE_PDL=pdl, **({"launch_pdl": True} if pdl else {}))
     if not (x.is_contiguous() and out.is_contiguous() and out.shape == x.shape):
         raise ValueError("relu2: x and out must be contiguous and of one shape")
     if rows is not None:
@@ -137,21 +118,21 @@ def relu2(x: torch.Tensor, out: torch.Tensor | None = None, rows: Fp8Rows | None
         if M <= CHUNKED_MAX_ROWS:
             chunks = triton.cdiv(I, RELU2_CHUNK)
             amax = torch.empty(M, chunks, dtype=torch.float32, device=x.device)
-            _relu2_chunks_kernel[(M, chunks)](x, out, amax, I, BLOCK=RELU2_CHUNK, num_warps=4, **chain)
+            _relu2_chunks_kernel[(M, chunks)](x, out, amax, I, BLOCK=RELU2_CHUNK, num_warps=4)
             _quantize_chunks_kernel[(M, chunks)](out, amax, rows.values, rows.scale, I, rows.values.stride(0),
                                                  BLOCK=RELU2_CHUNK, CHUNKS=triton.next_power_of_2(chunks),
-                                                 num_warps=4, **chain)
+                                                 num_warps=4)
             return out
         if walks_rows(M):  # the row in the tiles of relu2 without rows
             _relu2_rows_kernel[(M,)](x, out, rows.values, rows.scale, I, rows.values.stride(0), BLOCK=RELU2_BLOCK,
-                                     WALK=True, num_warps=4, **chain)
+                                     WALK=True, num_warps=4)
             return out
         block = triton.next_power_of_2(I)
         _relu2_rows_kernel[(M,)](x, out, rows.values, rows.scale, I, rows.values.stride(0), BLOCK=block, WALK=False,
-                                 num_warps=max(1, min(16, block // 256)), **chain)
+                                 num_warps=max(1, min(16, block // 256)))
         return out
     n = x.numel()
-    _relu2_kernel[(triton.cdiv(n, RELU2_BLOCK),)](x, out, n, BLOCK=RELU2_BLOCK, num_warps=4, **chain)
+    _relu2_kernel[(triton.cdiv(n, RELU2_BLOCK),)](x, out, n, BLOCK=RELU2_BLOCK, num_warps=4)
     return out
 
 
@@ -162,7 +143,9 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, I, stride_g, stride_u, stride_out, B
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < I
-    _after_previous(USE_PDL)
+    if USE_PDL:  # the inputs are the previous kernel's
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     g = tl.load(g_ptr + row * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * stride_u + cols, mask=ok, other=0.0).to(tl.float32)
     # silu(g) rounded as HF's act_fn(gate) before the product with up, then the product rounded

@@ -38,11 +38,8 @@ def _conv1d_update_kernel(
     BLOCK_D: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
-    # grid: (rows, channel blocks); one token of one row, BLOCK_D channels. USE_PDL: a programmatic
-    # dependent (kernels.decode_linear's rules): the slot, state, weights and bias before the wait
-    # (no other kernel touches the layer's conv state within a step), the token after it
+    # grid: (rows, channel blocks); one token of one row, BLOCK_D channels
     row = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     k = tl.arange(0, BLOCK_K)
@@ -54,27 +51,22 @@ def _conv1d_update_kernel(
     # [BLOCK_D, BLOCK_K] tiles of the slot's state (a pad row's addresses stay in slot 0)
     s_tile = state_ptr + tl.maximum(slot, 0) * ss_s + d[:, None] * ss_d + k[None, :] * ss_k
     in_state = live[:, None] & (k[None, :] < K - 1)
+    x_raw = tl.load(x_ptr + row * sx_b + d * sx_d, mask=live, other=0.0)
+
+    # window: taps 0..K-2 from the state, tap K-1 the new token
     win = tl.load(s_tile, mask=in_state, other=0.0).to(tl.float32)
+    win = tl.where(k[None, :] == K - 1, x_raw.to(tl.float32)[:, None], win)
+    # the new state is the window shifted left by one: state[j + 1], then the token
     nxt = tl.load(s_tile + ss_k, mask=in_state & (k[None, :] < K - 2), other=0.0)
+    nxt = tl.where(k[None, :] == K - 2, x_raw[:, None], nxt)
+
     w = tl.load(
         w_ptr + d[:, None] * sw_d + k[None, :] * sw_k,
         mask=d_ok[:, None] & (k[None, :] < K), other=0.0,
     ).to(tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(b_ptr + d * sb_d, mask=d_ok, other=0.0).to(tl.float32)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    x_raw = tl.load(x_ptr + row * sx_b + d * sx_d, mask=live, other=0.0)
-
-    # window: taps 0..K-2 from the state, tap K-1 the new token
-    win = tl.where(k[None, :] == K - 1, x_raw.to(tl.float32)[:, None], win)
-    # the new state is the window shifted left by one: state[j + 1], then the token
-    nxt = tl.where(k[None, :] == K - 2, x_raw[:, None], nxt)
-
     acc = tl.sum(win * w, axis=1)
     if HAS_BIAS:
-        acc += bias
+        acc += tl.load(b_ptr + d * sb_d, mask=d_ok, other=0.0).to(tl.float32)
     if SILU:
         acc = acc * tl.sigmoid(acc)
     acc = tl.where(live, acc, 0.0)
@@ -278,7 +270,7 @@ def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
     return F.silu(y) if activation == "silu" else y
 
 
-def conv1d_update_ref(x, conv_state, weight, bias, slot_idx, *, out=None, activation="silu", pdl=False):
+def conv1d_update_ref(x, conv_state, weight, bias, slot_idx, *, out=None, activation="silu"):
     """fp32 torch reference of :func:`conv1d_update` (loops over rows; syncs with the host)."""
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -335,7 +327,6 @@ def conv1d_update(
     *,
     out: torch.Tensor | None = None,
     activation: str | None = "silu",
-    pdl: bool = False,
 ) -> torch.Tensor:
     """Causal depthwise conv of one new token per row, updating each row's state slot in place.
 
@@ -349,8 +340,7 @@ def conv1d_update(
     Row b with slot s >= 0: window = concat(conv_state[s], x[b][:, None]) ([D, K]);
     out[b] = act(sum_k weight[:, k] * window[:, k] + bias); conv_state[s] = window[:, 1:].
     A skipped row gets zeros. Live rows must have distinct slots. activation: "silu" or None.
-    pdl: launch as a programmatic dependent of the previous kernel (``kernels.decode_linear``'s
-    rules; the state is read before the wait, x after). Returns out.
+    Returns out.
     """
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -371,8 +361,8 @@ def conv1d_update(
         0 if bias is None else bias.stride(0),
         out.stride(0), out.stride(1),
         K=K, BLOCK_K=block_k, BLOCK_D=block_d,
-        HAS_BIAS=bias is not None, SILU=activation == "silu", USE_PDL=pdl,
-        num_warps=_num_warps(block_d, 1), **({"launch_pdl": True} if pdl else {}),
+        HAS_BIAS=bias is not None, SILU=activation == "silu",
+        num_warps=_num_warps(block_d, 1),
     )
     return out
 

@@ -46,14 +46,11 @@ def _few_rows_kernel(x_ptr, w_ptr, out_ptr, s_ptr, M, N, K, stride_x, stride_w, 
 
 @triton.jit
 def _weight_rows_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_out,
-                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SCALED: tl.constexpr,
-                        USE_PDL: tl.constexpr):
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SCALED: tl.constexpr):
     # out[:, BN columns] = x @ w.T: the program's weight rows [BN, BK] as the tensor cores' 64-row
     # side (a few rows alone cannot be: the Hopper instructions take 64), the rows [BM, BK] (those
     # past M masked) as the other, K streamed. SCALED: FP8 rows and weights (W8A8), the sums scaled
-    # by row (xs_ptr) and column (ws_ptr). USE_PDL: a programmatic dependent (kernels.decode_linear's
-    # rules): the first weight tile, which no kernel writes, is loaded before the wait; the
-    # dependents are signalled after the K loop
+    # by row (xs_ptr) and column (ws_ptr)
     ns = tl.program_id(0) * BN + tl.arange(0, BN)
     n_ok = ns < N
     ms = tl.arange(0, BM)
@@ -61,23 +58,12 @@ def _weight_rows_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, stride_x
     w_rows = w_ptr + ns[:, None].to(tl.int64) * stride_w
     x_rows = x_ptr + ms[:, None].to(tl.int64) * stride_x
     acc = tl.zeros((BN, BM), tl.float32)
-    first = 0
-    if USE_PDL:
-        ks = tl.arange(0, BK)
-        k_ok = ks < K
-        w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        tl.extra.cuda.gdc_wait()
-        a = tl.load(x_rows + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = tl.dot(w, tl.trans(a), acc)
-        first = BK
-    for k0 in range(first, K, BK):
+    for k0 in range(0, K, BK):
         ks = k0 + tl.arange(0, BK)
         k_ok = ks < K
         w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         a = tl.load(x_rows + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         acc = tl.dot(w, tl.trans(a), acc)
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
     if SCALED:
         acc *= tl.load(ws_ptr + ns, mask=n_ok, other=0.0)[:, None]
         acc *= tl.load(xs_ptr + ms, mask=m_ok, other=0.0)[None, :]
@@ -86,7 +72,7 @@ def _weight_rows_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, stride_x
 
 
 def few_rows_linear_ref(x: torch.Tensor, weight, out: torch.Tensor | None = None, config=None,
-                        rows: Fp8Rows | None = None, weight_rows: bool = False, pdl: bool = False) -> torch.Tensor:
+                        rows: Fp8Rows | None = None) -> torch.Tensor:
     w = weight.dequantize() if isinstance(weight, Fp8Weight) else weight.float()
     a = x.float() if rows is None else rows.values.float() * rows.scale
     y = F.linear(a, w).to(x.dtype)
@@ -137,15 +123,12 @@ def _config(fp8: bool) -> tuple[int, int, int, int]:
 
 @with_reference(few_rows_linear_ref)
 def few_rows_linear(x: torch.Tensor, weight, out: torch.Tensor | None = None, config=None,
-                    rows: Fp8Rows | None = None, weight_rows: bool = False, pdl: bool = False) -> torch.Tensor:
+                    rows: Fp8Rows | None = None, weight_rows: bool = False) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32, rows contiguous), M <= FEW_ROWS_MAX, @ weight [N, K] (plain, or an
     ``Fp8Weight``).T -> out [M, N] in x's dtype. config: (block_n, block_k, warps, stages) in
     place of the table's (benchmarks sweep it). rows: x quantized per row (``quantize_rows(x)``),
     read in x's place (W8A8; FP8 weights scaled per column), the weight's rows as the tensor cores'
-    64-row side; weight_rows: plain bf16/fp16 weights so too (Hopper's wgmma). pdl: with rows or
-    weight_rows, launch as a programmatic dependent of the previous kernel (its first weight tile
-    loaded before the wait, its dependents signalled after the K loop; ``kernels.decode_linear``
-    says the rules); ignored otherwise."""
+    64-row side; weight_rows: plain bf16/fp16 weights so too (Hopper's wgmma)."""
     M, K = x.shape
     fp8 = isinstance(weight, Fp8Weight)
     values = weight.values if fp8 else weight
@@ -168,8 +151,7 @@ def few_rows_linear(x: torch.Tensor, weight, out: torch.Tensor | None = None, co
         a, a_scale = rows if rows is not None else (x, x)
         _weight_rows_kernel[(triton.cdiv(N, bn),)](a, a_scale, values, weight.scale if fp8 else values, out, M, N, K,
                                                    a.stride(0), values.stride(0), out.stride(0), BM=bm, BN=bn, BK=bk,
-                                                   SCALED=rows is not None, USE_PDL=pdl, num_warps=warps,
-                                                   num_stages=stages, **({"launch_pdl": True} if pdl else {}))
+                                                   SCALED=rows is not None, num_warps=warps, num_stages=stages)
         return out
     bn, bk, warps, stages = config or _config(fp8)
     scale, block = (weight.scale, weight.block) if fp8 else (values, 0)

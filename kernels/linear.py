@@ -62,35 +62,31 @@ def takes_rows(M: int, dtype: torch.dtype, device: torch.device, weight) -> bool
             and _fp8_takes_rows(dtype, weight))
 
 
-def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None, rows: Fp8Rows | None = None,
-           pdl: bool = False) -> torch.Tensor:
+def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None, rows: Fp8Rows | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T + bias [N] -> [M, N] in x's dtype (see the module doc). rows:
     x quantized per row (``quantize_rows(x)``), read where the product would make them
-    (``takes_rows``), else unread. pdl: the skinny and few-row products launch as programmatic
-    dependents of the kernel before (``kernels.decode_linear``'s rules); cuBLAS's do not."""
+    (``takes_rows``), else unread."""
     M = x.shape[0]
     if not isinstance(weight, Fp8Weight):
         if M > FEW_ROWS_PLAIN_MAX or not x.is_cuda or x.dtype != weight.dtype or x.dtype == torch.float32:
             return F.linear(x, weight, bias)
         x = x if x.stride(1) == 1 else x.contiguous()
         if weight.shape[0] < FEW_ROWS_PLAIN_MIN_N:
-            if M <= SHORT_SKINNY_MAX:
-                return norm_linear(x, None, 0.0, weight, bias=bias, pdl=pdl)
-            return F.linear(x, weight, bias)
-        y = few_rows_linear(x, weight, weight_rows=True, pdl=pdl)
+            return norm_linear(x, None, 0.0, weight, bias=bias) if M <= SHORT_SKINNY_MAX else F.linear(x, weight, bias)
+        y = few_rows_linear(x, weight, weight_rows=True)
         return y if bias is None else y.add_(bias)
     w8a8 = FEW_ROWS_W8A8 and runs_w8a8(x.dtype, weight)
     if not x.is_cuda or x.dtype == torch.float32 or M > (FEW_ROWS_W8A8_MAX if w8a8 else FEW_ROWS_FP8_MAX):
         return fp8_linear(x, weight, bias, rows)
     x = x if x.stride(1) == 1 else x.contiguous()
     if M <= SKINNY_MAX_ROWS:
-        return norm_linear(x, None, 0.0, weight, bias=bias, pdl=pdl)
+        return norm_linear(x, None, 0.0, weight, bias=bias)
     if w8a8:  # the rows at the static scale, or per token where x's maker did not quantize them
         if weight.input_scale is not None:
             rows = quantize_rows(x, weight.input_scale)
         elif rows is None:
             rows = quantize_rows(x)
-        y = few_rows_linear(x, weight, rows=rows, pdl=pdl)
+        y = few_rows_linear(x, weight, rows=rows)
     else:
         y = few_rows_linear(x, weight)
     return y if bias is None else y.add_(bias)

@@ -23,10 +23,7 @@ dtype; in bf16 that moves the products by about as much as HF's own rounding of 
 Layer by layer, a block norm whose mixer's FP8 products would quantize its output per row
 (``Mixer.takes_rows``: W8A8 with dynamic scales, past a few rows) writes it quantized too
 (``NORM_ROWS``), so those products skip the quantizer's launch; the values are the quantizer's
-to the bit. A decode-only step layer by layer chains its block norms, products and the kernels
-between them that offer it by programmatic dependent launch too (``LAYERED_PDL``,
-``StepContext.chain``): each product's programs start, and load their first weight tile, while
-the kernel before them runs.
+to the bit.
 """
 
 from __future__ import annotations
@@ -56,9 +53,6 @@ QUANTIZATIONS = (None, "fp8")
 # block norms write their output quantized per row where the mixer's FP8 products take it (see
 # the module doc); off, those products quantize it themselves (the same values, a launch more)
 NORM_ROWS = True
-# decode-only steps layer by layer chain their kernels by PDL where the options allow it (see the
-# module doc): to time, off until then
-LAYERED_PDL = False
 
 __all__ = ["Model"]
 
@@ -160,12 +154,11 @@ class Model:
         row's final hidden state (the final norm's output, which its logits come from) is written,
         for a drafter that reads them (``runtime.mtp``).
         """
-        fused = self.takes_fused(inputs)
-        chain = LAYERED_PDL and self.options.pdl and inputs.prefill is None and not fused
-        ctx = StepContext(inputs, pool, aux_stream, self.options, observe, side_stream, chain)
+        ctx = StepContext(inputs, pool, aux_stream, self.options, observe, side_stream)
         ids = inputs.input_ids
         residual = torch.empty(ids.shape[0], self.embed.shape[1], dtype=self.residual_dtype, device=ids.device)
         # in a fused step, the first kernel after the step's copy and the head of the PDL chain
+        fused = self.takes_fused(inputs)
         embed_rows(ids, self.embed, residual, pdl=fused and self.options.pdl,
                    slots=None if drawn is None else inputs.decode_slots, drawn=drawn, scale=self.embed_scale)
         rows = None if hidden is None else hidden[: ids.shape[0]]
@@ -177,9 +170,8 @@ class Model:
         """The blocks layer by layer, then the logit rows; ``hidden`` [T, D]: where the final
         norm writes every row (the hidden states a drafter reads), else a buffer of its own."""
         rows = self._rows(self.blocks[0].mixer, residual)
-        pdl = ctx.chain
         h = self.blocks[0].norm(residual, out=torch.empty(residual.shape, dtype=self.dtype, device=residual.device),
-                                rows=rows, pdl=pdl)
+                                rows=rows)
         for i, block in enumerate(self.blocks):
             out = block.mixer.forward(h, ctx, rows)
             # residual <- residual + out; h <- the next block's norm(residual), or the final norm's
@@ -189,9 +181,9 @@ class Model:
             else:
                 next_norm, rows = self.final_norm, None
                 h = hidden if hidden is not None else torch.empty_like(out)
-            next_norm(out, residual=residual, out=h, rows=rows, pdl=pdl)
+            next_norm(out, residual=residual, out=h, rows=rows)
         h = h.index_select(0, ctx.inputs.logit_rows)
-        return linear(h, self.lm_head, pdl=pdl).float()
+        return linear(h, self.lm_head).float()
 
     def _rows(self, mixer, residual: torch.Tensor) -> Fp8Rows | None:
         """Where the block norm before ``mixer`` writes its output quantized per row (see the

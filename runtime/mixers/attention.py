@@ -48,7 +48,7 @@ class AttentionMixer(Mixer):
         return takes_rows(tokens, dtype, device, self.qkv)
 
     def project(self, h: torch.Tensor, ctx: StepContext, rows=None):
-        return self.prepare(linear(h, self.qkv, self.qkv_bias, rows, pdl=ctx.chain), ctx, pdl=ctx.chain)
+        return self.prepare(linear(h, self.qkv, self.qkv_bias, rows), ctx)
 
     def prepare(self, qkv: torch.Tensor, ctx: StepContext, out: torch.Tensor | None = None, pdl: bool = False):
         """The work of the QKV projection's output ``qkv`` (a row-strided view allowed): its q, k
@@ -82,18 +82,16 @@ class AttentionMixer(Mixer):
                           scale=self.scale, out=out[:tp], kv_scale=self.kv_scale)
 
     def decode(self, work, ctx: StepContext, pdl: bool = False) -> None:
-        """pdl: the kernels chain as programmatic dependents (a fused step's; a chained step's
-        always, ``StepContext.chain``)."""
         (q, k, v), out = work
         tp = ctx.inputs.num_prefill_tokens
         rows = slice(tp, tp + ctx.inputs.num_decode)
         decode_attention(q[rows], k[rows], v[rows], ctx.pool.k[self.idx], ctx.pool.v[self.idx],
-                         ctx.inputs.decode_slots, ctx.inputs.decode_kv_lens, scale=self.scale, out=out[rows],
-                         pdl=pdl or ctx.chain, kv_scale=self.kv_scale)
+                         ctx.inputs.decode_slots, ctx.inputs.decode_kv_lens, scale=self.scale, out=out[rows], pdl=pdl,
+                         kv_scale=self.kv_scale)
 
-    def finish(self, work, ctx: StepContext) -> torch.Tensor:
+    def finish(self, work) -> torch.Tensor:
         _, out = work
-        return linear(out.view(out.shape[0], -1), self.o_proj, self.o_bias, pdl=ctx.chain)
+        return linear(out.view(out.shape[0], -1), self.o_proj, self.o_bias)
 
     def fused_decode(self, residual: torch.Tensor, norm: Norm, ctx: StepContext) -> None:
         self.fused(residual, norm, ctx, residual=residual)

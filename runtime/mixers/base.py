@@ -70,10 +70,7 @@ class StepContext:
     count the experts a step reads; an eager step only). ``side_stream``: where work beside a
     block's critical path runs (None: in turn): a MoE layer's shared expert beside its routed
     experts, a parallel block's attention beside its Mamba2 mixer. It has the step's own
-    priority, where the auxiliary stream has a higher one. ``chain``: a decode-only step layer by
-    layer whose block norms, products and the kernels between them that offer it (Mamba2's,
-    attention's, the MLP's) launch as programmatic dependents (``kernels.decode_linear``'s rules),
-    as a fused step's do; a MoE's routed experts chain in every step, its shared expert not."""
+    priority, where the auxiliary stream has a higher one."""
 
     inputs: StepInputs
     pool: StatePool
@@ -81,7 +78,6 @@ class StepContext:
     options: DecodeOptions
     observe: Callable[[int, torch.Tensor], None] | None = None
     side_stream: torch.cuda.Stream | None = None
-    chain: bool = False
 
 
 class Mixer:
@@ -107,7 +103,7 @@ class Mixer:
         quantized per row, where ``takes_rows``."""
         work = self.project(h, ctx, rows)
         self.run(work, ctx)
-        return self.finish(work, ctx)
+        return self.finish(work)
 
     def run(self, work, ctx: StepContext) -> None:
         """Both branches over ``project``'s work: forked onto the auxiliary stream where the step
@@ -131,7 +127,7 @@ class Mixer:
     def decode(self, work, ctx: StepContext) -> None:
         raise NotImplementedError
 
-    def finish(self, work, ctx: StepContext) -> torch.Tensor:
+    def finish(self, work) -> torch.Tensor:
         raise NotImplementedError
 
     def fused_decode(self, residual: torch.Tensor, norm: Norm, ctx: StepContext) -> None:

@@ -95,8 +95,7 @@ class Mamba2Mixer(Mixer):
 
     def project(self, h: torch.Tensor, ctx: StepContext, rows=None):
         """in_proj over all tokens, and the empty buffers both branches write into."""
-        # proj [T, inner + conv_dim + H]
-        return self.buffers(linear(h, self.in_proj, self.in_proj_bias, rows, pdl=ctx.chain))
+        return self.buffers(linear(h, self.in_proj, self.in_proj_bias, rows))  # proj [T, inner + conv_dim + H]
 
     def buffers(self, proj: torch.Tensor):
         """The work of in_proj's output ``proj``: it, and the empty buffers both branches write into."""
@@ -148,21 +147,19 @@ class Mamba2Mixer(Mixer):
         tp = ctx.inputs.num_prefill_tokens
         rows = slice(tp, tp + ctx.inputs.num_decode)
         slots = ctx.inputs.decode_slots
-        conv1d_update(self._xbc(proj[rows]), ctx.pool.conv[self.idx], self.conv_w, self.conv_b, slots, out=xbc[rows],
-                      pdl=ctx.chain)
+        conv1d_update(self._xbc(proj[rows]), ctx.pool.conv[self.idx], self.conv_w, self.conv_b, slots, out=xbc[rows])
         x, B, C = self._ssm_operands(xbc[rows])
         selective_state_update(ctx.pool.ssm[self.idx], x, self._dt(proj[rows]), self.A, B, C, self.D, slots,
-                               dt_bias=self.dt_bias, dt_softplus=True, out=y[rows], pdl=ctx.chain)
+                               dt_bias=self.dt_bias, dt_softplus=True, out=y[rows])
 
-    def finish(self, work, ctx: StepContext) -> torch.Tensor:
+    def finish(self, work) -> torch.Tensor:
         """Gated norm with z (or the gate alone), then out_proj, over all tokens."""
         proj, _, y = work
         y = y.view(y.shape[0], self.inner)
         rows = None
         if GATED_ROWS and self.norm_w is not None and takes_rows(y.shape[0], y.dtype, y.device, self.out_proj):
             rows = Fp8Rows.empty(y.shape[0], self.inner, y.device)  # out_proj's rows, made by the norm
-        return linear(self.gate(y, proj, rows=rows, pdl=ctx.chain), self.out_proj, self.out_proj_bias, rows,
-                      pdl=ctx.chain)
+        return linear(self.gate(y, proj, rows=rows), self.out_proj, self.out_proj_bias, rows)
 
     def gate(self, y: torch.Tensor, proj: torch.Tensor, *, out: torch.Tensor | None = None, pdl: bool = False,
              rows: Fp8Rows | None = None) -> torch.Tensor:

@@ -22,14 +22,13 @@ __all__ = ["MLPMixer", "mlp", "mlp_fused"]
 ACT_ROWS = True
 
 
-def mlp(x, up, down, up_bias=None, down_bias=None, act="relu2", rows=None, pdl=False):
-    """down(act(up(x))) layer by layer; rows: x quantized per row (``kernels.linear``'s); pdl: the
-    kernels launch as programmatic dependents where they can (``StepContext.chain``)."""
-    h = linear(x, up, up_bias, rows, pdl=pdl)
+def mlp(x, up, down, up_bias=None, down_bias=None, act="relu2", rows=None):
+    """down(act(up(x))) layer by layer; rows: x quantized per row (``kernels.linear``'s)."""
+    h = linear(x, up, up_bias, rows)
     if act != "relu2":
-        return linear(silu_mul(h, pdl=pdl), down, down_bias, pdl=pdl)
+        return linear(silu_mul(h), down, down_bias)
     h_rows = Fp8Rows.empty(*h.shape, h.device) if ACT_ROWS and takes_rows(h.shape[0], h.dtype, h.device, down) else None
-    return linear(relu2(h, out=h, rows=h_rows, pdl=pdl), down, down_bias, h_rows, pdl=pdl)
+    return linear(relu2(h, out=h, rows=h_rows), down, down_bias, h_rows)
 
 
 def mlp_fused(x, norm: Norm | None, up, down, up_bias, down_bias, act, ctx: StepContext, *,
@@ -60,7 +59,7 @@ class MLPMixer(Mixer):
         return takes_rows(tokens, dtype, device, self.up)
 
     def forward(self, h: torch.Tensor, ctx: StepContext, rows=None) -> torch.Tensor:
-        return mlp(h, self.up, self.down, self.up_bias, self.down_bias, self.act, rows, pdl=ctx.chain)
+        return mlp(h, self.up, self.down, self.up_bias, self.down_bias, self.act, rows)
 
     def fused_decode(self, residual: torch.Tensor, norm: Norm, ctx: StepContext) -> None:
         mlp_fused(residual, norm, self.up, self.down, self.up_bias, self.down_bias, self.act, ctx, residual=residual)

@@ -23,8 +23,6 @@ tokens run the two in turn, each with its own prefill / decode fork (``Mixer.run
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from ...kernels.decode_linear import norm_linear
@@ -57,11 +55,6 @@ class ParallelMixer(Mixer):
     def _side(self, ctx: StepContext) -> torch.cuda.Stream | None:
         return ctx.side_stream if ctx.inputs.prefill is None else None
 
-    def _attention_ctx(self, ctx: StepContext) -> StepContext:
-        """The context attention's layer-by-layer branch runs in: on the side stream unchained, for
-        its first kernel follows the other stream's work (``StepContext.chain``)."""
-        return ctx if self._side(ctx) is None else replace(ctx, chain=False)
-
     def takes_rows(self, tokens: int, dtype: torch.dtype, device: torch.device) -> bool:
         """Either branch's first projection quantizes h per row: the one quantization serves both."""
         return not self.joint and (self.mamba.takes_rows(tokens, dtype, device)
@@ -73,9 +66,7 @@ class ParallelMixer(Mixer):
         both = linear(h, self.in_w, self.in_b)
         joined, gated, attended = self._outputs(both)
         work = self.mamba.buffers(both[:, : self.split])
-        actx = self._attention_ctx(ctx)
-        attention = self.attention
-        self._middle(ctx, lambda: attention.run(attention.prepare(both[:, self.split :], actx, attended), actx),
+        self._middle(ctx, lambda: self.attention.run(self.attention.prepare(both[:, self.split :], ctx, attended), ctx),
                      lambda: self.mamba.run(work, ctx))
         proj, _, y = work
         self.mamba.gate(y.view(y.shape[0], -1), proj, out=gated)
@@ -121,7 +112,7 @@ class ParallelMixer(Mixer):
         side = self._side(ctx)
         if side is None:
             return self.mamba.forward(h, ctx, rows).add_(self.attention.forward(h, ctx, rows))
-        attended = self._beside(side, lambda: self.attention.forward(h, self._attention_ctx(ctx), rows))
+        attended = self._beside(side, lambda: self.attention.forward(h, ctx, rows))
         out = self.mamba.forward(h, ctx, rows)
         torch.cuda.current_stream(h.device).wait_stream(side)
         return out.add_(attended)

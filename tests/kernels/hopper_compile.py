@@ -313,8 +313,7 @@ def launch_quantize() -> None:
     from mambastep.kernels import activation
 
     activation.CHUNKED_MAX_ROWS = 64  # to time
-    for pdl in (False, True):
-        relu2.triton(torch.empty(4, 21504, **bf16), rows=Fp8Rows.empty(4, 21504, "cpu"), pdl=pdl)
+    relu2.triton(torch.empty(4, 21504, **bf16), rows=Fp8Rows.empty(4, 21504, "cpu"))
     activation.CHUNKED_MAX_ROWS = 0
     relu2.triton(torch.empty(128, 3712, **bf16), rows=Fp8Rows.empty(128, 3712, "cpu"))
     # a prefill chunk's rows, each walked: Nemotron-Nano-9B-v2's 8 groups of 1280, its 15680 columns and
@@ -331,7 +330,7 @@ def launch_few_rows() -> None:
     (W8A16, scaled per column and in 128 x 128 blocks), and with the weight's rows as the tensor
     cores' 64-row side FP8 ones beside quantized rows (W8A8) and bf16 ones; at 3, 8 and 64 rows, the
     last two in 3, 4 and 6 stages (what ``weight_rows_config`` gives a wide grid on a GPU, the
-    table's, a short grid's), and as programmatic dependents."""
+    table's, a short grid's)."""
     from mambastep.kernels.few_rows import few_rows_linear
     from mambastep.kernels.fp8 import quantize_fp8, quantize_rows_ref
 
@@ -346,9 +345,6 @@ def launch_few_rows() -> None:
         for stages in (3, 4, 6):
             few_rows_linear.triton(x, fp8, rows=quantize_rows_ref(x), config=(64, 256, 4, stages))
             few_rows_linear.triton(x, w, weight_rows=True, config=(64, 128, 4, stages))
-        # as programmatic dependents (a layered decode step's chain), the first weight tile peeled
-        few_rows_linear.triton(x, fp8, rows=quantize_rows_ref(x), config=(64, 256, 4, 3), pdl=True)
-        few_rows_linear.triton(x, w, weight_rows=True, config=(64, 128, 4, 4), pdl=True)
 
 
 def launch_replay() -> None:

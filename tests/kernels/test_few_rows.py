@@ -87,30 +87,3 @@ def test_weight_rows_stages_keep_the_grid_resident(monkeypatch):
         assert [stages(4, N, fp8) for N in (18560, 4096, 10304, 131072)] == [3, 6, 5, 4]
     assert stages(32, 4096, True) == 6  # 96 rows' K tiles of 256 bytes: 144 KiB, one a program an SM
     assert few_rows.weight_rows_config(4, 18560, True, torch.device("cpu")) == few_rows.WEIGHT_ROWS_CONFIG[True]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("K", [48, 200, 512])
-@pytest.mark.parametrize("weights", ["bf16", "fp8"])
-def test_weight_rows_as_a_programmatic_dependent_sum_the_same(K, weights):
-    """``pdl``: the first weight tile loaded before the wait, the rest in the loop (K under one
-    tile, ragged, whole tiles): the same sums as without, after a kernel that wrote the rows."""
-    from mambastep.kernels.decode_linear import pdl_supported
-
-    cuda = torch.device("cuda")
-    if not pdl_supported(cuda):
-        pytest.skip("no programmatic dependent launch here")
-    torch.manual_seed(K)
-    M, N = 5, 200
-    w = torch.randn(N, K, device=cuda) / K**0.5
-    w = w.to(BF16) if weights == "bf16" else quantize_fp8(w)
-    x_host = torch.randn(M, K).to(BF16)
-    x = torch.empty(M, K, device=cuda, dtype=BF16)
-    outs = []
-    for pdl in (False, True):
-        x.copy_(x_host)  # the rows (and their quantization) written by the kernels just before
-        kw = dict(weight_rows=True) if weights == "bf16" else dict(rows=Fp8Rows(*quantize_rows_ref(x)))
-        outs.append(few_rows_linear(x, w, out=poisoned((M, N), BF16, cuda), config=(64, 64, 4, 3), pdl=pdl, **kw))
-    assert torch.equal(outs[0], outs[1])
-    rows = None if weights == "bf16" else quantize_rows_ref(x_host)
-    assert_close(outs[1].cpu(), few_rows_linear_ref(x_host, w.to("cpu"), rows=rows), BF16, factor=0.25)

@@ -313,9 +313,9 @@ def test_the_gated_norm_and_relu2_hand_their_fp8_products_the_rows_quantized_as_
     assert weights and (expected or device == "cuda")
     seen = []
     for mod in (mamba2, mlp):
-        monkeypatch.setattr(mod, "linear", lambda x, w, b=None, rows=None, pdl=False, _linear=mod.linear: (
+        monkeypatch.setattr(mod, "linear", lambda x, w, b=None, rows=None, _linear=mod.linear: (
             id(w) in weights and seen.append((id(w), x.clone(), rows and [t.clone() for t in rows])),
-            _linear(x, w, b, rows, pdl))[1])
+            _linear(x, w, b, rows))[1])
     with_rows = step(new_runner(model), [(ids, 0, 0)])[0]
     assert {i for i, _, rows in seen if rows is not None} == expected
     for _, x, rows in seen:
@@ -370,8 +370,8 @@ def test_attention_and_parallel_blocks_hand_the_rows_to_their_fp8_projections(ki
     seen = []
     for mod in (attention, mamba2):
         monkeypatch.setattr(mod, "takes_rows", would)
-        monkeypatch.setattr(mod, "linear", lambda x, w, b=None, rows=None, pdl=False, _linear=mod.linear: (
-            seen.append((w, rows)), _linear(x, w, b, rows, pdl))[1])
+        monkeypatch.setattr(mod, "linear", lambda x, w, b=None, rows=None, _linear=mod.linear: (
+            seen.append((w, rows)), _linear(x, w, b, rows))[1])
     save_tiny(kind, tmp_path)
     cfg = ModelConfig.from_pretrained(tmp_path)
     weights = load_weights(tmp_path, cfg, dtype=torch.bfloat16)

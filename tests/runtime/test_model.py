@@ -427,44 +427,6 @@ def test_inconsistent_config_names_the_field():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind,quantization", [("nemotron_h", None), ("nemotron_h", "fp8"), ("granite", None),
-                                               ("falcon_h1", None), ("falcon_h1", "fp8")])
-@torch.no_grad()
-def test_a_layered_decode_step_chained_by_pdl_gives_the_unchained_logits(kind, quantization, tmp_path, monkeypatch):
-    """``model.LAYERED_PDL``: a decode-only step layer by layer (the fused path off) chains its block
-    norms, its products (skinny at a few rows; FP8 W8A8 few-row past two), relu2, the Mamba2 conv
-    and state updates and the attention kernels by programmatic dependent launch; a parallel
-    block's attention beside on the side stream stays unchained. bf16, and FP8 quantized at
-    load (Falcon-H1's blocks then run their mixers apart). At 4, 3 and 1 rows the logits are the
-    unchained kernels' to the bit, and the engine's CUDA graphs generate the same tokens."""
-    from mambastep import Engine, SamplingParams
-    from mambastep.runtime import model as model_mod
-
-    save_tiny(kind, tmp_path)
-    layered = DecodeOptions(fused=False)
-    load = dict(dtype=torch.bfloat16, device="cuda", quantization=quantization, options=layered)
-    model = Model.from_pretrained(tmp_path, **load)
-    if not model.options.pdl:
-        pytest.skip("no programmatic dependent launch here")
-    ps = prompts([5, 12, 40, 9], seed=5)
-    runs = []
-    for chained in (False, True):
-        monkeypatch.setattr(model_mod, "LAYERED_PDL", chained)
-        runner = new_runner(model, 4)
-        step(runner, [(p, slot, 0) for slot, p in enumerate(ps)])
-        pos, logits = [len(p) for p in ps], []
-        for width in (4, 3, 1):
-            logits.append(step(runner, decode=[(5 + s, s, pos[s]) for s in range(width)]))
-            pos[:width] = [n + 1 for n in pos[:width]]
-        engine = Engine.from_pretrained(tmp_path, buckets=BUCKETS, num_slots=4, max_context=96, progress=False, **load)
-        tokens = engine.generate(ps, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-        runs.append((logits, tokens))
-    (logits, tokens), (chained_logits, chained_tokens) = runs
-    assert all(torch.equal(a, b) for a, b in zip(logits, chained_logits))
-    assert tokens == chained_tokens
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("kind", KINDS)
 @torch.no_grad()
 def test_bf16_on_gpu_matches_hf(kind, tmp_path):

@@ -369,11 +369,19 @@ def _zero_skipped_rows_kernel(
         tl.store(rows + offs_p[None, :] * s_o_p, zeros, mask=dead[:, None] & (offs_p[None, :] < P))
 
 
+# A head dim that 64 does not divide (Nemotron-Nano-9B-v2's 80) goes into a state chain program
+# whole, in one power-of-two block of up to this many, rather than in 64-wide blocks the last of
+# which is mostly padding (80: 64 + 16 of 64, each block loading and weighting the chunks' B
+# again): the 9B-v2's chain 114 -> 93 us a layer. The chunk scan keeps 64-wide blocks (whole,
+# 143 -> 173 us). 0: 64-wide blocks.
+CHAIN_ODD_P_MAX = 128
+
+
 @dataclass(frozen=True)
 class _Blocks:
     """Tile sizes per kernel: cumsum heads; the state chain's chunk rows a dot x P x N and its
     stages; scan rows x P x N and its K loop's columns (C B^T is computed in scan_m x scan_m
-    tiles)."""
+    tiles); the warps of C B^T and the scan (``warps``) and of the chain."""
 
     cumsum_h: int
     chain_l: int
@@ -386,6 +394,7 @@ class _Blocks:
     scan_n: int
     scan_stages: int
     warps: int
+    chain_warps: int
 
 
 def _blocks(chunk_size: int, P: int, N: int, dtype: torch.dtype) -> _Blocks:
@@ -398,13 +407,19 @@ def _blocks(chunk_size: int, P: int, N: int, dtype: torch.dtype) -> _Blocks:
     p2 = triton.next_power_of_2
     fp32 = dtype == torch.float32
     rows = max(16, min(16 if fp32 else 64, p2(chunk_size)))
+    if fp32:
+        chain_p = 16
+    elif P % 64 and p2(P) <= CHAIN_ODD_P_MAX:
+        chain_p = p2(P)
+    else:
+        chain_p = max(16, min(64, p2(P)))
     return _Blocks(
         cumsum_h=16,
         # a whole 128-token chunk a dot; 64 x 32 state tiles give Nano's and the 8B's heads 256
         # and 512 programs (Nano: 32 x 64, 64 x 16 and 2 stages tie, 32 x 32 and 32 x 16 lose
         # 1-2%; 130M: 64 x 16 ties, wider or narrower tiles and 64-token dots lose 2-20%)
         chain_l=max(16, min(32 if fp32 else 128, p2(chunk_size))),
-        chain_p=max(16, min(16 if fp32 else 64, p2(P))),
+        chain_p=chain_p,
         chain_n=max(16, min(32, p2(N))),
         chain_stages=2 if fp32 else 3,
         scan_m=rows,
@@ -418,6 +433,8 @@ def _blocks(chunk_size: int, P: int, N: int, dtype: torch.dtype) -> _Blocks:
         # it only held shared memory (3 stages: 37.4 ms for Nano's 2048-token prefill; 1: 36.8)
         scan_stages=2 if fp32 else 1,
         warps=8 if fp32 else 4,
+        # a head block wider than 64 in 4 warps holds 239 registers (sm_90)
+        chain_warps=8 if chain_p > 64 else 4,
     )
 
 
@@ -642,7 +659,7 @@ def ssd_scan(x, dt, A, B, C, D, ssm_state, meta: PrefillMetadata, *, z=None, dt_
         meta.has_initial_state, meta.seq_chunk_start, meta.final_slot, meta.snapshot_slot, meta.snapshot_row,
         H, P, N, H // G, *x.stride(), *B.stride(),
         *ssm_state.stride(), CHUNK_SIZE=cs_size, BLOCK_L=bl.chain_l, BLOCK_P=bl.chain_p, BLOCK_N=bl.chain_n,
-        **dot, num_warps=4, num_stages=bl.chain_stages,
+        **dot, num_warps=bl.chain_warps, num_stages=bl.chain_stages,
     )
     if passed is not None:
         passed.record()

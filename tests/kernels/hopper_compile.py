@@ -75,7 +75,9 @@ def _compile_instead(self, *args, grid, warmup, **kwargs):
     regs, spilled = _registers(kernel.asm["ptx"])
     if spilled:
         failed.append(name)
-    print("FAIL" if spilled else "ok  ", f"{regs:3d} registers, {spilled} bytes spilled:", name, flush=True)
+    shared = kernel.metadata.shared
+    print("FAIL" if spilled else "ok  ", f"{regs:3d} registers, {spilled} bytes spilled, {shared // 1024:3d} KiB shared:",
+          name, flush=True)
     if LOOPS:
         print("     ", _loop_mix(kernel.asm["cubin"]), flush=True)
     return None
@@ -269,20 +271,22 @@ def launch_decode_attention() -> None:
 
 
 def launch_prefill() -> None:
-    """A Mamba2 prefill chunk at Nemotron's head shape (P 64, N 128, chunks of 128, bf16): the
-    SSD scan's kernels and the causal conv over packed tokens, two sequences, one from a state."""
+    """A Mamba2 prefill chunk at Nemotron's head shapes (P 64 and Nano-9B-v2's 80 in one block, N
+    128, chunks of 128, bf16): the SSD scan's kernels and the causal conv over packed tokens, two
+    sequences, one from a state."""
     from mambastep.kernels.conv1d import conv1d_varlen
     from mambastep.kernels.ssd import SSDWorkspace, ssd_scan
     from mambastep.kernels.varlen import PrefillMetadata
 
-    T, H, P, N, G, D, K = 256, 4, 64, 128, 2, 256, 4
+    T, H, N, G, D, K = 256, 4, 128, 2, 256, 4
     meta = PrefillMetadata.build([200, 56], [0, 1], [1, 0], chunk_size=128, max_tokens=T, max_seqs=2)
     bf16 = dict(dtype=torch.bfloat16)
-    x, z = torch.empty(T, H, P, **bf16), torch.empty(T, H, P, **bf16)
     B, C = torch.empty(T, G, N, **bf16), torch.empty(T, G, N, **bf16)
-    ws = SSDWorkspace.allocate(meta.max_chunks, H, P, N, 128, "cpu", torch.bfloat16, groups=G)
-    ssd_scan.triton(x, torch.empty(T, H, **bf16), torch.empty(H), B, C, torch.empty(H), torch.empty(2, H, P, N), meta,
-                    z=z, dt_bias=torch.empty(H), out=torch.empty_like(x), workspace=ws)
+    for P in (64, 80):
+        x, z = torch.empty(T, H, P, **bf16), torch.empty(T, H, P, **bf16)
+        ws = SSDWorkspace.allocate(meta.max_chunks, H, P, N, 128, "cpu", torch.bfloat16, groups=G)
+        ssd_scan.triton(x, torch.empty(T, H, **bf16), torch.empty(H), B, C, torch.empty(H), torch.empty(2, H, P, N),
+                        meta, z=z, dt_bias=torch.empty(H), out=torch.empty_like(x), workspace=ws)
     # the conv state as the state pool keeps it, [S, K-1, D] seen as [S, D, K-1]
     conv1d_varlen.triton(torch.empty(T, D, **bf16), torch.empty(D, K, **bf16), torch.empty(D, **bf16),
                          torch.empty(2, K - 1, D, **bf16).transpose(1, 2), meta)

@@ -161,6 +161,22 @@ def test_triton_multiple_row_blocks(dtype, chunk, device):
     check_pool(pool, ref_pool, inp["ssm_state"], slots, dtype)
 
 
+@pytest.mark.parametrize("odd_max", [128, 0], ids=["whole", "64-wide"])
+def test_triton_head_dim_64_does_not_divide(odd_max, device, monkeypatch):
+    """Nemotron-Nano-9B-v2's head dim of 80: the state chain's programs take it in one 128-wide
+    block (the columns past 80 masked) or in 64-wide ones, the last ragged; the scan in 64-wide."""
+    import mambastep.kernels.ssd as ssd
+
+    monkeypatch.setattr(ssd, "CHAIN_ODD_P_MAX", odd_max)
+    lens, slots = [40, 7], [5, 1]
+    meta = PrefillMetadata.build(lens, slots, [1, 0], chunk_size=32, device=device)
+    inp = make_inputs(sum(lens), H=2, P=80, G=1, dtype=torch.bfloat16, device=device)
+    out, pool = scan(ssd_scan.triton, inp, meta)
+    ref_out, ref_pool = scan(ssd_scan_ref, inp, meta)
+    assert_close(out.float(), ref_out.float(), torch.bfloat16)
+    check_pool(pool, ref_pool, inp["ssm_state"], slots, torch.bfloat16)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_chunked_torch_matches_reference(name, dtype):

@@ -12,16 +12,16 @@ import triton
 import triton.language as tl
 
 from .dispatch import with_reference
-from .fp8 import Fp8Rows, row_scale, store_quantized, walks_rows, write_rows_ref
+from .fp8 import Fp8Rows, store_chunk_quantized, write_rows_ref
 
 __all__ = ["gate_silu", "gate_silu_ref", "relu2", "relu2_ref", "silu_mul", "silu_mul_ref"]
 
 RELU2_BLOCK = 2048  # elements a program of relu2 takes at a time
-# relu2 with rows, up to this many rows: each row in RELU2_CHUNK-column chunks, a program each, in
-# two launches (relu2 and the chunks' maxima; then the rows' scales and quantized chunks), where a
-# program a row took 15.3 us for 4 of the 8B's 21504-column rows: its FP8 decode 4 4.5% faster, 32
-# tied (H100, docs/experiments.md); 0: a program a row
-CHUNKED_MAX_ROWS = 32
+# relu2 with rows: each row in RELU2_CHUNK-column chunks, a program each, in two launches (relu2
+# and the chunks' maxima; then the rows' scales and quantized chunks). Against a program a row
+# (holding the row up to 256 rows, past them walking it twice), H100: the 8B's FP8 decode 4 4.5%
+# faster; Nemotron-Nano-9B-v2's decode 64 -0.9%, its mixed step of 64 + 223 rows -2.4%, its
+# 2048-token prefill +0.6% (docs/experiments.md)
 RELU2_CHUNK = 1024
 
 
@@ -34,66 +34,42 @@ def _relu2_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _relu2_rows_kernel(x_ptr, out_ptr, q_ptr, s_ptr, I, stride_q, BLOCK: tl.constexpr, WALK: tl.constexpr):
-    # grid: (rows,): a row's relu2, and the rounded row quantized as quantize_rows does; the whole
-    # row in one tile, or (WALK) BLOCK columns at a time, then the row read back from out
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    if WALK:
-        amax = tl.zeros([BLOCK], tl.float32)
-        for c in range(0, I, BLOCK):
-            mask = c + cols < I
-            x = tl.maximum(tl.load(x_ptr + row * I + c + cols, mask=mask, other=0.0).to(tl.float32), 0.0)
-            y = (x * x).to(out_ptr.dtype.element_ty)
-            tl.store(out_ptr + row * I + c + cols, y, mask=mask)
-            amax = tl.maximum(amax, y.to(tl.float32))
-        scale = row_scale(amax)
-        tl.store(s_ptr + row, scale)
-        tl.debug_barrier()  # the row's out, written by the CTA's threads, read back by them
-        for c in range(0, I, BLOCK):
-            mask = c + cols < I
-            v = tl.load(out_ptr + row * I + c + cols, mask=mask, other=0.0).to(tl.float32)
-            store_quantized(q_ptr + row * stride_q + c + cols, v, scale, mask)
-    else:
-        mask = cols < I
-        x = tl.maximum(tl.load(x_ptr + row * I + cols, mask=mask, other=0.0).to(tl.float32), 0.0)
-        y = (x * x).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + row * I + cols, y, mask=mask)
-        v = y.to(tl.float32)
-        scale = row_scale(v)
-        tl.store(s_ptr + row, scale)
-        store_quantized(q_ptr + row * stride_q + cols, v, scale, mask)
+def _relu2_chunk(x_ptr, row, cols, mask, I, dtype: tl.constexpr):
+    """relu(x)**2 of a row's columns, rounded to dtype."""
+    x = tl.maximum(tl.load(x_ptr + row * I + cols, mask=mask, other=0.0).to(tl.float32), 0.0)
+    return (x * x).to(dtype)
 
 
 @triton.jit
-def _relu2_chunks_kernel(x_ptr, out_ptr, amax_ptr, I, BLOCK: tl.constexpr):
-    # grid: (rows, chunks): a chunk's relu2, and its maximum (amax_ptr [rows, chunks])
+def _relu2_chunks_kernel(x_ptr, out_ptr, amax_ptr, I, BLOCK: tl.constexpr, WRITE_OUT: tl.constexpr):
+    # grid: (rows, chunks): a chunk's relu2 (stored where WRITE_OUT), and its maximum (amax_ptr
+    # [rows, chunks])
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
-    x = tl.maximum(tl.load(x_ptr + row * I + cols, mask=mask, other=0.0).to(tl.float32), 0.0)
-    y = (x * x).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * I + cols, y, mask=mask)
+    y = _relu2_chunk(x_ptr, row, cols, mask, I, out_ptr.dtype.element_ty)
+    if WRITE_OUT:
+        tl.store(out_ptr + row * I + cols, y, mask=mask)
     tl.store(amax_ptr + row * tl.num_programs(1) + tl.program_id(1), tl.max(y.to(tl.float32), axis=0))
 
 
 @triton.jit
-def _quantize_chunks_kernel(v_ptr, amax_ptr, q_ptr, s_ptr, I, stride_q, BLOCK: tl.constexpr, CHUNKS: tl.constexpr):
-    # grid: (rows, chunks): the row's scale from its chunks' maxima (as from the whole row: a
-    # maximum of maxima), then the chunk quantized at it
+def _quantize_chunks_kernel(v_ptr, amax_ptr, q_ptr, s_ptr, I, stride_q, BLOCK: tl.constexpr, CHUNKS: tl.constexpr,
+                            FROM_X: tl.constexpr):
+    # grid: (rows, chunks): the chunk quantized at its row's scale, from relu2's out, or (FROM_X)
+    # from x, relu2 made again
     row = tl.program_id(0).to(tl.int64)
-    chunks = tl.arange(0, CHUNKS)
-    scale = row_scale(tl.load(amax_ptr + row * tl.num_programs(1) + chunks, mask=chunks < tl.num_programs(1),
-                              other=0.0))
-    if tl.program_id(1) == 0:
-        tl.store(s_ptr + row, scale)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
-    v = tl.load(v_ptr + row * I + cols, mask=mask, other=0.0).to(tl.float32)
-    store_quantized(q_ptr + row * stride_q + cols, v, scale, mask)
+    if FROM_X:
+        v = _relu2_chunk(v_ptr, row, cols, mask, I, v_ptr.dtype.element_ty).to(tl.float32)
+    else:
+        v = tl.load(v_ptr + row * I + cols, mask=mask, other=0.0).to(tl.float32)
+    store_chunk_quantized(q_ptr + row * stride_q + cols, v, mask, amax_ptr, s_ptr, row, CHUNKS)
 
 
-def relu2_ref(x: torch.Tensor, out: torch.Tensor | None = None, rows: Fp8Rows | None = None) -> torch.Tensor:
+def relu2_ref(x: torch.Tensor, out: torch.Tensor | None = None, rows: Fp8Rows | None = None,
+              rows_only: bool = False) -> torch.Tensor:
     y = torch.relu(x.float()).square().to(x.dtype)
     out = y if out is None else out.copy_(y)
     write_rows_ref(rows, out)
@@ -101,12 +77,14 @@ def relu2_ref(x: torch.Tensor, out: torch.Tensor | None = None, rows: Fp8Rows | 
 
 
 @with_reference(relu2_ref)
-def relu2(x: torch.Tensor, out: torch.Tensor | None = None, rows: Fp8Rows | None = None) -> torch.Tensor:
+def relu2(x: torch.Tensor, out: torch.Tensor | None = None, rows: Fp8Rows | None = None,
+          rows_only: bool = False) -> torch.Tensor:
     """relu(x)**2 computed in fp32. x: any shape, contiguous; out: like x (may be x). rows: x
     [M, I] written quantized per row too (``Fp8Rows`` [M, I]), as ``quantize_rows(out)`` would
-    make it, for an FP8 product that takes them (``kernels.linear.takes_rows``): up to
-    ``CHUNKED_MAX_ROWS`` rows, a program a chunk of a row in two launches; else a program a row,
-    holding the whole row, or past ``fp8.WHOLE_ROW_MAX_ROWS`` rows walking it twice."""
+    make it, for an FP8 product that takes them (``kernels.linear.takes_rows``): a program a
+    chunk of a row, in two launches. rows_only: only the rows are wanted (the product reads
+    nothing else), so out is left unwritten, the second launch making relu2 again from x (where
+    out is x, x is left as it was)."""
     out = torch.empty_like(x) if out is None else out
     if not (x.is_contiguous() and out.is_contiguous() and out.shape == x.shape):
         raise ValueError("relu2: x and out must be contiguous and of one shape")
@@ -115,21 +93,12 @@ def relu2(x: torch.Tensor, out: torch.Tensor | None = None, rows: Fp8Rows | None
             raise ValueError(f"relu2: rows asked of a {x.dim()}-D x (they need [M, I])")
         rows.check("relu2: rows", *x.shape)
         M, I = x.shape
-        if M <= CHUNKED_MAX_ROWS:
-            chunks = triton.cdiv(I, RELU2_CHUNK)
-            amax = torch.empty(M, chunks, dtype=torch.float32, device=x.device)
-            _relu2_chunks_kernel[(M, chunks)](x, out, amax, I, BLOCK=RELU2_CHUNK, num_warps=4)
-            _quantize_chunks_kernel[(M, chunks)](out, amax, rows.values, rows.scale, I, rows.values.stride(0),
-                                                 BLOCK=RELU2_CHUNK, CHUNKS=triton.next_power_of_2(chunks),
-                                                 num_warps=4)
-            return out
-        if walks_rows(M):  # the row in the tiles of relu2 without rows
-            _relu2_rows_kernel[(M,)](x, out, rows.values, rows.scale, I, rows.values.stride(0), BLOCK=RELU2_BLOCK,
-                                     WALK=True, num_warps=4)
-            return out
-        block = triton.next_power_of_2(I)
-        _relu2_rows_kernel[(M,)](x, out, rows.values, rows.scale, I, rows.values.stride(0), BLOCK=block, WALK=False,
-                                 num_warps=max(1, min(16, block // 256)))
+        chunks = triton.cdiv(I, RELU2_CHUNK)
+        amax = torch.empty(M, chunks, dtype=torch.float32, device=x.device)
+        _relu2_chunks_kernel[(M, chunks)](x, out, amax, I, BLOCK=RELU2_CHUNK, WRITE_OUT=not rows_only, num_warps=4)
+        _quantize_chunks_kernel[(M, chunks)](x if rows_only else out, amax, rows.values, rows.scale, I,
+                                             rows.values.stride(0), BLOCK=RELU2_CHUNK,
+                                             CHUNKS=triton.next_power_of_2(chunks), FROM_X=rows_only, num_warps=4)
         return out
     n = x.numel()
     _relu2_kernel[(triton.cdiv(n, RELU2_BLOCK),)](x, out, n, BLOCK=RELU2_BLOCK, num_warps=4)

@@ -164,18 +164,19 @@ def quantize_fp8(w: torch.Tensor, block: int = 0) -> Fp8Weight:
 # the smallest row scale: an all-zero row quantizes to zeros, not NaNs
 _MIN_SCALE = 1e-12
 
-# The kernels that write their output quantized per row beside it (``Fp8Rows``: the gated norm,
-# relu2) hold a whole row in registers, a program a row, up to this many rows: one wave of
-# programs, no row waiting on another. Past it (a prefill chunk) a program walks its row in the
-# tiles of the same kernel without rows, then walks it again to quantize what it wrote (from
-# L1/L2): smaller programs, more of them resident on an SM. Timed (H100, docs/experiments.md):
-# walking takes 4-6% off the 8B's and 9B-v2's FP8 prefill, and walking at 4-64 rows adds 4-11%
-# to their decode steps (a program a row cannot fill the SMs).
+# The norms that write their output quantized per row beside it (``Fp8Rows``) hold a whole row
+# in registers, a program a row, up to this many rows: one wave of programs, no row waiting on
+# another. Past it (a prefill chunk) the block norm walks its row again in tiles to quantize
+# what it wrote (from L1/L2), and the gated norm splits into its kernel without rows and a
+# quantizing launch (``kernels.norm``): smaller programs, more of them resident on an SM. Timed
+# (H100, docs/experiments.md): walking took 4-6% off the 8B's and 9B-v2's FP8 prefill, and
+# walking at 4-64 rows added 4-11% to their decode steps (a program a row cannot fill the SMs).
 WHOLE_ROW_MAX_ROWS = 256
 
 
 def walks_rows(M: int) -> bool:
-    """Whether a kernel writing M rows quantized walks each row in tiles (``WHOLE_ROW_MAX_ROWS``)."""
+    """Whether a norm writing M rows quantized goes past holding each row in registers
+    (``WHOLE_ROW_MAX_ROWS``)."""
     return M > WHOLE_ROW_MAX_ROWS
 
 
@@ -229,6 +230,20 @@ def store_quantized(q_ptrs, v, scale, mask):
     """v / scale (correctly rounded, as torch divides), saturated at +-448, stored as FP8."""
     q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -448.0), 448.0)
     tl.store(q_ptrs, q.to(q_ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def store_chunk_quantized(q_ptrs, v, mask, amax_ptr, s_ptr, row, CHUNKS: tl.constexpr):
+    """A chunk v of a row (the program's along grid axis 1; fp32) quantized at the row's scale,
+    made from every chunk's absolute maximum (``amax_ptr`` [rows, chunks] fp32, from a launch
+    before): the maximum of the maxima is the row's, so the scale is ``row_scale``'s of the whole
+    row. The row's first chunk stores it. CHUNKS: the chunks a row, rounded up to a power of two."""
+    n = tl.num_programs(1)
+    c = tl.arange(0, CHUNKS)
+    scale = row_scale(tl.load(amax_ptr + row * n + c, mask=c < n, other=0.0))
+    if tl.program_id(1) == 0:
+        tl.store(s_ptr + row, scale)
+    store_quantized(q_ptrs, v, scale, mask)
 
 
 def quantize_rows_ref(x: torch.Tensor, input_scale: torch.Tensor | None = None,

@@ -18,8 +18,11 @@ from .base import Mixer, Norm, StepContext, norm_args
 __all__ = ["MLPMixer", "mlp", "mlp_fused"]
 
 
-# where the down projection's FP8 product would quantize relu2's rows, relu2 writes them so
+# where the down projection's FP8 product would quantize relu2's rows, relu2 writes them so;
+# ACT_ROWS_ONLY: and only them (the product reads nothing else), leaving h the up projection's
+# (a bf16 write less; not timed alone, docs/experiments.md)
 ACT_ROWS = True
+ACT_ROWS_ONLY = True
 
 
 def mlp(x, up, down, up_bias=None, down_bias=None, act="relu2", rows=None):
@@ -28,7 +31,8 @@ def mlp(x, up, down, up_bias=None, down_bias=None, act="relu2", rows=None):
     if act != "relu2":
         return linear(silu_mul(h), down, down_bias)
     h_rows = Fp8Rows.empty(*h.shape, h.device) if ACT_ROWS and takes_rows(h.shape[0], h.dtype, h.device, down) else None
-    return linear(relu2(h, out=h, rows=h_rows), down, down_bias, h_rows)
+    return linear(relu2(h, out=h, rows=h_rows, rows_only=ACT_ROWS_ONLY and h_rows is not None), down, down_bias,
+                  h_rows)
 
 
 def mlp_fused(x, norm: Norm | None, up, down, up_bias, down_bias, act, ctx: StepContext, *,

@@ -305,8 +305,8 @@ def launch_quantize() -> None:
         quantize_rows.triton(x, torch.tensor(0.01))
         quantize_rows.triton(x, row_end=end)
     # the kernels that write their outputs quantized, a decode step's rows: the gated norm's each
-    # held whole (Nano's 8 groups of 512), relu2's in 1024-column chunks (the 8B's 21504 columns, up
-    # to 32 rows) or held whole (Nano's shared expert's 3712, 128 rows)
+    # held whole (Nano's 8 groups of 512), relu2's in 1024-column chunks (the 8B's 21504 columns,
+    # out written and not)
     from mambastep.kernels.activation import relu2
     from mambastep.kernels.fp8 import Fp8Rows
     from mambastep.kernels.norm import gated_rms_norm, rms_norm
@@ -314,13 +314,13 @@ def launch_quantize() -> None:
     bf16 = dict(dtype=torch.bfloat16)
     gated_rms_norm.triton(torch.empty(64, 4096, **bf16), torch.empty(64, 4096, **bf16), torch.empty(4096, **bf16), 512,
                           1e-5, rows=Fp8Rows.empty(64, 4096, "cpu"))
-    relu2.triton(torch.empty(4, 21504, **bf16), rows=Fp8Rows.empty(4, 21504, "cpu"))
-    relu2.triton(torch.empty(128, 3712, **bf16), rows=Fp8Rows.empty(128, 3712, "cpu"))
-    # a prefill chunk's rows, each walked: Nemotron-Nano-9B-v2's 8 groups of 1280, its 15680 columns and
-    # its block norm's 4480
+    for rows_only in (False, True):
+        relu2.triton(torch.empty(4, 21504, **bf16), rows=Fp8Rows.empty(4, 21504, "cpu"), rows_only=rows_only)
+    # a prefill chunk's rows: Nemotron-Nano-9B-v2's 8 groups of 1280 (split: the norm a group a
+    # program, then the groups quantized), its 15680 columns and its block norm's 4480, walked
     gated_rms_norm.triton(torch.empty(512, 10240, **bf16), torch.empty(512, 10240, **bf16),
                           torch.empty(10240, **bf16), 1280, 1e-5, rows=Fp8Rows.empty(512, 10240, "cpu"))
-    relu2.triton(torch.empty(512, 15680, **bf16), rows=Fp8Rows.empty(512, 15680, "cpu"))
+    relu2.triton(torch.empty(512, 15680, **bf16), rows=Fp8Rows.empty(512, 15680, "cpu"), rows_only=True)
     rms_norm.triton(torch.empty(512, 4480, **bf16), torch.empty(4480, **bf16), 1e-5, residual=torch.empty(512, 4480),
                     rows=Fp8Rows.empty(512, 4480, "cpu"))
 

@@ -17,18 +17,13 @@ def test_relu2_matches_reference(device, dtype, n):
     assert torch.equal(x, out)
 
 
-@pytest.mark.parametrize("walk", ["whole-row", "walked", "chunked"])
+@pytest.mark.parametrize("rows_only", [False, True], ids=["out-too", "rows-only"])
 @pytest.mark.parametrize("M, I", [(3, 40), (6, 1856), (4, 5000)])
-def test_relu2_writes_its_rows_quantized_as_the_quantizer_would(device, M, I, walk, monkeypatch):
+def test_relu2_writes_its_rows_quantized_as_the_quantizer_would(device, M, I, rows_only):
     """``rows``: relu2 as without them (in place too) and each row quantized bit for bit as
-    ``quantize_rows`` makes it of the output (a row all below zero: zeros); poisoned buffers. The
-    row held whole, walked in tiles (past ``WHOLE_ROW_MAX_ROWS`` rows, here all; 5000 columns:
-    two tiles and part of a third), or in chunks of 1024 columns, a program each (up to
-    ``CHUNKED_MAX_ROWS`` rows, here all; 1856 and 5000 columns: a part chunk last)."""
-    from mambastep.kernels import activation, fp8
-
-    monkeypatch.setattr(fp8, "WHOLE_ROW_MAX_ROWS", 0 if walk == "walked" else 256)
-    monkeypatch.setattr(activation, "CHUNKED_MAX_ROWS", 64 if walk == "chunked" else 0)
+    ``quantize_rows`` makes it of the output (a row all below zero: zeros); poisoned buffers. In
+    chunks of 1024 columns, a program each (1856 and 5000 columns: a part chunk last); with
+    ``rows_only`` the in-place input is left as it was."""
     torch.manual_seed(7)
     x = (torch.randn(M, I) * torch.linspace(0.01, 30.0, M)[:, None]).to(torch.bfloat16)
     x[1] = -x[1].abs()
@@ -36,9 +31,9 @@ def test_relu2_writes_its_rows_quantized_as_the_quantizer_would(device, M, I, wa
         h = x.clone().to(device)
         rows = Fp8Rows(torch.full((M, I + 8), 3.0, device=device).to(torch.float8_e4m3fn)[:, :I],  # row-strided
                        torch.full((M, 1), -1.0, device=device))
-        act(h, out=h, rows=rows)
-        assert torch.equal(h.cpu(), relu2_ref(x))
-        q, s = (quantize_rows.triton if act is relu2.triton else quantize_rows_ref)(h)
+        act(h, out=h, rows=rows, rows_only=rows_only)
+        assert torch.equal(h.cpu(), x if rows_only and act is relu2.triton else relu2_ref(x))
+        q, s = (quantize_rows.triton if act is relu2.triton else quantize_rows_ref)(relu2_ref(x).to(device))
         assert torch.equal(rows.scale.cpu(), s.cpu()) and torch.equal(rows.values.cpu().float(), q.cpu().float())
         assert (rows.values[1].cpu().float() == 0).all()
     with pytest.raises(ValueError, match="relu2: rows must be"):

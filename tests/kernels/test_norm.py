@@ -107,19 +107,19 @@ def test_gated_rms_norm_matches_reference(device, dtype, D, groups):
     assert_close(out.cpu(), ref, dtype)
 
 
-@pytest.mark.parametrize("walk", [False, True], ids=["whole-row", "walked"])
+@pytest.mark.parametrize("split", [False, True], ids=["whole-row", "split"])
 @pytest.mark.parametrize("D, groups", [(48, 3), (4096, 8), (8192, 8), (10240, 8)])
-def test_gated_rms_norm_writes_its_output_quantized_per_row_as_the_quantizer_would(device, D, groups, walk,
+def test_gated_rms_norm_writes_its_output_quantized_per_row_as_the_quantizer_would(device, D, groups, split,
                                                                                     monkeypatch):
     """``rows``: out as without rows and, beside it, the row quantized bit for bit as
     ``quantize_rows`` makes it of out (a zero row included; the buffers poisoned); the reference
     the same. Groups not a power of two included, and Nemotron-H-8B's and Nemotron-Nano-9B-v2's
-    (8 x 1024, 8 x 1280). Walked a group at a time (past ``WHOLE_ROW_MAX_ROWS`` rows, here all),
-    the kernel runs the no-rows kernel's tiles, so out equals its to the bit; a program holding
-    the whole row reduces each group over other warps, so out equals it to a rounding."""
+    (8 x 1024, 8 x 1280). Split into the no-rows kernel and a launch quantizing its groups (past
+    ``WHOLE_ROW_MAX_ROWS`` rows, here all), out is the no-rows kernel's to the bit; a program
+    holding the whole row reduces each group over other warps, so out equals it to a rounding."""
     from mambastep.kernels import fp8
 
-    monkeypatch.setattr(fp8, "WHOLE_ROW_MAX_ROWS", 0 if walk else 256)
+    monkeypatch.setattr(fp8, "WHOLE_ROW_MAX_ROWS", 0 if split else 256)
     torch.manual_seed(6)
     T = 5
     x = (torch.randn(T, D) * torch.tensor([[1.0], [30.0], [0.01], [0.0], [2.0]])).to(torch.bfloat16)
@@ -130,7 +130,7 @@ def test_gated_rms_norm_writes_its_output_quantized_per_row_as_the_quantizer_wou
         rows = Fp8Rows(torch.full((T, D), 3.0, device=device).to(torch.float8_e4m3fn),
                        torch.full((T, 1), -1.0, device=device))
         norm(x.to(device), z.to(device), w.to(device), D // groups, 1e-5, out=out, rows=rows)
-        if walk or norm is gated_rms_norm_ref:
+        if split or norm is gated_rms_norm_ref:
             assert torch.equal(out, plain)
         else:
             assert_close(out.cpu(), plain.cpu(), torch.bfloat16)

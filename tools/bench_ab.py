@@ -31,6 +31,7 @@ import importlib
 import json
 import statistics
 import sys
+import time
 from types import ModuleType
 from typing import Any, Callable, ContextManager, Mapping
 
@@ -46,6 +47,7 @@ from ..runtime.step_runner import StepRunner
 from .args import Parser, add_quantization, writable_path
 from .bench_spec import verify_plan
 from .bench_steps import CONTEXT, decode_plan, mixed_plan, prefill_plan, step_ms
+from .gpu_clocks import ClockSampler
 
 __all__ = ["compare", "main", "parse_plan", "parse_variant", "patched", "table"]
 
@@ -112,8 +114,9 @@ def compare(preset: str, variants: Mapping[str, Variant], plans: Mapping[str, St
             device: str | None = None, seed: int = 0, quantization: str | None = None,
             on_plan: Callable[[list[dict]], None] | None = None, model_per_variant: bool = False) -> list[dict]:
     """One row a (plan, variant): its synchronised step times (ms, one median a round), steps
-    launched back to back (ms a step, the median over the first two rounds; CUDA only), and
-    whether its logits equal the first variant's (else the largest difference, the first's standard
+    launched back to back (ms a step, the median over the first two rounds; CUDA only), the mean
+    SM clock and board power while its synchronised steps ran (``sm_mhz``, ``power_w``; where
+    nvidia-smi reads them), and whether its logits equal the first variant's (else the largest difference, the first's standard
     deviation, and the share of rows whose top token agrees). ``preset``:
     random weights of that shape; ``variants``: name -> context manager factory, the first the
     baseline; ``max_context``: the pool's length (what a decode attention's split sizes follow;
@@ -140,38 +143,53 @@ def compare(preset: str, variants: Mapping[str, Variant], plans: Mapping[str, St
         runners[name] = runner
     start = [t.clone() for t in pool.tensors()]
     rows = []
-    for plan_name, plan in plans.items():
-        logits = {}
-        for name, runner in runners.items():
-            for t, s in zip(pool.tensors(), start):
-                t.copy_(s)
-            with variants[name]():
-                logits[name] = runner.logits(plan).float().clone()
-        times = {name: [] for name in runners}
-        streamed = {name: [] for name in runners}
-        for i in range(rounds):
-            for name, runner in runners.items():
-                with variants[name]():
-                    times[name].append(step_ms(runner, plan))
-                    if runner.cuda and i < 2:
-                        streamed[name].append(step_ms(runner, plan, steps=back_to_back, rounds=5))
-        base = logits[next(iter(variants))]
-        done = len(rows)
-        for name in runners:
-            row = {"plan": plan_name, "variant": name, "sync_ms": times[name],
-                   "median_ms": statistics.median(times[name]), "equal": torch.equal(logits[name], base),
-                   "max_abs_diff": (logits[name] - base).abs().max().item(), "base_std": base.std().item(),
-                   "top1": (logits[name].argmax(-1) == base.argmax(-1)).float().mean().item()}
-            if streamed[name]:
-                row["back_to_back_ms"] = statistics.median(streamed[name])
-            rows.append(row)
-        if on_plan is not None:
-            on_plan(rows[done:])
+    clocks = ClockSampler() if str(device).startswith("cuda") else None
+    with clocks or contextlib.nullcontext():
+        for plan_name, plan in plans.items():
+            rows += _plan_rows(plan_name, plan, variants, runners, pool, start, rounds, back_to_back, clocks)
+            if on_plan is not None:
+                on_plan(rows[-len(runners):])
     return rows
 
 
-TABLE_HEADER = ("| plan | variant | synchronised (ms) | median | vs first | back to back (ms) | logits |\n"
-                "| --- | --- | --- | --- | --- | --- | --- |")
+def _plan_rows(plan_name, plan, variants, runners, pool, start, rounds, back_to_back, clocks) -> list[dict]:
+    """``compare``'s rows of one plan."""
+    logits = {}
+    for name, runner in runners.items():
+        for t, s in zip(pool.tensors(), start):
+            t.copy_(s)
+        with variants[name]():
+            logits[name] = runner.logits(plan).float().clone()
+    times = {name: [] for name in runners}
+    streamed = {name: [] for name in runners}
+    read = {name: [] for name in runners}  # (SM MHz, W) while its synchronised steps ran
+    for i in range(rounds):
+        for name, runner in runners.items():
+            with variants[name]():
+                t0 = time.monotonic()
+                times[name].append(step_ms(runner, plan))
+                if clocks is not None and (window := clocks.window(t0, time.monotonic())) is not None:
+                    read[name].append(window)
+                if runner.cuda and i < 2:
+                    streamed[name].append(step_ms(runner, plan, steps=back_to_back, rounds=5))
+    base = logits[next(iter(variants))]
+    rows = []
+    for name in runners:
+        row = {"plan": plan_name, "variant": name, "sync_ms": times[name],
+               "median_ms": statistics.median(times[name]), "equal": torch.equal(logits[name], base),
+               "max_abs_diff": (logits[name] - base).abs().max().item(), "base_std": base.std().item(),
+               "top1": (logits[name].argmax(-1) == base.argmax(-1)).float().mean().item()}
+        if streamed[name]:
+            row["back_to_back_ms"] = statistics.median(streamed[name])
+        if read[name]:
+            row["sm_mhz"] = statistics.fmean(m for m, _ in read[name])
+            row["power_w"] = statistics.fmean(w for _, w in read[name])
+        rows.append(row)
+    return rows
+
+
+TABLE_HEADER = ("| plan | variant | synchronised (ms) | median | vs first | back to back (ms) | SM MHz, W | logits |\n"
+                "| --- | --- | --- | --- | --- | --- | --- | --- |")
 
 
 def table(rows: list[dict], header: bool = True) -> str:
@@ -184,8 +202,9 @@ def table(rows: list[dict], header: bool = True) -> str:
         b2b = f"{r['back_to_back_ms']:.3f}" if "back_to_back_ms" in r else "n/a"
         same = "equal" if r["equal"] else (f"max diff {r['max_abs_diff']:.3g} (std {r['base_std']:.3g}), "
                                            f"top-1 {r['top1']:.0%}")
+        clocks = f"{r['sm_mhz']:.0f}, {r['power_w']:.0f}" if "sm_mhz" in r else "n/a"
         out.append(f"| {r['plan']} | {r['variant']} | {' '.join(f'{t:.3f}' for t in r['sync_ms'])} | "
-                   f"{r['median_ms']:.3f} | {r['median_ms'] / base - 1:+.1%} | {b2b} | {same} |")
+                   f"{r['median_ms']:.3f} | {r['median_ms'] / base - 1:+.1%} | {b2b} | {clocks} | {same} |")
     return "\n".join(out)
 
 
@@ -259,7 +278,9 @@ def main(argv=None) -> int:
 Variants of a preset's steps side by side in one process, each plan's states the same before
 every variant's step, timings alternating variant by variant; a variant sets module constants
 (the switches and thresholds kernels and mixers read) while its graphs are captured and its
-steps run. Prints each plan's variants beside the first, and whether their logits equal its.
+steps run. Prints each plan's variants beside the first, the SM clock and board power while
+each ran (from nvidia-smi: a step held at the power cap runs below the top clock), and whether
+their logits equal its.
 
   mambastep bench ab --preset nemotron-3-nano-30b-a3b --quantization fp8 --variant main \\
       --variant "align in one program:kernels.moe.ALIGN_COUNTED_ONE_PROGRAM=1024" \\

@@ -170,3 +170,10 @@ def test_a_benchmark_with_its_own_options_is_dispatched_by_name_and_named_when_m
         with pytest.raises(SystemExit):
             bench.main(["--json", "x.json", what])
         assert f"error: {what} takes its own options, after it" in capsys.readouterr().err
+
+
+def test_the_table_shows_the_clock_and_power_where_they_were_read():
+    row = {"plan": "prefill 2048", "variant": "main", "sync_ms": [45.1], "median_ms": 45.1, "equal": True,
+           "back_to_back_ms": 45.0}
+    assert "| 45.000 | n/a | equal |" in table([row])
+    assert "| 45.000 | 1512, 699 | equal |" in table([dict(row, sm_mhz=1511.6, power_w=698.7)])

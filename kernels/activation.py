@@ -83,8 +83,8 @@ def relu2(x: torch.Tensor, out: torch.Tensor | None = None, rows: Fp8Rows | None
     [M, I] written quantized per row too (``Fp8Rows`` [M, I]), as ``quantize_rows(out)`` would
     make it, for an FP8 product that takes them (``kernels.linear.takes_rows``): a program a
     chunk of a row, in two launches. rows_only: only the rows are wanted (the product reads
-    nothing else), so out is left unwritten, the second launch making relu2 again from x (where
-    out is x, x is left as it was)."""
+    nothing else), so out may be left unwritten: the kernels leave it, the second launch making
+    relu2 again from x (where out is x, x is left as it was); the reference writes it."""
     out = torch.empty_like(x) if out is None else out
     if not (x.is_contiguous() and out.is_contiguous() and out.shape == x.shape):
         raise ValueError("relu2: x and out must be contiguous and of one shape")

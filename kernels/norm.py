@@ -226,16 +226,16 @@ def gated_rms_norm(x, z, weight, group_size, eps, *, out=None, pdl=False, rows: 
     split = rows is not None and walks_rows(T)  # a group a program, as without rows, then the rows
     groups = triton.next_power_of_2(n_groups) if rows is not None and not split else 1
     q, scale = rows if rows is not None else (out, out)
-    if split:  # the groups' maxima where the rows' scales would go
-        scale = torch.empty(T, n_groups, dtype=torch.float32, device=x.device)
+    # split: the kernel stores the groups' maxima where the rows' scales would go
+    amax = torch.empty(T, n_groups, dtype=torch.float32, device=x.device) if split else None
     _gated_rms_norm_kernel[(T, triton.cdiv(n_groups, groups))](
-        x, z, weight, out, q, scale, n_groups, group_size, eps,
+        x, z, weight, out, q, scale if amax is None else amax, n_groups, group_size, eps,
         x.stride(0), z.stride(0), out.stride(0), q.stride(0),
         BLOCK=block, GROUPS=groups, USE_PDL=pdl, QUANT=rows is not None and not split, AMAX=split,
         num_warps=_num_warps(block * groups), **({"launch_pdl": True} if pdl else {}),
     )
     if split:
-        _quantize_groups_kernel[(T, n_groups)](out, scale, rows.values, rows.scale, group_size, out.stride(0),
+        _quantize_groups_kernel[(T, n_groups)](out, amax, rows.values, rows.scale, group_size, out.stride(0),
                                                rows.values.stride(0), BLOCK=block,
                                                GROUPS=triton.next_power_of_2(n_groups), num_warps=_num_warps(block))
     return out

@@ -116,8 +116,8 @@ def compare(preset: str, variants: Mapping[str, Variant], plans: Mapping[str, St
     """One row a (plan, variant): its synchronised step times (ms, one median a round), steps
     launched back to back (ms a step, the median over the first two rounds; CUDA only), the mean
     SM clock and board power while its synchronised steps ran (``sm_mhz``, ``power_w``; where
-    nvidia-smi reads them), and whether its logits equal the first variant's (else the largest difference, the first's standard
-    deviation, and the share of rows whose top token agrees). ``preset``:
+    nvidia-smi reads them), and whether its logits equal the first variant's (else the largest
+    difference, the first's standard deviation, and the share of rows whose top token agrees). ``preset``:
     random weights of that shape; ``variants``: name -> context manager factory, the first the
     baseline; ``max_context``: the pool's length (what a decode attention's split sizes follow;
     ``bench steps`` pools ``CONTEXT + 2 * 2048``); ``quantization``: as ``Model.from_preset``'s

@@ -76,8 +76,8 @@ def _compile_instead(self, *args, grid, warmup, **kwargs):
     if spilled:
         failed.append(name)
     shared = kernel.metadata.shared
-    print("FAIL" if spilled else "ok  ", f"{regs:3d} registers, {spilled} bytes spilled, {shared // 1024:3d} KiB shared:",
-          name, flush=True)
+    print("FAIL" if spilled else "ok  ",
+          f"{regs:3d} registers, {spilled} bytes spilled, {shared // 1024:3d} KiB shared:", name, flush=True)
     if LOOPS:
         print("     ", _loop_mix(kernel.asm["cubin"]), flush=True)
     return None

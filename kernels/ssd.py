@@ -156,7 +156,7 @@ def _state_chain_kernel(
     H, P, N, heads_per_group,
     s_x_t, s_x_h, s_x_p, s_B_t, s_B_g, s_B_n, s_st_s, s_st_h, s_st_p, s_st_n,
     CHUNK_SIZE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, TILES_FASTEST: tl.constexpr,
 ):
     """Per sequence, head, state tile: each chunk's start state, then its own final state from
     zero (x^T against B weighted by dt' and the decay to the chunk's end), which passes the state
@@ -170,9 +170,15 @@ def _state_chain_kernel(
     Nemotron-3-Nano 0.3-0.6%, Mamba2-130M 5.6-5.8% slower (24 heads, 256-token chunks: each program
     walks 8 long chunks where the old grid took one a program; no tile won it back), in
     docs/experiments.md."""
-    s = tl.program_id(0)
-    h = tl.program_id(1)
-    pid_pn = tl.program_id(2)
+    if TILES_FASTEST:
+        # a head's state tiles launched side by side: they read the same x, once from HBM
+        pid_pn = tl.program_id(0)
+        s = tl.program_id(1)
+        h = tl.program_id(2)
+    else:
+        s = tl.program_id(0)
+        h = tl.program_id(1)
+        pid_pn = tl.program_id(2)
     slot = tl.load(slot_idx_ptr + s).to(tl.int64)
     # int64 so the loop variable below indexes the workspace without overflow
     c0 = tl.load(seq_chunk_start_ptr + s).to(tl.int64)
@@ -283,11 +289,13 @@ def _chunk_scan_kernel(
     chunk_seq_ptr, chunk_start_ptr, chunk_end_ptr, slot_idx_ptr,
     H, P, N, G, heads_per_group,
     s_x_t, s_x_h, s_x_p, s_z_t, s_z_h, s_z_p, s_C_t, s_C_g, s_C_n,
-    s_o_t, s_o_h, s_o_p,
+    s_o_t, s_o_h, s_o_p, p_base,
     CHUNK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_P: tl.constexpr, TAIL_P: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
+    # head columns p_base + pid_p * BLOCK_P + [0, BLOCK_P); with TAIL_P (one program a row block
+    # and head), also the TAIL_P columns after them, weighted by the same scores
     h = tl.program_id(1)
     pid_p = tl.program_id(2)
     c, m0, t0, length, live = _row_block(tl.program_id(0), chunk_seq_ptr, chunk_start_ptr, chunk_end_ptr,
@@ -298,7 +306,7 @@ def _chunk_scan_kernel(
     dtype = x_ptr.dtype.element_ty
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_p = p_base + pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_n = tl.arange(0, BLOCK_N)
     mask_m = offs_m < length
     mask_p = offs_p < P
@@ -310,9 +318,14 @@ def _chunk_scan_kernel(
     # [BLOCK_N, BLOCK_P]; C is not needed past this product (C B^T comes from the workspace)
     cmat = tl.load(C_ptr + (t0 + offs_m)[:, None] * s_C_t + g * s_C_g + offs_n[None, :] * s_C_n,
                    mask=mask_m[:, None] & mask_n[None, :], other=0.0).to(dtype)
-    state = tl.load(starts_ptr + ((c.to(tl.int64) * H + h) * P + offs_p[None, :]) * N + offs_n[:, None],
-                    mask=mask_n[:, None] & mask_p[None, :], other=0.0)
+    starts = starts_ptr + (c.to(tl.int64) * H + h) * P * N + offs_n[:, None]
+    state = tl.load(starts + offs_p[None, :] * N, mask=mask_n[:, None] & mask_p[None, :], other=0.0)
     acc = _dot(cmat, state.to(dtype), PRECISION, UPCAST) * tl.exp(cs_m)[:, None]
+    if TAIL_P > 0:
+        offs_q = p_base + BLOCK_P + tl.arange(0, TAIL_P)
+        mask_q = offs_q < P
+        state_q = tl.load(starts + offs_q[None, :] * N, mask=mask_n[:, None] & mask_q[None, :], other=0.0)
+        acc_q = _dot(cmat, state_q.to(dtype), PRECISION, UPCAST) * tl.exp(cs_m)[:, None]
 
     # intra-chunk part: the group's causal C B^T weighted by the head's decay between positions,
     # against dt' x
@@ -331,11 +344,27 @@ def _chunk_scan_kernel(
         decay = tl.exp(tl.where(causal, cs_m[:, None] - cs_k[None, :], float("-inf")))
         scores = scores * decay * dt_k[None, :]
         # [BLOCK_K, BLOCK_P]
-        xk = tl.load(x_ptr + tok_k[:, None] * s_x_t + h * s_x_h + offs_p[None, :] * s_x_p,
-                     mask=mask_k[:, None] & mask_p[None, :], other=0.0)
-        acc += _dot(scores.to(dtype), xk, PRECISION, UPCAST)
+        x_rows = x_ptr + tok_k[:, None] * s_x_t + h * s_x_h
+        xk = tl.load(x_rows + offs_p[None, :] * s_x_p, mask=mask_k[:, None] & mask_p[None, :], other=0.0)
+        scores = scores.to(dtype)
+        acc += _dot(scores, xk, PRECISION, UPCAST)
+        if TAIL_P > 0:
+            xq = tl.load(x_rows + offs_q[None, :] * s_x_p, mask=mask_k[:, None] & mask_q[None, :], other=0.0)
+            acc_q += _dot(scores, xq, PRECISION, UPCAST)
 
     tok_m = t0 + offs_m
+    _scan_store(acc, x_ptr, z_ptr, D_ptr, out_ptr, h, tok_m, mask_m, offs_p, mask_p,
+                s_x_t, s_x_h, s_x_p, s_z_t, s_z_h, s_z_p, s_o_t, s_o_h, s_o_p, HAS_D, HAS_Z)
+    if TAIL_P > 0:
+        _scan_store(acc_q, x_ptr, z_ptr, D_ptr, out_ptr, h, tok_m, mask_m, offs_q, mask_q,
+                    s_x_t, s_x_h, s_x_p, s_z_t, s_z_h, s_z_p, s_o_t, s_o_h, s_o_p, HAS_D, HAS_Z)
+
+
+@triton.jit
+def _scan_store(acc, x_ptr, z_ptr, D_ptr, out_ptr, h, tok_m, mask_m, offs_p, mask_p,
+                s_x_t, s_x_h, s_x_p, s_z_t, s_z_h, s_z_p, s_o_t, s_o_h, s_o_p,
+                HAS_D: tl.constexpr, HAS_Z: tl.constexpr):
+    """A scan program's columns out: + D x, * silu(z), stored."""
     mask_mp = mask_m[:, None] & mask_p[None, :]
     if HAS_D:
         xm = tl.load(x_ptr + tok_m[:, None] * s_x_t + h * s_x_h + offs_p[None, :] * s_x_p,
@@ -375,6 +404,32 @@ def _zero_skipped_rows_kernel(
 # again): the 9B-v2's chain 114 -> 93 us a layer. The chunk scan keeps 64-wide blocks (whole,
 # 143 -> 173 us). 0: 64-wide blocks.
 CHAIN_ODD_P_MAX = 128
+
+# The state chain's grid with a head's state tiles fastest (launched side by side, so the x they
+# all read comes from HBM once), else sequences, then heads, then tiles.
+CHAIN_TILES_FASTEST = False
+
+
+# The chunk scan over a head dim past 64 that 64 does not divide (the 9B-v2's 80): "blocks" in
+# 64-wide blocks (80: 64 + 16 of 64, the second program weighting its row block's scores again
+# for a quarter of their columns); "launch" the 64-wide blocks, then a second launch of the rest
+# in one narrow block; "program" one program a row block and head over its 64 columns and the
+# rest beside them, the scores weighted once (a head dim under 128).
+SCAN_TAIL = "blocks"
+
+
+def _scan_column_launches(P: int, block_p: int) -> list[tuple[int, int, int, int]]:
+    """The chunk scan's launches over the head dim: (column blocks, first column, BLOCK_P,
+    TAIL_P) each, per ``SCAN_TAIL``."""
+    whole, rest = divmod(P, block_p)
+    if not whole or not rest or SCAN_TAIL == "blocks":
+        return [(triton.cdiv(P, block_p), 0, block_p, 0)]
+    tail_p = max(16, triton.next_power_of_2(rest))
+    if SCAN_TAIL == "program" and whole == 1:
+        return [(1, 0, block_p, tail_p)]
+    if SCAN_TAIL not in ("launch", "program"):
+        raise ValueError(f"ssd.SCAN_TAIL: {SCAN_TAIL!r} is not 'blocks', 'launch' or 'program'")
+    return [(whole, 0, block_p, 0), (1, whole * block_p, tail_p, 0)]
 
 
 @dataclass(frozen=True)
@@ -653,13 +708,14 @@ def ssd_scan(x, dt, A, B, C, D, ssm_state, meta: PrefillMetadata, *, z=None, dt_
         CHUNK_SIZE=cs_size, BLOCK_L=triton.next_power_of_2(cs_size), BLOCK_H=bl.cumsum_h,
         HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus),
     )
-    grid = (max_seqs, H, triton.cdiv(P, bl.chain_p) * triton.cdiv(N, bl.chain_n))
+    tiles = triton.cdiv(P, bl.chain_p) * triton.cdiv(N, bl.chain_n)
+    grid = (tiles, max_seqs, H) if CHAIN_TILES_FASTEST else (max_seqs, H, tiles)
     _state_chain_kernel[grid](
         x, B, ws.dt, ws.dA_cumsum, ws.starts, ssm_state, meta.chunk_start, meta.chunk_end, meta.slot_idx,
         meta.has_initial_state, meta.seq_chunk_start, meta.final_slot, meta.snapshot_slot, meta.snapshot_row,
         H, P, N, H // G, *x.stride(), *B.stride(),
         *ssm_state.stride(), CHUNK_SIZE=cs_size, BLOCK_L=bl.chain_l, BLOCK_P=bl.chain_p, BLOCK_N=bl.chain_n,
-        **dot, num_warps=bl.chain_warps, num_stages=bl.chain_stages,
+        TILES_FASTEST=CHAIN_TILES_FASTEST, **dot, num_warps=bl.chain_warps, num_stages=bl.chain_stages,
     )
     if passed is not None:
         passed.record()
@@ -670,15 +726,15 @@ def ssd_scan(x, dt, A, B, C, D, ssm_state, meta: PrefillMetadata, *, z=None, dt_
         num_warps=bl.warps,
     )
     zs = z.stride() if z is not None else (0, 0, 0)
-    grid = (max_chunks * n_blocks_m, H, triton.cdiv(P, bl.scan_p))
-    _chunk_scan_kernel[grid](
-        x, z if z is not None else x, C, D if D is not None else A, out,
-        ws.dt, ws.dA_cumsum, ws.starts, ws.cb, *chunk_meta,
-        H, P, N, G, H // G, *x.stride(), *zs, *C.stride(), *out.stride(),
-        CHUNK_SIZE=cs_size, BLOCK_M=bl.scan_m, BLOCK_K=bl.scan_k, BLOCK_P=bl.scan_p,
-        BLOCK_N=bl.scan_n, HAS_D=D is not None, HAS_Z=z is not None, **dot,
-        num_stages=bl.scan_stages, num_warps=bl.warps,
-    )
+    for blocks_p, p_base, block_p, tail_p in _scan_column_launches(P, bl.scan_p):
+        _chunk_scan_kernel[(max_chunks * n_blocks_m, H, blocks_p)](
+            x, z if z is not None else x, C, D if D is not None else A, out,
+            ws.dt, ws.dA_cumsum, ws.starts, ws.cb, *chunk_meta,
+            H, P, N, G, H // G, *x.stride(), *zs, *C.stride(), *out.stride(), p_base,
+            CHUNK_SIZE=cs_size, BLOCK_M=bl.scan_m, BLOCK_K=bl.scan_k, BLOCK_P=block_p, TAIL_P=tail_p,
+            BLOCK_N=bl.scan_n, HAS_D=D is not None, HAS_Z=z is not None, **dot,
+            num_stages=bl.scan_stages, num_warps=bl.warps,
+        )
     block_t = 32
     _zero_skipped_rows_kernel[(triton.cdiv(T, block_t), H)](
         out, meta.seq_idx, meta.slot_idx, T, P, *out.stride(),

@@ -23,10 +23,6 @@ RELU2_BLOCK = 2048  # elements a program of relu2 takes at a time
 # faster; Nemotron-Nano-9B-v2's decode 64 -0.9%, its mixed step of 64 + 223 rows -2.4%, its
 # 2048-token prefill +0.6% (docs/experiments.md)
 RELU2_CHUNK = 1024
-# From this many rows (a prefill chunk's), RELU2_WIDE_CHUNK-column chunks: fewer, longer programs
-# with more loads in flight each.
-RELU2_WIDE_ROWS = 256
-RELU2_WIDE_CHUNK = 1024
 
 
 @triton.jit
@@ -97,12 +93,11 @@ def relu2(x: torch.Tensor, out: torch.Tensor | None = None, rows: Fp8Rows | None
             raise ValueError(f"relu2: rows asked of a {x.dim()}-D x (they need [M, I])")
         rows.check("relu2: rows", *x.shape)
         M, I = x.shape
-        block = RELU2_WIDE_CHUNK if M >= RELU2_WIDE_ROWS else RELU2_CHUNK
-        chunks = triton.cdiv(I, block)
+        chunks = triton.cdiv(I, RELU2_CHUNK)
         amax = torch.empty(M, chunks, dtype=torch.float32, device=x.device)
-        _relu2_chunks_kernel[(M, chunks)](x, out, amax, I, BLOCK=block, WRITE_OUT=not rows_only, num_warps=4)
+        _relu2_chunks_kernel[(M, chunks)](x, out, amax, I, BLOCK=RELU2_CHUNK, WRITE_OUT=not rows_only, num_warps=4)
         _quantize_chunks_kernel[(M, chunks)](x if rows_only else out, amax, rows.values, rows.scale, I,
-                                             rows.values.stride(0), BLOCK=block,
+                                             rows.values.stride(0), BLOCK=RELU2_CHUNK,
                                              CHUNKS=triton.next_power_of_2(chunks), FROM_X=rows_only, num_warps=4)
         return out
     n = x.numel()

@@ -156,7 +156,7 @@ def _state_chain_kernel(
     H, P, N, heads_per_group,
     s_x_t, s_x_h, s_x_p, s_B_t, s_B_g, s_B_n, s_st_s, s_st_h, s_st_p, s_st_n,
     CHUNK_SIZE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, TILES_FASTEST: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Per sequence, head, state tile: each chunk's start state, then its own final state from
     zero (x^T against B weighted by dt' and the decay to the chunk's end), which passes the state
@@ -170,15 +170,9 @@ def _state_chain_kernel(
     Nemotron-3-Nano 0.3-0.6%, Mamba2-130M 5.6-5.8% slower (24 heads, 256-token chunks: each program
     walks 8 long chunks where the old grid took one a program; no tile won it back), in
     docs/experiments.md."""
-    if TILES_FASTEST:
-        # a head's state tiles launched side by side: they read the same x, once from HBM
-        pid_pn = tl.program_id(0)
-        s = tl.program_id(1)
-        h = tl.program_id(2)
-    else:
-        s = tl.program_id(0)
-        h = tl.program_id(1)
-        pid_pn = tl.program_id(2)
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    pid_pn = tl.program_id(2)
     slot = tl.load(slot_idx_ptr + s).to(tl.int64)
     # int64 so the loop variable below indexes the workspace without overflow
     c0 = tl.load(seq_chunk_start_ptr + s).to(tl.int64)
@@ -289,13 +283,13 @@ def _chunk_scan_kernel(
     chunk_seq_ptr, chunk_start_ptr, chunk_end_ptr, slot_idx_ptr,
     H, P, N, G, heads_per_group,
     s_x_t, s_x_h, s_x_p, s_z_t, s_z_h, s_z_p, s_C_t, s_C_g, s_C_n,
-    s_o_t, s_o_h, s_o_p, p_base,
+    s_o_t, s_o_h, s_o_p,
     CHUNK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr, TAIL_P: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    # head columns p_base + pid_p * BLOCK_P + [0, BLOCK_P); with TAIL_P (one program a row block
-    # and head), also the TAIL_P columns after them, weighted by the same scores
+    # head columns pid_p * BLOCK_P + [0, BLOCK_P); with TAIL_P (one program a row block and head),
+    # also the TAIL_P columns after them, weighted by the same scores
     h = tl.program_id(1)
     pid_p = tl.program_id(2)
     c, m0, t0, length, live = _row_block(tl.program_id(0), chunk_seq_ptr, chunk_start_ptr, chunk_end_ptr,
@@ -306,7 +300,7 @@ def _chunk_scan_kernel(
     dtype = x_ptr.dtype.element_ty
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_p = p_base + pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_n = tl.arange(0, BLOCK_N)
     mask_m = offs_m < length
     mask_p = offs_p < P
@@ -322,7 +316,7 @@ def _chunk_scan_kernel(
     state = tl.load(starts + offs_p[None, :] * N, mask=mask_n[:, None] & mask_p[None, :], other=0.0)
     acc = _dot(cmat, state.to(dtype), PRECISION, UPCAST) * tl.exp(cs_m)[:, None]
     if TAIL_P > 0:
-        offs_q = p_base + BLOCK_P + tl.arange(0, TAIL_P)
+        offs_q = BLOCK_P + tl.arange(0, TAIL_P)
         mask_q = offs_q < P
         state_q = tl.load(starts + offs_q[None, :] * N, mask=mask_n[:, None] & mask_q[None, :], other=0.0)
         acc_q = _dot(cmat, state_q.to(dtype), PRECISION, UPCAST) * tl.exp(cs_m)[:, None]
@@ -405,31 +399,15 @@ def _zero_skipped_rows_kernel(
 # 143 -> 173 us). 0: 64-wide blocks.
 CHAIN_ODD_P_MAX = 128
 
-# The state chain's grid with a head's state tiles fastest (launched side by side, so the x they
-# all read comes from HBM once), else sequences, then heads, then tiles.
-CHAIN_TILES_FASTEST = False
 
-
-# The chunk scan over a head dim past 64 that 64 does not divide (the 9B-v2's 80): "blocks" in
-# 64-wide blocks (80: 64 + 16 of 64, the second program weighting its row block's scores again
-# for a quarter of their columns); "launch" the 64-wide blocks, then a second launch of the rest
-# in one narrow block; "program" one program a row block and head over its 64 columns and the
-# rest beside them, the scores weighted once (a head dim under 128).
-SCAN_TAIL = "blocks"
-
-
-def _scan_column_launches(P: int, block_p: int) -> list[tuple[int, int, int, int]]:
-    """The chunk scan's launches over the head dim: (column blocks, first column, BLOCK_P,
-    TAIL_P) each, per ``SCAN_TAIL``."""
+def _scan_tail(P: int, block_p: int) -> int:
+    """The chunk scan's columns past its one BLOCK_P block that one program takes beside them
+    (a head dim between 64 and 128 that 64 does not divide: the 9B-v2's 80 as 64 + a 16-column
+    tail), so a row block's scores are weighted once rather than again in a block of its own that
+    is mostly padding (the 9B-v2's FP8 prefill of 2048 tokens -1.4%, H100; docs/experiments.md).
+    0: BLOCK_P-wide blocks only."""
     whole, rest = divmod(P, block_p)
-    if not whole or not rest or SCAN_TAIL == "blocks":
-        return [(triton.cdiv(P, block_p), 0, block_p, 0)]
-    tail_p = max(16, triton.next_power_of_2(rest))
-    if SCAN_TAIL == "program" and whole == 1:
-        return [(1, 0, block_p, tail_p)]
-    if SCAN_TAIL not in ("launch", "program"):
-        raise ValueError(f"ssd.SCAN_TAIL: {SCAN_TAIL!r} is not 'blocks', 'launch' or 'program'")
-    return [(whole, 0, block_p, 0), (1, whole * block_p, tail_p, 0)]
+    return max(16, triton.next_power_of_2(rest)) if whole == 1 and rest else 0
 
 
 @dataclass(frozen=True)
@@ -708,14 +686,13 @@ def ssd_scan(x, dt, A, B, C, D, ssm_state, meta: PrefillMetadata, *, z=None, dt_
         CHUNK_SIZE=cs_size, BLOCK_L=triton.next_power_of_2(cs_size), BLOCK_H=bl.cumsum_h,
         HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus),
     )
-    tiles = triton.cdiv(P, bl.chain_p) * triton.cdiv(N, bl.chain_n)
-    grid = (tiles, max_seqs, H) if CHAIN_TILES_FASTEST else (max_seqs, H, tiles)
+    grid = (max_seqs, H, triton.cdiv(P, bl.chain_p) * triton.cdiv(N, bl.chain_n))
     _state_chain_kernel[grid](
         x, B, ws.dt, ws.dA_cumsum, ws.starts, ssm_state, meta.chunk_start, meta.chunk_end, meta.slot_idx,
         meta.has_initial_state, meta.seq_chunk_start, meta.final_slot, meta.snapshot_slot, meta.snapshot_row,
         H, P, N, H // G, *x.stride(), *B.stride(),
         *ssm_state.stride(), CHUNK_SIZE=cs_size, BLOCK_L=bl.chain_l, BLOCK_P=bl.chain_p, BLOCK_N=bl.chain_n,
-        TILES_FASTEST=CHAIN_TILES_FASTEST, **dot, num_warps=bl.chain_warps, num_stages=bl.chain_stages,
+        **dot, num_warps=bl.chain_warps, num_stages=bl.chain_stages,
     )
     if passed is not None:
         passed.record()
@@ -726,15 +703,16 @@ def ssd_scan(x, dt, A, B, C, D, ssm_state, meta: PrefillMetadata, *, z=None, dt_
         num_warps=bl.warps,
     )
     zs = z.stride() if z is not None else (0, 0, 0)
-    for blocks_p, p_base, block_p, tail_p in _scan_column_launches(P, bl.scan_p):
-        _chunk_scan_kernel[(max_chunks * n_blocks_m, H, blocks_p)](
-            x, z if z is not None else x, C, D if D is not None else A, out,
-            ws.dt, ws.dA_cumsum, ws.starts, ws.cb, *chunk_meta,
-            H, P, N, G, H // G, *x.stride(), *zs, *C.stride(), *out.stride(), p_base,
-            CHUNK_SIZE=cs_size, BLOCK_M=bl.scan_m, BLOCK_K=bl.scan_k, BLOCK_P=block_p, TAIL_P=tail_p,
-            BLOCK_N=bl.scan_n, HAS_D=D is not None, HAS_Z=z is not None, **dot,
-            num_stages=bl.scan_stages, num_warps=bl.warps,
-        )
+    tail_p = _scan_tail(P, bl.scan_p)
+    grid = (max_chunks * n_blocks_m, H, 1 if tail_p else triton.cdiv(P, bl.scan_p))
+    _chunk_scan_kernel[grid](
+        x, z if z is not None else x, C, D if D is not None else A, out,
+        ws.dt, ws.dA_cumsum, ws.starts, ws.cb, *chunk_meta,
+        H, P, N, G, H // G, *x.stride(), *zs, *C.stride(), *out.stride(),
+        CHUNK_SIZE=cs_size, BLOCK_M=bl.scan_m, BLOCK_K=bl.scan_k, BLOCK_P=bl.scan_p, TAIL_P=tail_p,
+        BLOCK_N=bl.scan_n, HAS_D=D is not None, HAS_Z=z is not None, **dot,
+        num_stages=bl.scan_stages, num_warps=bl.warps,
+    )
     block_t = 32
     _zero_skipped_rows_kernel[(triton.cdiv(T, block_t), H)](
         out, meta.seq_idx, meta.slot_idx, T, P, *out.stride(),

@@ -271,10 +271,10 @@ def launch_decode_attention() -> None:
 
 
 def launch_prefill() -> None:
-    """A Mamba2 prefill chunk at Nemotron's head shapes (P 64 and Nano-9B-v2's 80 in one block, the
-    scan's tail of 16 launched or in the 64's program, N 128, chunks of 128, bf16): the SSD scan's kernels and the causal conv over packed tokens, two
-    sequences, one from a state."""
-    from mambastep.kernels import ssd
+    """A Mamba2 prefill chunk at Nemotron's head shapes (P 64, and Nano-9B-v2's 80: one chain
+    block, the scan's 64 columns and 16-column tail in one program; N 128, chunks of 128, bf16):
+    the SSD scan's kernels and the causal conv over packed tokens, two sequences, one from a
+    state."""
     from mambastep.kernels.conv1d import conv1d_varlen
     from mambastep.kernels.ssd import SSDWorkspace, ssd_scan
     from mambastep.kernels.varlen import PrefillMetadata
@@ -283,18 +283,11 @@ def launch_prefill() -> None:
     meta = PrefillMetadata.build([200, 56], [0, 1], [1, 0], chunk_size=128, max_tokens=T, max_seqs=2)
     bf16 = dict(dtype=torch.bfloat16)
     B, C = torch.empty(T, G, N, **bf16), torch.empty(T, G, N, **bf16)
-    for P, scan_tail, tiles_fastest in ((64, "blocks", False), (80, "blocks", False), (80, "launch", False),
-                                        (80, "program", True)):
+    for P in (64, 80):
         x, z = torch.empty(T, H, P, **bf16), torch.empty(T, H, P, **bf16)
         ws = SSDWorkspace.allocate(meta.max_chunks, H, P, N, 128, "cpu", torch.bfloat16, groups=G)
-        was = ssd.SCAN_TAIL, ssd.CHAIN_TILES_FASTEST
-        ssd.SCAN_TAIL, ssd.CHAIN_TILES_FASTEST = scan_tail, tiles_fastest
-        try:
-            ssd_scan.triton(x, torch.empty(T, H, **bf16), torch.empty(H), B, C, torch.empty(H),
-                            torch.empty(2, H, P, N), meta, z=z, dt_bias=torch.empty(H), out=torch.empty_like(x),
-                            workspace=ws)
-        finally:
-            ssd.SCAN_TAIL, ssd.CHAIN_TILES_FASTEST = was
+        ssd_scan.triton(x, torch.empty(T, H, **bf16), torch.empty(H), B, C, torch.empty(H), torch.empty(2, H, P, N),
+                        meta, z=z, dt_bias=torch.empty(H), out=torch.empty_like(x), workspace=ws)
     # the conv state as the state pool keeps it, [S, K-1, D] seen as [S, D, K-1]
     conv1d_varlen.triton(torch.empty(T, D, **bf16), torch.empty(D, K, **bf16), torch.empty(D, **bf16),
                          torch.empty(2, K - 1, D, **bf16).transpose(1, 2), meta)
@@ -315,7 +308,6 @@ def launch_quantize() -> None:
     # the kernels that write their outputs quantized, a decode step's rows: the gated norm's each
     # held whole (Nano's 8 groups of 512), relu2's in 1024-column chunks (the 8B's 21504 columns,
     # out written and not)
-    from mambastep.kernels import activation
     from mambastep.kernels.activation import relu2
     from mambastep.kernels.fp8 import Fp8Rows
     from mambastep.kernels.norm import gated_rms_norm, rms_norm
@@ -329,12 +321,7 @@ def launch_quantize() -> None:
     # program, then the groups quantized), its 15680 columns and its block norm's 4480, walked
     gated_rms_norm.triton(torch.empty(512, 10240, **bf16), torch.empty(512, 10240, **bf16),
                           torch.empty(10240, **bf16), 1280, 1e-5, rows=Fp8Rows.empty(512, 10240, "cpu"))
-    for wide_chunk in (activation.RELU2_CHUNK, 4096):
-        activation.RELU2_WIDE_CHUNK, was = wide_chunk, activation.RELU2_WIDE_CHUNK
-        try:
-            relu2.triton(torch.empty(512, 15680, **bf16), rows=Fp8Rows.empty(512, 15680, "cpu"), rows_only=True)
-        finally:
-            activation.RELU2_WIDE_CHUNK = was
+    relu2.triton(torch.empty(512, 15680, **bf16), rows=Fp8Rows.empty(512, 15680, "cpu"), rows_only=True)
     rms_norm.triton(torch.empty(512, 4480, **bf16), torch.empty(4480, **bf16), 1e-5, residual=torch.empty(512, 4480),
                     rows=Fp8Rows.empty(512, 4480, "cpu"))
 

@@ -17,20 +17,13 @@ def test_relu2_matches_reference(device, dtype, n):
     assert torch.equal(x, out)
 
 
-@pytest.mark.parametrize("wide", [False, True], ids=["chunks", "wide chunks"])
 @pytest.mark.parametrize("rows_only", [False, True], ids=["out-too", "rows-only"])
 @pytest.mark.parametrize("M, I", [(3, 40), (6, 1856), (4, 5000)])
-def test_relu2_writes_its_rows_quantized_as_the_quantizer_would(device, M, I, rows_only, wide, monkeypatch):
+def test_relu2_writes_its_rows_quantized_as_the_quantizer_would(device, M, I, rows_only):
     """``rows``: relu2 as without them (in place too) and each row quantized bit for bit as
     ``quantize_rows`` makes it of the output (a row all below zero: zeros); poisoned buffers. In
-    chunks of 1024 columns, a program each (1856 and 5000 columns: a part chunk last), or in the
-    wide chunks of many rows (4096 columns, asked here from 4 rows); with ``rows_only`` the
-    in-place input is left as it was."""
-    import mambastep.kernels.activation as activation
-
-    if wide:
-        monkeypatch.setattr(activation, "RELU2_WIDE_ROWS", 4)
-        monkeypatch.setattr(activation, "RELU2_WIDE_CHUNK", 4096)
+    chunks of 1024 columns, a program each (1856 and 5000 columns: a part chunk last); with
+    ``rows_only`` the in-place input is left as it was."""
     torch.manual_seed(7)
     x = (torch.randn(M, I) * torch.linspace(0.01, 30.0, M)[:, None]).to(torch.bfloat16)
     x[1] = -x[1].abs()

@@ -285,9 +285,11 @@ def _chunk_scan_kernel(
     s_x_t, s_x_h, s_x_p, s_z_t, s_z_h, s_z_p, s_C_t, s_C_g, s_C_n,
     s_o_t, s_o_h, s_o_p,
     CHUNK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_P: tl.constexpr, TAIL_P: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
+    # head columns pid_p * BLOCK_P + [0, BLOCK_P); with TAIL_P (one program a row block and head),
+    # also the TAIL_P columns after them, weighted by the same scores
     h = tl.program_id(1)
     pid_p = tl.program_id(2)
     c, m0, t0, length, live = _row_block(tl.program_id(0), chunk_seq_ptr, chunk_start_ptr, chunk_end_ptr,
@@ -310,9 +312,14 @@ def _chunk_scan_kernel(
     # [BLOCK_N, BLOCK_P]; C is not needed past this product (C B^T comes from the workspace)
     cmat = tl.load(C_ptr + (t0 + offs_m)[:, None] * s_C_t + g * s_C_g + offs_n[None, :] * s_C_n,
                    mask=mask_m[:, None] & mask_n[None, :], other=0.0).to(dtype)
-    state = tl.load(starts_ptr + ((c.to(tl.int64) * H + h) * P + offs_p[None, :]) * N + offs_n[:, None],
-                    mask=mask_n[:, None] & mask_p[None, :], other=0.0)
+    starts = starts_ptr + (c.to(tl.int64) * H + h) * P * N + offs_n[:, None]
+    state = tl.load(starts + offs_p[None, :] * N, mask=mask_n[:, None] & mask_p[None, :], other=0.0)
     acc = _dot(cmat, state.to(dtype), PRECISION, UPCAST) * tl.exp(cs_m)[:, None]
+    if TAIL_P > 0:
+        offs_q = BLOCK_P + tl.arange(0, TAIL_P)
+        mask_q = offs_q < P
+        state_q = tl.load(starts + offs_q[None, :] * N, mask=mask_n[:, None] & mask_q[None, :], other=0.0)
+        acc_q = _dot(cmat, state_q.to(dtype), PRECISION, UPCAST) * tl.exp(cs_m)[:, None]
 
     # intra-chunk part: the group's causal C B^T weighted by the head's decay between positions,
     # against dt' x
@@ -331,11 +338,27 @@ def _chunk_scan_kernel(
         decay = tl.exp(tl.where(causal, cs_m[:, None] - cs_k[None, :], float("-inf")))
         scores = scores * decay * dt_k[None, :]
         # [BLOCK_K, BLOCK_P]
-        xk = tl.load(x_ptr + tok_k[:, None] * s_x_t + h * s_x_h + offs_p[None, :] * s_x_p,
-                     mask=mask_k[:, None] & mask_p[None, :], other=0.0)
-        acc += _dot(scores.to(dtype), xk, PRECISION, UPCAST)
+        x_rows = x_ptr + tok_k[:, None] * s_x_t + h * s_x_h
+        xk = tl.load(x_rows + offs_p[None, :] * s_x_p, mask=mask_k[:, None] & mask_p[None, :], other=0.0)
+        scores = scores.to(dtype)
+        acc += _dot(scores, xk, PRECISION, UPCAST)
+        if TAIL_P > 0:
+            xq = tl.load(x_rows + offs_q[None, :] * s_x_p, mask=mask_k[:, None] & mask_q[None, :], other=0.0)
+            acc_q += _dot(scores, xq, PRECISION, UPCAST)
 
     tok_m = t0 + offs_m
+    _scan_store(acc, x_ptr, z_ptr, D_ptr, out_ptr, h, tok_m, mask_m, offs_p, mask_p,
+                s_x_t, s_x_h, s_x_p, s_z_t, s_z_h, s_z_p, s_o_t, s_o_h, s_o_p, HAS_D, HAS_Z)
+    if TAIL_P > 0:
+        _scan_store(acc_q, x_ptr, z_ptr, D_ptr, out_ptr, h, tok_m, mask_m, offs_q, mask_q,
+                    s_x_t, s_x_h, s_x_p, s_z_t, s_z_h, s_z_p, s_o_t, s_o_h, s_o_p, HAS_D, HAS_Z)
+
+
+@triton.jit
+def _scan_store(acc, x_ptr, z_ptr, D_ptr, out_ptr, h, tok_m, mask_m, offs_p, mask_p,
+                s_x_t, s_x_h, s_x_p, s_z_t, s_z_h, s_z_p, s_o_t, s_o_h, s_o_p,
+                HAS_D: tl.constexpr, HAS_Z: tl.constexpr):
+    """A scan program's columns out: + D x, * silu(z), stored."""
     mask_mp = mask_m[:, None] & mask_p[None, :]
     if HAS_D:
         xm = tl.load(x_ptr + tok_m[:, None] * s_x_t + h * s_x_h + offs_p[None, :] * s_x_p,
@@ -375,6 +398,16 @@ def _zero_skipped_rows_kernel(
 # again): the 9B-v2's chain 114 -> 93 us a layer. The chunk scan keeps 64-wide blocks (whole,
 # 143 -> 173 us). 0: 64-wide blocks.
 CHAIN_ODD_P_MAX = 128
+
+
+def _scan_tail(P: int, block_p: int) -> int:
+    """The chunk scan's columns past its one BLOCK_P block that one program takes beside them
+    (a head dim between 64 and 128 that 64 does not divide: the 9B-v2's 80 as 64 + a 16-column
+    tail), so a row block's scores are weighted once rather than again in a block of its own that
+    is mostly padding (the 9B-v2's FP8 prefill of 2048 tokens -1.4%, H100; docs/experiments.md).
+    0: BLOCK_P-wide blocks only."""
+    whole, rest = divmod(P, block_p)
+    return max(16, triton.next_power_of_2(rest)) if whole == 1 and rest else 0
 
 
 @dataclass(frozen=True)
@@ -670,12 +703,13 @@ def ssd_scan(x, dt, A, B, C, D, ssm_state, meta: PrefillMetadata, *, z=None, dt_
         num_warps=bl.warps,
     )
     zs = z.stride() if z is not None else (0, 0, 0)
-    grid = (max_chunks * n_blocks_m, H, triton.cdiv(P, bl.scan_p))
+    tail_p = _scan_tail(P, bl.scan_p)
+    grid = (max_chunks * n_blocks_m, H, 1 if tail_p else triton.cdiv(P, bl.scan_p))
     _chunk_scan_kernel[grid](
         x, z if z is not None else x, C, D if D is not None else A, out,
         ws.dt, ws.dA_cumsum, ws.starts, ws.cb, *chunk_meta,
         H, P, N, G, H // G, *x.stride(), *zs, *C.stride(), *out.stride(),
-        CHUNK_SIZE=cs_size, BLOCK_M=bl.scan_m, BLOCK_K=bl.scan_k, BLOCK_P=bl.scan_p,
+        CHUNK_SIZE=cs_size, BLOCK_M=bl.scan_m, BLOCK_K=bl.scan_k, BLOCK_P=bl.scan_p, TAIL_P=tail_p,
         BLOCK_N=bl.scan_n, HAS_D=D is not None, HAS_Z=z is not None, **dot,
         num_stages=bl.scan_stages, num_warps=bl.warps,
     )

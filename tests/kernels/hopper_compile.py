@@ -271,9 +271,10 @@ def launch_decode_attention() -> None:
 
 
 def launch_prefill() -> None:
-    """A Mamba2 prefill chunk at Nemotron's head shapes (P 64 and Nano-9B-v2's 80 in one block, N
-    128, chunks of 128, bf16): the SSD scan's kernels and the causal conv over packed tokens, two
-    sequences, one from a state."""
+    """A Mamba2 prefill chunk at Nemotron's head shapes (P 64, and Nano-9B-v2's 80: one chain
+    block, the scan's 64 columns and 16-column tail in one program; N 128, chunks of 128, bf16):
+    the SSD scan's kernels and the causal conv over packed tokens, two sequences, one from a
+    state."""
     from mambastep.kernels.conv1d import conv1d_varlen
     from mambastep.kernels.ssd import SSDWorkspace, ssd_scan
     from mambastep.kernels.varlen import PrefillMetadata

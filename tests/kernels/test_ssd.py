@@ -161,16 +161,19 @@ def test_triton_multiple_row_blocks(dtype, chunk, device):
     check_pool(pool, ref_pool, inp["ssm_state"], slots, dtype)
 
 
-@pytest.mark.parametrize("odd_max", [128, 0], ids=["whole", "64-wide"])
-def test_triton_head_dim_64_does_not_divide(odd_max, device, monkeypatch):
-    """Nemotron-Nano-9B-v2's head dim of 80: the state chain's programs take it in one 128-wide
-    block (the columns past 80 masked) or in 64-wide ones, the last ragged; the scan in 64-wide."""
+@pytest.mark.parametrize("P, odd_max", [(80, 128), (80, 0), (96, 128), (144, 0)],
+                         ids=["whole chain", "64-wide chain", "32-wide tail", "two blocks and a ragged one"])
+def test_triton_head_dim_64_does_not_divide(P, odd_max, device, monkeypatch):
+    """A head dim that 64 does not divide (Nemotron-Nano-9B-v2's 80): the state chain's programs
+    take it in one 128-wide block (the columns past P masked) or in 64-wide ones, the last
+    ragged; the scan's program takes 64 columns and the narrow tail past them (16 of 80's, 32 of
+    96's); past 128 the scan runs in 64-wide blocks, the last ragged."""
     import mambastep.kernels.ssd as ssd
 
     monkeypatch.setattr(ssd, "CHAIN_ODD_P_MAX", odd_max)
     lens, slots = [40, 7], [5, 1]
     meta = PrefillMetadata.build(lens, slots, [1, 0], chunk_size=32, device=device)
-    inp = make_inputs(sum(lens), H=2, P=80, G=1, dtype=torch.bfloat16, device=device)
+    inp = make_inputs(sum(lens), H=2, P=P, G=1, dtype=torch.bfloat16, device=device)
     out, pool = scan(ssd_scan.triton, inp, meta)
     ref_out, ref_pool = scan(ssd_scan_ref, inp, meta)
     assert_close(out.float(), ref_out.float(), torch.bfloat16)

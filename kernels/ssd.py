@@ -395,8 +395,8 @@ def _zero_skipped_rows_kernel(
 # A head dim that 64 does not divide (Nemotron-Nano-9B-v2's 80) goes into a state chain program
 # whole, in one power-of-two block of up to this many, rather than in 64-wide blocks the last of
 # which is mostly padding (80: 64 + 16 of 64, each block loading and weighting the chunks' B
-# again): the 9B-v2's chain 114 -> 93 us a layer. The chunk scan keeps 64-wide blocks (whole,
-# 143 -> 173 us). 0: 64-wide blocks.
+# again): the 9B-v2's chain 114 -> 93 us a layer. The chunk scan does not take it whole (143 ->
+# 173 us) but as 64 columns and a narrow tail (``_scan_tail``). 0: 64-wide blocks.
 CHAIN_ODD_P_MAX = 128
 
 

@@ -76,12 +76,14 @@ class ParallelMixer(Mixer):
         if not self.joint:
             return self._fused_apart(residual, norm, ctx)
         opts = ctx.options
-        both = norm_linear(residual, weight=self.in_w, bias=self.in_b, conv=self.mamba.conv_tail(ctx), pdl=opts.pdl,
-                           tile_k=opts.tile_k, **norm_args(norm))
+        rope = self.attention.rope_tail(ctx, self.split)
+        both = norm_linear(residual, weight=self.in_w, bias=self.in_b, conv=self.mamba.conv_tail(ctx), rope=rope,
+                           pdl=opts.pdl, tile_k=opts.tile_k, **norm_args(norm))
         proj = both[:, : self.split]
         joined, gated, attended = self._outputs(both)
         side = self._side(ctx)
-        self._middle(ctx, lambda: self.attention.attend(both[:, self.split :], ctx, attended, first_pdl=side is None),
+        self._middle(ctx, lambda: self.attention.attend(both[:, self.split :], ctx, attended, first_pdl=side is None,
+                                                        rotated=rope is not None),
                      lambda: self.mamba.gated_update(proj, ctx, out=gated))
         # after the join, a programmatic dependent of the Mamba2 branch's last kernel whose wait also
         # covers attention's stream (``kernels.moe``'s combine does the same); the residual is the

@@ -474,13 +474,18 @@ def _skinny_kernel(
     n_ok = n < N
     if EPILOGUE == 4:  # SwiGLU: gate and up rows side by side
         n, n_ok = swiglu_rows(N, BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < M
     rotating, cos, sin = n_ok, n_ok, n_ok  # stand-ins without ROPE (see below)
     if ROPE:  # rotation pairs side by side, and their angles (step metadata: before the wait)
         n, pairs, rotating = rope_rows(n, rope_lo, rope_heads, head_dim, HALF, BLOCK_N)
-        pos = tl.load(kvl_ptr + tl.arange(0, BLOCK_M), mask=tl.arange(0, BLOCK_M) < M, other=1) - 1
-        inv = tl.load(inv_ptr + pairs, mask=pairs < HALF, other=0.0)
-        angle = pos.to(tl.float32)[:, None] * inv[None, :]
-        cos, sin = tl.cos(angle), tl.sin(angle)
+        cos = tl.zeros([BLOCK_M, BLOCK_N // 2], dtype=tl.float32)
+        sin = cos
+        if rotating:  # only these programs pay for the cos and sin
+            pos = tl.load(kvl_ptr + rows, mask=row_ok, other=1) - 1
+            inv = tl.load(inv_ptr + pairs, mask=pairs < HALF, other=0.0)
+            angle = pos.to(tl.float32)[:, None] * inv[None, :]
+            cos, sin = tl.cos(angle), tl.sin(angle)
     n64 = n.to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
     if not LOOP and x_ptr.dtype.element_ty == tl.float32:
@@ -488,8 +493,6 @@ def _skinny_kernel(
         # layout for every [.., BLOCK_K] tile, so the weight tile is never re-laid out (through
         # shared memory, after the wait) to meet the input row
         ks = tl.max_contiguous(ks, 4)
-    rows = tl.arange(0, BLOCK_M)
-    row_ok = rows < M
 
     # Before the wait, only what the previous kernel cannot be writing: the (first) weight tile;
     # with EARLY, z and the residual (written two or more kernels back, so complete: see the

@@ -6,8 +6,9 @@ Keys and values live in the state pool's per-slot KV cache (FP8 over the layer's
 scales, ``kv_scale``, where the checkpoint asks for an FP8 KV cache); prefill rows write their
 keys at positions ``context_lens + j`` and attend to everything before them in the slot (so
 chunked prefill sees its earlier chunks), decode rows write one key at ``kv_len - 1``. Fused, a small
-decode step is block norm + QKV projection, which also rotates the queries and keys where there
-is a rotary embedding (``ROPE_IN_PROJECTION``); the decode attention kernels; o_proj + residual add.
+decode step is block norm + QKV projection; the rotation, where there is a rotary embedding (or
+with ``ROPE_IN_PROJECTION`` in the projection's epilogue); the decode attention kernels; o_proj +
+residual add.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from .base import Mixer, Norm, StepContext, norm_args
 __all__ = ["AttentionMixer"]
 
 # a fused decode step rotates the queries and keys in the QKV projection's epilogue
-# (``kernels.decode_linear.RopeTail``), not in a rope launch after it
-ROPE_IN_PROJECTION = True
+# (``kernels.decode_linear.RopeTail``), not in a rope launch after it. Off until timed on a GPU
+# (built 2026-12-08 with no device time left; the A/B command is in docs/experiments.md)
+ROPE_IN_PROJECTION = False
 
 
 class AttentionMixer(Mixer):

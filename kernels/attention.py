@@ -112,6 +112,7 @@ def _decode_split_kernel(
     BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr,
     FP8_KV: tl.constexpr,
+    SIGNAL: tl.constexpr,
 ):
     # One program: row b, KV head kvh with its GROUP query heads, positions
     # [split * split_len, +split_len) cut at the row's length; split_len follows the row's length.
@@ -126,6 +127,7 @@ def _decode_split_kernel(
         # q and the new key and value are the previous kernel's; every program waits, the ones
         # that exit below too, so the chain's order holds (``kernels.decode_linear``)
         tl.extra.cuda.gdc_wait()
+    if SIGNAL:  # the combine is a programmatic dependent (after the wait, or a plain launch's start)
         tl.extra.cuda.gdc_launch_dependents()
     # Splits past the row's length write nothing: the combine kernel knows from kv_len how many
     # splits a row has, so stale workspace entries are never read.
@@ -459,7 +461,7 @@ def _scales(kv_scale):
 
 
 def decode_attention_ref(q, k, v, k_cache, v_cache, slot_idx, kv_lens, *, scale, out=None, workspace=None,
-                         pdl=False, kv_scale=None):
+                         pdl=False, kv_scale=None, first_pdl=True):
     """Plain fp32 torch reference; same contract as :func:`decode_attention` (``workspace`` unused).
 
     Loops over rows and reads lengths on the host: the CPU path and the tests' oracle.
@@ -484,7 +486,7 @@ def decode_attention_ref(q, k, v, k_cache, v_cache, slot_idx, kv_lens, *, scale,
 
 @with_reference(decode_attention_ref)
 def decode_attention(q, k, v, k_cache, v_cache, slot_idx, kv_lens, *, scale, out=None, workspace=None,
-                     pdl=False, kv_scale=None):
+                     pdl=False, kv_scale=None, first_pdl=True):
     """Attention of one new token per row over its slot's cached context, after caching the token.
 
     q:         [B, H, Dh] bf16 or fp32 (may be a strided view, last dim contiguous)
@@ -498,7 +500,8 @@ def decode_attention(q, k, v, k_cache, v_cache, slot_idx, kv_lens, *, scale, out
     out:       [B, H, Dh] q's dtype, written in full (zeros for pad rows); allocated if None
     workspace: fp32 [B, H, num_splits, Dh + 1] from :func:`decode_workspace`; allocated if None
     pdl:       both kernels launch as programmatic dependents of the previous one, as the fused
-               decode projections around them (``kernels.decode_linear``; CUDA, sm_90+)
+               decode projections around them (``kernels.decode_linear``; CUDA, sm_90+); with
+               ``first_pdl`` False only the second (the first kernel on a forked stream)
     kv_scale:  fp32 [2], an FP8 cache's key and value scales (its values times them are the keys
                and values attended to, the new token's too); None for a full-precision cache
 
@@ -523,6 +526,7 @@ def decode_attention(q, k, v, k_cache, v_cache, slot_idx, kv_lens, *, scale, out
 
     group = H // KVH
     extra = {"launch_pdl": True} if pdl else {}
+    first = pdl and first_pdl
     block_d = max(16, triton.next_power_of_2(Dh))
     # 64 positions of bf16 K and V per tile; fp32 tiles are halved to keep the same bytes.
     block_n = 64 if k_cache.element_size() <= 2 else 32
@@ -539,8 +543,8 @@ def decode_attention(q, k, v, k_cache, v_cache, slot_idx, kv_lens, *, scale, out
         GROUP=group, HEAD_DIM=Dh,
         # tl.dot needs at least 16 rows; the group (4 in Nemotron-H-8B) is padded with zero rows.
         BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=block_n, BLOCK_D=block_d, USE_PDL=pdl, FP8_KV=fp8,
-        num_warps=4, num_stages=2, **extra,
+        BLOCK_N=block_n, BLOCK_D=block_d, USE_PDL=first, FP8_KV=fp8, SIGNAL=pdl,
+        num_warps=4, num_stages=2, **({"launch_pdl": True} if first else {}),
     )
     _decode_combine_kernel[(B, H)](
         workspace, slot_idx, kv_lens, out,

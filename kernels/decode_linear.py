@@ -28,7 +28,10 @@ their own that move almost nothing. Here one kernel does all three:
   ReLU; or SwiGLU over a [gate | up] weight (a program owns output columns' gate and up rows
   side by side, and stores silu(gate) * up: no activation kernel after it); or, for Mamba2's
   in_proj, the causal conv1d decode update (state shift and SiLU) on the ``xBC`` columns, which
-  one program owns per channel, so the conv state has a single writer.
+  one program owns per channel, so the conv state has a single writer. Beside any of the first
+  and the last, the rotary embedding of an attention QKV projection's query and key heads
+  (``RopeTail``): a program over the rotated dims owns rotation pairs side by side, as SwiGLU's
+  gate and up rows, so the rope kernel's launch goes.
 
 Programmatic dependent launch (sm_90+): with ``pdl=True`` a kernel may start while the previous one
 drains. Before ``gdc_wait`` it loads only what the previous kernel cannot be writing: its first
@@ -67,6 +70,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import rope as rotary
 from .activation import silu_mul, silu_mul_ref
 from .conv1d import conv1d_update_ref
 from .dispatch import with_reference
@@ -77,6 +81,7 @@ __all__ = [
     "MAX_ROWS",
     "ONE_TILE_MAX_K",
     "ConvTail",
+    "RopeTail",
     "norm_linear",
     "norm_linear_ref",
     "gated_norm_linear",
@@ -117,6 +122,23 @@ class ConvTail(NamedTuple):
     lo: int
 
 
+class RopeTail(NamedTuple):
+    """The rotary embedding (``kernels.rope``'s) of a QKV projection's decode rows as its epilogue:
+    ``q_heads`` query then ``k_heads`` key heads of ``head_dim`` columns from output column ``lo``,
+    the first ``2 * len(inv_freq)`` dims of each rotated.
+
+    inv_freq: [R / 2] fp32 (``rope_inv_freq``); kv_lens: [rows] int32, each row's context
+    including its new token (the row's position is kv_lens - 1).
+    """
+
+    inv_freq: torch.Tensor
+    kv_lens: torch.Tensor
+    lo: int
+    q_heads: int
+    k_heads: int
+    head_dim: int
+
+
 class _Rows(NamedTuple):
     n: int  # rows computed
     idx: torch.Tensor | None  # [n] source row of each, or None for rows 0..n-1
@@ -152,6 +174,29 @@ def swiglu_pairs(y, n, n_ok, ACT_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
     col, _ = tl.split(tl.reshape(n.to(tl.int64), (BLOCK_N // 2, 2)))
     col_ok, _ = tl.split(tl.reshape(n_ok.to(tl.int32), (BLOCK_N // 2, 2)))
     return (gate * tl.sigmoid(gate)).to(ACT_DTYPE).to(tl.float32) * up, col, col_ok > 0
+
+
+@triton.jit
+def rope_rows(n, rope_lo, rope_heads, head_dim, HALF, BLOCK_N: tl.constexpr):
+    """A program whose columns fall in a head's rotated dims (``RopeTail``; BLOCK_N divides the
+    offset, the head dim and the rotated dims) takes its rotation pairs side by side instead: (j,
+    HALF + j, j + 1, HALF + j + 1, ...), so that its epilogue (``rope_pairs``) pairs them within
+    the program. Returns its weight rows, the pairs' indices j [BLOCK_N / 2] and whether it rotates."""
+    start = tl.program_id(0) * BLOCK_N - rope_lo
+    head = tl.maximum(start, 0) // head_dim
+    c0 = tl.maximum(start, 0) - head * head_dim
+    rotating = (start >= 0) & (head < rope_heads) & (c0 < 2 * HALF)
+    i = tl.arange(0, BLOCK_N)
+    paired = rope_lo + head * head_dim + c0 // 2 + i // 2 + (i % 2) * HALF
+    return tl.where(rotating, paired, n), c0 // 2 + tl.arange(0, BLOCK_N // 2), rotating
+
+
+@triton.jit
+def rope_pairs(y, cos, sin, BLOCK_N: tl.constexpr):
+    """``rope_rows``' columns of one row rotated (y [1, BLOCK_N]; cos, sin [1, BLOCK_N / 2]), as
+    ``kernels.rope`` rotates: x[j] cos - x[HALF + j] sin, x[HALF + j] cos + x[j] sin."""
+    a, b = tl.split(tl.reshape(y, (1, BLOCK_N // 2, 2)))
+    return tl.reshape(tl.join(a * cos - b * sin, b * cos + a * sin), (1, BLOCK_N))
 
 
 @triton.jit
@@ -351,11 +396,11 @@ def _streamed_rows(
 
 @triton.jit
 def _finish_row(
-    m, acc, res, window, shifted, cw, slot, n, n_ok, c, c_ok, bias, conv_bias,
+    m, acc, res, window, shifted, cw, slot, n, n_ok, c, c_ok, bias, conv_bias, rotating, cos, sin,
     out_ptr, cs_ptr, stride_out, stride_cs_s, stride_cs_d, stride_cs_k,
     EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, CONV_K: tl.constexpr, BLOCK_C: tl.constexpr,
     CONV_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, EARLY: tl.constexpr, ACT_DTYPE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, ROPE: tl.constexpr,
 ):
     """Bias, rounding and epilogue of output row m (acc: its fp32 product, [1, BLOCK_N]), stored.
     The [BLOCK_M, ...] tiles, and the biases ([BLOCK_N] fp32), are what the kernel loaded before the
@@ -393,6 +438,9 @@ def _finish_row(
         s_ptrs = (cs_ptr + tl.maximum(slot_m, 0).to(tl.int64)[:, :, None] * stride_cs_s
                   + c[None, :, None] * stride_cs_d + taps * stride_cs_k)
         tl.store(s_ptrs, nxt.to(cs_ptr.dtype.element_ty), mask=live[:, :, None] & (taps < CONV_K - 1))
+    if ROPE:
+        if rotating:  # one branch a program
+            y = rope_pairs(y, _pick(cos, m, BLOCK_M), _pick(sin, m, BLOCK_M), BLOCK_N)
     if EPILOGUE == 4:  # the program's rows are gate and up pairs (``swiglu_rows``)
         h, col, col_ok = swiglu_pairs(y, n, n_ok, ACT_DTYPE, BLOCK_N)
         tl.store(out_ptr + row.to(tl.int64) * stride_out + col, h.to(out_ptr.dtype.element_ty), mask=col_ok)
@@ -403,13 +451,13 @@ def _finish_row(
 @triton.jit
 def _skinny_kernel(
     x_ptr, z_ptr, wn_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, row_ptr,
-    cs_ptr, cw_ptr, cb_ptr, slot_ptr,
-    N, K, eps, group_size, conv_lo, conv_dim,
+    cs_ptr, cw_ptr, cb_ptr, slot_ptr, inv_ptr, kvl_ptr,
+    N, K, eps, group_size, conv_lo, conv_dim, rope_lo, rope_heads, head_dim, HALF,
     stride_x, stride_z, stride_w, stride_s, stride_out,
     stride_cs_s, stride_cs_d, stride_cs_k, stride_cw_d,
     PROLOGUE: tl.constexpr, ROUND_FIRST: tl.constexpr, NUM_GROUPS: tl.constexpr, BLOCK_G: tl.constexpr,
     EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ROW_IDX: tl.constexpr,
-    CONV_K: tl.constexpr, BLOCK_C: tl.constexpr, CONV_BIAS: tl.constexpr,
+    CONV_K: tl.constexpr, BLOCK_C: tl.constexpr, CONV_BIAS: tl.constexpr, ROPE: tl.constexpr,
     M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     LOOP: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr, EARLY: tl.constexpr, USE_PDL: tl.constexpr,
     NORM_WEIGHT: tl.constexpr, SCALE: tl.constexpr, SCALE_BLOCK: tl.constexpr, ACT_DTYPE: tl.constexpr,
@@ -426,6 +474,18 @@ def _skinny_kernel(
     n_ok = n < N
     if EPILOGUE == 4:  # SwiGLU: gate and up rows side by side
         n, n_ok = swiglu_rows(N, BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    rotating, cos, sin = n_ok, n_ok, n_ok  # stand-ins without ROPE (see below)
+    if ROPE:  # rotation pairs side by side, and their angles (step metadata: before the wait)
+        n, pairs, rotating = rope_rows(n, rope_lo, rope_heads, head_dim, HALF, BLOCK_N)
+        cos = tl.zeros([BLOCK_M, BLOCK_N // 2], dtype=tl.float32)
+        sin = cos
+        if rotating:  # only these programs pay for the cos and sin
+            pos = tl.load(kvl_ptr + rows, mask=row_ok, other=1) - 1
+            inv = tl.load(inv_ptr + pairs, mask=pairs < HALF, other=0.0)
+            angle = pos.to(tl.float32)[:, None] * inv[None, :]
+            cos, sin = tl.cos(angle), tl.sin(angle)
     n64 = n.to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
     if not LOOP and x_ptr.dtype.element_ty == tl.float32:
@@ -433,8 +493,6 @@ def _skinny_kernel(
         # layout for every [.., BLOCK_K] tile, so the weight tile is never re-laid out (through
         # shared memory, after the wait) to meet the input row
         ks = tl.max_contiguous(ks, 4)
-    rows = tl.arange(0, BLOCK_M)
-    row_ok = rows < M
 
     # Before the wait, only what the previous kernel cannot be writing: the (first) weight tile;
     # with EARLY, z and the residual (written two or more kernels back, so complete: see the
@@ -505,9 +563,9 @@ def _skinny_kernel(
         if SCALE == 1:
             acc_m = acc_m * col_scale[None, :]
         _finish_row(
-            m, acc_m, res, window, shifted, cw, slot, n, n_ok, c, c_ok, bias, conv_bias,
+            m, acc_m, res, window, shifted, cw, slot, n, n_ok, c, c_ok, bias, conv_bias, rotating, cos, sin,
             out_ptr, cs_ptr, stride_out, stride_cs_s, stride_cs_d, stride_cs_k,
-            EPILOGUE, HAS_BIAS, CONV_K, BLOCK_C, CONV_BIAS, BLOCK_M, EARLY, ACT_DTYPE, BLOCK_N,
+            EPILOGUE, HAS_BIAS, CONV_K, BLOCK_C, CONV_BIAS, BLOCK_M, EARLY, ACT_DTYPE, BLOCK_N, ROPE,
         )
 
 
@@ -706,7 +764,7 @@ def _act_dtype(weight, x: torch.Tensor, norm_w: torch.Tensor | None) -> torch.dt
 
 def _launch(x, z, norm_w, weight, bias, out, rows: _Rows, *, eps, group_size, prologue, round_first,
             epilogue, conv: ConvTail | None, pdl: bool, act_dtype: torch.dtype, early: bool = False,
-            tile_k: int | None = None, unit_norm: bool = False):
+            tile_k: int | None = None, unit_norm: bool = False, rope: RopeTail | None = None):
     scale, scale_mode, scale_block = None, 0, 0
     if isinstance(weight, Fp8Weight):
         weight, scale, scale_block = weight.values, weight.scale, weight.block
@@ -724,21 +782,25 @@ def _launch(x, z, norm_w, weight, bias, out, rows: _Rows, *, eps, group_size, pr
         (D, conv_k), (ss_s, ss_d, ss_k), scw = conv.weight.shape, conv.state.stride(), conv.weight.stride(0)
         cs, cw, slots, lo = conv.state, conv.weight, conv.slots, conv.lo
         cb = conv.bias if conv.bias is not None else conv.weight
+    inv, kvl, rope_lo, rope_heads, head_dim, half = weight, weight, 0, 0, 1, 1
+    if rope is not None:
+        inv, kvl, rope_lo, head_dim, half = rope.inv_freq, rope.kv_lens, rope.lo, rope.head_dim, rope.inv_freq.shape[0]
+        rope_heads = rope.q_heads + rope.k_heads
     groups = K // group_size
     extra = {"launch_pdl": True} if pdl else {}
     _skinny_kernel[(triton.cdiv(N, cfg.block_n),)](
         x, z if z is not None else x, norm_w if norm_w is not None else weight, weight,
         scale if scale is not None else weight, bias if bias is not None else weight, out,
         rows.idx if rows.idx is not None else x,
-        cs, cw, cb, slots,
-        N, K, eps, group_size, lo, D,
+        cs, cw, cb, slots, inv, kvl,
+        N, K, eps, group_size, lo, D, rope_lo, rope_heads, head_dim, half,
         x.stride(0), z.stride(0) if z is not None else 0, weight.stride(0),
         scale.stride(0) if scale is not None else 0, out.stride(0),
         ss_s, ss_d, ss_k, scw,
         PROLOGUE=prologue, ROUND_FIRST=round_first, NUM_GROUPS=groups, BLOCK_G=triton.next_power_of_2(groups),
         EPILOGUE=epilogue, HAS_BIAS=bias is not None, HAS_ROW_IDX=rows.idx is not None,
         CONV_K=conv_k, BLOCK_C=triton.next_power_of_2(conv_k), CONV_BIAS=conv is not None and conv.bias is not None,
-        M=M, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, LOOP=cfg.loop,
+        ROPE=rope is not None, M=M, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, LOOP=cfg.loop,
         EVEN_K=K % cfg.block_k == 0, STAGES=cfg.stages, EARLY=early, USE_PDL=pdl, num_warps=cfg.num_warps,
         NORM_WEIGHT=not unit_norm, SCALE=scale_mode, SCALE_BLOCK=scale_block, ACT_DTYPE=_TL_DTYPES[act_dtype],
         TILE_ROWS=_tile_rows(M), **extra,
@@ -756,6 +818,32 @@ def _epilogue(residual, relu2, conv, swiglu=False) -> int:
     if swiglu:
         return _EPI_SWIGLU
     return _EPI_CONV if conv is not None else _EPI_STORE
+
+
+def _check_rope(rope: RopeTail, rows: int, N: int, epilogue: int, row_idx) -> None:
+    end = rope.lo + (rope.q_heads + rope.k_heads) * rope.head_dim
+    half = rope.inv_freq.shape[0]
+    if epilogue not in (_EPI_STORE, _EPI_CONV) or row_idx is not None:
+        raise ValueError("rope: an epilogue of the stored product (or the conv's), over all rows")
+    if end > N or 2 * half > rope.head_dim or rope.inv_freq.dtype != torch.float32:
+        raise ValueError(f"rope: heads over columns [{rope.lo}, {end}) of {N}, inv_freq [R / 2] fp32 with R <= "
+                         f"{rope.head_dim}; got {list(rope.inv_freq.shape)} {rope.inv_freq.dtype}")
+    _check("rope.kv_lens", rope.kv_lens, (rows,))
+
+
+def _rope_fits(rope: RopeTail, block_n: int) -> bool:
+    """Whether the kernel's column blocks tile the rotated dims (``rope_rows``): else the rope
+    kernel runs after the product."""
+    return all(v % block_n == 0 for v in (rope.lo, rope.head_dim, 2 * rope.inv_freq.shape[0]))
+
+
+def _rope_views(y: torch.Tensor, rope: RopeTail):
+    """The query and key heads of a QKV projection's output: [T, q_heads, Dh], [T, k_heads, Dh]."""
+    q_end = rope.lo + rope.q_heads * rope.head_dim
+    k_end = q_end + rope.k_heads * rope.head_dim
+    T = y.shape[0]
+    return (y[:, rope.lo : q_end].view(T, rope.q_heads, rope.head_dim),
+            y[:, q_end:k_end].view(T, rope.k_heads, rope.head_dim))
 
 
 def _out_rows(x, rows, out, residual, N, dtype):
@@ -796,9 +884,9 @@ def _epilogue_ref(y, residual, relu2, conv, out, swiglu=False):
 
 
 def norm_linear_ref(x, norm_w, eps, weight, *, bias=None, round_first=True, rows=None, residual=None,
-                    relu2=False, swiglu=False, conv=None, out=None, pdl=False, tile_k=None, early=False,
+                    relu2=False, swiglu=False, conv=None, rope=None, out=None, pdl=False, tile_k=None, early=False,
                     unit_norm=False):
-    """The unfused composition: :func:`rms_norm_ref`, a rounded fp32 product, the epilogue."""
+    """The unfused composition: :func:`rms_norm_ref`, a rounded fp32 product, the epilogue, the rotation."""
     _epilogue(residual, relu2, conv, swiglu)
     act = _act_dtype(weight, x, norm_w)
     src = x if rows is None else x.index_select(0, rows.long())
@@ -806,12 +894,15 @@ def norm_linear_ref(x, norm_w, eps, weight, *, bias=None, round_first=True, rows
     if norm_w is not None:
         h = torch.empty(src.shape, dtype=act, device=src.device)
         rms_norm_ref(src, norm_w, eps, out=h, round_first=round_first)
-    return _epilogue_ref(_linear_ref(h, weight, bias, act), residual, relu2, conv, out, swiglu)
+    y = _epilogue_ref(_linear_ref(h, weight, bias, act), residual, relu2, conv, out, swiglu)
+    if rope is not None:
+        rotary.rope_ref(*_rope_views(y, rope), rope.inv_freq, None, rope.kv_lens)
+    return y
 
 
 @with_reference(norm_linear_ref)
 def norm_linear(x, norm_w, eps, weight, *, bias=None, round_first=True, rows=None, residual=None,
-                relu2=False, swiglu=False, conv=None, out=None, pdl=False, tile_k=None, early=False,
+                relu2=False, swiglu=False, conv=None, rope=None, out=None, pdl=False, tile_k=None, early=False,
                 unit_norm=False):
     """``epilogue(rms_norm(x[rows]) @ weight.T + bias)`` for at most ``MAX_ROWS`` rows.
 
@@ -827,6 +918,9 @@ def norm_linear(x, norm_w, eps, weight, *, bias=None, round_first=True, rows=Non
                 (each rounded as HF's ops, as ``kernels.activation.silu_mul``; in the epilogue where
                 K streams, else ``silu_mul`` launched after the product)
       conv:     ConvTail: the conv1d decode update on columns [conv.lo, conv.lo + D)
+    rope:     RopeTail: the query and key heads rotated (beside a stored product or conv; in the
+              epilogue where the kernel's column blocks tile the rotated dims, else the rope
+              kernel launched after the product)
     out:      [R, N] (any float dtype; the product is rounded to weight's dtype first, or beside
               FP8 weights to norm_w's, else x's)
     pdl:      launch as a programmatic dependent of the previous kernel (CUDA, sm_90+)
@@ -852,6 +946,12 @@ def norm_linear(x, norm_w, eps, weight, *, bias=None, round_first=True, rows=Non
     product = dict(eps=eps, group_size=K, prologue=_PRO_NONE if norm_w is None else _PRO_RMS, round_first=round_first,
                    conv=conv, pdl=pdl, act_dtype=act, early=early, tile_k=tile_k,
                    unit_norm=unit_norm and norm_w is not None)
+    if rope is not None:
+        _check_rope(rope, spec.n, N, epi, rows)
+        if not _rope_fits(rope, _config(spec.n, N, K, x.device, tile_k, fp8=isinstance(weight, Fp8Weight)).block_n):
+            _launch(x, None, norm_w, weight, bias, dst, spec, epilogue=epi, **product)
+            rotary.rope(*_rope_views(dst, rope), rope.inv_freq, None, rope.kv_lens, pdl=pdl)
+            return dst
     if swiglu and not _config(spec.n, N, K, x.device, tile_k, fp8=isinstance(weight, Fp8Weight)).loop:
         # K in one register tile: SwiGLU a launch of its own after the product. In the epilogue
         # it cost Granite-4.0-H-micro's one-row decode step 9.7% on the H200 (its up_proj takes
@@ -859,7 +959,7 @@ def norm_linear(x, norm_w, eps, weight, *, bias=None, round_first=True, rows=Non
         gate_up = torch.empty(spec.n, N, dtype=act, device=x.device)
         _launch(x, None, norm_w, weight, bias, gate_up, spec, epilogue=_EPI_STORE, **product)
         return silu_mul(gate_up, out=dst, pdl=pdl)
-    return _launch(x, None, norm_w, weight, bias, dst, spec, epilogue=epi, **product)
+    return _launch(x, None, norm_w, weight, bias, dst, spec, epilogue=epi, rope=rope, **product)
 
 
 def gated_norm_linear_ref(y, z, norm_w, group_size, eps, weight, *, bias=None, residual=None, out=None,

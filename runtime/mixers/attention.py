@@ -6,7 +6,8 @@ Keys and values live in the state pool's per-slot KV cache (FP8 over the layer's
 scales, ``kv_scale``, where the checkpoint asks for an FP8 KV cache); prefill rows write their
 keys at positions ``context_lens + j`` and attend to everything before them in the slot (so
 chunked prefill sees its earlier chunks), decode rows write one key at ``kv_len - 1``. Fused, a small
-decode step is block norm + QKV projection; the rotation; the decode attention kernels; o_proj +
+decode step is block norm + QKV projection; the rotation, where there is a rotary embedding (or
+with ``ROPE_IN_PROJECTION`` in the projection's epilogue); the decode attention kernels; o_proj +
 residual add.
 """
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ...kernels.attention import decode_attention, prefill_attention
-from ...kernels.decode_linear import norm_linear
+from ...kernels.decode_linear import RopeTail, norm_linear
 from ...kernels.fp8 import Fp8Weight
 from ...kernels.linear import linear, takes_rows
 from ...kernels.rope import rope, rope_inv_freq
@@ -23,6 +24,11 @@ from ..config import ModelConfig
 from .base import Mixer, Norm, StepContext, norm_args
 
 __all__ = ["AttentionMixer"]
+
+# a fused decode step rotates the queries and keys in the QKV projection's epilogue
+# (``kernels.decode_linear.RopeTail``), not in a rope launch after it. Off until timed on a GPU
+# (built 2026-12-08 with no device time left; the A/B command is in docs/experiments.md)
+ROPE_IN_PROJECTION = False
 
 
 class AttentionMixer(Mixer):
@@ -81,13 +87,13 @@ class AttentionMixer(Mixer):
         prefill_attention(q[:tp], k[:tp], v[:tp], ctx.pool.k[self.idx], ctx.pool.v[self.idx], ctx.inputs.prefill,
                           scale=self.scale, out=out[:tp], kv_scale=self.kv_scale)
 
-    def decode(self, work, ctx: StepContext, pdl: bool = False) -> None:
+    def decode(self, work, ctx: StepContext, pdl: bool = False, first_pdl: bool = True) -> None:
         (q, k, v), out = work
         tp = ctx.inputs.num_prefill_tokens
         rows = slice(tp, tp + ctx.inputs.num_decode)
         decode_attention(q[rows], k[rows], v[rows], ctx.pool.k[self.idx], ctx.pool.v[self.idx],
                          ctx.inputs.decode_slots, ctx.inputs.decode_kv_lens, scale=self.scale, out=out[rows], pdl=pdl,
-                         kv_scale=self.kv_scale)
+                         kv_scale=self.kv_scale, first_pdl=first_pdl)
 
     def finish(self, work) -> torch.Tensor:
         _, out = work
@@ -101,21 +107,34 @@ class AttentionMixer(Mixer):
         """The fused decode of ``norm(x)`` (x as it is without a norm): added into ``residual``
         in place, or written to ``out``; returns what it wrote. ``first_pdl``: as Mamba2Mixer's."""
         opts = ctx.options
-        qkv = norm_linear(x, weight=self.qkv, bias=self.qkv_bias, pdl=opts.pdl and first_pdl, tile_k=opts.tile_k,
-                          **norm_args(norm))
-        o = self.attend(qkv, ctx)
+        rope = self.rope_tail(ctx)
+        qkv = norm_linear(x, weight=self.qkv, bias=self.qkv_bias, rope=rope, pdl=opts.pdl and first_pdl,
+                          tile_k=opts.tile_k, **norm_args(norm))
+        o = self.attend(qkv, ctx, rotated=rope is not None)
         # the residual is the previous block's, four or more kernels back
         return norm_linear(o.view(o.shape[0], -1), None, 0.0, self.o_proj, bias=self.o_bias, residual=residual,
                            out=out, pdl=opts.pdl, tile_k=opts.tile_k, early=residual is not None)
 
+    def rope_tail(self, ctx: StepContext, lo: int = 0) -> RopeTail | None:
+        """A fused decode step's rotation as the epilogue of the projection whose output columns
+        from ``lo`` are this mixer's q, k and v; None without a rotary embedding (or with
+        ``ROPE_IN_PROJECTION`` off)."""
+        if self.inv_freq is None or not ROPE_IN_PROJECTION:
+            return None
+        return RopeTail(self.inv_freq, ctx.inputs.decode_kv_lens, lo, self.H, self.KVH, self.Dh)
+
     def attend(self, qkv: torch.Tensor, ctx: StepContext, out: torch.Tensor | None = None,
-               first_pdl: bool = True) -> torch.Tensor:
+               first_pdl: bool = True, rotated: bool = False) -> torch.Tensor:
         """A fused decode step's attention from the projected ``qkv`` (``prepare``'s ``out``):
-        the rotation and the decode attention kernels, programmatic dependents where the options
-        say; ``first_pdl``: as ``fused``'s, for the first of them. Returns the output [T, H, Dh]."""
+        the rotation (unless the projection did it, ``rotated``: ``rope_tail``) and the decode
+        attention kernels, programmatic dependents where the options say; ``first_pdl``: as
+        ``fused``'s, for the first of them. Returns the output [T, H, Dh]."""
         pdl = ctx.options.pdl
-        work = self.prepare(qkv, ctx, out, pdl=pdl and first_pdl)
-        self.decode(work, ctx, pdl=pdl and (first_pdl or self.inv_freq is not None))
+        work = self._split(qkv, out)
+        rope = self.inv_freq is not None and not rotated
+        if rope:
+            self._rotate(work, ctx, pdl and first_pdl)
+        self.decode(work, ctx, pdl=pdl, first_pdl=first_pdl or rope)
         return work[1]
 
 

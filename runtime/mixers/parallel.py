@@ -8,8 +8,9 @@ in_proj and attention's QKV read the same input, so they are one projection of t
 stacked, ``[proj | qkv] = h @ [in_proj; qkv].T``; and the block's output is
 ``out_proj @ g + o_proj @ a``, one projection of their columns side by side over ``[g | a]``,
 where the gate (or gated norm) writes g and attention a, into one buffer. Fused, the block norm
-rides in the first one's prologue and the residual add in the second one's epilogue: four
-kernels fewer a block. On Falcon-H1-7B (H100, docs/experiments.md) that made a step of 8 decode
+rides in the first one's prologue (Mamba2's conv update in its epilogue, and attention's rotary
+embedding with ``attention.ROPE_IN_PROJECTION``) and the residual add in the second one's
+epilogue: four kernels fewer a block. On Falcon-H1-7B (H100, docs/experiments.md) that made a step of 8 decode
 rows and a 256-token chunk 3.8% faster, and tied the decode steps: at one row the kernels that
 went had run beside the Mamba2 chain, and QKV's bytes joined its critical path. FP8 weights
 (their scales per output row) run the four apart, each mixer's own, as does any block built
@@ -76,12 +77,14 @@ class ParallelMixer(Mixer):
         if not self.joint:
             return self._fused_apart(residual, norm, ctx)
         opts = ctx.options
-        both = norm_linear(residual, weight=self.in_w, bias=self.in_b, conv=self.mamba.conv_tail(ctx), pdl=opts.pdl,
-                           tile_k=opts.tile_k, **norm_args(norm))
+        rope = self.attention.rope_tail(ctx, self.split)
+        both = norm_linear(residual, weight=self.in_w, bias=self.in_b, conv=self.mamba.conv_tail(ctx), rope=rope,
+                           pdl=opts.pdl, tile_k=opts.tile_k, **norm_args(norm))
         proj = both[:, : self.split]
         joined, gated, attended = self._outputs(both)
         side = self._side(ctx)
-        self._middle(ctx, lambda: self.attention.attend(both[:, self.split :], ctx, attended, first_pdl=side is None),
+        self._middle(ctx, lambda: self.attention.attend(both[:, self.split :], ctx, attended, first_pdl=side is None,
+                                                        rotated=rope is not None),
                      lambda: self.mamba.gated_update(proj, ctx, out=gated))
         # after the join, a programmatic dependent of the Mamba2 branch's last kernel whose wait also
         # covers attention's stream (``kernels.moe``'s combine does the same); the residual is the

@@ -188,8 +188,11 @@ def launch_skinny() -> None:
     the block norm (Nemotron-3-Nano's 16-column tiles, Nemotron-Nano-9B-v2's 16 x 512), with the
     conv epilogue too, out_proj, o_proj adding into the residual, a relu2 up projection, the shared
     expert's down projection (512-column tiles from K = 3072); Granite-4.0-H-micro's up, down and in_proj;
-    up projections with SwiGLU in their epilogue; two bf16 rows in the 8B's and Nano's tall tiles."""
-    from mambastep.kernels.decode_linear import ConvTail, norm_linear
+    up projections with SwiGLU in their epilogue; two bf16 rows in the 8B's and Nano's tall tiles;
+    Falcon-H1-7B's joint in_proj (the conv update and the rotary embedding in its epilogue) and
+    Bamba-9B's QKV (half of each head rotated)."""
+    from mambastep.kernels.decode_linear import ConvTail, RopeTail, norm_linear
+    from mambastep.kernels.rope import rope_inv_freq
 
     for N, K, norm, relu2 in ((10304, 2688, True, False), (2688, 4096, False, False), (3712, 2688, True, True),
                               (2688, 3712, False, False), (22656, 4480, True, False)):
@@ -232,6 +235,17 @@ def launch_skinny() -> None:
                     torch.empty(D, **bf16), torch.zeros(2, dtype=torch.int32), lo)
     norm_linear.triton(torch.randn(2, 2688), torch.ones(2688, **bf16), 1e-5, torch.empty(10304, 2688, **bf16),
                        conv=conv, out=torch.empty(2, 10304, **bf16), pdl=True, unit_norm=True)
+    # Falcon-H1-7B's joint in_proj at one row and two (in_proj's 6680 columns, the conv on 3584
+    # of them, then 12 query and 2 key heads of 128 rotated) and Bamba-9B's QKV (64 of 128 rotated)
+    for M in (1, 2):
+        conv = ConvTail(torch.empty(2, W - 1, 3584, **bf16).transpose(1, 2), torch.empty(3584, W, **bf16),
+                        torch.empty(3584, **bf16), torch.zeros(M, dtype=torch.int32), 3072)
+        rope = RopeTail(rope_inv_freq(128, 1e11), torch.ones(M, dtype=torch.int32), 6680, 12, 2, 128)
+        norm_linear.triton(torch.randn(M, 3072), torch.ones(3072, **bf16), 1e-5, torch.empty(8728, 3072, **bf16),
+                           conv=conv, rope=rope, out=torch.empty(M, 8728, **bf16), pdl=True, unit_norm=True)
+    rope = RopeTail(rope_inv_freq(64, 1e4), torch.ones(1, dtype=torch.int32), 0, 32, 8, 128)
+    norm_linear.triton(torch.randn(1, 4096), torch.ones(4096, **bf16), 1e-5, torch.empty(6144, 4096, **bf16),
+                       rope=rope, out=torch.empty(1, 6144, **bf16), pdl=True, unit_norm=True)
     from mambastep.kernels.fp8 import Fp8Weight, quantize_fp8
 
     # FP8 weights scaled per column, one row (a 2-D tile) and two: Nano's in_proj with the norm and
@@ -252,8 +266,9 @@ def launch_skinny() -> None:
 
 def launch_decode_attention() -> None:
     """The attention kernels at Nemotron-3-Nano's heads (32 query, 2 KV, 128 wide): decode,
-    launched as the fused decode step chains them (PDL) and plain, and a packed prefill; over a
-    bf16 cache and an FP8 one."""
+    launched as the fused decode step chains them (PDL), as the first kernels of a forked stream
+    (only the second a programmatic dependent) and plain, and a packed prefill; over a bf16 cache
+    and an FP8 one."""
     from mambastep.kernels.attention import FP8_KV_DTYPE, decode_attention, prefill_attention
     from mambastep.kernels.varlen import PrefillMetadata
 
@@ -262,10 +277,11 @@ def launch_decode_attention() -> None:
     meta = PrefillMetadata.build([100, 28], [0, 1], [0, 3], chunk_size=128, max_tokens=T, max_seqs=2)
     for cache_dtype, kv_scale in ((torch.bfloat16, None), (FP8_KV_DTYPE, torch.ones(2))):
         cache = [torch.empty(S, ctx, KVH, Dh, dtype=cache_dtype) for _ in range(2)]
-        for pdl in (False, True):
+        for pdl, first_pdl in ((False, True), (True, True), (True, False)):
             decode_attention.triton(torch.empty(1, H, Dh, **bf16), torch.empty(1, KVH, Dh, **bf16),
                                     torch.empty(1, KVH, Dh, **bf16), *cache, torch.zeros(1, dtype=torch.int32),
-                                    torch.ones(1, dtype=torch.int32), scale=Dh**-0.5, pdl=pdl, kv_scale=kv_scale)
+                                    torch.ones(1, dtype=torch.int32), scale=Dh**-0.5, pdl=pdl, kv_scale=kv_scale,
+                                    first_pdl=first_pdl)
         prefill_attention.triton(torch.empty(T, H, Dh, **bf16), torch.empty(T, KVH, Dh, **bf16),
                                  torch.empty(T, KVH, Dh, **bf16), *cache, meta, scale=Dh**-0.5, kv_scale=kv_scale)
 

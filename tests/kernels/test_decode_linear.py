@@ -5,10 +5,11 @@ import torch
 
 from mambastep.kernels import decode_linear
 from mambastep.kernels.decode_linear import (
-    MAX_ROWS, ConvTail, gated_norm_linear_ref, gated_norm_linear, norm_linear_ref, norm_linear,
+    MAX_ROWS, ConvTail, RopeTail, gated_norm_linear_ref, gated_norm_linear, norm_linear_ref, norm_linear,
 )
 from mambastep.kernels.activation import silu_mul_ref
 from mambastep.kernels.fp8 import quantize_fp8
+from mambastep.kernels.rope import rope, rope_inv_freq
 from mambastep.kernels.varlen import PAD_SLOT_ID
 from support import assert_close, poisoned
 
@@ -158,6 +159,46 @@ def test_conv_epilogue_updates_state_and_skips_pad_rows(device, tile_k, M):
     assert_close(state.cpu(), state_ref, BF16, factor=0.25)
     untouched = [s for s in range(S) if s not in slots.tolist()]
     assert torch.equal(state.cpu()[untouched], state_ref[untouched])
+
+
+@pytest.mark.parametrize("M", [1, 3])
+@pytest.mark.parametrize("lo,rotary,conv", [(32, 32, False), (48, 16, True), (20, 32, False)],
+                         ids=["whole", "partial+conv", "unaligned"])
+def test_rope_epilogue_rotates_queries_and_keys(device, monkeypatch, tile_k, M, lo, rotary, conv):
+    """A QKV projection's query and key heads rotated in its epilogue, each row at its own
+    position, beside the conv on other columns where asked: the reference's product, then
+    ``rope``'s rotation. Where the kernel's column blocks tile the rotated dims (16 columns a
+    program streamed, 2-4 in one tile) the rope kernel does not run; where they do not (an offset
+    of 20 against 8 or 16 columns a program), it runs after the product."""
+    torch.manual_seed(M + lo)
+    K, Dh, qh, kh, S, W = 32, 32, 3, 2, 5, 4
+    N = lo + (qh + kh + kh) * Dh  # conv columns (or any) first, then q, k, v
+    x = torch.randn(M, K, device=device)
+    norm_w = torch.randn(K, device=device).to(BF16)
+    w, b = _weights(N, K, device, True)
+    kv_lens = torch.tensor([7, 1, 300][:M], dtype=torch.int32, device=device)
+    inv = rope_inv_freq(rotary, 1e4, device)
+    tails, tails_ref = {}, {}
+    if conv:
+        state = torch.randn(S, lo, W - 1, device=device).to(BF16)
+        conv_w = torch.randn(lo, W, device=device).to(BF16)
+        slots = torch.tensor([3, 0, 4][:M], dtype=torch.int32, device=device)
+        tails["conv"] = ConvTail(state, conv_w, None, slots, 0)
+        tails_ref["conv"] = ConvTail(state.cpu().clone(), conv_w.cpu(), None, slots.cpu(), 0)
+    launched = []
+    monkeypatch.setattr(decode_linear.rotary, "rope", lambda *a, **k: launched.append(a) or rope(*a, **k))
+    out = poisoned((M, N), BF16, device)
+    norm_linear.triton(x, norm_w, 1e-5, w, bias=b, rope=RopeTail(inv, kv_lens, lo, qh, kh, Dh), out=out,
+                       tile_k=tile_k, **tails)
+    ref = norm_linear_ref(x.cpu(), norm_w.cpu(), 1e-5, w.cpu(), bias=b.cpu(),
+                          rope=RopeTail(inv.cpu(), kv_lens.cpu(), lo, qh, kh, Dh), **tails_ref)
+    unrotated = norm_linear_ref(x.cpu(), norm_w.cpu(), 1e-5, w.cpu(), bias=b.cpu())
+    assert not torch.allclose(ref[:, lo:], unrotated[:, lo:])  # the rotation moved the heads
+    assert_close(out.cpu(), ref, BF16, factor=0.25)
+    if conv:
+        assert_close(tails["conv"].state.cpu(), tails_ref["conv"].state, BF16, factor=0.25)
+    block_n = decode_linear._config(M, N, K, x.device, tile_k).block_n
+    assert bool(launched) == any(v % block_n for v in (lo, Dh, rotary))
 
 
 @pytest.mark.parametrize("early", [False, True])

@@ -14,6 +14,7 @@ from mambastep.runtime.config import ConfigError, ModelConfig
 from mambastep.runtime import multipliers
 from mambastep.runtime.decode_options import DecodeOptions
 from mambastep.runtime.mixers import Mixer
+from mambastep.runtime.mixers import attention as attention_mixer
 from mambastep.runtime.model import Model
 from mambastep.runtime.plan import StepPlan
 from mambastep.runtime.presets import preset_config
@@ -174,6 +175,17 @@ def test_streamed_fused_decode_equals_layer_by_layer(kind, tmp_path):
     gate then rides in the state update and its norm in out_proj's stream (``NORM_IN_STREAM``),
     layer by layer's logits and states all the same."""
     _fused_against_layered(kind, tmp_path, options=DecodeOptions(fused=True, tile_k=16))
+
+
+@pytest.mark.parametrize("in_projection", [True, False], ids=["epilogue", "launch"])
+@pytest.mark.parametrize("kind", ["falcon_h1", "bamba"])
+@torch.no_grad()
+def test_fused_decode_rotates_in_the_projection_or_after_it(kind, in_projection, monkeypatch, tmp_path):
+    """A fused decode step's rotary embedding, in the QKV (or joint) projection's epilogue or as
+    the rope launch after it (``ROPE_IN_PROJECTION``): layer by layer's logits and states either
+    way."""
+    monkeypatch.setattr(attention_mixer, "ROPE_IN_PROJECTION", in_projection)
+    _fused_against_layered(kind, tmp_path)
 
 
 @pytest.mark.parametrize("tile_k", [None, 16])

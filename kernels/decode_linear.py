@@ -28,10 +28,10 @@ their own that move almost nothing. Here one kernel does all three:
   ReLU; or SwiGLU over a [gate | up] weight (a program owns output columns' gate and up rows
   side by side, and stores silu(gate) * up: no activation kernel after it); or, for Mamba2's
   in_proj, the causal conv1d decode update (state shift and SiLU) on the ``xBC`` columns, which
-  one program owns per channel, so the conv state has a single writer. Beside any of the first
-  and the last, the rotary embedding of an attention QKV projection's query and key heads
+  one program owns per channel, so the conv state has a single writer. Beside the plain store
+  or the conv update, the rotary embedding of an attention QKV projection's query and key heads
   (``RopeTail``): a program over the rotated dims owns rotation pairs side by side, as SwiGLU's
-  gate and up rows, so the rope kernel's launch goes.
+  gate and up rows, so no rope kernel runs after the projection.
 
 Programmatic dependent launch (sm_90+): with ``pdl=True`` a kernel may start while the previous one
 drains. Before ``gdc_wait`` it loads only what the previous kernel cannot be writing: its first

@@ -380,7 +380,7 @@ class _EngineServer:
     every connection its own requests' tokens (with the free slots after it) as tuples, which
     pickle in a seventh of a dataclass's time. Text is the API side's work. The first connection
     is the owner's: when it closes (or is gone) the process ends; another one leaving has its
-    requests dropped, and the rest go on. ``max_requests`` bounds the requests of all of them
+    requests dropped (the rest told the counts that frees), and the rest go on. ``max_requests`` bounds the requests of all of them
     together (each API process also checks it against its own, before sending)."""
 
     def __init__(self, text: TextEngine, conns, max_requests: int | None = None):
@@ -458,6 +458,11 @@ class _EngineServer:
         for rid in [r for r, j in self.owner.items() if j == i]:
             _drop(self.text, rid)
             del self.owner[rid]
+        # the slots it held are free: tell the others, whose counts otherwise come with steps
+        # (and with nothing left to step, none would come)
+        counts = _counts(self.text)
+        for j in list(self.live):
+            self._send(j, "counts", counts)
 
 
 class EngineClient(_Streams):
@@ -582,6 +587,8 @@ class EngineClient(_Streams):
                     rid, self._counts = arg
                     self._texts.drop(rid)
                     self._end(rid)
+                elif kind == "counts":  # another API process left (``_EngineServer._leave``)
+                    (self._counts,) = arg
         except (EOFError, OSError):
             pass
         finally:

@@ -393,6 +393,35 @@ def test_an_attached_client_shares_the_engine_and_leaves_alone(checkpoint):
     assert owner.closed
 
 
+def test_the_counts_follow_a_client_that_leaves_an_idle_engine(checkpoint):
+    """An API process that leaves (or dies) holding the only requests in flight: the engine drops
+    them and, though it then has nothing to step, tells the other clients its counts, so their
+    /health sees every slot free (the counts came only with steps, and stayed stale)."""
+    from mambastep.runtime.serving.loop import EngineClient
+
+    build = functools.partial(TextEngine.load, str(checkpoint), dtype=torch.float32, device="cpu", num_slots=SLOTS,
+                              max_context=8192)
+    owner = EngineProcess(build, attach=1)
+    other = EngineClient(owner.attached[0])
+    long = SamplingParams(temperature=0, max_tokens=8000, ignore_eos=True)
+
+    async def leave():
+        streams = [await other.submit("the cat", long) for _ in range(3)]
+        for stream in streams:
+            await stream.next()
+        other.close()
+
+    try:
+        asyncio.run(leave())
+        end = time.time() + 20
+        while owner.free_slots() != SLOTS and time.time() < end:
+            time.sleep(0.02)
+        assert owner.free_slots() == SLOTS
+        assert owner.counts()[1:3] == (0, 0)  # nothing running or waiting
+    finally:
+        owner.close()
+
+
 def test_the_bound_counts_every_api_process_together(checkpoint):
     """--max-requests with several API processes bounds them all: the engine process refuses an
     add past it whichever client sends it, though that client alone is under the bound."""

@@ -800,7 +800,8 @@ def _launch(x, z, norm_w, weight, bias, out, rows: _Rows, *, eps, group_size, pr
         PROLOGUE=prologue, ROUND_FIRST=round_first, NUM_GROUPS=groups, BLOCK_G=triton.next_power_of_2(groups),
         EPILOGUE=epilogue, HAS_BIAS=bias is not None, HAS_ROW_IDX=rows.idx is not None,
         CONV_K=conv_k, BLOCK_C=triton.next_power_of_2(conv_k), CONV_BIAS=conv is not None and conv.bias is not None,
-        ROPE=rope is not None, M=M, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, LOOP=cfg.loop,
+        ROPE=rope is not None, M=M, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        LOOP=cfg.loop,
         EVEN_K=K % cfg.block_k == 0, STAGES=cfg.stages, EARLY=early, USE_PDL=pdl, num_warps=cfg.num_warps,
         NORM_WEIGHT=not unit_norm, SCALE=scale_mode, SCALE_BLOCK=scale_block, ACT_DTYPE=_TL_DTYPES[act_dtype],
         TILE_ROWS=_tile_rows(M), **extra,
@@ -887,9 +888,11 @@ def norm_linear_ref(x, norm_w, eps, weight, *, bias=None, round_first=True, rows
                     relu2=False, swiglu=False, conv=None, rope=None, out=None, pdl=False, tile_k=None, early=False,
                     unit_norm=False):
     """The unfused composition: :func:`rms_norm_ref`, a rounded fp32 product, the epilogue, the rotation."""
-    _epilogue(residual, relu2, conv, swiglu)
-    act = _act_dtype(weight, x, norm_w)
+    epi = _epilogue(residual, relu2, conv, swiglu)
     src = x if rows is None else x.index_select(0, rows.long())
+    if rope is not None:
+        _check_rope(rope, src.shape[0], weight.shape[0], epi, rows)
+    act = _act_dtype(weight, x, norm_w)
     h = src
     if norm_w is not None:
         h = torch.empty(src.shape, dtype=act, device=src.device)

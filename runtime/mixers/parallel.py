@@ -10,11 +10,11 @@ stacked, ``[proj | qkv] = h @ [in_proj; qkv].T``; and the block's output is
 where the gate (or gated norm) writes g and attention a, into one buffer. Fused, the block norm
 rides in the first one's prologue (Mamba2's conv update in its epilogue, and attention's rotary
 embedding with ``attention.ROPE_IN_PROJECTION``) and the residual add in the second one's
-epilogue: four kernels fewer a block. On Falcon-H1-7B (H100, docs/experiments.md) that made a step of 8 decode
-rows and a 256-token chunk 3.8% faster, and tied the decode steps: at one row the kernels that
-went had run beside the Mamba2 chain, and QKV's bytes joined its critical path. FP8 weights
-(their scales per output row) run the four apart, each mixer's own, as does any block built
-while ``JOINT`` is off.
+epilogue: four kernels fewer a block. On Falcon-H1-7B (H100, docs/experiments.md) that made a
+step of 8 decode rows and a 256-token chunk 3.8% faster, and tied the decode steps: at one row
+the kernels that went had run beside the Mamba2 chain, and QKV's bytes joined its critical
+path. FP8 weights (their scales per output row) run the four apart, each mixer's own, as does
+any block built while ``JOINT`` is off.
 
 The middle is independent, so in a decode-only step with a side stream (``StepContext``'s
 ``side_stream``; the CUDA graphs capture the fork and the join) attention runs there beside the

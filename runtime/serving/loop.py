@@ -380,8 +380,9 @@ class _EngineServer:
     every connection its own requests' tokens (with the free slots after it) as tuples, which
     pickle in a seventh of a dataclass's time. Text is the API side's work. The first connection
     is the owner's: when it closes (or is gone) the process ends; another one leaving has its
-    requests dropped (the rest told the counts that frees), and the rest go on. ``max_requests`` bounds the requests of all of them
-    together (each API process also checks it against its own, before sending)."""
+    requests dropped, the rest are told the counts that frees, and they go on. ``max_requests``
+    bounds the requests of all of them together (each API process also checks it against its own,
+    before sending)."""
 
     def __init__(self, text: TextEngine, conns, max_requests: int | None = None):
         self.text, self.engine, self.max_requests = text, text.engine, max_requests

@@ -350,6 +350,13 @@ def test_bad_inputs_raise(device):
         norm_linear.triton(x[:2], None, 1e-5, w[:7], swiglu=True)
     with pytest.raises(ValueError, match="divide"):
         gated_norm_linear.triton(x[:2], x[:2], w[0], 5, 1e-5, w)
+    lens = torch.ones(2, dtype=torch.int32, device=device)
+    for fn in (norm_linear.triton, norm_linear_ref):  # the CPU path refuses what the kernel does
+        with pytest.raises(ValueError, match="rope: an epilogue"):
+            fn(x[:2], None, 1e-5, w, rope=RopeTail(rope_inv_freq(4, 1e4, device), lens, 0, 1, 1, 4),
+               residual=torch.zeros(2, 8, device=device))
+        with pytest.raises(ValueError, match="rope: heads over columns"):
+            fn(x[:2], None, 1e-5, w, rope=RopeTail(rope_inv_freq(4, 1e4, device), lens, 4, 1, 1, 4))
 
 
 @pytest.mark.gpu
